@@ -1,0 +1,568 @@
+"""Loading the released model bundle, and writing tiny random ones in the same layout.
+
+The released checkpoints are Diffusers bundles (`model_index.json`, `transformer/`, `vae/`, `latent_upscaler/`,
+`scheduler/`) whose component `config.json` files use the official repository's own key names. Diffusers 0.42.1
+ignores those names (with a warning) and falls back to class defaults that equal the released architecture (contract
+§H). Instead of relying on that coincidence, we translate the native names into the Diffusers constructor arguments
+ourselves and pass them explicitly, so a bundle of another size (our tiny test bundles, a future release) loads as
+what it says it is, and the ignored-keys warning is expected rather than alarming.
+
+Everything is validated before any weight is read: the component folders, safetensors only (pickled weights can run
+code on load), every tensor name and shape against the architecture, and the DiT head width against the scheduler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import logging
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+DEFAULT_MODEL = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
+DEFAULT_REVISION = "3e3e10bcd23659eeeb23cac740258ee4fc14aa7d"
+
+MODEL_INDEX = "model_index.json"
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+COMPONENTS = ("transformer", "vae", "latent_upscaler")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+PIFLOW = "PiflowScheduler"
+FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
+# Settings of the released DiT (`transformer/config.json` `sr_params`), used when a bundle omits them.
+DEFAULT_LQ_NOISE_SCALE = 0.7
+
+
+class BundleError(RuntimeError):
+    """A model bundle that cannot be used; the message names the component and the cause."""
+
+
+class BundleInfo(BaseModel):
+    """What the run store and the manifest record about the model."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model_id: str  # hub repo id, explicit id, or "local:<fingerprint>"
+    revision: str | None
+    path: str
+    scheduler: str  # PiflowScheduler | FlowMatchEulerDiscreteScheduler
+    trained_steps: int  # PiFlow nfe; flow-Euler default
+    lq_noise_scale: float
+    tile_sizes: tuple[tuple[int, int], ...]
+    fingerprint: str
+
+    @property
+    def identity(self) -> str:
+        """A string that changes whenever the weights may: used in run keys."""
+        return f"{self.model_id}@{self.revision or self.fingerprint}"
+
+
+class ModelBundle:
+    """The loaded components. Holds no per-request state: schedulers are copied per use."""
+
+    def __init__(self, transformer: Any, vae: Any, latent_upscaler: Any, scheduler: Any, info: BundleInfo) -> None:
+        self.transformer = transformer
+        self.vae = vae
+        self.latent_upscaler = latent_upscaler
+        self.scheduler = scheduler
+        self.info = info
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def new_scheduler(self) -> Any:
+        """A fresh scheduler: they carry a step index, so concurrent tiles must not share one."""
+        return _scheduler_from_config(type(self.scheduler), dict(self.scheduler.config))
+
+
+# ---------------------------------------------------------------------------------------------------- resolving
+
+
+def resolve_bundle_path(model: str, revision: str | None = None) -> Path:
+    """A local folder as is; otherwise a Hugging Face repo id, from the local cache or downloaded."""
+    path = Path(model).expanduser()
+    if path.exists() or model.startswith((".", "/", "~")):
+        if not path.is_dir():
+            raise BundleError(f"model folder {path} does not exist or is not a directory")
+        return path.resolve()
+    from huggingface_hub import snapshot_download
+
+    patterns = [MODEL_INDEX, "*/config.json", "*/scheduler_config.json", f"*/{WEIGHTS}"]
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=patterns, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached: try the network next
+        pass
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
+    except Exception as err:  # noqa: BLE001 - every hub failure means the same thing to the user
+        raise BundleError(
+            f"model {model!r} at revision {revision or 'main'} is neither in the local Hugging Face cache nor "
+            f"downloadable here ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no detail'}). "
+            f"Download it where the hub is reachable (`hf download {model} --revision {revision or 'main'} "
+            f"--local-dir DIR`), copy DIR here and pass `--model DIR` (with `--model-id {model}` to keep its "
+            "run keys)"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------------- configs
+
+
+def _read_json(path: Path, component: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise BundleError(f"{component}: {path} is missing")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise BundleError(f"{component}: {path} is not valid JSON ({err})") from None
+
+
+def _public(config: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in config.items() if not key.startswith("_")}
+
+
+def transformer_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """Diffusers constructor arguments from a transformer config in the native or the Diffusers spelling."""
+    names = ("in_visual_dim", "out_visual_dim", "time_dim", "model_dim", "ff_dim", "num_visual_blocks")
+    kwargs: dict[str, Any] = {name: int(config[name]) for name in names if name in config}
+    for name in ("patch_size", "axes_dims", "nabla_window", "scale_factor"):
+        if name in config:
+            kwargs[name] = tuple(config[name])
+    if "nabla_threshold" in config:
+        kwargs["nabla_threshold"] = float(config["nabla_threshold"])
+    if "tile_sizes" in config:
+        kwargs["tile_sizes"] = tuple(tuple(int(v) for v in hw) for hw in config["tile_sizes"])
+    sr_params = config.get("sr_params") or {}
+    scale_factor = (sr_params.get("scale_factor") or {}).get("512")
+    if scale_factor is not None and "scale_factor" not in kwargs:
+        kwargs["scale_factor"] = tuple(float(v) for v in scale_factor)
+    nabla = (config.get("attention_params") or {}).get("512") or {}
+    if nabla.get("type") == "nabla":
+        kwargs.setdefault("nabla_threshold", float(nabla.get("P", 0.8)))
+        if all(key in nabla for key in ("wT", "wH", "wW")):
+            kwargs.setdefault("nabla_window", (int(nabla["wT"]), int(nabla["wH"]), int(nabla["wW"])))
+    return kwargs
+
+
+def vae_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """Diffusers constructor arguments from a KVAE config: nested (`encoder_config`), flat, or Diffusers names."""
+    if "encoder_block_out_channels" in config:
+        return _public(config)
+    if "encoder_config" in config and "decoder_config" in config:
+        enc, dec = config["encoder_config"], config["decoder_config"]
+        dec_ch, dec_mult = dec["ch"], dec["ch_mult"]
+    elif "ch" in config and "decoder_ch" in config:
+        enc = config
+        dec_ch, dec_mult = config["decoder_ch"], config["decoder_ch_mult"]
+    else:
+        raise KeyError("neither encoder_config/decoder_config nor the flat ch/decoder_ch fields")
+    return {
+        "latent_channels": int(enc["z_channels"]),
+        "encoder_block_out_channels": tuple(int(enc["ch"] * m) for m in enc["ch_mult"]),
+        "decoder_block_out_channels": tuple(int(dec_ch * m) for m in dec_mult),
+        "layers_per_block": int(enc["num_res_blocks"]),
+        "temporal_compression_ratio": int(enc.get("temporal_compress_times", 4)),
+        "temporal_compression_start_level": int(enc.get("temporal_compress_start_level", 1)),
+        "scaling_factor": float(config["scaling_factor"]),
+    }
+
+
+def latent_upscaler_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """Diffusers constructor arguments from the bank config (a `models` list with a 4x and a 2x entry)."""
+    if "models" not in config:
+        return _public(config)
+    entries = {}
+    for entry in config["models"]:
+        model = entry.get("model", entry)
+        scale = entry.get("target_scale") or ("2x" if model.get("enable_x2_entry") else "4x")
+        entries[str(scale)] = model
+    if set(entries) != {"2x", "4x"}:
+        raise KeyError(f"models must hold a 2x and a 4x entry, found {sorted(entries)}")
+    x4, x2 = entries["4x"], entries["2x"]
+    kwargs = {
+        "in_channels": int(x4["in_channels"]),
+        "stage_channels": tuple(int(c) for c in x4["stage_channels"]),
+        "num_pre_blocks": int(x4["num_pre_blocks"]),
+        "num_mid_blocks": int(x4["num_mid_blocks"]),
+        "num_post_blocks": int(x4["num_post_blocks"]),
+        "num_x2_adapter_blocks": int(x2.get("x2_adapter_blocks", 2)),
+        # The released bank stores the 2x model at index 0 and the 4x model at index 1.
+        "scales": (2, 4),
+    }
+    if "scaling_factor" in config:
+        kwargs["scaling_factor"] = float(config["scaling_factor"])
+    return kwargs
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+
+
+def _check_weights_file(folder: Path, component: str) -> Path:
+    if not folder.is_dir():
+        raise BundleError(f"{component}: component folder {folder} is missing")
+    pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickled:
+        raise BundleError(
+            f"{component}: refusing pickled weights {pickled} in {folder}; only {WEIGHTS} (safetensors) is loaded, "
+            "since unpickling can run arbitrary code"
+        )
+    weights = folder / WEIGHTS
+    if not weights.is_file():
+        raise BundleError(f"{component}: {weights} is missing")
+    return weights
+
+
+def _check_tensors(component: str, model_cls: Any, kwargs: dict[str, Any], weights: Path) -> None:
+    """Every tensor of the file must exist in the architecture with the same shape, and vice versa."""
+    with torch.device("meta"):
+        model = model_cls(**kwargs)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    try:
+        with safe_open(str(weights), framework="pt") as handle:
+            found = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    except Exception as err:  # noqa: BLE001 - a corrupt header shows up as many error types
+        raise BundleError(f"{component}: {weights} is not a readable safetensors file ({err})") from None
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    mismatched = sorted(n for n in set(expected) & set(found) if expected[n] != found[n])
+    if missing or unexpected or mismatched:
+        details = []
+        if missing:
+            details.append(f"{len(missing)} missing (e.g. {missing[0]})")
+        if unexpected:
+            details.append(f"{len(unexpected)} unexpected (e.g. {unexpected[0]})")
+        if mismatched:
+            name = mismatched[0]
+            details.append(f"{len(mismatched)} of another shape (e.g. {name}: {found[name]} vs {expected[name]})")
+        raise BundleError(f"{component}: weights do not match the architecture in its config.json: {'; '.join(details)}")
+
+
+def _check_head(out_visual_dim: int, in_visual_dim: int, scheduler: dict[str, Any]) -> None:
+    scheduler_class = scheduler.get("_class_name")
+    if scheduler_class == PIFLOW:
+        n_grid = int(scheduler.get("n_grid", 10))
+        if out_visual_dim != n_grid * in_visual_dim:
+            raise BundleError(
+                f"transformer: a PiFlow scheduler needs a {n_grid * in_visual_dim}-wide head "
+                f"(n_grid {n_grid} x {in_visual_dim}), the transformer has {out_visual_dim}"
+            )
+    elif scheduler_class == FLOW_EULER:
+        if out_visual_dim != in_visual_dim:
+            raise BundleError(
+                f"transformer: its head is {out_visual_dim} wide (a PiFlow-distilled head) but the bundle's scheduler "
+                f"is {FLOW_EULER}; this is a known broken revision of the non-distilled repository. Use the distilled "
+                f"model ({DEFAULT_MODEL}) instead"
+            )
+    else:
+        raise BundleError(f"scheduler: unsupported scheduler class {scheduler_class!r}; expected {PIFLOW} or {FLOW_EULER}")
+
+
+def fingerprint(path: Path) -> str:
+    """Content identity of a local bundle: configs and weight headers, not folder names, so renames keep it."""
+    digest = hashlib.sha256()
+    for name in [MODEL_INDEX, "scheduler/scheduler_config.json", *(f"{c}/config.json" for c in COMPONENTS)]:
+        file = path / name
+        digest.update(name.encode() + (file.read_bytes() if file.is_file() else b"-"))
+    for component in COMPONENTS:
+        weights = path / component / WEIGHTS
+        if weights.is_file():
+            with weights.open("rb") as handle:
+                header_len = int.from_bytes(handle.read(8), "little")
+                digest.update(handle.read(min(header_len, 64 << 20)))
+            digest.update(str(weights.stat().st_size).encode())
+    return digest.hexdigest()[:16]
+
+
+class _PlannedBundle(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    path: Path
+    kwargs: dict[str, dict[str, Any]]
+    scheduler_config: dict[str, Any]
+    info: BundleInfo
+
+
+def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None = None) -> _PlannedBundle:
+    """Validate a bundle folder without reading any weight data."""
+    from diffusers import Kandinsky6SRLatentUpscalerBank, Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE
+
+    index = _read_json(path / MODEL_INDEX, "model_index")
+    for component in (*COMPONENTS, "scheduler"):
+        if component not in index:
+            raise BundleError(f"{component}: not listed in {path / MODEL_INDEX}")
+    scheduler = _read_json(path / "scheduler" / "scheduler_config.json", "scheduler")
+    translators = {"transformer": transformer_kwargs, "vae": vae_kwargs, "latent_upscaler": latent_upscaler_kwargs}
+    classes = {
+        "transformer": Kandinsky6SRTransformer3DModel,
+        "vae": Kandinsky6SRVAE,
+        "latent_upscaler": Kandinsky6SRLatentUpscalerBank,
+    }
+    kwargs: dict[str, dict[str, Any]] = {}
+    raw: dict[str, dict[str, Any]] = {}
+    for component in COMPONENTS:
+        weights = _check_weights_file(path / component, component)
+        raw[component] = _read_json(path / component / "config.json", component)
+        try:
+            kwargs[component] = translators[component](raw[component])
+        except (KeyError, TypeError, ValueError) as err:
+            raise BundleError(f"{component}: config.json cannot be read as this model ({err})") from None
+        defaults = classes[component]  # unknown names fail here rather than deep inside diffusers
+        try:
+            _check_tensors(component, defaults, kwargs[component], weights)
+        except TypeError as err:
+            raise BundleError(f"{component}: config.json has arguments this model does not take ({err})") from None
+    dit = kwargs["transformer"]
+    _check_head(dit.get("out_visual_dim", 640), dit.get("in_visual_dim", 64), scheduler)
+    is_piflow = scheduler["_class_name"] == PIFLOW
+    from diffusers import Kandinsky6SRTransformer3DModel as dit_cls
+
+    tile_sizes = dit.get("tile_sizes") or dit_cls.__init__.__defaults__[-1]  # type: ignore[index]
+    sr_params = raw["transformer"].get("sr_params") or {}
+    print_fp = fingerprint(path)
+    info = BundleInfo(
+        model_id=model_id or (f"local:{print_fp}" if revision is None else str(path)),
+        revision=revision,
+        path=str(path),
+        scheduler=scheduler["_class_name"],
+        trained_steps=int(scheduler.get("nfe", 2)) if is_piflow else 4,
+        lq_noise_scale=float(sr_params.get("lq_noise_scale", DEFAULT_LQ_NOISE_SCALE)),
+        tile_sizes=tuple(tuple(int(v) for v in hw) for hw in tile_sizes),
+        fingerprint=print_fp,
+    )
+    return _PlannedBundle(path=path, kwargs=kwargs, scheduler_config=scheduler, info=info)
+
+
+def _scheduler_from_config(cls: Any, config: dict[str, Any]) -> Any:
+    """Build a scheduler from the keys its class takes; `nfe` and friends are read into `BundleInfo` instead."""
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    return cls.from_config({k: v for k, v in config.items() if k in accepted or k.startswith("_")})
+
+
+@contextmanager
+def _quiet_diffusers() -> Iterator[None]:
+    """The released configs' native key names are translated above; diffusers' 'ignored keys' warning is noise."""
+    logger = logging.getLogger("diffusers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs, as the official pipeline runs; fp32 on CPUs, where bf16 convolutions are slow."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_bundle(
+    model: str = DEFAULT_MODEL,
+    revision: str | None = None,
+    *,
+    model_id: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> ModelBundle:
+    """Load and validate a bundle from a Hugging Face repo id (with revision) or a local folder."""
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        Kandinsky6SRLatentUpscalerBank,
+        Kandinsky6SRTransformer3DModel,
+        Kandinsky6SRVAE,
+        PiflowScheduler,
+    )
+
+    is_local = Path(model).expanduser().exists() or model.startswith((".", "/", "~"))
+    if revision is None and not is_local and model == DEFAULT_MODEL:
+        revision = DEFAULT_REVISION
+    path = resolve_bundle_path(model, revision)
+    planned = inspect_bundle(path, model_id=model_id or (None if is_local else model), revision=revision)
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    classes = {
+        "transformer": Kandinsky6SRTransformer3DModel,
+        "vae": Kandinsky6SRVAE,
+        "latent_upscaler": Kandinsky6SRLatentUpscalerBank,
+    }
+    loaded = {}
+    with _quiet_diffusers():
+        for component, cls in classes.items():
+            try:
+                # fp32 is the checkpoint's own precision: asking for it would only force diffusers' accelerate path.
+                dtype_arg = {} if dtype == torch.float32 else {"torch_dtype": dtype}
+                module = cls.from_pretrained(
+                    str(path), subfolder=component, use_safetensors=True, **dtype_arg, **planned.kwargs[component]
+                )
+            except Exception as err:  # noqa: BLE001 - name the component whatever diffusers raised
+                raise BundleError(f"{component}: loading failed ({type(err).__name__}: {err})") from None
+            loaded[component] = module.to(device).eval().requires_grad_(False)
+        scheduler_cls = PiflowScheduler if planned.info.scheduler == PIFLOW else FlowMatchEulerDiscreteScheduler
+        scheduler = _scheduler_from_config(scheduler_cls, planned.scheduler_config)
+    return ModelBundle(loaded["transformer"], loaded["vae"], loaded["latent_upscaler"], scheduler, planned.info)
+
+
+# ---------------------------------------------------------------------------------------------------- tiny bundles
+
+TINY_TILE_SIZES = ((128, 128), (128, 256), (256, 128))
+
+
+def make_tiny_bundle(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    distilled: bool = True,
+    tile_sizes: tuple[tuple[int, int], ...] = TINY_TILE_SIZES,
+    head_width: int | None = None,
+) -> Path:
+    """Write a tiny random bundle in exactly the released layout and native config spelling.
+
+    Random weights: the output is noise-like, but every stage runs as with the real model. `tile_sizes` must keep
+    each latent tile side a multiple of 8 (NABLA's block grid) at both scales. `head_width` overrides the DiT output
+    width, to build deliberately inconsistent bundles.
+    """
+    from diffusers import Kandinsky6SRLatentUpscalerBank, Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE
+
+    root = Path(path)
+    for component in (*COMPONENTS, "scheduler"):
+        (root / component).mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    out_dim = head_width if head_width is not None else (640 if distilled else 64)
+    dit_config = {
+        "_class_name": "Kandinsky6SRTransformer3DModel",
+        "_diffusers_version": "0.41.0.dev0",
+        "in_visual_dim": 64,
+        "out_visual_dim": out_dim,
+        "time_dim": 32,
+        "patch_size": [1, 1, 1],
+        "model_dim": 64,
+        "ff_dim": 128,
+        "num_visual_blocks": 2,
+        "axes_dims": [4, 6, 6],
+        "num_text_blocks": 2,
+        "in_text_dim": 3584,
+        "in_text_dim2": 768,
+        "use_text": False,
+        "visual_cond": True,
+        "instruct_type": "hybrid_anchor",
+        "attribute_overrides": {},
+        "attention_params": {
+            "512": {"type": "nabla", "P": 0.8, "wT": 11, "wH": 7, "wW": 7, "add_sta": True, "method": "topcdf"},
+            "1024": {"type": "flash"},
+        },
+        "sr_params": {
+            "visual_size": [512],
+            "scale_factor": {"512": [1, 2, 2]},
+            "lq_noise_scale": 0.7,
+            "lq_noise_type": "ddpm",
+            "lq_channel_noise_scale": 0.0,
+            "cap_noise_timestep": False,
+            "scheduler_scale": 3.5 if distilled else 5.0,
+            "fps": 24,
+        },
+        # Not in the released file (whose tiles are the class default); the tiny bundle trains on smaller tiles.
+        "tile_sizes": [list(hw) for hw in tile_sizes],
+    }
+    vae_config = {
+        "_class_name": "Kandinsky6SRVAE",
+        "_diffusers_version": "0.41.0.dev0",
+        "vae_type": "video-kvae",
+        "scaling_factor": 0.910344004631042,
+        "spatial_factor": 16,
+        "temporal_factor": 4,
+        "in_channels": 3,
+        "out_channels": 3,
+        "ch": 8,
+        "ch_mult": [1, 1, 1, 1, 1],
+        "decoder_ch": 8,
+        "decoder_ch_mult": [1, 1, 1, 1, 1],
+        "num_res_blocks": 1,
+        "resolution": 256,
+        "z_channels": 64,
+        "double_z": True,
+        "temporal_compress_times": 4,
+        "temporal_compress_start_level": 1,
+        "fix_pxs": True,
+        "norm_type": "rms_norm",
+        "downsample_version": 2,
+        "padding_mode": "replicate",
+    }
+    lu_entry = {
+        "multi_scale": True,
+        "in_channels": 64,
+        "hidden_channels": 32,
+        "stage_channels": [32, 16, 16],
+        "num_pre_blocks": 1,
+        "num_mid_blocks": 1,
+        "num_post_blocks": 1,
+        "modulated_norm": True,
+        "temporal_padding": "replicate",
+        "upsample_mode": "pxs_v2",
+    }
+    lu_config = {
+        "_class_name": "Kandinsky6SRLatentUpscalerBank",
+        "_diffusers_version": "0.41.0.dev0",
+        "models": [
+            {"target_scale": "4x", "model": dict(lu_entry)},
+            {
+                "target_scale": "2x",
+                "model": {**lu_entry, "enable_x2_entry": True, "x2_adapter_blocks": 1, "x2_adapter_sources": [0, 1]},
+            },
+        ],
+        "scaling_factor": 0.910344004631042,
+    }
+    if distilled:
+        scheduler_config = {
+            "_class_name": PIFLOW,
+            "_diffusers_version": "0.41.0.dev0",
+            "num_train_timesteps": 1000,
+            "shift": 3.5,
+            "n_grid": 10,
+            "nfe": 2,
+            "eps": 1e-6,
+            "final_step_size_scale": 0.5,
+            "num_policy_substeps": 128,
+        }
+    else:
+        scheduler_config = {
+            "_class_name": FLOW_EULER,
+            "_diffusers_version": "0.39.0",
+            "num_train_timesteps": 1000,
+            "shift": 5.0,
+            "use_dynamic_shifting": False,
+        }
+    model_index = {
+        "_class_name": "Kandinsky6SRPipeline",
+        "_diffusers_version": "0.41.0.dev0",
+        "transformer": ["diffusers", "Kandinsky6SRTransformer3DModel"],
+        "vae": ["diffusers", "Kandinsky6SRVAE"],
+        "latent_upscaler": ["diffusers", "Kandinsky6SRLatentUpscalerBank"],
+        "scheduler": ["diffusers", scheduler_config["_class_name"]],
+    }
+    modules = {
+        "transformer": (Kandinsky6SRTransformer3DModel, transformer_kwargs(dit_config), dit_config),
+        "vae": (Kandinsky6SRVAE, vae_kwargs(vae_config), vae_config),
+        "latent_upscaler": (Kandinsky6SRLatentUpscalerBank, latent_upscaler_kwargs(lu_config), lu_config),
+    }
+    for component, (cls, kwargs, config) in modules.items():
+        module = cls(**kwargs)
+        state = {}
+        for name, tensor in module.state_dict().items():
+            # Deterministic, well-scaled random weights: fan-in scaling keeps activations finite through the nets.
+            fan_in = max(1, tensor[0].numel()) if tensor.ndim > 1 else 1
+            scale = 1.0 / fan_in**0.5 if tensor.ndim > 1 else 0.02
+            values = torch.randn(tensor.shape, generator=generator) * scale
+            if name.endswith("weight") and tensor.ndim == 1:
+                values = values + 1.0  # norm gains
+            state[name] = values.contiguous()
+        save_file(state, str(root / component / WEIGHTS))
+        (root / component / "config.json").write_text(json.dumps(config, indent=2))
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler_config, indent=2))
+    (root / MODEL_INDEX).write_text(json.dumps(model_index, indent=2))
+    return root

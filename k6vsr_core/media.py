@@ -1,0 +1,522 @@
+"""Video and audio file I/O for the super-resolution pipeline.
+
+The model works on a fixed clip shape: at most 121 frames, a frame count of the
+form ``1 + 8k`` and a frame rate close to 24 fps.  Real inputs come at any rate,
+length, size and pixel format, sometimes with lying or missing metadata.  This
+module is the single place that turns such files into RGB arrays the model can
+take, and turns upscaled arrays (plus the source's audio) back into a playable,
+reproducible H.264/AAC MP4.  Everything here is a pure function over PyAV so it
+can be tested without the orchestration or storage layers.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Iterator
+from fractions import Fraction
+
+import av
+import av.container
+import numpy as np
+from av.video.reformatter import ColorRange, Colorspace
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "AUDIO_SAMPLE_RATE",
+    "MAX_NUM_FRAMES",
+    "RESAMPLE_FPS_TOLERANCE",
+    "TARGET_FPS",
+    "MediaError",
+    "VideoProbe",
+    "aligned_frame_count",
+    "decode_audio",
+    "decode_frames",
+    "probe",
+    "select_frames",
+    "trim_audio",
+    "write_video",
+]
+
+TARGET_FPS = 24
+MAX_NUM_FRAMES = 121
+RESAMPLE_FPS_TOLERANCE = 1.5
+AUDIO_SAMPLE_RATE = 44100
+
+# Anything above this is broken timing metadata (e.g. a 1/90000 tick taken as a
+# frame rate), not a real capture rate.
+_MAX_SOURCE_FPS = 1000.0
+# The model only accepts clips of 1 + 8k frames.
+_FRAME_GROUP = 8
+_VIDEO_CODEC = "libx264"
+_VIDEO_PIX_FMT = "yuv420p"
+_VIDEO_OPTIONS = {"crf": "18"}
+_AUDIO_CODEC = "aac"
+_AUDIO_BIT_RATE = 192_000
+# FFmpeg's BT.709 code is 1 for the colorspace, primaries and transfer enums alike.
+_BT709 = 1
+
+PathLike = str | os.PathLike[str]
+
+
+class MediaError(ValueError):
+    """Raised for any unusable input or output file.
+
+    ``str(err)`` names the file path and the specific cause; both are also kept
+    as the ``path`` and ``cause`` attributes.
+    """
+
+    def __init__(self, path: PathLike, cause: str) -> None:
+        self.path = os.fspath(path)
+        self.cause = cause
+        super().__init__(f"{self.path}: {cause}")
+
+    def __reduce__(self) -> tuple[type[MediaError], tuple[str, str]]:
+        # Errors cross process boundaries in the orchestrator; the default
+        # reduction would call __init__ with the formatted message only.
+        return (type(self), (self.path, self.cause))
+
+
+class VideoProbe(BaseModel):
+    """What the pipeline needs to know about a source video before decoding it.
+
+    ``width``, ``height`` and ``pix_fmt`` describe the first decoded frame, i.e.
+    what :func:`decode_frames` will return.  ``rotation`` is the display-matrix
+    angle in degrees counter-clockwise (PyAV's convention, range -180..180), 0
+    when the file carries none; decoded frames are *not* rotated.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    width: int
+    height: int
+    num_frames: int
+    fps: float
+    has_audio: bool
+    codec: str
+    pix_fmt: str
+    rotation: int
+    duration_s: float | None
+
+
+# --------------------------------------------------------------------------- #
+# Frame selection
+# --------------------------------------------------------------------------- #
+
+
+def aligned_frame_count(num_frames: int) -> int:
+    """Largest ``1 + 8k`` that does not exceed ``num_frames``."""
+    if num_frames < 1:
+        raise ValueError(f"need at least one frame, got {num_frames}")
+    return 1 + _FRAME_GROUP * ((num_frames - 1) // _FRAME_GROUP)
+
+
+def select_frames(num_frames: int, source_fps: float) -> tuple[list[int], int]:
+    """Choose which source frames to keep and the frame rate they play at.
+
+    - Within ``RESAMPLE_FPS_TOLERANCE`` of 24 fps: keep every frame and play at
+      the rounded source rate (23.976 -> 24, 25 -> 25), since dropping frames to
+      reach exactly 24 would cause visible judder for no gain.
+    - Faster: drop frames on a fixed stride of ``source_fps / 24`` (nearest
+      frame, Python's half-to-even rounding) and play at 24 fps.
+    - Slower: keep every frame at the rounded native rate, because there is no
+      motion interpolation to invent missing frames; a warning says so.
+
+    The kept list is then cut to ``MAX_NUM_FRAMES`` and floored to ``1 + 8k``.
+    Raises ``ValueError`` when nothing would be kept.
+    """
+    if num_frames < 1:
+        raise ValueError(f"need at least one frame, got {num_frames}")
+    if not math.isfinite(source_fps) or source_fps <= 0:
+        raise ValueError(f"source frame rate must be positive, got {source_fps}")
+
+    if abs(source_fps - TARGET_FPS) < RESAMPLE_FPS_TOLERANCE:
+        indices = list(range(min(num_frames, MAX_NUM_FRAMES)))
+        fps = round(source_fps)
+    elif source_fps > TARGET_FPS:
+        step = source_fps / TARGET_FPS
+        # Indices grow with i, so capping the loop first keeps the same prefix.
+        count = min(int(num_frames / step), MAX_NUM_FRAMES)
+        indices = [k for k in (round(i * step) for i in range(count)) if k < num_frames]
+        fps = TARGET_FPS
+    else:
+        # max(1, ...) keeps sub-0.5 fps slideshows writable as a valid stream rate.
+        fps = max(1, round(source_fps))
+        warnings.warn(
+            f"source frame rate {source_fps:g} fps is below {TARGET_FPS} fps; keeping "
+            f"every frame at {fps} fps (no motion interpolation is done)",
+            stacklevel=2,
+        )
+        indices = list(range(min(num_frames, MAX_NUM_FRAMES)))
+
+    if not indices:
+        raise ValueError(
+            f"no frames kept: {num_frames} frame(s) at {source_fps:g} fps is shorter "
+            f"than one {TARGET_FPS} fps output frame"
+        )
+    return indices[: aligned_frame_count(len(indices))], fps
+
+
+# --------------------------------------------------------------------------- #
+# Reading
+# --------------------------------------------------------------------------- #
+
+
+def _open_input(path: str) -> av.container.InputContainer:
+    # The filesystem checks come first so the error says what is actually
+    # wrong; FFmpeg reports an empty file as "invalid data", for instance.
+    if not os.path.lexists(path):
+        raise MediaError(path, "no such file")
+    if not os.path.exists(path):
+        raise MediaError(path, "no such file (broken symbolic link)")
+    if os.path.isdir(path):
+        raise MediaError(path, "is a directory, not a media file")
+    if not os.access(path, os.R_OK):
+        raise MediaError(path, "permission denied: file is not readable")
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise MediaError(path, "empty file (0 bytes)")
+    try:
+        return av.open(path, mode="r")
+    except PermissionError as exc:
+        raise MediaError(path, "permission denied: file is not readable") from exc
+    except (av.error.FFmpegError, OSError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise MediaError(path, f"not a readable media file ({reason})") from exc
+
+
+def _video_stream(container: av.container.InputContainer, path: str) -> av.VideoStream:
+    if not container.streams.video:
+        kinds = sorted({stream.type for stream in container.streams})
+        found = f" (found only: {', '.join(kinds)})" if kinds else ""
+        raise MediaError(path, f"no video stream{found}")
+    return container.streams.video[0]
+
+
+def _source_fps(stream: av.VideoStream, path: str) -> float:
+    rate = stream.average_rate or stream.base_rate
+    if rate is None:
+        raise MediaError(path, "frame rate is unknown (the stream reports none)")
+    fps = float(rate)
+    if fps <= 0:
+        raise MediaError(path, f"frame rate {fps:g} fps is not positive")
+    if fps > _MAX_SOURCE_FPS:
+        raise MediaError(
+            path, f"frame rate {fps:g} fps is implausible (> {_MAX_SOURCE_FPS:g}); timing metadata is broken"
+        )
+    return fps
+
+
+def _first_frame_and_packet_count(
+    container: av.container.InputContainer, stream: av.VideoStream, path: str, count_packets: bool
+) -> tuple[av.VideoFrame | None, int]:
+    """Decode just the first frame; optionally count the stream's packets too.
+
+    Counting demuxes without decoding, which is what makes it cheap enough to
+    do for formats (Matroska, WebM, some MPEG-TS) that store no frame count.
+    """
+    first: av.VideoFrame | None = None
+    packets = 0
+    try:
+        for packet in container.demux(stream):
+            if packet.size:
+                packets += 1
+            # The empty packet PyAV yields at end of stream flushes the decoder,
+            # so a stream whose only frame is held back by the decoder still counts.
+            if first is None:
+                decoded = packet.decode()
+                if decoded:
+                    first = decoded[0]
+            if first is not None and not count_packets:
+                break
+    except av.error.FFmpegError as exc:
+        raise MediaError(path, f"could not read the video stream ({exc})") from exc
+    return first, packets
+
+
+def _duration_s(container: av.container.InputContainer, stream: av.VideoStream) -> float | None:
+    if stream.duration and stream.time_base:
+        seconds = float(stream.duration * stream.time_base)
+    elif container.duration:
+        seconds = container.duration / av.time_base
+    else:
+        return None
+    return seconds if seconds > 0 else None
+
+
+def _probe_file(path: str) -> VideoProbe:
+    with _open_input(path) as container:
+        stream = _video_stream(container, path)
+        fps = _source_fps(stream, path)
+        reported = stream.frames if stream.frames and stream.frames > 0 else 0
+        first, packets = _first_frame_and_packet_count(container, stream, path, count_packets=not reported)
+        if first is None:
+            raise MediaError(path, "video stream has no decodable frames")
+        return VideoProbe(
+            path=path,
+            width=first.width,
+            height=first.height,
+            num_frames=reported or max(packets, 1),
+            fps=fps,
+            has_audio=bool(container.streams.audio),
+            codec=stream.codec_context.name,
+            pix_fmt=first.format.name,
+            rotation=int(first.rotation),
+            duration_s=_duration_s(container, stream),
+        )
+
+
+def probe(path: PathLike) -> VideoProbe:
+    """Describe the first video stream of ``path``, or raise :class:`MediaError`.
+
+    ``num_frames`` is the container's frame count when it has one, otherwise
+    the number of video packets; either may be wrong for damaged or
+    variable-rate files, which :func:`decode_frames` tolerates.
+    """
+    return _probe_file(os.fspath(path))
+
+
+def _decode_indices(path: str, wanted: list[int]) -> tuple[dict[int, np.ndarray], int]:
+    """Decode frames up to ``max(wanted)``, keeping only the wanted ones as RGB.
+
+    Returns the kept frames by source index and how many frames were decoded,
+    which is the stream's true length when decoding ran out early.
+    """
+    wanted_set = set(wanted)
+    last = max(wanted)
+    kept: dict[int, np.ndarray] = {}
+    decoded = 0
+    with _open_input(path) as container:
+        stream = _video_stream(container, path)
+        stream.thread_type = "AUTO"
+        try:
+            for index, frame in enumerate(container.decode(stream)):
+                decoded = index + 1
+                if index in wanted_set:
+                    # rgb24 conversion copes with any source pix_fmt: 10-bit,
+                    # alpha (dropped), paletted, full or limited range.
+                    kept[index] = frame.to_ndarray(format="rgb24")
+                if index >= last:
+                    break
+        except av.error.FFmpegError as exc:
+            raise MediaError(path, f"decoding failed after {decoded} frame(s) ({exc})") from exc
+    return kept, decoded
+
+
+def _stack_frames(path: str, indices: list[int], kept: dict[int, np.ndarray]) -> np.ndarray:
+    height, width = kept[indices[0]].shape[:2]
+    out = np.empty((len(indices), height, width, 3), dtype=np.uint8)
+    for position, index in enumerate(indices):
+        # Popping as we copy keeps peak memory near one clip instead of two.
+        frame = kept.pop(index)
+        if frame.shape[:2] != (height, width):
+            raise MediaError(
+                path,
+                f"frame {index} is {frame.shape[1]}x{frame.shape[0]} but frame {indices[0]} is "
+                f"{width}x{height}; resolution changes mid-stream are not supported",
+            )
+        out[position] = frame
+    return out
+
+
+def decode_frames(path: PathLike, probe: VideoProbe | None = None) -> tuple[np.ndarray, int]:
+    """Decode the frames :func:`select_frames` keeps, as RGB.
+
+    Returns a ``(T, H, W, 3)`` uint8 array and the effective frame rate.
+    Decoding stops right after the last kept frame.  If the stream turns out
+    shorter than the probe said, the selection is recomputed on the real count
+    instead of failing, as long as at least one frame survives.
+    """
+    path = os.fspath(path)
+    info = probe if probe is not None else _probe_file(path)
+    try:
+        indices, fps = select_frames(info.num_frames, info.fps)
+    except ValueError as exc:
+        raise MediaError(path, str(exc)) from exc
+
+    kept, decoded = _decode_indices(path, indices)
+    if len(kept) < len(indices):
+        # The stream ended early. No second pass is needed: a smaller count
+        # selects a prefix of the same index sequence, all below the decoded
+        # count, so those frames are already kept.
+        try:
+            indices, fps = select_frames(decoded, info.fps)
+        except ValueError as exc:
+            raise MediaError(
+                path, f"only {decoded} of {info.num_frames} expected frame(s) could be decoded: {exc}"
+            ) from exc
+    return _stack_frames(path, indices, kept), fps
+
+
+def decode_audio(path: PathLike) -> np.ndarray | None:
+    """Decode the first audio stream as mono float32 at ``AUDIO_SAMPLE_RATE``.
+
+    Returns a 1-D array clipped to [-1, 1], or ``None`` when the file has no
+    audio stream or the stream yields no samples.
+    """
+    path = os.fspath(path)
+    with _open_input(path) as container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        resampler = av.AudioResampler(format="fltp", layout="mono", rate=AUDIO_SAMPLE_RATE)
+        chunks: list[np.ndarray] = []
+        fed = False
+        try:
+            for frame in container.decode(stream):
+                fed = True
+                chunks.extend(out.to_ndarray()[0] for out in resampler.resample(frame))
+            if fed:
+                # The resampler holds back its filter delay until flushed.
+                chunks.extend(out.to_ndarray()[0] for out in resampler.resample(None))
+        except (av.error.FFmpegError, ValueError) as exc:
+            raise MediaError(path, f"could not decode the audio stream ({exc})") from exc
+    if not chunks:
+        return None
+    audio = np.concatenate(chunks).astype(np.float32, copy=False)
+    if audio.size == 0:
+        return None
+    # Resampling and integer-to-float conversion can overshoot full scale slightly.
+    return np.clip(audio, -1.0, 1.0, out=audio)
+
+
+def trim_audio(audio: np.ndarray, num_frames: int, fps: int) -> np.ndarray:
+    """Cut mono audio to the length of ``num_frames`` video frames at ``fps``.
+
+    Audio that is already shorter is returned as is: padding with silence or
+    stretching would misrepresent the source.
+    """
+    if audio.ndim != 1:
+        raise ValueError(f"audio must be a 1-D mono array, got shape {audio.shape}")
+    if num_frames < 0:
+        raise ValueError(f"num_frames must not be negative, got {num_frames}")
+    if fps <= 0:
+        raise ValueError(f"fps must be positive, got {fps}")
+    return audio[: round(num_frames / fps * AUDIO_SAMPLE_RATE)]
+
+
+# --------------------------------------------------------------------------- #
+# Writing
+# --------------------------------------------------------------------------- #
+
+
+def _check_frames(frames: np.ndarray) -> None:
+    if not isinstance(frames, np.ndarray):
+        raise ValueError(f"frames must be a numpy array, got {type(frames).__name__}")
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must have shape (T, H, W, 3), got {frames.shape}")
+    if frames.dtype != np.uint8:
+        raise ValueError(f"frames must be uint8 RGB, got dtype {frames.dtype}")
+    if frames.shape[0] < 1 or frames.shape[1] < 1 or frames.shape[2] < 1:
+        raise ValueError(f"frames must hold at least one non-empty frame, got shape {frames.shape}")
+
+
+def _prepare_audio(audio: np.ndarray, num_frames: int, fps: int) -> np.ndarray | None:
+    audio = np.asarray(audio, dtype=np.float32)
+    if audio.ndim != 1:
+        raise ValueError(f"audio must be a 1-D mono array at {AUDIO_SAMPLE_RATE} Hz, got shape {audio.shape}")
+    audio = np.clip(trim_audio(audio, num_frames, fps), -1.0, 1.0)
+    return audio if audio.size else None
+
+
+def _encoder_frames(frames: np.ndarray, fps: int) -> Iterator[av.VideoFrame]:
+    """Yield BT.709 yuv420p frames, padded to even size, with pts = index."""
+    pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
+    time_base = Fraction(1, fps)
+    for index, rgb in enumerate(frames):
+        if pad_h or pad_w:
+            rgb = np.pad(rgb, ((0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+        # Convert explicitly so the matrix used matches the BT.709 tags on the
+        # stream; left implicit, swscale would use BT.601 and tag nothing, and
+        # players would guess (usually BT.709 for HD) and shift the colours.
+        frame = frame.reformat(
+            format=_VIDEO_PIX_FMT, dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
+        )
+        frame.pts = index
+        frame.time_base = time_base
+        yield frame
+
+
+def _mux(
+    container: av.container.OutputContainer, frames: np.ndarray, fps: int, audio: np.ndarray | None
+) -> None:
+    video = container.add_stream(_VIDEO_CODEC, rate=fps, options=dict(_VIDEO_OPTIONS))
+    video.width = frames.shape[2] + frames.shape[2] % 2
+    video.height = frames.shape[1] + frames.shape[1] % 2
+    video.pix_fmt = _VIDEO_PIX_FMT
+    video.codec_context.time_base = Fraction(1, fps)
+    video.codec_context.colorspace = _BT709
+    video.codec_context.color_primaries = _BT709
+    video.codec_context.color_trc = _BT709
+    video.codec_context.color_range = ColorRange.MPEG
+
+    sound = None
+    if audio is not None:
+        sound = container.add_stream(_AUDIO_CODEC, rate=AUDIO_SAMPLE_RATE, layout="mono")
+        sound.bit_rate = _AUDIO_BIT_RATE
+
+    for frame in _encoder_frames(frames, fps):
+        container.mux(video.encode(frame))
+    container.mux(video.encode(None))
+
+    if sound is not None and audio is not None:
+        samples = av.AudioFrame.from_ndarray(audio[np.newaxis, :], format="fltp", layout="mono")
+        samples.sample_rate = AUDIO_SAMPLE_RATE
+        samples.time_base = Fraction(1, AUDIO_SAMPLE_RATE)
+        samples.pts = 0
+        container.mux(sound.encode(samples))
+        container.mux(sound.encode(None))
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def write_video(path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray | None) -> None:
+    """Encode RGB frames (and optional mono audio) as an H.264/AAC MP4 at ``path``.
+
+    - ``frames``: ``(T, H, W, 3)`` uint8 RGB; frame ``i`` gets pts ``i`` in a
+      ``1/fps`` time base.  Video is libx264, yuv420p, CRF 18, tagged BT.709.
+    - Odd sizes: yuv420p needs even width and height, so an odd dimension is
+      padded by repeating the last row/column (the output is then one pixel
+      larger) rather than cropped, which would lose upscaled content, or
+      rejected, which would fail a whole run over one pixel.
+    - ``audio``: 1-D float at ``AUDIO_SAMPLE_RATE`` (as from
+      :func:`decode_audio`), trimmed with :func:`trim_audio` and encoded as AAC
+      mono 192 kb/s.  ``None``, or audio that trims to nothing, gives a
+      video-only file.
+    - The container is always MP4, whatever the file name, so callers can
+      write to a temporary name and rename it.  The output is byte-identical for
+      identical inputs (no timestamps or library versions are embedded).
+    - The file is written in place; if encoding fails it is removed and a
+      :class:`MediaError` naming ``path`` is raised.
+    """
+    _check_frames(frames)
+    if isinstance(fps, bool) or not isinstance(fps, (int, np.integer)) or fps < 1:
+        raise ValueError(f"fps must be a positive integer, got {fps!r}")
+    fps = int(fps)
+    if audio is not None:
+        audio = _prepare_audio(audio, frames.shape[0], fps)
+
+    path = os.fspath(path)
+    try:
+        with av.open(
+            path,
+            mode="w",
+            format="mp4",
+            # bitexact drops the muxer's version tag; faststart puts the index
+            # first so browsers can start playback before the whole file loads.
+            options={"fflags": "+bitexact", "movflags": "+faststart"},
+        ) as container:
+            _mux(container, frames, fps, audio)
+    except Exception as exc:
+        _remove_quietly(path)
+        raise MediaError(path, f"could not write video ({exc})") from exc
+    except BaseException:
+        _remove_quietly(path)
+        raise

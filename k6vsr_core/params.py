@@ -1,0 +1,128 @@
+"""The request: every knob a caller may turn, validated once at the boundary.
+
+Everything downstream (geometry, seeding, the run key) trusts these values, so each invalid one is refused here with
+a message that names the field, the value and what is allowed, before any file is read or any model is loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+SCALES = (2.0, 2.25, 4.0)
+TARGET_TIERS = ("hd", "fullhd", "2k")
+_WXH = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+# A larger delivery size is certainly a typo: the biggest tier is 2560 px and the model output tops out near 8K.
+MAX_TARGET_SIDE = 16384
+
+
+class ParameterError(ValueError):
+    """A request value outside what the model contract allows."""
+
+
+class UpscaleParams(BaseModel):
+    """One upscale request. Defaults are the official ones (contract §A-F)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    scale: float = 2.25
+    # None means "what the checkpoint was trained for": 2 PiFlow evaluations, or 4 flow-Euler steps.
+    num_inference_steps: int | None = None
+    tiles_batch_size: int = 1
+    min_overlap: float = 0.2
+    seed: int = 42
+    target_resolution: str | None = None
+    target_resize_mode: Literal["fit", "exact"] = "fit"
+    attention: Literal["nabla", "dense"] = "nabla"
+
+    @field_validator("scale", mode="before")
+    @classmethod
+    def _scale(cls, value: object) -> float:
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(f"scale={value!r} is not a number; allowed: 2, 2.25 or 4") from None
+        if number not in SCALES:
+            raise ValueError(f"scale={value!r} is not supported; allowed: 2, 2.25 or 4")
+        return number
+
+    @field_validator("num_inference_steps")
+    @classmethod
+    def _steps(cls, value: int | None) -> int | None:
+        if value is not None and not 1 <= value <= 100:
+            raise ValueError(f"num_inference_steps={value} is out of range; allowed: 1 to 100 (or unset)")
+        return value
+
+    @field_validator("tiles_batch_size")
+    @classmethod
+    def _batch(cls, value: int) -> int:
+        if not 1 <= value <= 64:
+            raise ValueError(f"tiles_batch_size={value} is out of range; allowed: 1 to 64")
+        return value
+
+    @field_validator("min_overlap")
+    @classmethod
+    def _overlap(cls, value: float) -> float:
+        if not 0.0 <= value < 1.0 or value != value:
+            raise ValueError(f"min_overlap={value} is out of range; allowed: 0 <= min_overlap < 1")
+        return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int) -> int:
+        if not 0 <= value < 2**63 - 1024:
+            raise ValueError(f"seed={value} is out of range; allowed: 0 to 2**63 - 1025")
+        return value
+
+    @field_validator("target_resolution", mode="before")
+    @classmethod
+    def _target(cls, value: object) -> str | None:
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise ValueError(f"target_resolution={value!r} must be a string; allowed: none, hd, fullhd, 2k or WxH")
+        key = value.strip().lower()
+        if key in ("", "none"):
+            return None
+        if key in TARGET_TIERS:
+            return key
+        match = _WXH.match(key)
+        if not match:
+            raise ValueError(f"target_resolution={value!r} is not known; allowed: none, hd, fullhd, 2k or WxH")
+        width, height = int(match.group(1)), int(match.group(2))
+        if not (2 <= width <= MAX_TARGET_SIDE and 2 <= height <= MAX_TARGET_SIDE):
+            raise ValueError(
+                f"target_resolution={value!r} is out of range; allowed: each side 2 to {MAX_TARGET_SIDE} pixels"
+            )
+        return f"{width}x{height}"
+
+    @property
+    def tiling_scale(self) -> int:
+        """The latent upscaler's factor: 2.25 runs the x2 path after a 1.125 pre-upscale."""
+        return 4 if self.scale == 4.0 else 2
+
+    @property
+    def pre_upscale(self) -> bool:
+        return self.scale == 2.25
+
+    @property
+    def scale_label(self) -> str:
+        """`2`, `2.25` or `4`, as users write it."""
+        return f"{self.scale:g}"
+
+
+def parse_params(**values: object) -> UpscaleParams:
+    """Build an `UpscaleParams`, turning pydantic's report into one `ParameterError` per request."""
+    try:
+        return UpscaleParams(**values)  # type: ignore[arg-type]
+    except ValidationError as err:
+        messages = []
+        for problem in err.errors():
+            field = ".".join(str(part) for part in problem["loc"]) or "request"
+            text = problem["msg"].removeprefix("Value error, ")
+            if not text.startswith(field):
+                text = f"{field}={problem.get('input')!r}: {text}"
+            messages.append(text)
+        raise ParameterError("; ".join(messages)) from None

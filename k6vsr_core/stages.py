@@ -1,0 +1,144 @@
+"""The model stages of one clip, each a function with tensors in and out (contract §A.3, §C, §D, §E).
+
+    frames --prepare--> padded uint8 clip --encode--> LR latent --cut--> LR tiles
+    LR tiles of a chunk --denoise (upscaler, seeded noise, DiT steps)--> denoised latents (fp32)
+    denoised latent of a tile --decode--> uint8 tile --blend--> SR clip --resize--> delivery clip
+
+Stages hold no state of their own, so any worker can run any tile; the orchestrated pipeline persists what passes
+between them and must get exactly what the in-memory runner gets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from k6vsr_core.attention import set_attention
+from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.plan import ClipPlan, TileChunk
+from k6vsr_core.tiling import TileBlender, pad_video, pre_upscale_video, resize_video
+
+# Called after every DiT evaluation, e.g. to count them or to report progress.
+StepHook = Callable[[int], None]
+
+
+def frames_to_tensor(frames: np.ndarray) -> torch.Tensor:
+    """(T, H, W, 3) uint8 frames, as decoded, to a (T, 3, H, W) uint8 tensor."""
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
+    return torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+
+
+def tensor_to_frames(video: torch.Tensor) -> np.ndarray:
+    """(C, T, H, W) uint8 to (T, H, W, C) contiguous frames for the encoder."""
+    return np.ascontiguousarray(video.permute(1, 2, 3, 0).numpy())
+
+
+def prepare_source(frames: np.ndarray, plan: ClipPlan) -> torch.Tensor:
+    """The clip the KVAE encodes: pre-upscaled for x2.25, padded onto the stride and one tile (T, 3, H, W)."""
+    video = frames_to_tensor(frames)
+    if video.shape[0] != plan.num_frames or tuple(video.shape[-2:]) != plan.source_size:
+        raise ValueError(f"frames {tuple(video.shape)} do not match the plan {plan.num_frames}x{plan.source_size}")
+    if plan.params.pre_upscale:
+        video = pre_upscale_video(video)
+    return pad_video(video, plan.grid.padded_size)
+
+
+@torch.no_grad()
+def encode_clip(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
+    """KVAE latent of the whole clip, scaled for the upscaler: (1, 64, t, H/16, W/16) float32 on the CPU."""
+    vae = bundle.vae
+    device = bundle.device
+    # The KVAE was trained on pixels / 128 - 1, not the usual / 127.5 - 1.
+    pixels = video.to(device).permute(1, 0, 2, 3).unsqueeze(0).float() / 128.0 - 1.0
+    latent = vae.encode(pixels.to(vae.dtype), return_dict=False)[0].mode()
+    return (latent * vae.config.scaling_factor).float().cpu()
+
+
+def cut_tiles(latent: torch.Tensor, plan: ClipPlan, tiles: tuple[int, ...]) -> torch.Tensor:
+    """LR latent tiles (n, 64, t, th, tw) of the whole-clip latent, in the given tile order."""
+    parts = []
+    for index in tiles:
+        rows, cols = plan.grid.latent_slices(index)
+        parts.append(latent[0, :, :, rows, cols])
+    return torch.stack(parts)
+
+
+def _timesteps(scheduler: object, plan: ClipPlan, device: torch.device) -> torch.Tensor:
+    from diffusers import PiflowScheduler
+
+    if isinstance(scheduler, PiflowScheduler):
+        scheduler.set_timesteps(plan.steps, device=device)
+    else:
+        # The official flow-Euler schedule: N + 1 points linspace(1, 0), shifted; diffusers' default differs.
+        sigmas = np.linspace(1.0, 0.0, plan.steps + 1)[:-1].tolist()
+        scheduler.set_timesteps(sigmas=sigmas, device=device)  # type: ignore[attr-defined]
+    return scheduler.timesteps  # type: ignore[attr-defined]
+
+
+def chunk_noise(shape: tuple[int, ...], seed: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Noise of one chunk: a fresh generator on the compute device seeded `seed`, one draw of (n*t, H, W, C)."""
+    n, t, h, w, c = shape
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn((n * t, h, w, c), generator=generator, device=device, dtype=dtype).reshape(shape)
+
+
+@torch.no_grad()
+def denoise_chunk(
+    bundle: ModelBundle,
+    lr_tiles: torch.Tensor,
+    chunk: TileChunk,
+    plan: ClipPlan,
+    on_step: StepHook | None = None,
+) -> torch.Tensor:
+    """Upscale, noise and refine one chunk of LR tiles; returns denoised latents (n, 64, t, H, W) fp32 on the CPU."""
+    device = bundle.device
+    dit = bundle.transformer
+    dtype = dit.dtype
+    set_attention(dit, plan.params.attention)
+    upscaled = bundle.latent_upscaler(
+        lr_tiles.to(device, bundle.latent_upscaler.dtype), scale=plan.params.tiling_scale, return_dict=False
+    )[0]
+    lq = upscaled.permute(0, 2, 3, 4, 1).to(dtype)  # the DiT works channels-last (B, T, H, W, C)
+    noise = chunk_noise(tuple(lq.shape), chunk.seed, device, dtype)
+    scale = bundle.info.lq_noise_scale
+    # Variance-preserving mix of the upscaled LR latent and the noise; the running state stays fp32 from here on.
+    latents = (math.sqrt(1.0 - scale**2) * lq + scale * noise).float()
+    scheduler = bundle.new_scheduler()
+    # The released DiT is anchor-free: anchor latent and anchor mask are zeros.
+    anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), device=device, dtype=dtype)
+    for step, timestep in enumerate(_timesteps(scheduler, plan, device)):
+        model_input = torch.cat([latents.to(dtype), anchor], dim=-1)
+        prediction = dit(model_input, timestep.float().expand(latents.shape[0]), return_dict=False)[0]
+        latents = scheduler.step(prediction.float(), timestep, latents, return_dict=False)[0]
+        if on_step is not None:
+            on_step(step)
+    return latents.permute(0, 4, 1, 2, 3).contiguous().cpu()
+
+
+@torch.no_grad()
+def decode_tile(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
+    """KVAE decode of one denoised tile latent (64, t, H, W) to uint8 pixels (3, T, 16H, 16W), truncated."""
+    vae = bundle.vae
+    z = latent.unsqueeze(0).to(bundle.device) / vae.config.scaling_factor
+    decoded = vae.decode(z.to(vae.dtype), return_dict=False)[0][0].float()
+    # (y + 1) * 128 back to pixels, truncated to uint8 as the official pipeline does.
+    return (((decoded + 1.0) * 128.0 / 255.0).clamp(0.0, 1.0) * 255.0).to(torch.uint8).cpu()
+
+
+def blend(plan: ClipPlan, tiles: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """Hann-blend decoded tiles (in tile order) and crop: uint8 (3, T, H, W) at source x scale."""
+    blender = TileBlender(plan.grid, plan.num_frames)
+    for index, tile in sorted(tiles, key=lambda item: item[0]):
+        blender.add(index, tile)
+    return blender.result()
+
+
+def deliver(video: torch.Tensor, plan: ClipPlan) -> torch.Tensor:
+    """Downscale to the delivery tier, if one was asked for."""
+    if tuple(video.shape[-2:]) == plan.delivery_size:
+        return video
+    return resize_video(video, plan.delivery_size)

@@ -1,0 +1,17 @@
+"""storage: the run store. The only place that knows where bytes live (Zarr arrays, records, published files)."""
+
+from storage.manifest import STAGE_FORMAT_VERSION, RunManifest, SourceInfo, run_key, source_info
+from storage.run_store import RunStore, StoreError, collect_garbage, default_store_root, publish
+
+__all__ = [
+    "STAGE_FORMAT_VERSION",
+    "RunManifest",
+    "RunStore",
+    "SourceInfo",
+    "StoreError",
+    "collect_garbage",
+    "default_store_root",
+    "publish",
+    "run_key",
+    "source_info",
+]

@@ -1,0 +1,80 @@
+"""The run manifest and the run key: what a run is, and the name that identifies it.
+
+The key is derived from the source's content hash, every parameter that changes the output, the model identity
+(repo and revision, or a content fingerprint of a local bundle) and the stage-format version; so the same clip with
+the same parameters always maps to the same run, and a change to any of them starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from k6vsr_core.bundle import BundleInfo
+from k6vsr_core.params import UpscaleParams
+from k6vsr_core.plan import ClipPlan
+
+# Bump whenever what a stage stores, or how, changes: old runs then stop matching instead of being misread.
+STAGE_FORMAT_VERSION = 1
+
+
+class SourceInfo(BaseModel):
+    path: str
+    sha256: str
+    size: int
+
+
+class RunManifest(BaseModel):
+    run_key: str
+    format_version: int = STAGE_FORMAT_VERSION
+    source: SourceInfo
+    params: UpscaleParams
+    model: BundleInfo
+    plan: ClipPlan
+    seeds: list[int]
+    has_audio: bool
+    versions: dict[str, str]
+    created_at: float = Field(default_factory=time.time)
+
+
+def source_info(path: str | Path, block: int = 1 << 20) -> SourceInfo:
+    path = Path(path)
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(block):
+            digest.update(chunk)
+    return SourceInfo(path=str(path.resolve()), sha256=digest.hexdigest(), size=path.stat().st_size)
+
+
+def output_params(params: UpscaleParams) -> dict[str, Any]:
+    """The request fields that change the output bytes (all of them, today)."""
+    return params.model_dump(mode="json")
+
+
+def run_key(source_sha256: str, params: UpscaleParams, model_identity: str) -> str:
+    payload = json.dumps(
+        {
+            "source": source_sha256,
+            "params": output_params(params),
+            "model": model_identity,
+            "format": STAGE_FORMAT_VERSION,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for name in ("k6vsr", "torch", "diffusers", "zarr", "av", "prefect", "numpy"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions

@@ -1,0 +1,228 @@
+"""The run store: where the bytes of every stage of a run live, and how their completion is known.
+
+Layout of one run, under `<root>/runs/<run key>/`:
+
+    manifest.json          what the run is (source, parameters, plan, seeds, versions); written once, atomically
+    data.zarr/             frames, audio, latent, tile_latents, tiles, video (Zarr v3, one chunk per writer unit)
+    done/<stage>/<item>    completion records with checksums (see `records`)
+    output.mp4             the muxed result, published atomically
+    .lock                  held (shared) by every live run, so `gc` never deletes a store in use
+
+Arrays written by concurrent tasks have exactly one chunk per tile and no sharding: Zarr supports concurrent writes
+to distinct chunks only. Latents are stored as float32, so a decode reads back exactly what the denoise produced.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.errors import ContainsArrayError
+
+from storage.manifest import RunManifest
+from storage.records import RecordBook, array_checksum, atomic_write_json, file_checksum
+
+RUNS = "runs"
+OUTPUT = "output.mp4"
+
+
+class StoreError(RuntimeError):
+    """The store is unusable (unwritable root, foreign data under a run key)."""
+
+
+def default_store_root() -> Path:
+    """`$K6VSR_STORE`, else the per-user cache folder."""
+    explicit = os.environ.get("K6VSR_STORE")
+    if explicit:
+        return Path(explicit).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "k6vsr" / "store"
+
+
+class RunStore:
+    """One run's folder. Cheap to construct: every method opens what it needs, so any process can use it."""
+
+    def __init__(self, root: str | Path, run_key: str) -> None:
+        self.root = Path(root)
+        self.run_key = run_key
+        self.path = self.root / RUNS / run_key
+        self.records = RecordBook(self.path / "done")
+
+    # ------------------------------------------------------------------------------------------- manifest
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    def exists(self) -> bool:
+        return self.manifest_path.is_file()
+
+    def write_manifest(self, manifest: RunManifest) -> None:
+        if manifest.run_key != self.run_key:
+            raise StoreError(f"manifest of run {manifest.run_key} cannot go into run {self.run_key}")
+        atomic_write_json(self.manifest_path, manifest.model_dump(mode="json"))
+
+    def read_manifest(self) -> RunManifest:
+        return RunManifest.model_validate_json(self.manifest_path.read_bytes())
+
+    # ------------------------------------------------------------------------------------------- arrays
+
+    def _group(self) -> zarr.Group:
+        return zarr.open_group(store=str(self.path / "data.zarr"), mode="a")
+
+    def _array(self, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str) -> zarr.Array:
+        """Open or create an array; creating never overwrites, so a concurrent run's chunks survive."""
+        group = self._group()
+        if name not in group:
+            try:
+                # Latents and pixels barely compress, and checksums already guard integrity.
+                group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=None, fill_value=0)
+            except ContainsArrayError:
+                pass
+        array = group[name]
+        if tuple(array.shape) != tuple(shape) or array.dtype != np.dtype(dtype):
+            raise StoreError(f"run {self.run_key}: stored {name} is {array.dtype}{array.shape}, expected {dtype}{shape}")
+        return array
+
+    def put(self, name: str, value: np.ndarray, *, stage: str, item: str = "all", seconds: float = 0.0) -> None:
+        """Store a whole array (one writer), then its record."""
+        array = self._array(name, value.shape, value.shape if value.ndim else (1,), value.dtype.str)
+        array[...] = value
+        self.records.write(stage, item, array_checksum(value), seconds)
+
+    def get(self, name: str, *, stage: str, item: str = "all") -> np.ndarray | None:
+        """The stored array if its record exists and its checksum matches, else None (recompute it)."""
+        record = self.records.read(stage, item)
+        if record is None:
+            return None
+        try:
+            value = np.asarray(self._group()[name][...])
+        except Exception:  # noqa: BLE001 - a damaged chunk can fail in many ways; all mean 'recompute'
+            return None
+        return value if array_checksum(value) == record.checksum else None
+
+    def put_tile(
+        self, name: str, index: int, num_tiles: int, value: np.ndarray, *, stage: str, seconds: float = 0.0
+    ) -> None:
+        """Store tile `index` of a per-tile array (its own chunk), then the tile's record."""
+        array = self._array(name, (num_tiles, *value.shape), (1, *value.shape), value.dtype.str)
+        array[index] = value
+        self.records.write(stage, str(index), array_checksum(value), seconds)
+
+    def get_tile(self, name: str, index: int, *, stage: str) -> np.ndarray | None:
+        record = self.records.read(stage, str(index))
+        if record is None:
+            return None
+        try:
+            value = np.asarray(self._group()[name][index])
+        except Exception:  # noqa: BLE001 - see get()
+            return None
+        return value if array_checksum(value) == record.checksum else None
+
+    def tile_done(self, name: str, index: int, *, stage: str) -> bool:
+        return self.get_tile(name, index, stage=stage) is not None
+
+    # ------------------------------------------------------------------------------------------- output
+
+    @property
+    def output_path(self) -> Path:
+        return self.path / OUTPUT
+
+    def temp_output(self) -> Path:
+        """A private temporary name for the muxer, beside the output so the rename is atomic."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".output.", suffix=".mp4")
+        os.close(fd)
+        return Path(tmp)
+
+    def commit_output(self, tmp: Path, seconds: float = 0.0) -> None:
+        os.replace(tmp, self.output_path)
+        self.records.write("mux", "all", file_checksum(self.output_path), seconds)
+
+    def output_done(self) -> bool:
+        record = self.records.read("mux", "all")
+        return (
+            record is not None
+            and self.output_path.is_file()
+            and file_checksum(self.output_path) == record.checksum
+        )
+
+    # ------------------------------------------------------------------------------------------- liveness
+
+    @contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Hold the run's shared lock for as long as a run uses it (see `gc`)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        with (self.path / ".lock").open("a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "run_key": self.run_key,
+            "path": str(self.path),
+            "denoised": len(self.records.items("denoise")),
+            "decoded": len(self.records.items("decode")),
+            "finished": self.output_done(),
+        }
+
+
+def publish(source: Path, destination: Path) -> Path:
+    """Copy a finished file to `destination` under a temporary name, then rename: no reader sees half a file."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".partial")
+    os.close(fd)
+    try:
+        shutil.copyfile(source, tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, destination)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return destination
+
+
+def run_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def collect_garbage(root: str | Path, keep_finished_outputs: bool = False, older_than_s: float = 0.0) -> list[dict]:
+    """Delete run folders that no live run holds. Returns what was (or was not) reclaimed, per run."""
+    report = []
+    runs = Path(root) / RUNS
+    if not runs.is_dir():
+        return report
+    for path in sorted(p for p in runs.iterdir() if p.is_dir()):
+        lock = path / ".lock"
+        entry: dict[str, Any] = {"run_key": path.name, "bytes": run_size(path)}
+        if time.time() - path.stat().st_mtime < older_than_s:
+            report.append({**entry, "deleted": False, "reason": "recent"})
+            continue
+        with lock.open("a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                report.append({**entry, "deleted": False, "reason": "in use by a live run"})
+                continue
+            if keep_finished_outputs and (path / OUTPUT).is_file():
+                for child in path.iterdir():
+                    if child.name not in (OUTPUT, "manifest.json", "done", ".lock"):
+                        shutil.rmtree(child) if child.is_dir() else child.unlink()
+                report.append({**entry, "deleted": True, "reason": "intermediates reclaimed, output kept"})
+            else:
+                shutil.rmtree(path)
+                report.append({**entry, "deleted": True, "reason": "reclaimed"})
+    return report
