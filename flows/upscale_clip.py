@@ -1,0 +1,171 @@
+"""The clip flow: ingest -> encode -> denoise per tile chunk -> decode per tile -> blend -> mux -> publish.
+
+Every stage is persisted in the run store, so a crash, a killed worker or a bad tile costs only the unfinished
+work: the next run of the same clip and parameters finds the finished stages by their records and skips them.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.futures import as_completed
+from pydantic import BaseModel
+
+from k6vsr_core.params import UpscaleParams
+from storage import RunStore, default_store_root, publish
+from tasks import ingest as ingest_tasks
+from tasks import stage_tasks
+from tasks.descriptors import ModelSpec, StageResult
+from flows import artifacts
+
+
+class ClipSummary(BaseModel):
+    source: str
+    output: str
+    run_key: str
+    store: str
+    frames: int
+    fps: int
+    size: tuple[int, int]  # (width, height) of the written video
+    tiles_total: int
+    tiles_computed: int
+    tiles_reused: int
+    dit_calls: int
+    timings: dict[str, float]
+    reused_output: bool
+
+
+class TileFailure(RuntimeError):
+    """Some tiles failed on every attempt; every finished tile stays stored for the next run."""
+
+
+def default_output_name(source: str | Path, params: UpscaleParams, now: datetime | None = None) -> str:
+    """`<stem>_sr<scale>x_<timestamp>.mp4`, the name SGLang users know."""
+    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return f"{Path(source).stem}_sr{params.scale_label}x_{stamp}.mp4"
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    source = flow_run.parameters.get("source", "clip")
+    return f"upscale-{Path(str(source)).name}"
+
+
+@flow(name="upscale-clip", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
+def upscale_clip(
+    source: str,
+    output: str | None = None,
+    params: UpscaleParams = UpscaleParams(),
+    model: ModelSpec = ModelSpec(),
+    store_root: str | None = None,
+) -> ClipSummary:
+    """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it)."""
+    logger = get_run_logger()
+    root = Path(store_root) if store_root else default_store_root()
+    prepared = ingest_tasks.prepare_run(source, params, model, root)
+    run = prepared.run
+    store = RunStore(root, run.run_key)
+    destination = Path(output) if output else Path(source).parent / default_output_name(source, params)
+    logger.info("run %s: %d tiles, store %s", run.run_key, prepared.plan.num_tiles, store.path)
+    timings: dict[str, float] = {}
+
+    def record(result: StageResult) -> StageResult:
+        timings[result.stage] = timings.get(result.stage, 0.0) + result.seconds
+        return result
+
+    with store.in_use():
+        record(ingest_tasks.ingest(prepared.source, run, params, prepared.model_info))
+        plan = store.read_manifest().plan
+        if store.output_done():
+            denoised = [StageResult(stage="denoise", computed=False, tiles=chunk.tiles) for chunk in plan.chunks]
+        else:
+            record(stage_tasks.encode(run, model))
+            denoised = _tiles(run, model, plan, record)
+            record(stage_tasks.blend(run))
+            record(stage_tasks.mux(run))
+        started = time.perf_counter()
+        publish(store.output_path, destination)
+        timings["publish"] = time.perf_counter() - started
+
+    computed = sum(len(result.tiles) for result in denoised if result.computed)
+    summary = ClipSummary(
+        source=prepared.source,
+        output=str(destination),
+        run_key=run.run_key,
+        store=str(store.path),
+        frames=plan.num_frames,
+        fps=plan.fps,
+        size=(plan.delivery_size[1], plan.delivery_size[0]),
+        tiles_total=plan.num_tiles,
+        tiles_computed=computed,
+        tiles_reused=plan.num_tiles - computed,
+        dit_calls=sum(result.dit_calls for result in denoised),
+        timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
+        reused_output=all(not result.computed for result in denoised) and "mux" not in timings,
+    )
+    _report(store, summary)
+    return summary
+
+
+def _tiles(run, model: ModelSpec, plan, record) -> list[StageResult]:
+    """Denoise every chunk and decode every tile concurrently; a decode waits only for its own chunk."""
+    progress = artifacts.start_progress(run.run_key, plan.num_tiles)
+    chunk_futures = [
+        stage_tasks.denoise.submit(run, model, chunk.index, "-".join(map(str, chunk.tiles))) for chunk in plan.chunks
+    ]
+    decode_futures = {
+        stage_tasks.decode.submit(run, model, tile, wait_for=[chunk_futures[plan.chunk_of(tile).index]]): tile
+        for tile in range(plan.num_tiles)
+    }
+    failures: dict[int, str] = {}
+    done = 0
+    for future in as_completed(list(decode_futures)):
+        tile = decode_futures[future]
+        try:
+            record(future.result())
+        except Exception as err:  # noqa: BLE001 - collected and reported per tile below
+            failures[tile] = f"{type(err).__name__}: {err}"
+        done += 1
+        artifacts.set_progress(progress, done, plan.num_tiles)
+    denoised = []
+    for chunk, future in zip(plan.chunks, chunk_futures):
+        try:
+            denoised.append(record(future.result()))
+        except Exception as err:  # noqa: BLE001
+            for tile in chunk.tiles:
+                failures.setdefault(tile, f"{type(err).__name__}: {err}")
+    if failures:
+        detail = "; ".join(f"tile {tile}: {message}" for tile, message in sorted(failures.items()))
+        raise TileFailure(
+            f"run {run.run_key}: {len(failures)} of {plan.num_tiles} tiles failed after retries ({detail}); "
+            "finished tiles are kept, rerun the same command to resume"
+        )
+    return denoised
+
+
+def _report(store: RunStore, summary: ClipSummary) -> None:
+    """Before/after still and timings as a markdown artifact; best effort, never fails a finished run."""
+    try:
+        frames = store.get("frames", stage="ingest")
+        video = store.get("video", stage="blend")
+        if frames is None or video is None:
+            return
+        middle = frames.shape[0] // 2
+        note = f"Run `{summary.run_key}`: {summary.frames} frames at {summary.fps} fps."
+        markdown = artifacts.report_markdown(
+            Path(summary.source).name,
+            frames[middle],
+            video[middle],
+            summary.timings,
+            summary.tiles_computed,
+            summary.tiles_reused,
+            summary.output,
+            note,
+        )
+        artifacts.publish_report(summary.run_key, markdown)
+    except Exception as err:  # noqa: BLE001
+        get_run_logger().warning("could not publish the report artifact: %s", err)

@@ -1,0 +1,158 @@
+"""One Prefect task per stage: read inputs from the run store, call `k6vsr_core`, write outputs, write the record.
+
+Every task returns at once when its completion record is valid, is safe to run twice (and concurrently with a
+twin: writes are per-chunk and records atomic), and retries transient errors. Completed work is recognised from
+the store, not from Prefect's cache, whose default policy is per flow run and cannot see the data.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from k6vsr_core import media, stages
+from k6vsr_core.bundle import BundleError
+from k6vsr_core.params import ParameterError
+from k6vsr_core.plan import ClipPlan
+from storage import RunStore
+from tasks.descriptors import ModelSpec, RunRef, StageResult
+from tasks.model_cache import get_bundle
+
+# Errors that another attempt cannot fix.
+PERMANENT_ERRORS = (media.MediaError, ParameterError, BundleError, ValueError)
+
+
+def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
+    try:
+        state.result()
+    except PERMANENT_ERRORS:
+        return False
+    except Exception:  # noqa: BLE001 - anything else (CUDA, I/O hiccups) may pass on a retry
+        return True
+    return False
+
+
+STAGE_TASK = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=_retry_transient, cache_policy=NO_CACHE)
+
+
+def _store(run: RunRef) -> RunStore:
+    return RunStore(run.store_root, run.run_key)
+
+
+def _plan(store: RunStore) -> ClipPlan:
+    return store.read_manifest().plan
+
+
+class MissingInput(RuntimeError):
+    """A stage's input is not (or no longer) in the store; the flow reruns the stage that makes it."""
+
+
+@task(name="encode", task_run_name="encode-{run.run_key}", **STAGE_TASK)
+def encode(run: RunRef, model: ModelSpec) -> StageResult:
+    store = _store(run)
+    if store.get("latent", stage="encode") is not None:
+        return StageResult(stage="encode", computed=False)
+    started = time.perf_counter()
+    plan = _plan(store)
+    frames = store.get("frames", stage="ingest")
+    if frames is None:
+        raise MissingInput(f"run {run.run_key}: the decoded frames are missing or damaged; ingest again")
+    latent = stages.encode_clip(get_bundle(model), stages.prepare_source(frames, plan))
+    seconds = time.perf_counter() - started
+    store.put("latent", latent.numpy(), stage="encode", seconds=seconds)
+    return StageResult(stage="encode", computed=True, seconds=seconds)
+
+
+@task(name="denoise", task_run_name="denoise-chunk-{chunk_index}-tiles-{tiles_label}", **STAGE_TASK)
+def denoise(run: RunRef, model: ModelSpec, chunk_index: int, tiles_label: str = "") -> StageResult:
+    """Latent upscaler, seeded noise and DiT steps for one chunk of tiles (the seeding unit)."""
+    store = _store(run)
+    plan = _plan(store)
+    chunk = plan.chunks[chunk_index]
+    if all(store.tile_done("tile_latents", i, stage="denoise") for i in chunk.tiles):
+        return StageResult(stage="denoise", item=str(chunk_index), computed=False, tiles=chunk.tiles)
+    started = time.perf_counter()
+    latent = store.get("latent", stage="encode")
+    if latent is None:
+        raise MissingInput(f"run {run.run_key}: the encoded latent is missing or damaged; encode again")
+    calls = 0
+
+    def count(_: int) -> None:
+        nonlocal calls
+        calls += 1
+
+    lr_tiles = stages.cut_tiles(torch.from_numpy(latent), plan, chunk.tiles)
+    denoised = stages.denoise_chunk(get_bundle(model), lr_tiles, chunk, plan, count)
+    seconds = time.perf_counter() - started
+    for index, tile in zip(chunk.tiles, denoised):
+        store.put_tile("tile_latents", index, plan.num_tiles, tile.numpy(), stage="denoise", seconds=seconds)
+    return StageResult(
+        stage="denoise", item=str(chunk_index), computed=True, seconds=seconds, dit_calls=calls, tiles=chunk.tiles
+    )
+
+
+@task(name="decode", task_run_name="decode-tile-{tile}", **STAGE_TASK)
+def decode(run: RunRef, model: ModelSpec, tile: int) -> StageResult:
+    """KVAE decode of one tile to uint8 pixels; never recomputes the denoised latent it reads."""
+    store = _store(run)
+    plan = _plan(store)
+    if store.tile_done("tiles", tile, stage="decode"):
+        return StageResult(stage="decode", item=str(tile), computed=False, tiles=(tile,))
+    started = time.perf_counter()
+    latent = store.get_tile("tile_latents", tile, stage="denoise")
+    if latent is None:
+        raise MissingInput(f"run {run.run_key}: the denoised latent of tile {tile} is missing or damaged")
+    pixels = stages.decode_tile(get_bundle(model), torch.from_numpy(latent))
+    seconds = time.perf_counter() - started
+    store.put_tile("tiles", tile, plan.num_tiles, pixels.numpy(), stage="decode", seconds=seconds)
+    return StageResult(stage="decode", item=str(tile), computed=True, seconds=seconds, tiles=(tile,))
+
+
+@task(name="blend", task_run_name="blend-{run.run_key}", **STAGE_TASK)
+def blend(run: RunRef) -> StageResult:
+    """Hann-blend the stored tiles, crop, and downscale to the delivery tier."""
+    store = _store(run)
+    if store.get("video", stage="blend") is not None:
+        return StageResult(stage="blend", computed=False)
+    started = time.perf_counter()
+    plan = _plan(store)
+    tiles = []
+    for index in range(plan.num_tiles):
+        pixels = store.get_tile("tiles", index, stage="decode")
+        if pixels is None:
+            raise MissingInput(f"run {run.run_key}: decoded tile {index} is missing or damaged")
+        tiles.append((index, torch.from_numpy(pixels)))
+    video = stages.deliver(stages.blend(plan, tiles), plan)
+    seconds = time.perf_counter() - started
+    store.put("video", stages.tensor_to_frames(video), stage="blend", seconds=seconds)
+    return StageResult(stage="blend", computed=True, seconds=seconds)
+
+
+@task(name="mux", task_run_name="mux-{run.run_key}", **STAGE_TASK)
+def mux(run: RunRef) -> StageResult:
+    """H.264 + AAC into the store's output file, written under a temporary name and renamed."""
+    store = _store(run)
+    if store.output_done():
+        return StageResult(stage="mux", computed=False)
+    started = time.perf_counter()
+    plan = _plan(store)
+    video = store.get("video", stage="blend")
+    if video is None:
+        raise MissingInput(f"run {run.run_key}: the blended video is missing or damaged")
+    audio = store.get("audio", stage="ingest", item="audio") if store.read_manifest().has_audio else None
+    tmp = store.temp_output()
+    try:
+        media.write_video(tmp, video, plan.fps, audio)
+        store.commit_output(tmp, time.perf_counter() - started)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return StageResult(stage="mux", computed=True, seconds=time.perf_counter() - started)
+
+
+def stored_frames(run: RunRef) -> np.ndarray | None:
+    return _store(run).get("frames", stage="ingest")
