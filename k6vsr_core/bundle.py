@@ -264,19 +264,35 @@ def _check_head(out_visual_dim: int, in_visual_dim: int, scheduler: dict[str, An
         raise BundleError(f"scheduler: unsupported scheduler class {scheduler_class!r}; expected {PIFLOW} or {FLOW_EULER}")
 
 
+FINGERPRINT_SAMPLES = 64
+FINGERPRINT_BLOCK = 64 << 10
+
+
 def fingerprint(path: Path) -> str:
-    """Content identity of a local bundle: configs and weight headers, not folder names, so renames keep it."""
+    """Content identity of a local bundle, so renames keep it and new weights change it.
+
+    Hashes the configs, each weights file's header and size, and 64 evenly spaced 64 KiB blocks of its tensor data
+    (4 MiB a file): retrained or edited weights change bytes everywhere, and reading all 7 GB on every plan would
+    cost a minute.
+    """
     digest = hashlib.sha256()
     for name in [MODEL_INDEX, "scheduler/scheduler_config.json", *(f"{c}/config.json" for c in COMPONENTS)]:
         file = path / name
         digest.update(name.encode() + (file.read_bytes() if file.is_file() else b"-"))
     for component in COMPONENTS:
         weights = path / component / WEIGHTS
-        if weights.is_file():
-            with weights.open("rb") as handle:
-                header_len = int.from_bytes(handle.read(8), "little")
-                digest.update(handle.read(min(header_len, 64 << 20)))
-            digest.update(str(weights.stat().st_size).encode())
+        if not weights.is_file():
+            continue
+        size = weights.stat().st_size
+        digest.update(f"{component}:{size}".encode())
+        with weights.open("rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            digest.update(handle.read(min(header_len, 64 << 20)))
+            data_start = 8 + header_len
+            span = max(0, size - data_start - FINGERPRINT_BLOCK)
+            for i in range(FINGERPRINT_SAMPLES):
+                handle.seek(data_start + span * i // max(1, FINGERPRINT_SAMPLES - 1))
+                digest.update(handle.read(FINGERPRINT_BLOCK))
     return digest.hexdigest()[:16]
 
 

@@ -1,0 +1,319 @@
+"""The `k6vsr` command line: upscale, plan, demo, archive, gc and serve.
+
+Flag names follow SGLang's where they overlap, so its users recognise them. Errors a user can fix (a bad file, a bad
+value, a missing model) are printed as one line naming the cause, with exit code 2 and no traceback (unless
+`--debug`); nothing half-written is left in the output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+
+
+class UserError(Exception):
+    """An error the user can fix; printed without a traceback."""
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    from k6vsr_core.bundle import DEFAULT_MODEL
+
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", "--model-path", dest="model", default=os.environ.get("K6VSR_MODEL", DEFAULT_MODEL),
+                       help="Hugging Face repo id or local folder in the Diffusers layout (env K6VSR_MODEL)")
+    group.add_argument("--revision", default=None, help="hub revision (default: the pinned release revision)")
+    group.add_argument("--model-id", default=None,
+                       help="identity of a local copy (e.g. the repo id it came from), so its runs are shared")
+    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+
+
+def _param_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("request")
+    group.add_argument("--scale", "--sr-resolution-scale", dest="scale", default="2.25", help="2, 2.25 (default) or 4")
+    group.add_argument("--num-inference-steps", type=int, default=None)
+    group.add_argument("--seed", type=int, default=42)
+    group.add_argument("--tiles-batch-size", "--sr-tiles-batch-size", dest="tiles_batch_size", type=int, default=1)
+    group.add_argument("--tile-min-overlap", "--sr-tile-min-overlap", dest="min_overlap", type=float, default=0.2)
+    group.add_argument("--target-resolution", "--sr-target-resolution", dest="target_resolution", default=None,
+                       help="none, hd, fullhd, 2k or WxH")
+    group.add_argument("--target-resize-mode", "--sr-target-resize-mode", dest="target_resize_mode", default="fit",
+                       help="fit (default) or exact")
+    group.add_argument("--attention", default="nabla", help="nabla (default, as released) or dense")
+
+
+def _run_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--store", default=None, help="run store root (env K6VSR_STORE; default: per-user cache)")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes for tiles (default 1: in-process)")
+    parser.add_argument("--gpus", action="store_true", help="one Dask worker per GPU (dask-cuda)")
+    parser.add_argument("--dask-address", default=None, help="run tiles on an existing Dask scheduler")
+    parser.add_argument("--compile", action="store_true", help="compile the DiT and KVAE decoder (GPU fast path)")
+    parser.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and verbose logs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k6vsr", description="Kandinsky 6.0 video super-resolution, resumable.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    up = commands.add_parser("upscale", help="upscale one clip")
+    up.add_argument("input")
+    up.add_argument("-o", "--output-dir", "--output-path", dest="output_dir", default=None,
+                    help="output folder (default: beside the input)")
+    up.add_argument("--output-file-name", default=None, help="default: <stem>_sr<scale>x_<timestamp>.mp4")
+    _param_flags(up)
+    _model_flags(up)
+    _run_flags(up)
+
+    plan = commands.add_parser("plan", help="print what a run would do, without loading a model")
+    plan.add_argument("input")
+    _param_flags(plan)
+    _model_flags(plan)
+    plan.add_argument("--store", default=None)
+    plan.add_argument("--json", action="store_true")
+    plan.add_argument("--debug", action="store_true")
+
+    demo = commands.add_parser("demo", help="run the whole pipeline on a synthetic clip with a tiny random model")
+    demo.add_argument("-o", "--output-dir", dest="output_dir", default="k6vsr-demo")
+    demo.add_argument("--scale", default="2")
+    demo.add_argument("--json", action="store_true")
+    demo.add_argument("--debug", action="store_true")
+
+    archive = commands.add_parser("archive", help="upscale every clip of a folder tree")
+    archive.add_argument("input_dir")
+    archive.add_argument("-o", "--output-dir", dest="output_dir", required=True)
+    archive.add_argument("--include", action="append", default=None, help="glob of files to take (repeatable)")
+    archive.add_argument("--exclude", action="append", default=None, help="glob of files to skip (repeatable)")
+    archive.add_argument("--plan", action="store_true", help="write the plan and manifest, run nothing")
+    archive.add_argument("--max-parallel", type=int, default=1, help="clips run at once")
+    archive.add_argument("--overwrite", action="store_true", help="replace finished outputs")
+    _param_flags(archive)
+    _model_flags(archive)
+    _run_flags(archive)
+
+    gc = commands.add_parser("gc", help="reclaim the disk of finished or abandoned runs")
+    gc.add_argument("--store", default=None)
+    gc.add_argument("--keep-outputs", action="store_true", help="keep each run's muxed output and manifest")
+    gc.add_argument("--older-than-hours", type=float, default=0.0)
+    gc.add_argument("--json", action="store_true")
+    gc.add_argument("--debug", action="store_true")
+
+    serve = commands.add_parser("serve", help="SGLang-compatible HTTP job API (/v1/videos)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--allow-path", action="append", default=[], help="folder JSON video_path may point into")
+    serve.add_argument("--api-key", default=os.environ.get("K6VSR_API_KEY"))
+    serve.add_argument("--max-upload-mb", type=int, default=2048)
+    serve.add_argument("--store", default=None)
+    _model_flags(serve)
+    serve.add_argument("--debug", action="store_true")
+    return parser
+
+
+def params_from(args: argparse.Namespace) -> Any:
+    from k6vsr_core.params import ParameterError, parse_params
+
+    try:
+        return parse_params(
+            scale=args.scale,
+            num_inference_steps=getattr(args, "num_inference_steps", None),
+            seed=getattr(args, "seed", 42),
+            tiles_batch_size=getattr(args, "tiles_batch_size", 1),
+            min_overlap=getattr(args, "min_overlap", 0.2),
+            target_resolution=getattr(args, "target_resolution", None),
+            target_resize_mode=getattr(args, "target_resize_mode", "fit"),
+            attention=getattr(args, "attention", "nabla"),
+        )
+    except ParameterError as err:
+        raise UserError(f"invalid request: {err}") from None
+
+
+def model_from(args: argparse.Namespace) -> Any:
+    from tasks.descriptors import ModelSpec
+
+    return ModelSpec(
+        model=args.model,
+        revision=args.revision,
+        model_id=args.model_id,
+        device=getattr(args, "device", "auto"),
+        compile=getattr(args, "compile", False),
+    )
+
+
+def store_from(args: argparse.Namespace) -> Path:
+    from storage import default_store_root
+
+    return Path(args.store).expanduser() if getattr(args, "store", None) else default_store_root()
+
+
+def _check_output_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output directory {path} is a file")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"output directory {path} cannot be created: {err.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise UserError(f"output directory {path} is not writable")
+
+
+def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
+    from flows.upscale_clip import default_output_name
+    from flows.orchestrate import run_clip
+    from tasks.ingest import prepare_run
+
+    params = params_from(args)
+    spec = model_from(args)
+    source = Path(args.input)
+    store = store_from(args)
+    # Plan first: a bad file, value or model fails here, before a server starts or a model loads.
+    prepare_run(source, params, spec, store)
+    out_dir = Path(args.output_dir) if args.output_dir else source.resolve().parent
+    _check_output_dir(out_dir)
+    name = args.output_file_name or default_output_name(source, params)
+    if not name.endswith(".mp4"):
+        name += ".mp4"
+    summary = run_clip(
+        str(source), str(out_dir / name), params, spec, str(store),
+        workers=args.workers, gpus=args.gpus, dask_address=args.dask_address, show_progress=not args.json,
+    )
+    return summary.model_dump(mode="json")
+
+
+def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
+    from tasks.ingest import prepare_run
+
+    prepared = prepare_run(Path(args.input), params_from(args), model_from(args), store_from(args))
+    plan = prepared.plan
+    grid = plan.grid
+    return {
+        "source": prepared.source,
+        "source_size": {"width": prepared.probe.width, "height": prepared.probe.height},
+        "source_frames": prepared.probe.num_frames,
+        "source_fps": prepared.probe.fps,
+        "frames_kept": plan.num_frames,
+        "fps": plan.fps,
+        "padding": {"bottom": grid.padding[0], "right": grid.padding[1]},
+        "tile": {"base": list(grid.base), "lr": list(grid.tile), "tops": list(grid.tops), "lefts": list(grid.lefts)},
+        "tiles": plan.num_tiles,
+        "chunks": [{"tiles": list(c.tiles), "seed": c.seed} for c in plan.chunks],
+        "dit_steps_per_tile": plan.steps,
+        "sr_size": {"width": plan.sr_size[1], "height": plan.sr_size[0]},
+        "output_size": {"width": plan.delivery_size[1], "height": plan.delivery_size[0]},
+        "model": prepared.model_info.identity,
+        "run_key": prepared.run.run_key,
+        "finished_run_exists": prepared.finished,
+    }
+
+
+def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
+    from flows.demo import run_demo
+
+    return run_demo(Path(args.output_dir), params_from(argparse.Namespace(scale=args.scale)), quiet=args.json)
+
+
+def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
+    from storage import collect_garbage
+
+    report = collect_garbage(store_from(args), args.keep_outputs, args.older_than_hours * 3600)
+    return {"runs": report, "bytes_reclaimed": sum(r["bytes"] for r in report if r["deleted"])}
+
+
+def cmd_archive(args: argparse.Namespace) -> dict[str, Any]:
+    from flows.upscale_archive import run_archive_command
+
+    return run_archive_command(args, params_from(args), model_from(args), store_from(args))
+
+
+def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
+    from flows.server import serve
+
+    serve(args, model_from(args), store_from(args))
+    return {}
+
+
+def _print_human(command: str, result: dict[str, Any]) -> None:
+    if command == "plan":
+        for key, value in result.items():
+            print(f"{key:>22}: {value}")
+    elif command in ("upscale", "demo"):
+        print(f"wrote {result['output']}")
+        print(f"  run {result['run_key']}: {result['tiles_computed']} tiles computed, {result['tiles_reused']} reused")
+        if result.get("note"):
+            print(f"  {result['note']}")
+    elif command == "gc":
+        print(f"reclaimed {result['bytes_reclaimed']} bytes from {sum(r['deleted'] for r in result['runs'])} runs")
+        for run in result["runs"]:
+            if not run["deleted"]:
+                print(f"  kept {run['run_key']}: {run['reason']}")
+    elif command == "archive":
+        counts = result.get("counts", {})
+        print(", ".join(f"{k}: {v}" for k, v in counts.items()) or "nothing to do")
+        print(f"manifest: {result.get('manifest_json')}")
+
+
+def _quiet(debug: bool) -> None:
+    if not debug:
+        warnings.filterwarnings("ignore", message=".*flex attention.*")
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+        logging.getLogger("diffusers").setLevel(logging.ERROR)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _quiet(args.debug)
+    handlers = {
+        "upscale": cmd_upscale,
+        "plan": cmd_plan,
+        "demo": cmd_demo,
+        "gc": cmd_gc,
+        "archive": cmd_archive,
+        "serve": cmd_serve,
+    }
+    try:
+        result = handlers[args.command](args)
+    except Exception as err:  # noqa: BLE001 - turned into one clear line below
+        if args.debug:
+            raise
+        message = describe_error(err)
+        if message is None:
+            print(f"k6vsr: error: {type(err).__name__}: {err} (rerun with --debug for details)", file=sys.stderr)
+            return EXIT_FAILED
+        print(f"k6vsr: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.command == "serve":
+        return 0
+    if getattr(args, "json", False):
+        print(json.dumps(result, indent=2))
+    else:
+        _print_human(args.command, result)
+    return EXIT_FAILED if result.get("failed") else 0
+
+
+def describe_error(err: BaseException) -> str | None:
+    """One-line message for errors the user can act on; None for internal failures."""
+    from k6vsr_core.bundle import BundleError
+    from k6vsr_core.media import MediaError
+    from k6vsr_core.params import ParameterError
+    from storage import StoreError
+
+    if isinstance(err, (UserError, MediaError, BundleError, ParameterError, StoreError)):
+        return str(err)
+    if isinstance(err, ValueError):
+        return str(err)
+    if isinstance(err, OSError) and err.filename:
+        return f"{err.filename}: {err.strerror}"
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Running a flow from the command line: the Prefect API it reports to, the task runner, a terminal progress bar.
+
+Without `PREFECT_API_URL`, Prefect starts a temporary local server in this process. Dask worker processes would
+each start their own (slow, and they can be orphaned when a worker dies), so for process-based runners we start the
+temporary server ourselves and hand its address to every worker through the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from k6vsr_core.params import UpscaleParams
+from tasks.descriptors import ModelSpec
+
+
+@contextmanager
+def prefect_api(for_processes: bool) -> Iterator[None]:
+    if os.environ.get("PREFECT_API_URL") or not for_processes:
+        yield
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    server = SubprocessASGIServer()
+    server.start()
+    os.environ["PREFECT_API_URL"] = server.api_url
+    # The server stops when this process exits, after Prefect has flushed its logs to it.
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            yield
+    finally:
+        os.environ.pop("PREFECT_API_URL", None)
+
+
+@contextmanager
+def tile_progress(store_root: str, run_key: str | None, total: int, enabled: bool) -> Iterator[None]:
+    """A progress bar over decoded tiles, read from the store so it works with any task runner."""
+    if not enabled or run_key is None or not sys.stderr.isatty():
+        yield
+        return
+    from tqdm import tqdm
+
+    from storage import RunStore
+
+    records = RunStore(store_root, run_key).records
+    stop = threading.Event()
+    bar = tqdm(total=total, desc="tiles", unit="tile", file=sys.stderr)
+
+    def poll() -> None:
+        while not stop.wait(0.5):
+            bar.n = min(total, len(records.items("decode")))
+            bar.refresh()
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        bar.n = min(total, len(records.items("decode")))
+        bar.close()
+
+
+def run_clip(
+    source: str,
+    output: str,
+    params: UpscaleParams,
+    model: ModelSpec,
+    store_root: str,
+    workers: int = 1,
+    gpus: bool = False,
+    dask_address: str | None = None,
+    show_progress: bool = True,
+) -> Any:
+    from flows.runners import make_task_runner
+    from flows.upscale_clip import upscale_clip
+    from tasks.ingest import prepare_run
+
+    prepared = prepare_run(source, params, model, store_root)
+    runner = make_task_runner(workers, dask_address, gpus)
+    uses_processes = workers > 1 or gpus or dask_address is not None
+    with prefect_api(uses_processes), tile_progress(
+        store_root, prepared.run.run_key, prepared.plan.num_tiles, show_progress
+    ):
+        return upscale_clip.with_options(task_runner=runner)(
+            source=str(Path(source)), output=output, params=params, model=model, store_root=store_root
+        )

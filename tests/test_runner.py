@@ -1,0 +1,117 @@
+"""End-to-end tests of the in-memory runner `upscale` on the tiny bundle and tiny synthetic clips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from k6vsr_core import media
+from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.params import parse_params
+from k6vsr_core.runner import UpscaleResult, upscale
+from k6vsr_core.sample import make_sample_clip
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("runner")
+
+
+@pytest.fixture(scope="module")
+def silent_clip(clip_dir: Path) -> Path:
+    """One 96x64 (WxH) frame at 24 fps, no audio stream."""
+    return make_sample_clip(clip_dir / "silent.mp4", width=96, height=64, num_frames=1, audio=False)
+
+
+@pytest.fixture(scope="module")
+def x2_result(silent_clip: Path, clip_dir: Path, tiny_bundle: ModelBundle) -> UpscaleResult:
+    return upscale(silent_clip, clip_dir / "x2.mp4", tiny_bundle, parse_params(scale=2))
+
+
+def _frames(path: str | Path) -> np.ndarray:
+    return media.decode_frames(path)[0]
+
+
+def test_x2_output_size(x2_result: UpscaleResult) -> None:
+    info = media.probe(x2_result.output)
+    assert (info.width, info.height) == (192, 128)
+    assert info.num_frames == 1
+    assert info.fps == 24
+    # 2 tiles (lefts 0 and 32 of a 64x64 LR tile), 2 PiFlow evaluations each.
+    assert x2_result.plan.num_tiles == 2
+    assert x2_result.dit_calls == 4
+    assert set(x2_result.timings) == {"ingest", "encode", "denoise", "decode", "blend", "mux"}
+
+
+def test_silent_source_gives_video_only_output(x2_result: UpscaleResult) -> None:
+    assert media.probe(x2_result.output).has_audio is False
+    assert media.decode_audio(x2_result.output) is None
+
+
+def test_same_call_twice_is_byte_identical(
+    x2_result: UpscaleResult, silent_clip: Path, clip_dir: Path, tiny_bundle: ModelBundle
+) -> None:
+    again = upscale(silent_clip, clip_dir / "x2-again.mp4", tiny_bundle, parse_params(scale=2))
+    assert Path(again.output).read_bytes() == Path(x2_result.output).read_bytes()
+
+
+def test_x4_output_size(silent_clip: Path, clip_dir: Path, tiny_bundle: ModelBundle) -> None:
+    result = upscale(silent_clip, clip_dir / "x4.mp4", tiny_bundle, parse_params(scale=4))
+    info = media.probe(result.output)
+    assert (info.width, info.height) == (384, 256)
+    # x4 LR tile 32x32 on 64x96: tops (0, 16, 32), lefts (0, 16, 32, 48, 64).
+    assert result.plan.num_tiles == 15
+
+
+def test_x225_output_size(silent_clip: Path, clip_dir: Path, tiny_bundle: ModelBundle) -> None:
+    result = upscale(silent_clip, clip_dir / "x225.mp4", tiny_bundle, parse_params())
+    info = media.probe(result.output)
+    # 64x96 (HxW) pre-upscales to (round(4.5)*16, round(6.75)*16) = (64, 112), then x2.
+    assert (info.width, info.height) == (224, 128)
+
+
+def test_batch_size_changes_the_output(
+    x2_result: UpscaleResult, silent_clip: Path, clip_dir: Path, tiny_bundle: ModelBundle
+) -> None:
+    result = upscale(silent_clip, clip_dir / "x2-b2.mp4", tiny_bundle, parse_params(scale=2, tiles_batch_size=2))
+    assert [c.seed for c in result.plan.chunks] == [42]
+    assert [c.seed for c in x2_result.plan.chunks] == [42, 43]
+    assert result.dit_calls == 2
+    ours, batched = _frames(x2_result.output), _frames(result.output)
+    assert ours.shape == batched.shape == (1, 128, 192, 3)
+    # Tile 1 gets slice 1 of seed 42's draw instead of seed 43's: its part of the frame changes.
+    assert not np.array_equal(ours, batched)
+    assert np.abs(ours[:, :, 128:].astype(int) - batched[:, :, 128:].astype(int)).mean() > 1.0
+
+
+def test_target_resolution_smaller_than_result(silent_clip: Path, clip_dir: Path, tiny_bundle: ModelBundle) -> None:
+    result = upscale(
+        silent_clip, clip_dir / "x2-small.mp4", tiny_bundle, parse_params(scale=2, target_resolution="96x64")
+    )
+    info = media.probe(result.output)
+    assert (info.width, info.height) == (96, 64)
+    assert result.plan.sr_size == (128, 192)
+    assert result.plan.delivery_size == (64, 96)
+
+
+def test_30fps_clip_with_audio(clip_dir: Path, tiny_bundle: ModelBundle) -> None:
+    source = make_sample_clip(clip_dir / "fps30.mp4", width=64, height=64, num_frames=12, fps=30, audio=True)
+    result = upscale(source, clip_dir / "fps30-x2.mp4", tiny_bundle, parse_params(scale=2))
+    # Stride 30/24 = 1.25 over int(12/1.25) = 9 outputs: round(i*1.25) = 0, 1, 2, 4, 5, 6, 8, 9, 10 (half to
+    # even: 2.5 -> 2, 7.5 -> 8); 9 = 1 + 8*1 frames are kept, played at 24 fps.
+    assert result.plan.num_frames == 9
+    assert result.plan.fps == 24
+    assert result.plan.latent_frames == 3
+    info = media.probe(result.output)
+    assert (info.width, info.height) == (128, 128)
+    assert info.num_frames == 9
+    assert info.fps == 24
+    assert info.has_audio is True
+    assert len(_frames(result.output)) == 9
+    audio = media.decode_audio(result.output)
+    assert audio is not None
+    # The 0.4 s source tone is cut to 9 frames / 24 fps = 0.375 s: round(0.375 * 44100) = 16538 samples.
+    assert abs(len(audio) - 16538) <= 1024
+    assert float(np.abs(audio).max()) > 0.1
