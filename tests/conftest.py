@@ -34,3 +34,86 @@ def flow_bundle_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def flow_bundle(flow_bundle_path: Path) -> ModelBundle:
     return load_bundle(str(flow_bundle_path))
+
+
+# --------------------------------------------------------------------------------------------------- Prefect
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory):
+    """One real `prefect server start` for the session, on loopback; its API URL is exported to every process.
+
+    One server costs ~15 s once; a temporary server per process would cost that in every subprocess and Dask
+    worker.
+    """
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_API_HOST": "127.0.0.1",
+        "PREFECT_SERVER_API_PORT": str(port),
+        "PREFECT_UI_ENABLED": os.environ.get("PREFECT_UI_ENABLED", "true"),
+    }
+    env.pop("PREFECT_API_URL", None)
+    log = (home / "server.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+        if process.poll() is not None:
+            raise RuntimeError(f"prefect server exited: {(home / 'server.log').read_text()[-2000:]}")
+    else:
+        process.kill()
+        raise RuntimeError("prefect server did not become healthy in 120 s")
+    saved = {key: os.environ.get(key) for key in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_SERVER_ANALYTICS_ENABLED")}
+    os.environ.update({"PREFECT_API_URL": url, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield url
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def clip_1f(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 1-frame 128x96 clip with audio: 6 tiles at x2 with the tiny bundle, each stage well under a second."""
+    from k6vsr_core.sample import make_sample_clip
+
+    return make_sample_clip(tmp_path_factory.mktemp("clips") / "one.mp4", width=128, height=96, num_frames=1)
