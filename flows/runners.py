@@ -26,5 +26,5 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
         return DaskTaskRunner(cluster_class="dask_cuda.LocalCUDACluster", cluster_kwargs=kwargs)
     return DaskTaskRunner(
         cluster_class="distributed.LocalCluster",
-        cluster_kwargs={"n_workers": workers, "processes": True, "threads_per_worker": 1, "dashboard_address": None},
+        cluster_kwargs={"n_workers": workers, "processes": True, "threads_per_worker": 1, "dashboard_address": ":0"},
     )

@@ -92,11 +92,18 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
     else:
         process.kill()
         raise RuntimeError("prefect server did not become healthy in 120 s")
-    saved = {key: os.environ.get(key) for key in ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_SERVER_ANALYTICS_ENABLED")}
-    os.environ.update({"PREFECT_API_URL": url, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    exported = {
+        "PREFECT_API_URL": url,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # Run logs stay local: shipping them to the server makes every process wait for it at exit.
+        "PREFECT_LOGGING_TO_API_ENABLED": "false",
+    }
+    saved = {key: os.environ.get(key) for key in exported}
+    os.environ.update(exported)
+    from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 
-    with temporary_settings(updates={PREFECT_API_URL: url}):
+    with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_LOGGING_TO_API_ENABLED: False}):
         yield url
     for key, value in saved.items():
         if value is None:

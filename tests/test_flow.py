@@ -1,0 +1,187 @@
+"""The resumable pipeline: the clip flow matches the in-memory runner byte for byte and resumes from the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from k6vsr_core import UpscaleParams, upscale
+from k6vsr_core.bundle import ModelBundle
+from storage import RunStore, run_key
+from storage.records import RecordBook, array_checksum
+from tasks.descriptors import ModelSpec
+
+PARAMS = UpscaleParams(scale=2)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle: ModelBundle, clip_1f: Path, tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """The in-memory runner's output: what every orchestrated run must reproduce exactly."""
+    out = tmp_path_factory.mktemp("reference") / "ref.mp4"
+    upscale(clip_1f, out, tiny_bundle, PARAMS)
+    return out.read_bytes()
+
+
+def _run(clip: Path, out: Path, bundle_path: Path, store: Path, **kwargs):
+    from flows.orchestrate import run_clip
+
+    return run_clip(
+        str(clip), str(out), PARAMS, ModelSpec(model=str(bundle_path), device="cpu"), str(store),
+        show_progress=False, **kwargs,
+    )
+
+
+# --------------------------------------------------------------------------------------------------- store
+
+
+def test_run_key_is_stable_and_sensitive() -> None:
+    base = run_key("abc", PARAMS, "model@1")
+    assert base == run_key("abc", UpscaleParams(scale=2), "model@1")
+    assert base != run_key("abd", PARAMS, "model@1")
+    assert base != run_key("abc", UpscaleParams(scale=2, seed=43), "model@1")
+    assert base != run_key("abc", UpscaleParams(scale=2, tiles_batch_size=2), "model@1")
+    assert base != run_key("abc", PARAMS, "model@2")
+
+
+def test_damaged_record_or_chunk_reads_as_not_done(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, "k")
+    value = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    store.put_tile("tile_latents", 1, 3, value, stage="denoise")
+    assert np.array_equal(store.get_tile("tile_latents", 1, stage="denoise"), value)
+    chunk = next(p for p in (store.path / "data.zarr" / "tile_latents" / "c" / "1").rglob("*") if p.is_file())
+    chunk.write_bytes(chunk.read_bytes()[:10])  # a torn write
+    assert store.get_tile("tile_latents", 1, stage="denoise") is None
+    store.put_tile("tile_latents", 1, 3, value, stage="denoise")
+    store.records.path("denoise", "1").write_text("{not json")
+    assert store.get_tile("tile_latents", 1, stage="denoise") is None
+
+
+def test_records_are_written_atomically(tmp_path: Path) -> None:
+    book = RecordBook(tmp_path)
+    book.write("decode", "3", array_checksum(np.zeros(3)))
+    assert [p.name for p in (tmp_path / "decode").iterdir()] == ["3.json"]  # no temporary left behind
+    assert book.read("decode", "3").checksum == array_checksum(np.zeros(3))
+
+
+# --------------------------------------------------------------------------------------------------- flow
+
+
+def test_flow_output_equals_runner_and_reuses_everything(
+    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
+    assert (tmp_path / "a.mp4").read_bytes() == reference
+    assert (first.tiles_computed, first.tiles_reused) == (first.tiles_total, 0)
+    assert first.dit_calls == 2 * first.tiles_total
+    again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
+    assert (tmp_path / "b.mp4").read_bytes() == reference
+    assert (again.tiles_computed, again.tiles_reused, again.dit_calls) == (0, first.tiles_total, 0)
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_resume_after_kill_recomputes_only_unfinished_tiles(
+    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """SIGKILL the command after two chunks are stored; the rerun reuses them and finishes the rest."""
+    store, out = tmp_path / "store", tmp_path / "out"
+    argv = [
+        "upscale", str(clip_1f), "-o", str(out), "--output-file-name", "x.mp4", "--scale", "2",
+        "--model", str(tiny_bundle_path), "--store", str(store), "--json",
+    ]
+    killer = textwrap.dedent(
+        f"""
+        import os, signal, sys
+        import tasks.stage_tasks as st
+        plain, stored = st.RunStore.put_tile, []
+        def put_tile(self, name, index, *args, **kwargs):
+            plain(self, name, index, *args, **kwargs)
+            if name == "tile_latents":
+                stored.append(index)
+                if len(stored) == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+        st.RunStore.put_tile = put_tile
+        from flows.cli import main
+        sys.exit(main({argv!r}))
+        """
+    )
+    killed = subprocess.run([sys.executable, "-c", killer], capture_output=True, text=True, env=os.environ.copy())
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (out / "x.mp4").exists()
+    from flows.cli import main
+
+    rerun = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *argv], capture_output=True, text=True, env=os.environ.copy()
+    )
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    summary = json.loads(rerun.stdout)
+    assert summary["tiles_reused"] == 2
+    assert summary["tiles_computed"] == summary["tiles_total"] - 2
+    assert summary["dit_calls"] == 2 * summary["tiles_computed"]
+    assert (out / "x.mp4").read_bytes() == reference
+    assert main is not None
+
+
+def test_tile_failing_once_is_retried(
+    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tasks.stage_tasks as stage_tasks
+
+    plain, failed = stage_tasks.stages.decode_tile, []
+
+    def flaky(bundle, latent):
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("transient device error")
+        return plain(bundle, latent)
+
+    monkeypatch.setattr(stage_tasks.stages, "decode_tile", flaky)
+    monkeypatch.setattr(stage_tasks.decode, "retry_delay_seconds", 0)
+    summary = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
+    assert failed == [True]
+    assert summary.tiles_computed == summary.tiles_total
+    assert (tmp_path / "a.mp4").read_bytes() == reference
+
+
+def test_truncated_tile_chunk_is_detected_and_recomputed(
+    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
+    store = RunStore(tmp_path / "store", first.run_key)
+    # Emulate a run that stopped after tile 3's denoise, with tile 3's latent chunk torn on disk.
+    chunk = next(p for p in (store.path / "data.zarr" / "tile_latents" / "c" / "3").rglob("*") if p.is_file())
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    for stage, item in (("decode", "3"), ("blend", "all"), ("mux", "all")):
+        store.records.drop(stage, item)
+    again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
+    assert (again.tiles_computed, again.dit_calls) == (1, 2)
+    assert (tmp_path / "b.mp4").read_bytes() == reference
+
+
+def test_two_dask_workers_give_identical_output(
+    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    summary = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store", workers=2)
+    assert summary.tiles_computed == summary.tiles_total
+    assert (tmp_path / "a.mp4").read_bytes() == reference
+
+
+def test_plan_command_loads_no_model(tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path, capsys) -> None:
+    from flows.cli import main
+    from tasks import model_cache
+
+    model_cache.clear()
+    code = main(["plan", str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--store", str(tmp_path), "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert code == 0 and model_cache.loaded_count() == 0
+    assert plan["tiles"] == 6 and plan["frames_kept"] == 1 and plan["fps"] == 24
+    assert plan["chunks"][1] == {"tiles": [1], "seed": 43}
+    assert plan["output_size"] == {"width": 256, "height": 192}
+    assert plan["finished_run_exists"] is False
