@@ -97,6 +97,12 @@ def make_plan(
         TileChunk(index=i, tiles=tuple(chunk), seed=params.seed + chunk.start)
         for i, chunk in enumerate(tile_chunks(grid.num_tiles, params.tiles_batch_size))
     )
+    if params.tiles_batch_size > 1 and grid.num_tiles > 1:
+        warnings.warn(
+            f"tiles_batch_size={params.tiles_batch_size} is not lossless: under the official seeding every tile that "
+            "is not first in its chunk gets other noise, so the output differs from tiles_batch_size=1",
+            stacklevel=2,
+        )
     sr_size = grid.output_size
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
     return ClipPlan(
