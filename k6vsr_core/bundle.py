@@ -101,7 +101,10 @@ def resolve_bundle_path(model: str, revision: str | None = None) -> Path:
     except Exception:  # noqa: BLE001 - not cached: try the network next
         pass
     try:
-        return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
+        if not _hub_resolvable():
+            raise ConnectionError("the hub's host name does not resolve (no network)")
+        with _quiet_hub():
+            return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
     except Exception as err:  # noqa: BLE001 - every hub failure means the same thing to the user
         raise BundleError(
             f"model {model!r} at revision {revision or 'main'} is neither in the local Hugging Face cache nor "
@@ -110,6 +113,32 @@ def resolve_bundle_path(model: str, revision: str | None = None) -> Path:
             f"--local-dir DIR`), copy DIR here and pass `--model DIR` (with `--model-id {model}` to keep its "
             "run keys)"
         ) from None
+
+
+def _hub_resolvable() -> bool:
+    """Without DNS the hub client would retry with backoff for ~25 s before saying the same thing."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+    except OSError:
+        return False
+    return True
+
+
+@contextmanager
+def _quiet_hub() -> Iterator[None]:
+    """Each retry is logged as a warning; the final error below says all the user needs."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------------- configs

@@ -486,3 +486,24 @@ def test_transformer_kwargs_reads_attention_and_sr_params() -> None:
     # A non-NABLA attention entry contributes nothing.
     dense = transformer_kwargs({**RELEASED_DIT, "attention_params": {"512": {"type": "flash"}}})
     assert "nabla_threshold" not in dense and "nabla_window" not in dense
+
+
+def test_hub_repo_id_loads_from_the_local_hugging_face_cache(
+    tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The repo-id path of the loader, fed from a cache laid out as huggingface_hub writes it."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "models--acme--tiny-vsr" / "snapshots" / revision
+    shutil.copytree(tiny_bundle_path, snapshot)
+    (tmp_path / "models--acme--tiny-vsr" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny-vsr" / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    bundle = load_bundle("acme/tiny-vsr", revision)
+    assert bundle.info.model_id == "acme/tiny-vsr"
+    assert bundle.info.identity == f"acme/tiny-vsr@{revision}"
+    assert Path(bundle.info.path) == snapshot
