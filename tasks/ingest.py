@@ -40,7 +40,9 @@ def model_info(spec: ModelSpec) -> BundleInfo:
         revision = DEFAULT_REVISION
     path = resolve_bundle_path(spec.model, revision)
     is_local = Path(spec.model).expanduser().exists()
-    return inspect_bundle(path, model_id=spec.model_id or (None if is_local else spec.model), revision=revision if not is_local else None).info
+    # A local copy keeps the identity of its origin when given `--model-id` (and `--revision`).
+    model_id = spec.model_id or (None if is_local else spec.model)
+    return inspect_bundle(path, model_id=model_id, revision=revision).info
 
 
 def traits(info: BundleInfo) -> ModelTraits:
