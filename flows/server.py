@@ -1,0 +1,564 @@
+"""`k6vsr serve`: SGLang's video job API (`/v1/videos`) on top of the resumable clip flow.
+
+    POST   /v1/videos                JSON {"video_path": ..., "sr_resolution_scale": ..., ...}, or multipart form data
+                                     with the clip as file field `video_reference` and the same fields; -> job, queued
+    GET    /v1/videos                every job, oldest first
+    GET    /v1/videos/{id}           the job: status queued | in_progress | completed | failed | cancelled, progress
+    GET    /v1/videos/{id}/content   the MP4 once completed (409 before, 404 for an unknown id)
+    DELETE /v1/videos/{id}           cancels a queued or running job; removes a finished one and its files
+
+Request fields and their defaults are SGLang's Kandinsky 6 SR sampling parameters. Safe by default: loopback bind,
+JSON `video_path` only inside `--allow-path` folders (resolved, so `..` and symbolic links cannot escape), uploads
+streamed to disk under a size cap and stored under the job id, a bearer key on every route with `--api-key`, random
+job ids, and errors as JSON `{"error": {"message", "type", "param", "code"}}`, never a stack trace. Jobs, their queue
+and their worker processes are in `flows.jobs`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from email.message import Message
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from flows.jobs import ACTIVE, CANCELLED, COMPLETED, IN_PROGRESS, JobRunner, JobStore, new_job_id
+from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
+
+log = logging.getLogger("k6vsr.server")
+
+# SGLang request field -> UpscaleParams field.
+FIELDS = {
+    "sr_resolution_scale": "scale",
+    "sr_tiles_batch_size": "tiles_batch_size",
+    "sr_tile_min_overlap": "min_overlap",
+    "sr_target_resolution": "target_resolution",
+    "sr_target_resize_mode": "target_resize_mode",
+    "seed": "seed",
+    "num_inference_steps": "num_inference_steps",
+}
+# Sent by OpenAI-style clients; meaningless for super-resolution, so accepted and ignored.
+IGNORED_FIELDS = ("model", "prompt")
+FILE_FIELD = "video_reference"
+MAX_JSON_BYTES = 1 << 20
+MAX_FORM_FIELD_BYTES = 64 << 10
+MAX_PART_HEADER_BYTES = 16 << 10
+FORM_OVERHEAD_BYTES = 1 << 20  # boundaries and small fields, on top of the file cap, for the Content-Length check
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    store_root: Path
+    allow_paths: tuple[Path, ...] = ()
+    api_key: str | None = None
+    max_upload_bytes: int = 2048 << 20
+    workers: int = 1
+    model_name: str = ""
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, kind: str | None = None, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+
+_KIND = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+         405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+         415: "invalid_request_error", 422: "invalid_request_error"}
+
+
+def error_response(
+    status: int, message: str, kind: str | None = None, param: str | None = None, code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind or _KIND.get(status, "server_error"), "param": param,
+                      "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, err: ApiError) -> JSONResponse:
+        return error_response(err.status, err.message, err.kind, err.param, err.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(err.status_code, str(err.detail), headers=getattr(err, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path"))
+        return error_response(422, f"{where or 'request'}: {first.get('msg', 'invalid value')}", param=where or None)
+
+    @app.exception_handler(ClientDisconnect)
+    async def disconnected(_: Request, err: ClientDisconnect) -> JSONResponse:
+        return error_response(400, "the client disconnected before the request body was complete")
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+        log.error("internal error: %s: %s", type(err).__name__, err, exc_info=err)
+        return error_response(500, "internal server error; see the server log", "server_error")
+
+
+class BearerAuth:
+    """Every request needs `Authorization: Bearer <key>` (compared in constant time)."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
+                message = "missing API key" if not header else "invalid API key"
+                response = error_response(
+                    401, f"{message}: send the header 'Authorization: Bearer <key>'", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ----------------------------------------------------------------------------------------------- request fields
+
+
+def params_from_fields(fields: dict[str, Any]) -> UpscaleParams:
+    """SGLang fields -> UpscaleParams; every bad value is reported with its SGLang field name."""
+    values: dict[str, Any] = {}
+    problems: list[tuple[str, str]] = []
+    for name, value in fields.items():
+        if name in IGNORED_FIELDS:
+            continue
+        internal = FIELDS.get(name)
+        if internal is None:
+            allowed = ", ".join(["video_path", FILE_FIELD, *FIELDS])
+            problems.append((name, f"unknown field {name!r}; allowed: {allowed}"))
+            continue
+        if isinstance(value, bool) or isinstance(value, (list, dict)):
+            problems.append((name, f"{name}={value!r} has the wrong type"))
+            continue
+        try:
+            parse_params(**{internal: value})
+        except ParameterError as err:
+            text = str(err)
+            problems.append((name, name + text[len(internal):] if text.startswith(internal) else f"{name}: {text}"))
+            continue
+        values[internal] = value
+    if problems:
+        raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
+    try:
+        return parse_params(**values)
+    except ParameterError as err:
+        raise ApiError(400, str(err)) from None
+
+
+def api_params(params: dict[str, Any]) -> dict[str, Any]:
+    """A job's parameters under their SGLang names."""
+    return {api: params.get(internal) for api, internal in FIELDS.items()}
+
+
+def resolve_video_path(raw: Any, roots: tuple[Path, ...]) -> Path:
+    if not isinstance(raw, str) or not raw:
+        raise ApiError(400, f"video_path must be a non-empty string (or upload the clip as multipart field "
+                       f"{FILE_FIELD!r})", param="video_path")
+    if not roots:
+        raise ApiError(403, "video_path is not allowed on this server: start it with --allow-path DIR to accept "
+                       f"clips under DIR, or upload the clip as {FILE_FIELD!r}", param="video_path")
+    try:
+        resolved = Path(raw).resolve()
+    except (OSError, RuntimeError, ValueError):
+        raise ApiError(400, "video_path is not a valid path", param="video_path") from None
+    if not any(resolved.is_relative_to(root) for root in roots):
+        raise ApiError(403, f"video_path {raw!r} is outside the folders this server allows", param="video_path")
+    if not resolved.is_file():
+        raise ApiError(400, f"video_path {raw!r} does not exist or is not a file", param="video_path")
+    return resolved
+
+
+# ----------------------------------------------------------------------------------------------- request bodies
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_JSON_BYTES:
+            raise ApiError(413, f"JSON body is larger than {MAX_JSON_BYTES} bytes", code="body_too_large")
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise ApiError(400, "request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    extra = data.pop("extra_body", None)  # as SGLang's server: OpenAI clients may nest fields here
+    if isinstance(extra, dict):
+        data.update(extra)
+    return data
+
+
+class FormError(ApiError):
+    def __init__(self, message: str) -> None:
+        super().__init__(400, f"malformed multipart body: {message}")
+
+
+class UploadTooLarge(ApiError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"{FILE_FIELD} is larger than the upload limit of {limit} bytes (--max-upload-mb)",
+                         param=FILE_FIELD, code="file_too_large")
+
+
+class _Stream:
+    """Incremental reads from the request body: bytes up to a marker, or a fixed count."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], prefix: bytes = b"") -> None:
+        self._chunks = chunks.__aiter__()
+        self.buffer = bytearray(prefix)
+
+    async def _more(self) -> None:
+        try:
+            self.buffer += await self._chunks.__anext__()
+        except StopAsyncIteration:
+            raise FormError("the body ended before the closing boundary") from None
+
+    async def until(self, marker: bytes, sink: Callable[[bytes], None]) -> None:
+        """Hand everything before `marker` to `sink` as it arrives, and consume the marker."""
+        keep = len(marker) - 1
+        while True:
+            at = self.buffer.find(marker)
+            if at >= 0:
+                if at:
+                    sink(bytes(self.buffer[:at]))
+                del self.buffer[: at + len(marker)]
+                return
+            if len(self.buffer) > keep:
+                cut = len(self.buffer) - keep
+                sink(bytes(self.buffer[:cut]))
+                del self.buffer[:cut]
+            await self._more()
+
+    async def take(self, count: int) -> bytes:
+        while len(self.buffer) < count:
+            await self._more()
+        data = bytes(self.buffer[:count])
+        del self.buffer[:count]
+        return data
+
+
+def _header_params(name: str, value: str) -> Message:
+    message = Message()
+    message[name] = value
+    return message
+
+
+def _capped(limit: int, error: Callable[[], ApiError], write: Callable[[bytes], Any]) -> Callable[[bytes], None]:
+    seen = 0
+
+    def sink(data: bytes) -> None:
+        nonlocal seen
+        seen += len(data)
+        if seen > limit:
+            raise error()
+        write(data)
+
+    return sink
+
+
+async def read_form(request: Request, upload_to: Path, max_bytes: int) -> dict[str, str]:
+    """Stream a multipart body: the `video_reference` file goes to `upload_to` (stopping as soon as it passes
+    `max_bytes`), other fields are returned as strings. The client's file name is never used."""
+    boundary = _header_params("content-type", request.headers["content-type"]).get_param("boundary")
+    if not isinstance(boundary, str) or not 1 <= len(boundary) <= 200:
+        raise FormError("missing or invalid boundary in Content-Type")
+    delimiter = b"\r\n--" + boundary.encode("latin-1")
+    # The body's first boundary has no CRLF before it; a prefix lets one delimiter match them all.
+    body = _Stream(request.stream(), prefix=b"\r\n")
+    await body.until(delimiter, lambda _: None)  # preamble
+    fields: dict[str, str] = {}
+    has_file = False
+    while True:
+        after = await body.take(2)
+        if after == b"--":
+            break  # closing boundary; the epilogue is not read
+        if after != b"\r\n":
+            raise FormError("bad boundary line")
+        raw_headers = bytearray()
+        await body.until(b"\r\n\r\n", _capped(MAX_PART_HEADER_BYTES, lambda: FormError("part headers too long"),
+                                              raw_headers.extend))
+        disposition = ""
+        for line in raw_headers.decode("latin-1").split("\r\n"):
+            key, _, value = line.partition(":")
+            if key.strip().lower() == "content-disposition":
+                disposition = value.strip()
+        parsed = _header_params("content-disposition", disposition)
+        name = parsed.get_param("name", header="content-disposition")
+        if not isinstance(name, str) or not name:
+            raise FormError("a part has no name")
+        if parsed.get_param("filename", header="content-disposition") is not None or name == FILE_FIELD:
+            if name != FILE_FIELD:
+                raise ApiError(400, f"unexpected file field {name!r}; send the clip as {FILE_FIELD!r}", param=name)
+            if has_file:
+                raise ApiError(400, f"{FILE_FIELD} was sent twice", param=FILE_FIELD)
+            upload_to.parent.mkdir(parents=True, exist_ok=True)
+            with upload_to.open("wb") as handle:
+                await body.until(delimiter, _capped(max_bytes, lambda: UploadTooLarge(max_bytes), handle.write))
+            has_file = True
+        else:
+            value = bytearray()
+            await body.until(delimiter, _capped(
+                MAX_FORM_FIELD_BYTES, lambda: ApiError(413, f"form field {name!r} is too long", param=name),
+                value.extend))
+            if name in fields:
+                raise ApiError(400, f"form field {name!r} was sent twice", param=name)
+            try:
+                fields[name] = value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ApiError(400, f"form field {name!r} is not UTF-8 text", param=name) from None
+    if not has_file:
+        raise ApiError(400, f"the clip is missing: send it as the file field {FILE_FIELD!r}", param=FILE_FIELD)
+    return fields
+
+
+# ----------------------------------------------------------------------------------------------- the app
+
+
+def job_view(job: dict[str, Any], store_root: Path) -> dict[str, Any]:
+    """The job as clients see it: no server paths except the caller's own `video_path`."""
+    progress = job.get("progress", 0)
+    if job["status"] == IN_PROGRESS and job.get("tiles", {}).get("total"):
+        from storage import RunStore
+
+        decoded = len(RunStore(store_root, job["run_key"]).records.items("decode"))
+        progress = min(99, int(100 * decoded / job["tiles"]["total"]))
+    output = job["output"]
+    view = {
+        "id": job["id"],
+        "object": "video",
+        "model": job["model"],
+        "status": job["status"],
+        "progress": progress,
+        "created_at": job["created_at"],
+        "started_at": job.get("started_at"),
+        "completed_at": job.get("completed_at"),
+        "error": job.get("error"),
+        "run_key": job["run_key"],
+        "params": api_params(job["request"]),
+        "size": f"{output['width']}x{output['height']}",
+        "seconds": f"{output['frames'] / output['fps']:.3f}",
+        "output": output,
+        "tiles": job["tiles"],
+        "source": {key: value for key, value in job["source"].items() if key != "path"},
+    }
+    return view
+
+
+def create_app(config: ServerConfig, spec: Any) -> FastAPI:
+    store = JobStore(config.store_root)
+    runner = JobRunner(store, spec, workers=config.workers)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        runner.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(runner.stop)
+
+    app = FastAPI(title="k6vsr", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.store, app.state.runner, app.state.config = store, runner, config
+    _install_error_handlers(app)
+    if config.api_key:
+        app.add_middleware(BearerAuth, key=config.api_key)
+
+    def find(job_id: str) -> dict[str, Any]:
+        job = store.get(job_id)
+        if job is None:
+            raise ApiError(404, f"no video job {job_id!r}", param="video_id")
+        return job
+
+    def prepare(source: Path, params: UpscaleParams, label: str) -> Any:
+        from k6vsr_core.media import MediaError
+        from tasks.ingest import prepare_run
+
+        try:
+            return prepare_run(source, params, spec, config.store_root)
+        except MediaError as err:
+            raise ApiError(400, f"{label}: {err.cause}", param="video_path" if label != FILE_FIELD else FILE_FIELD,
+                           code="invalid_video") from None
+        except ValueError as err:  # a plan these parameters cannot make (e.g. an `exact` target above the result)
+            raise ApiError(400, f"this request cannot be planned: {err}") from None
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "model": config.model_name}
+
+    @app.post("/v1/videos")
+    async def create_video(request: Request) -> JSONResponse:
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        job_id = new_job_id()
+        try:
+            if media_type == "multipart/form-data":
+                length = request.headers.get("content-length", "")
+                if length.isdigit() and int(length) > config.max_upload_bytes + FORM_OVERHEAD_BYTES:
+                    raise UploadTooLarge(config.max_upload_bytes)
+                fields: dict[str, Any] = await read_form(request, store.input_path(job_id), config.max_upload_bytes)
+                params = params_from_fields(fields)
+                source, label, origin = store.input_path(job_id), FILE_FIELD, {"type": "upload"}
+            elif media_type in ("application/json", ""):
+                fields = await read_json(request)
+                raw_path = fields.pop("video_path", None)
+                params = params_from_fields(fields)
+                source = resolve_video_path(raw_path, config.allow_paths)
+                label, origin = raw_path, {"type": "path", "video_path": raw_path}
+            else:
+                raise ApiError(415, "send JSON (application/json) with video_path, or multipart/form-data with the "
+                               f"clip as {FILE_FIELD!r}")
+            prepared = await run_in_threadpool(prepare, source, params, label)
+        except BaseException:
+            store.discard_dir(job_id)  # a partial or refused upload leaves nothing behind
+            raise
+        plan = prepared.plan
+        now = time.time()
+        job = await run_in_threadpool(store.put, {
+            "id": job_id,
+            "object": "video",
+            "model": config.model_name,
+            "status": "queued",
+            "progress": 0,
+            "created_at": int(now),
+            "created_ns": time.time_ns(),
+            "started_at": None,
+            "completed_at": None,
+            "error": None,
+            "run_key": prepared.run.run_key,
+            "request": params.model_dump(mode="json"),
+            "source": {**origin, "path": str(source)},
+            "output": {
+                "width": plan.delivery_size[1], "height": plan.delivery_size[0], "frames": plan.num_frames,
+                "fps": plan.fps, "has_audio": prepared.probe.has_audio, "bytes": None,
+            },
+            "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},
+        })
+        runner.submit(job_id)
+        log.info("job %s queued: run %s, %d tiles", job_id, prepared.run.run_key, plan.num_tiles)
+        return JSONResponse(job_view(job, config.store_root))
+
+    # Plain functions: FastAPI runs them in its thread pool, so file reads and process signals never block the loop.
+    @app.get("/v1/videos")
+    def list_videos() -> dict[str, Any]:
+        return {"object": "list", "data": [job_view(job, config.store_root) for job in store.all()]}
+
+    @app.get("/v1/videos/{video_id}")
+    def get_video(video_id: str) -> dict[str, Any]:
+        return job_view(find(video_id), config.store_root)
+
+    @app.get("/v1/videos/{video_id}/content")
+    def get_content(video_id: str) -> FileResponse:
+        job = find(video_id)
+        if job["status"] != COMPLETED:
+            hint = "poll GET /v1/videos/{id} until it is completed" if job["status"] in ACTIVE else "it has no output"
+            raise ApiError(409, f"video job {video_id} is {job['status']}; {hint}", code=f"job_{job['status']}")
+        output = store.output_path(video_id)
+        if not output.is_file():
+            raise ApiError(404, f"the output of video job {video_id} is gone from the store")
+        return FileResponse(output, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+    @app.delete("/v1/videos/{video_id}")
+    def delete_video(video_id: str) -> dict[str, Any]:
+        job = find(video_id)
+        if job["status"] in ACTIVE:
+            job = runner.cancel(video_id) or job
+            if job["status"] == CANCELLED:
+                return job_view(job, config.store_root)
+        if runner.running(video_id):
+            raise ApiError(409, f"video job {video_id} is still stopping; delete it again in a few seconds",
+                           code="job_stopping")
+        store.remove(video_id)
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+    return app
+
+
+# ----------------------------------------------------------------------------------------------- serve
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
+    roots = []
+    for raw in args.allow_path or []:
+        root = Path(raw).expanduser().resolve()
+        if not root.is_dir():
+            raise ValueError(f"--allow-path {raw}: not a directory")
+        roots.append(root)
+    if args.max_upload_mb < 1:
+        raise ValueError("--max-upload-mb must be at least 1")
+    return ServerConfig(
+        store_root=Path(store_root),
+        allow_paths=tuple(roots),
+        api_key=args.api_key or None,
+        max_upload_bytes=args.max_upload_mb << 20,
+        workers=max(1, int(getattr(args, "workers", 1) or 1)),
+        model_name=model_name,
+    )
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def serve(args: Any, spec: Any, store_root: Path) -> None:
+    """Run the server until interrupted. The model is checked before the port opens."""
+    import uvicorn
+
+    from flows.orchestrate import prefect_api
+    from tasks.ingest import model_info
+
+    if not log.handlers:  # our own handler: Prefect's logging setup reconfigures the root logger
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.DEBUG if args.debug else logging.INFO)
+    info = model_info(spec)  # a missing or broken model fails here, with one clear line
+    config = config_from(args, store_root, info.model_id)
+    if not _is_loopback(args.host) and not config.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach it can submit jobs", args.host)
+    # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process would die on the
+    # spot, skipping the exit handlers that stop a temporary Prefect server. Exit through Python instead.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    # Job processes report to one Prefect API: the configured one, else a temporary server for our lifetime.
+    with prefect_api(for_processes=True):
+        uvicorn.run(
+            create_app(config, spec), host=args.host, port=args.port, log_level="debug" if args.debug else "info",
+            server_header=False,
+        )
