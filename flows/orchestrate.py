@@ -8,6 +8,7 @@ temporary server ourselves and hand its address to every worker through the envi
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -29,6 +30,9 @@ def prefect_api(for_processes: bool) -> Iterator[None]:
 
     server = SubprocessASGIServer()
     server.start()
+    # Python's atexit (which stops the server) does not run on a default SIGTERM: exit through Python instead.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     os.environ["PREFECT_API_URL"] = server.api_url
     # The server stops when this process exits, after Prefect has flushed its logs to it.
     try:
