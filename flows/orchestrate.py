@@ -31,7 +31,7 @@ def prefect_api(for_processes: bool) -> Iterator[None]:
     server = SubprocessASGIServer()
     server.start()
     # Python's atexit (which stops the server) does not run on a default SIGTERM: exit through Python instead.
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     os.environ["PREFECT_API_URL"] = server.api_url
     # The server stops when this process exits, after Prefect has flushed its logs to it.
