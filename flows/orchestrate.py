@@ -22,11 +22,15 @@ from tasks.descriptors import ModelSpec
 
 @contextmanager
 def prefect_api(for_processes: bool) -> Iterator[None]:
-    if os.environ.get("PREFECT_API_URL") or not for_processes:
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
+
+    if os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value() or not for_processes:
         yield
         return
     from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # Offline machines are common here: the server's usage telemetry would only log connection errors.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
     server = SubprocessASGIServer()
     server.start()
@@ -36,7 +40,7 @@ def prefect_api(for_processes: bool) -> Iterator[None]:
     os.environ["PREFECT_API_URL"] = server.api_url
     # The server stops when this process exits, after Prefect has flushed its logs to it.
     try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_SERVER_ANALYTICS_ENABLED: False}):
             yield
     finally:
         os.environ.pop("PREFECT_API_URL", None)

@@ -23,6 +23,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+# Imported here, once, rather than inside functions: diffusers' lazy module attributes are not safe to resolve
+# from several threads at the same time (seen as spurious ImportErrors when clips are planned in parallel).
+from diffusers import (
+    FlowMatchEulerDiscreteScheduler,
+    Kandinsky6SRLatentUpscalerBank,
+    Kandinsky6SRTransformer3DModel,
+    Kandinsky6SRVAE,
+    PiflowScheduler,
+)
 from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -336,8 +346,6 @@ class _PlannedBundle(BaseModel):
 
 def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None = None) -> _PlannedBundle:
     """Validate a bundle folder without reading any weight data."""
-    from diffusers import Kandinsky6SRLatentUpscalerBank, Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE
-
     index = _read_json(path / MODEL_INDEX, "model_index")
     for component in (*COMPONENTS, "scheduler"):
         if component not in index:
@@ -366,9 +374,7 @@ def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None
     dit = kwargs["transformer"]
     _check_head(dit.get("out_visual_dim", 640), dit.get("in_visual_dim", 64), scheduler)
     is_piflow = scheduler["_class_name"] == PIFLOW
-    from diffusers import Kandinsky6SRTransformer3DModel as dit_cls
-
-    tile_sizes = dit.get("tile_sizes") or dit_cls.__init__.__defaults__[-1]  # type: ignore[index]
+    tile_sizes = dit.get("tile_sizes") or Kandinsky6SRTransformer3DModel.__init__.__defaults__[-1]  # type: ignore[index]
     sr_params = raw["transformer"].get("sr_params") or {}
     print_fp = fingerprint(path)
     info = BundleInfo(
@@ -416,14 +422,6 @@ def load_bundle(
     dtype: torch.dtype | None = None,
 ) -> ModelBundle:
     """Load and validate a bundle from a Hugging Face repo id (with revision) or a local folder."""
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        Kandinsky6SRLatentUpscalerBank,
-        Kandinsky6SRTransformer3DModel,
-        Kandinsky6SRVAE,
-        PiflowScheduler,
-    )
-
     is_local = Path(model).expanduser().exists() or model.startswith((".", "/", "~"))
     if revision is None and not is_local and model == DEFAULT_MODEL:
         revision = DEFAULT_REVISION
@@ -472,8 +470,6 @@ def make_tiny_bundle(
     each latent tile side a multiple of 8 (NABLA's block grid) at both scales. `head_width` overrides the DiT output
     width, to build deliberately inconsistent bundles.
     """
-    from diffusers import Kandinsky6SRLatentUpscalerBank, Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE
-
     root = Path(path)
     for component in (*COMPONENTS, "scheduler"):
         (root / component).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,545 @@
+"""The archive flow: upscale every clip of a folder tree (or a list of paths), one clip flow run per clip.
+
+1. Scan: the files of `input_dir` matching the include globs (common video extensions) and none of the exclude
+   globs, recursively, in sorted order; hidden files and folders and the output folder are left out.
+2. Plan every clip without loading a model (`prepare_run`): its run key, frames and tiles. A file that cannot be
+   probed is `skipped` with the reason. Each output mirrors the input tree under `output_dir`, named
+   `<stem>_sr<scale>x.mp4`: the clip flow's rule without the timestamp, so a rerun finds what an earlier run made.
+   An existing output is `reused`, never overwritten unless `overwrite`.
+3. Run the pending clips, `max_parallel` at once, each as its own `upscale-clip` flow run (a subflow under one
+   task run per clip); a clip that fails is recorded as `failed` with the reason and the others go on.
+
+The manifest (`k6vsr-archive-manifest.json` and `.csv` in `output_dir`, one row per clip) is rewritten atomically
+after planning and after every clip. In the Prefect UI the archive run shows a progress artifact over clips and the
+manifest as a table artifact; each clip run shows the clip flow's own artifacts. A rerun does only what is missing;
+the archive run ends Failed when a clip failed, after the manifest and artifacts are written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import csv
+import fnmatch
+import hashlib
+import io
+import json
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from k6vsr_core.params import UpscaleParams
+from storage import default_store_root
+from storage.records import atomic_write_bytes
+from tasks.descriptors import ModelSpec
+
+VIDEO_GLOBS = (
+    "*.mp4", "*.m4v", "*.mov", "*.mkv", "*.webm", "*.avi", "*.wmv", "*.flv", "*.mpg", "*.mpeg", "*.m2v",
+    "*.ts", "*.mts", "*.m2ts", "*.mxf", "*.3gp", "*.ogv", "*.y4m",
+)
+MANIFEST_NAME = "k6vsr-archive-manifest"
+STATUSES = ("done", "reused", "failed", "skipped", "planned")
+# The table artifact is a new artifact version per update: at most one per this many seconds, and one at the end.
+TABLE_EVERY_S = 10.0
+PLAN_THREADS = 8
+REASON_LIMIT = 2000
+
+Status = Literal["done", "reused", "failed", "skipped", "planned"]
+
+
+class ArchiveRow(BaseModel):
+    """One clip of the archive: what was (or will be) done with it."""
+
+    source: str
+    relative_path: str
+    status: Status
+    reason: str = ""
+    run_key: str = ""
+    frames: int | None = None
+    tiles: int | None = None
+    tiles_computed: int | None = None
+    tiles_reused: int | None = None
+    seconds: float | None = None
+    output: str = ""
+
+
+class ArchiveSummary(BaseModel):
+    input: str
+    output_dir: str
+    counts: dict[str, int]
+    message: str
+    manifest_json: str
+    manifest_csv: str
+    failed: bool
+    rows: list[ArchiveRow]
+
+
+class ArchiveFailed(RuntimeError):
+    """Some clips failed; every other clip is finished and the manifest says which failed and why."""
+
+
+# ------------------------------------------------------------------------------------------------ naming
+
+
+def output_name(source: str | Path, params: UpscaleParams) -> str:
+    """`<stem>_sr<scale>x.mp4`: the clip flow's naming rule without its timestamp, so reruns find the output."""
+    return f"{Path(source).stem}_sr{params.scale_label}x.mp4"
+
+
+def archive_slug(input_dir: str | Path | None, paths: list[str] | None = None) -> str:
+    """Artifact keys of one archive: its folder name and a short hash of its absolute path (or of the path list)."""
+    if input_dir is not None:
+        location = str(Path(input_dir).expanduser().resolve())
+        name = Path(location).name
+    else:
+        location = "\n".join(sorted(str(Path(p).expanduser().resolve()) for p in paths or []))
+        name = "list"
+    readable = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40] or "archive"
+    return f"{readable}-{hashlib.sha1(location.encode()).hexdigest()[:6]}"
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    parameters = flow_run.parameters
+    if parameters.get("input_dir"):
+        return f"archive-{Path(str(parameters['input_dir'])).name}"
+    return f"archive-{len(parameters.get('paths') or [])}-paths"
+
+
+# ------------------------------------------------------------------------------------------------ scan
+
+
+def _matches(relative: str, globs: list[str] | tuple[str, ...]) -> bool:
+    """Case-insensitive match of a glob against the relative path or the file name."""
+    name = relative.rsplit("/", 1)[-1].lower()
+    lowered = relative.lower()
+    return any(fnmatch.fnmatchcase(lowered, g.lower()) or fnmatch.fnmatchcase(name, g.lower()) for g in globs)
+
+
+def scan_folder(
+    input_dir: Path, include: list[str] | tuple[str, ...], exclude: list[str] | tuple[str, ...], skip: Path | None
+) -> list[Path]:
+    """Files under `input_dir` matching `include` and not `exclude`, sorted; hidden entries and `skip` left out."""
+    found = []
+    for folder, dirs, files in os.walk(input_dir):
+        here = Path(folder)
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and (skip is None or here / d != skip))
+        for name in sorted(files):
+            if name.startswith("."):
+                continue
+            relative = (here / name).relative_to(input_dir).as_posix()
+            if _matches(relative, include) and not _matches(relative, exclude):
+                found.append(here / name)
+    return found
+
+
+def read_path_list(list_file: Path) -> list[str]:
+    """One path per line; blank lines and `#` comments ignored; relative paths are relative to the list file."""
+    paths = []
+    for line in list_file.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            path = Path(line).expanduser()
+            paths.append(str(path if path.is_absolute() else list_file.parent / path))
+    return paths
+
+
+def _sources(
+    input_dir: str | None, paths: list[str] | None, output_dir: Path, include: list[str], exclude: list[str]
+) -> tuple[Path, list[Path]]:
+    """The base folder the output tree mirrors, and the sources in order."""
+    if paths:
+        sources = [Path(p).expanduser().resolve() for p in paths]
+        if input_dir:
+            base = Path(input_dir).expanduser().resolve()
+        else:
+            base = Path(os.path.commonpath([str(s.parent) for s in sources]))
+        return base, sources
+    if not input_dir:
+        raise ValueError("give input_dir (a folder or a file listing paths) or paths")
+    base = Path(input_dir).expanduser().resolve()
+    if base.is_file():
+        return _sources(None, read_path_list(base), output_dir, include, exclude)
+    if not base.is_dir():
+        raise ValueError(f"input folder {input_dir} does not exist")
+    if output_dir == base:
+        raise ValueError(f"the output folder {output_dir} is the input folder: outputs would be read as inputs "
+                         "by the next run; choose another folder (a subfolder of the input is fine)")
+    return base, scan_folder(base, include, exclude, skip=output_dir)
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+def _previous_run_keys(manifest_json: Path) -> dict[str, str]:
+    """Relative path -> run key of the outputs an earlier archive run made or found."""
+    try:
+        rows = json.loads(manifest_json.read_text())["rows"]
+        return {r["relative_path"]: r["run_key"] for r in rows if r["status"] in ("done", "reused") and r["run_key"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _describe(err: BaseException) -> str:
+    text = str(err) or type(err).__name__
+    if not isinstance(err, ValueError):  # MediaError, ParameterError and BundleError are ValueErrors and say it all
+        text = f"{type(err).__name__}: {text}"
+    return text[:REASON_LIMIT]
+
+
+def plan_clips(
+    base: Path,
+    sources: list[Path],
+    output_dir: Path,
+    params: UpscaleParams,
+    model: ModelSpec,
+    store_root: str,
+    overwrite: bool,
+) -> list[ArchiveRow]:
+    """One row per source: `planned`, `reused` (output exists) or `skipped` (with the reason). Loads no model."""
+    from tasks.ingest import model_info, prepare_run
+
+    # Once, first, in this thread: a broken model fails the archive rather than every clip, and diffusers' lazy
+    # imports are done before the planning threads use them (concurrent first imports can fail).
+    model_info(model)
+
+    def plan_one(source: Path) -> Any:
+        try:
+            return prepare_run(source, params, model, store_root)
+        except Exception as err:  # noqa: BLE001 - a bad file is reported in its row, the others go on
+            return err
+
+    with ThreadPoolExecutor(max_workers=max(1, min(PLAN_THREADS, len(sources)))) as pool:
+        prepared = list(pool.map(plan_one, sources))
+    previous = _previous_run_keys(output_dir / f"{MANIFEST_NAME}.json")
+    claimed: dict[Path, str] = {}
+    rows = []
+    for source, result in zip(sources, prepared):
+        try:
+            relative = source.relative_to(base)
+        except ValueError:
+            rows.append(ArchiveRow(source=str(source), relative_path=source.name, status="skipped",
+                                   reason=f"not inside the input folder {base}"))
+            continue
+        output = output_dir / relative.parent / output_name(relative, params)
+        row = ArchiveRow(source=str(source), relative_path=relative.as_posix(), status="planned", output=str(output))
+        if isinstance(result, BaseException):
+            rows.append(row.model_copy(update={"status": "skipped", "reason": _describe(result), "output": ""}))
+            continue
+        row = row.model_copy(update={"run_key": result.run.run_key, "frames": result.plan.num_frames,
+                                     "tiles": result.plan.num_tiles})
+        if output in claimed:
+            reason = f"its output {output} is already the output of {claimed[output]}"
+            rows.append(row.model_copy(update={"status": "skipped", "output": "", "reason": reason}))
+            continue
+        claimed[output] = row.relative_path
+        if output.is_file() and not overwrite:
+            # A reused row keeps the run key that made its output, so a changed request is reported on every rerun.
+            earlier = previous.get(row.relative_path, row.run_key)
+            reason = "output exists"
+            if earlier != row.run_key:
+                reason = (f"output exists, made by run {earlier} but this request is run {row.run_key} (the source, "
+                          "parameters or model changed); overwrite replaces it")
+            rows.append(row.model_copy(update={"status": "reused", "reason": reason, "run_key": earlier,
+                                               "tiles_computed": 0, "tiles_reused": row.tiles}))
+        elif result.finished:
+            rows.append(row.model_copy(update={"reason": "finished run in the store: only the output is written"}))
+        else:
+            rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ manifest
+
+
+def counts_of(rows: list[ArchiveRow]) -> dict[str, int]:
+    counted = Counter(row.status for row in rows)
+    return {status: counted[status] for status in STATUSES if counted[status]}
+
+
+def message_of(rows: list[ArchiveRow], plan_only: bool) -> str:
+    if not rows:
+        return "no clips found"
+    counts = counts_of(rows)
+    listed = ", ".join(f"{n} {status}" for status, n in counts.items())
+    if plan_only:
+        return f"plan only, nothing run: {listed}"
+    if not any(counts.get(status) for status in ("done", "failed", "planned")):
+        return f"nothing new to do: {listed}"
+    return listed
+
+
+def write_manifest(output_dir: Path, header: dict[str, Any], rows: list[ArchiveRow]) -> tuple[Path, Path]:
+    """The manifest as JSON (header, counts, rows) and CSV (rows), each replaced atomically."""
+    json_path = output_dir / f"{MANIFEST_NAME}.json"
+    csv_path = output_dir / f"{MANIFEST_NAME}.csv"
+    payload = {
+        **header,
+        "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "counts": counts_of(rows),
+        "rows": [row.model_dump(mode="json") for row in rows],
+    }
+    atomic_write_bytes(json_path, json.dumps(payload, indent=2).encode())
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(ArchiveRow.model_fields), lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({key: "" if value is None else value for key, value in row.model_dump(mode="json").items()})
+    atomic_write_bytes(csv_path, buffer.getvalue().encode())
+    return json_path, csv_path
+
+
+def _publish_table(slug: str, rows: list[ArchiveRow], description: str) -> None:
+    try:
+        table = [{k: ("" if v is None else v) for k, v in row.model_dump(mode="json").items() if k != "source"}
+                 for row in rows]
+        create_table_artifact(table=table, key=f"archive-manifest-{slug}", description=description)
+    except Exception as err:  # noqa: BLE001 - the UI is best effort; the manifest files are the record
+        get_run_logger().warning("could not publish the manifest table artifact: %s", err)
+
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+@contextlib.contextmanager
+def shared_tiles_cluster(workers: int, gpus: bool, dask_address: str | None) -> Iterator[str | None]:
+    """The Dask scheduler every clip sends its tiles to: the given one, one started here, or None (threads)."""
+    if dask_address or (workers <= 1 and not gpus):
+        yield dask_address
+        return
+    if gpus:
+        from dask_cuda import LocalCUDACluster
+
+        cluster = LocalCUDACluster(threads_per_worker=1, **({"n_workers": workers} if workers > 1 else {}))
+    else:
+        from distributed import LocalCluster
+
+        cluster = LocalCluster(n_workers=workers, processes=True, threads_per_worker=1, dashboard_address=None)
+    with cluster:
+        yield cluster.scheduler_address
+
+
+@task(name="archive-clip", task_run_name="clip-{relative_path}", cache_policy=NO_CACHE)
+def upscale_one(
+    relative_path: str,
+    source: str,
+    output: str,
+    params: UpscaleParams,
+    model: ModelSpec,
+    store_root: str,
+    dask_address: str | None = None,
+) -> Any:
+    """Run the clip flow for one clip as a subflow of this task run (its flow run is named after the clip)."""
+    from flows.runners import make_task_runner
+    from flows.upscale_clip import upscale_clip
+
+    clip_flow = upscale_clip.with_options(
+        flow_run_name=f"upscale-{relative_path}", task_runner=make_task_runner(1, dask_address, False)
+    )
+    return clip_flow(source=source, output=output, params=params, model=model, store_root=store_root)
+
+
+@flow(name="upscale-archive", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
+def upscale_archive(
+    input_dir: str | None = None,
+    output_dir: str = "k6vsr-archive",
+    paths: list[str] | None = None,
+    params: UpscaleParams = UpscaleParams(),
+    model: ModelSpec = ModelSpec(),
+    store_root: str | None = None,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    max_parallel: int = 1,
+    overwrite: bool = False,
+    plan_only: bool = False,
+    workers: int = 1,
+    gpus: bool = False,
+    dask_address: str | None = None,
+) -> ArchiveSummary:
+    """Upscale every clip of `input_dir` (a folder, or a text file of paths) or of `paths` into `output_dir`.
+
+    `include`/`exclude` are globs on the path relative to `input_dir` or on the file name (default include: common
+    video extensions; an explicit path list is taken as given). `workers`, `gpus` and `dask_address` say where the
+    tiles of every clip run, as for one clip; `max_parallel` clips run at once.
+    """
+    logger = get_run_logger()
+    root = str(Path(store_root) if store_root else default_store_root())
+    out_dir = Path(output_dir).expanduser().resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    include_globs = list(include or VIDEO_GLOBS)
+    exclude_globs = list(exclude or [])
+
+    # 1-2. Scan and plan every clip.
+    base, sources = _sources(input_dir, paths, out_dir, include_globs, exclude_globs)
+    logger.info("planning %d clips of %s", len(sources), base)
+    rows = plan_clips(base, sources, out_dir, params, model, root, overwrite)
+    slug = archive_slug(input_dir, paths)
+    header = {
+        "input": str(base),
+        "output_dir": str(out_dir),
+        "store_root": root,
+        "params": params.model_dump(mode="json"),
+        "model": model.model_dump(mode="json"),
+        "plan_only": plan_only,
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    manifest_json, manifest_csv = write_manifest(out_dir, header, rows)
+    for row in rows:
+        if row.status == "skipped":
+            logger.warning("skipped %s: %s", row.relative_path, row.reason)
+    pending = [i for i, row in enumerate(rows) if row.status == "planned"]
+
+    def describe() -> str:
+        return f"{message_of(rows, plan_only)}. Manifest: {manifest_json}"
+
+    if plan_only or not pending:
+        _publish_table(slug, rows, describe())
+        logger.info("%s", message_of(rows, plan_only))
+        return _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
+
+    # 3. Run the pending clips, max_parallel at once, each as its own clip flow run.
+    logger.info("running %d of %d clips, %d at once", len(pending), len(rows), max_parallel)
+    progress = create_progress_artifact(
+        progress=0.0, key=f"archive-progress-{slug}", description=f"clips finished of {len(pending)} to run"
+    )
+    _publish_table(slug, rows, describe())
+    last_table = time.monotonic()
+    with shared_tiles_cluster(workers, gpus, dask_address) as address, ThreadPoolExecutor(
+        max_workers=max(1, max_parallel), thread_name_prefix="archive-clip"
+    ) as pool:
+
+        def run(index: int) -> tuple[int, float, Any]:
+            row = rows[index]
+            started = time.perf_counter()
+            try:
+                summary = upscale_one(row.relative_path, row.source, row.output, params, model, root, address)
+            except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
+                return index, time.perf_counter() - started, err
+            return index, time.perf_counter() - started, summary
+
+        # Each clip runs in a copy of this flow run's context, so its task and flow runs belong to this run.
+        futures = [pool.submit(contextvars.copy_context().run, run, index) for index in pending]
+        for finished, future in enumerate(as_completed(futures), start=1):
+            index, seconds, outcome = future.result()
+            rows[index] = _finished_row(rows[index], seconds, outcome)
+            row = rows[index]
+            if row.status == "failed":
+                logger.error("clip %s failed: %s", row.relative_path, row.reason)
+            else:
+                logger.info("clip %s done in %.1f s (%s tiles computed, %s reused)",
+                            row.relative_path, seconds, row.tiles_computed, row.tiles_reused)
+            write_manifest(out_dir, header, rows)
+            if progress is not None:
+                update_progress_artifact(artifact_id=progress, progress=100.0 * finished / len(pending))
+            if time.monotonic() - last_table >= TABLE_EVERY_S or finished == len(pending):
+                _publish_table(slug, rows, describe())
+                last_table = time.monotonic()
+
+    summary = _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
+    logger.info("%s; manifest %s", summary.message, manifest_json)
+    if summary.failed:
+        raise ArchiveFailed(f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
+                            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused")
+    return summary
+
+
+def _finished_row(row: ArchiveRow, seconds: float, outcome: Any) -> ArchiveRow:
+    if isinstance(outcome, BaseException):
+        return row.model_copy(update={"status": "failed", "reason": _describe(outcome), "seconds": round(seconds, 3)})
+    return row.model_copy(update={
+        "status": "done",
+        "reason": "published from the finished run in the store" if outcome.reused_output else "",
+        "run_key": outcome.run_key,
+        "frames": outcome.frames,
+        "tiles": outcome.tiles_total,
+        "tiles_computed": outcome.tiles_computed,
+        "tiles_reused": outcome.tiles_reused,
+        "seconds": round(seconds, 3),
+        "output": outcome.output,
+    })
+
+
+def _summary(
+    base: Path, out_dir: Path, rows: list[ArchiveRow], plan_only: bool, manifest_json: Path, manifest_csv: Path
+) -> ArchiveSummary:
+    counts = counts_of(rows)
+    return ArchiveSummary(
+        input=str(base),
+        output_dir=str(out_dir),
+        counts=counts,
+        message=message_of(rows, plan_only),
+        manifest_json=str(manifest_json),
+        manifest_csv=str(manifest_csv),
+        failed=bool(counts.get("failed")),
+        rows=rows,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+
+def _api_configured() -> bool:
+    from prefect.settings import PREFECT_API_URL
+
+    return bool(os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value())
+
+
+def run_archive_command(args: Any, params: UpscaleParams, spec: ModelSpec, store_root: str | Path) -> dict[str, Any]:
+    """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary."""
+    from flows.cli import UserError, _check_output_dir
+    from flows.orchestrate import prefect_api
+    from tasks.ingest import model_info
+
+    source = Path(args.input_dir).expanduser()
+    if not source.exists():
+        raise UserError(f"input {args.input_dir} does not exist")
+    if args.max_parallel < 1:
+        raise UserError(f"--max-parallel must be at least 1, not {args.max_parallel}")
+    output_dir = Path(args.output_dir).expanduser()
+    if output_dir.resolve() == source.resolve():
+        raise UserError(f"the output folder {args.output_dir} is the input folder; choose another one")
+    _check_output_dir(output_dir)
+    model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
+    api = contextlib.nullcontext() if _api_configured() else prefect_api(True)
+    with api:
+        state = upscale_archive(
+            input_dir=str(source),
+            output_dir=str(output_dir),
+            params=params,
+            model=spec,
+            store_root=str(store_root),
+            include=args.include,
+            exclude=args.exclude,
+            max_parallel=args.max_parallel,
+            overwrite=args.overwrite,
+            plan_only=args.plan,
+            workers=args.workers,
+            gpus=args.gpus,
+            dask_address=args.dask_address,
+            return_state=True,
+        )
+    outcome = state.result(raise_on_failure=False)
+    if isinstance(outcome, ArchiveSummary):
+        return outcome.model_dump(mode="json")
+    manifest = output_dir.resolve() / f"{MANIFEST_NAME}.json"
+    if isinstance(outcome, ArchiveFailed) and manifest.is_file():
+        rows = [ArchiveRow.model_validate(r) for r in json.loads(manifest.read_text())["rows"]]
+        base = Path(json.loads(manifest.read_text())["input"])
+        return _summary(base, output_dir.resolve(), rows, args.plan, manifest, manifest.with_suffix(".csv")).model_dump(
+            mode="json"
+        )
+    if isinstance(outcome, BaseException):
+        raise outcome
+    raise RuntimeError(f"the archive flow ended {state.name}: {state.message}")

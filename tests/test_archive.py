@@ -1,0 +1,224 @@
+"""The archive flow: a folder tree of tiny clips with a broken file and a finished output, against a real server."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from k6vsr_core import media
+from k6vsr_core.params import UpscaleParams
+from k6vsr_core.sample import make_sample_clip
+from tasks.descriptors import ModelSpec
+
+PARAMS = UpscaleParams(scale=2)
+
+
+def _tree(root: Path) -> Path:
+    """in/a.mp4, in/sub/b.mp4, in/sub/deeper/c.mp4 (distinct sizes, so distinct runs), a broken .mp4, a text file
+    and in/old/d.mp4; returns the input folder."""
+    folder = root / "in"
+    (folder / "sub" / "deeper").mkdir(parents=True)
+    (folder / "old").mkdir()
+    make_sample_clip(folder / "a.mp4", width=64, height=64, num_frames=1)
+    make_sample_clip(folder / "sub" / "b.mp4", width=96, height=64, num_frames=1)
+    make_sample_clip(folder / "sub" / "deeper" / "c.mp4", width=64, height=96, num_frames=1, audio=False)
+    make_sample_clip(folder / "old" / "d.mp4", width=64, height=64, num_frames=1, tone_hz=220.0)
+    (folder / "sub" / "broken.mp4").write_bytes(bytes(range(256)) * 16)
+    (folder / "notes.txt").write_text("not a video")
+    return folder
+
+
+def _by_path(rows: list[dict]) -> dict[str, dict]:
+    return {row["relative_path"]: row for row in rows}
+
+
+def _model(bundle: Path) -> ModelSpec:
+    return ModelSpec(model=str(bundle), device="cpu")
+
+
+def test_archive_runs_reuses_and_reruns_nothing(prefect_server: str, tiny_bundle_path: Path, tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    from flows.upscale_archive import archive_slug, upscale_archive
+
+    folder = _tree(tmp_path)
+    out = tmp_path / "out"
+    finished = out / "old" / "d_sr2x.mp4"
+    finished.parent.mkdir(parents=True)
+    finished.write_bytes(b"an output made earlier")
+    before = finished.stat().st_mtime_ns
+    kwargs = dict(input_dir=str(folder), output_dir=str(out), params=PARAMS, model=_model(tiny_bundle_path),
+                  store_root=str(tmp_path / "store"), max_parallel=2)
+
+    state = upscale_archive(**kwargs, return_state=True)
+    assert state.is_completed(), state.message
+    summary = state.result()
+    assert summary.counts == {"done": 3, "reused": 1, "skipped": 1}
+    assert not summary.failed
+    rows = _by_path(json.loads(Path(summary.manifest_json).read_text())["rows"])
+    assert sorted(rows) == ["a.mp4", "old/d.mp4", "sub/b.mp4", "sub/broken.mp4", "sub/deeper/c.mp4"]
+    assert rows["sub/broken.mp4"]["status"] == "skipped"
+    assert "broken.mp4" in rows["sub/broken.mp4"]["reason"] and rows["sub/broken.mp4"]["output"] == ""
+    assert rows["old/d.mp4"]["status"] == "reused" and rows["old/d.mp4"]["reason"] == "output exists"
+    assert finished.read_bytes() == b"an output made earlier" and finished.stat().st_mtime_ns == before
+    for relative, size in (("a.mp4", (128, 128)), ("sub/b.mp4", (192, 128)), ("sub/deeper/c.mp4", (128, 192))):
+        row = rows[relative]
+        expected = out / Path(relative).parent / f"{Path(relative).stem}_sr2x.mp4"
+        assert row["status"] == "done" and row["reason"] == "", row
+        assert row["output"] == str(expected) and expected.is_file()
+        probe = media.probe(expected)
+        assert (probe.width, probe.height) == size
+        assert row["tiles_computed"] == row["tiles"] > 0 and row["tiles_reused"] == 0
+        assert row["frames"] == 1 and row["seconds"] > 0 and len(row["run_key"]) > 8
+    with open(summary.manifest_csv, newline="") as handle:
+        table = list(csv.DictReader(handle))
+    assert {r["relative_path"]: r["status"] for r in table} == {k: v["status"] for k, v in rows.items()}
+    assert list(table[0]) == ["source", "relative_path", "status", "reason", "run_key", "frames", "tiles",
+                              "tiles_computed", "tiles_reused", "seconds", "output"]
+
+    # The Prefect side: one clip flow run per pending clip, under the archive run, and the manifest table.
+    with get_client(sync_client=True) as client:
+        archive_run = client.read_flow_run(state.state_details.flow_run_id)
+        assert archive_run.name == "archive-in"
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[archive_run.id]))
+        )
+        assert sorted(run.name for run in children) == ["upscale-a.mp4", "upscale-sub/b.mp4",
+                                                        "upscale-sub/deeper/c.mp4"]
+        assert all(run.state.is_completed() for run in children)
+        slug = archive_slug(folder)
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[archive_run.id])),
+            sort=ArtifactSort.CREATED_DESC,
+        )
+        assert {(a.key, a.type) for a in artifacts} == {(f"archive-manifest-{slug}", "table"),
+                                                        (f"archive-progress-{slug}", "progress")}
+        progress = next(a for a in artifacts if a.type == "progress")
+        assert float(progress.data) == 100.0
+        table = next(a for a in artifacts if a.type == "table")  # the latest version
+        shown = json.loads(table.data) if isinstance(table.data, str) else table.data
+        assert {r["relative_path"]: r["status"] for r in shown} == {k: v["status"] for k, v in rows.items()}
+
+    # A second run of the same archive: every output exists, nothing is computed, and it says so.
+    outputs = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*.mp4")}
+    again = upscale_archive(**kwargs)
+    assert again.counts == {"reused": 4, "skipped": 1}
+    assert again.message.startswith("nothing new to do")
+    assert all(row.tiles_computed in (0, None) for row in again.rows)
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*.mp4")} == outputs
+
+    # Another seed names the same outputs: they are kept, and every rerun says they came from another request.
+    for _ in range(2):
+        changed = upscale_archive(**{**kwargs, "params": UpscaleParams(scale=2, seed=7)}, plan_only=True)
+        row = next(r for r in changed.rows if r.relative_path == "sub/b.mp4")
+        assert row.status == "reused" and "parameters or model changed" in row.reason
+        assert row.run_key == rows["sub/b.mp4"]["run_key"]
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*.mp4")} == outputs
+
+
+def test_failed_clip_does_not_stop_the_others(
+    prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A clip whose flow fails is `failed` with the reason; the other clip is done; the command exits 1."""
+    from prefect import task
+
+    import tasks.ingest as ingest_tasks
+    from flows.cli import main
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    make_sample_clip(folder / "good.mp4", width=64, height=64, num_frames=1, tone_hz=330.0)
+    make_sample_clip(folder / "doomed.mp4", width=64, height=64, num_frames=1, tone_hz=550.0)
+    original = ingest_tasks.ingest
+
+    @task(name="ingest")
+    def failing_ingest(source, run, params, info):
+        if Path(source).name == "doomed.mp4":
+            raise RuntimeError("disk on fire")
+        return original.fn(source, run, params, info)
+
+    monkeypatch.setattr(ingest_tasks, "ingest", failing_ingest)
+    argv = ["archive", str(folder), "-o", str(tmp_path / "out"), "--model", str(tiny_bundle_path), "--device", "cpu",
+            "--scale", "2", "--store", str(tmp_path / "store"), "--max-parallel", "2", "--json"]
+    assert main(argv) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["failed"] is True and result["counts"] == {"done": 1, "failed": 1}
+    rows = _by_path(result["rows"])
+    assert rows["doomed.mp4"]["status"] == "failed" and "disk on fire" in rows["doomed.mp4"]["reason"]
+    assert rows["good.mp4"]["status"] == "done" and (tmp_path / "out" / "good_sr2x.mp4").is_file()
+    assert not (tmp_path / "out" / "doomed_sr2x.mp4").exists()
+    on_disk = _by_path(json.loads(Path(result["manifest_json"]).read_text())["rows"])
+    assert on_disk["doomed.mp4"]["status"] == "failed"
+
+
+def test_plan_writes_the_manifest_and_runs_nothing(
+    prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, capsys
+) -> None:
+    from flows.cli import main
+
+    folder = _tree(tmp_path)
+    out = tmp_path / "out"
+    (out / "old").mkdir(parents=True)
+    (out / "old" / "d_sr2x.mp4").write_bytes(b"earlier")
+    store = tmp_path / "store"
+    argv = ["archive", str(folder), "-o", str(out), "--model", str(tiny_bundle_path), "--device", "cpu",
+            "--scale", "2", "--store", str(store), "--plan", "--exclude", "sub/deeper/*"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "planned: 2" in printed and "k6vsr-archive-manifest.json" in printed
+    manifest = json.loads((out / "k6vsr-archive-manifest.json").read_text())
+    assert manifest["plan_only"] is True
+    statuses = {r["relative_path"]: r["status"] for r in manifest["rows"]}
+    assert statuses == {"a.mp4": "planned", "sub/b.mp4": "planned", "old/d.mp4": "reused",
+                        "sub/broken.mp4": "skipped"}
+    planned = _by_path(manifest["rows"])["sub/b.mp4"]
+    assert planned["output"] == str(out / "sub" / "b_sr2x.mp4") and planned["tiles"] > 0 and planned["run_key"]
+    assert (out / "k6vsr-archive-manifest.csv").is_file()
+    assert sorted(p.name for p in out.rglob("*.mp4")) == ["d_sr2x.mp4"]
+    assert not (store / "runs").exists()
+
+
+def test_path_list_and_name_collisions(tmp_path: Path, tiny_bundle_path: Path) -> None:
+    """A list file mirrors under the common folder; two sources with one output name: the second is skipped."""
+    from flows.upscale_archive import _sources, plan_clips, read_path_list
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    make_sample_clip(folder / "x.mp4", width=64, height=64, num_frames=1)
+    make_sample_clip(folder / "x.mov", width=64, height=64, num_frames=1, tone_hz=300.0)
+    listing = tmp_path / "clips.txt"
+    listing.write_text("# tonight\nin/x.mp4\n\nin/x.mov\n")
+    assert read_path_list(listing) == [str(tmp_path / "in/x.mp4"), str(tmp_path / "in/x.mov")]
+    base, sources = _sources(str(listing), None, tmp_path / "out", ["*.mp4"], [])
+    assert base == folder.resolve() and [s.name for s in sources] == ["x.mp4", "x.mov"]
+    rows = plan_clips(base, sources, tmp_path / "out", PARAMS, _model(tiny_bundle_path), str(tmp_path / "s"), False)
+    assert [r.status for r in rows] == ["planned", "skipped"]
+    assert "already the output of x.mp4" in rows[1].reason
+
+
+def test_scan_rules(tmp_path: Path, capsys) -> None:
+    """Globs match case-insensitively on the relative path or name; hidden entries and the output folder are left
+    out; the input folder itself cannot be the output folder."""
+    from flows.cli import main
+    from flows.upscale_archive import VIDEO_GLOBS, scan_folder
+
+    folder = tmp_path / "in"
+    for name in ("A.MP4", "b.mov", "notes.txt", ".hidden.mp4", ".cache/c.mp4", "sr/a_sr2x.mp4", "keep/d.mkv",
+                 "proxies/e.mp4"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(b"x")
+    found = scan_folder(folder, VIDEO_GLOBS, ["proxies/*"], skip=folder / "sr")
+    assert [p.relative_to(folder).as_posix() for p in found] == ["A.MP4", "b.mov", "keep/d.mkv"]
+    assert [p.name for p in scan_folder(folder, ["keep/*"], [], skip=None)] == ["d.mkv"]
+    assert main(["archive", str(folder), "-o", str(folder), "--plan"]) == 2
+    assert "is the input folder" in capsys.readouterr().err
