@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -154,7 +155,11 @@ def store_from(args: argparse.Namespace) -> Path:
     return Path(args.store).expanduser() if getattr(args, "store", None) else default_store_root()
 
 
-def _check_output_dir(path: Path) -> None:
+# Refuse an output folder with less free space than this plus a generous guess of the output's size.
+MIN_FREE_BYTES = 1 << 20
+
+
+def _check_output_dir(path: Path, needed_bytes: int = 0) -> None:
     if path.exists() and not path.is_dir():
         raise UserError(f"output directory {path} is a file")
     try:
@@ -163,6 +168,47 @@ def _check_output_dir(path: Path) -> None:
         raise UserError(f"output directory {path} cannot be created: {err.strerror}") from None
     if not os.access(path, os.W_OK):
         raise UserError(f"output directory {path} is not writable")
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return
+    if free < needed_bytes + MIN_FREE_BYTES:
+        raise UserError(
+            f"output directory {path} is on a full disk: {free} bytes free, about "
+            f"{needed_bytes + MIN_FREE_BYTES} needed; free some space and rerun"
+        )
+
+
+def _check_output_file(destination: Path, source: Path) -> None:
+    if destination.is_dir():
+        raise UserError(f"output file {destination} is a directory")
+    if destination.exists() and source.exists() and os.path.samefile(destination, source):
+        raise UserError(f"output file {destination} is the input file; pick another name or folder")
+
+
+def _estimated_output_bytes(plan: Any) -> int:
+    """An upper guess of the MP4's size: an eighth of the raw RGB frames (H.264 at CRF 18 stays far below)."""
+    height, width = plan.delivery_size
+    return plan.num_frames * height * width * 3 // 8
+
+
+def _check_device(device: str) -> None:
+    """A device this machine cannot use fails here, not after ingest inside a stage task."""
+    import torch
+
+    try:
+        parsed = torch.device(device) if device != "auto" else None
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {device!r} is not a device; use cpu, cuda, cuda:N or auto") from None
+    if parsed is None or parsed.type == "cpu":
+        return
+    if parsed.type != "cuda":
+        raise UserError(f"--device {device!r} is not supported; use cpu, cuda, cuda:N or auto")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise UserError(f"--device {device!r}: no CUDA GPU is available here; use cpu or auto")
+    if parsed.index is not None and parsed.index >= count:
+        raise UserError(f"--device {device!r}: this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
 
 
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
@@ -175,12 +221,15 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     source = Path(args.input)
     store = store_from(args)
     # Plan first: a bad file, value or model fails here, before a server starts or a model loads.
-    prepare_run(source, params, spec, store)
+    prepared = prepare_run(source, params, spec, store)
+    if args.dask_address is None:
+        _check_device(spec.device)
     out_dir = Path(args.output_dir) if args.output_dir else source.resolve().parent
-    _check_output_dir(out_dir)
+    _check_output_dir(out_dir, _estimated_output_bytes(prepared.plan))
     name = args.output_file_name or default_output_name(source, params)
     if not name.endswith(".mp4"):
         name += ".mp4"
+    _check_output_file(out_dir / name, source)
     summary = run_clip(
         str(source), str(out_dir / name), params, spec, str(store),
         workers=args.workers, gpus=args.gpus, dask_address=args.dask_address, show_progress=not args.json,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import warnings
 from collections.abc import Iterator
 from fractions import Fraction
@@ -26,6 +27,8 @@ from pydantic import BaseModel, ConfigDict
 __all__ = [
     "AUDIO_SAMPLE_RATE",
     "MAX_NUM_FRAMES",
+    "MAX_SOURCE_PIXELS",
+    "MAX_SOURCE_SIDE",
     "RESAMPLE_FPS_TOLERANCE",
     "TARGET_FPS",
     "MediaError",
@@ -47,6 +50,10 @@ AUDIO_SAMPLE_RATE = 44100
 # Anything above this is broken timing metadata (e.g. a 1/90000 tick taken as a
 # frame rate), not a real capture rate.
 _MAX_SOURCE_FPS = 1000.0
+# Larger frames are refused before anything is decoded: one decoded frame of a file that declares, say,
+# 60000x60000 would take gigabytes, and no delivery tier or model output is anywhere near that size (8K is 33 MP).
+MAX_SOURCE_SIDE = 8192
+MAX_SOURCE_PIXELS = 40_000_000
 # The model only accepts clips of 1 + 8k frames.
 _FRAME_GROUP = 8
 _VIDEO_CODEC = "libx264"
@@ -173,6 +180,9 @@ def _open_input(path: str) -> av.container.InputContainer:
         raise MediaError(path, "no such file (broken symbolic link)")
     if os.path.isdir(path):
         raise MediaError(path, "is a directory, not a media file")
+    if not os.path.isfile(path):
+        # A FIFO would block the open (and the checksum) forever, a device would be read without end.
+        raise MediaError(path, f"is not a regular file ({_file_kind(path)}); give a video file")
     if not os.access(path, os.R_OK):
         raise MediaError(path, "permission denied: file is not readable")
     if os.path.isfile(path) and os.path.getsize(path) == 0:
@@ -186,12 +196,38 @@ def _open_input(path: str) -> av.container.InputContainer:
         raise MediaError(path, f"not a readable media file ({reason})") from exc
 
 
+def _file_kind(path: str) -> str:
+    mode = os.stat(path).st_mode
+    if stat.S_ISFIFO(mode):
+        return "a named pipe"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "a special file"
+
+
+def _check_frame_size(path: str, width: int, height: int, what: str) -> None:
+    if width <= 0 or height <= 0:
+        return
+    if max(width, height) > MAX_SOURCE_SIDE or width * height > MAX_SOURCE_PIXELS:
+        raise MediaError(
+            path,
+            f"{what} resolution {width}x{height} is too large (at most {MAX_SOURCE_SIDE} pixels a side and "
+            f"{MAX_SOURCE_PIXELS // 1_000_000} MP a frame)",
+        )
+
+
 def _video_stream(container: av.container.InputContainer, path: str) -> av.VideoStream:
     if not container.streams.video:
         kinds = sorted({stream.type for stream in container.streams})
         found = f" (found only: {', '.join(kinds)})" if kinds else ""
         raise MediaError(path, f"no video stream{found}")
-    return container.streams.video[0]
+    stream = container.streams.video[0]
+    if stream.codec_context is None:
+        # FFmpeg found a video track but no decoder parameters: a cut-off header or an unsupported codec.
+        raise MediaError(path, "the video stream cannot be decoded (unknown codec, or a damaged or truncated header)")
+    return stream
 
 
 def _source_fps(stream: av.VideoStream, path: str) -> float:
@@ -248,11 +284,14 @@ def _duration_s(container: av.container.InputContainer, stream: av.VideoStream) 
 def _probe_file(path: str) -> VideoProbe:
     with _open_input(path) as container:
         stream = _video_stream(container, path)
+        # The header's size, checked before the first frame is decoded (which is what could exhaust memory).
+        _check_frame_size(path, stream.codec_context.width, stream.codec_context.height, "declared")
         fps = _source_fps(stream, path)
         reported = stream.frames if stream.frames and stream.frames > 0 else 0
         first, packets = _first_frame_and_packet_count(container, stream, path, count_packets=not reported)
         if first is None:
             raise MediaError(path, "video stream has no decodable frames")
+        _check_frame_size(path, first.width, first.height, "decoded")
         return VideoProbe(
             path=path,
             width=first.width,
@@ -346,6 +385,12 @@ def decode_frames(path: PathLike, probe: VideoProbe | None = None) -> tuple[np.n
             raise MediaError(
                 path, f"only {decoded} of {info.num_frames} expected frame(s) could be decoded: {exc}"
             ) from exc
+        # Not an error (the frames that exist are used), but never silent: the output is shorter than the file said.
+        warnings.warn(
+            f"{path}: only {decoded} of {info.num_frames} frame(s) could be decoded (truncated or damaged file?); "
+            f"using {len(indices)}",
+            stacklevel=2,
+        )
     return _stack_frames(path, indices, kept), fps
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -138,9 +139,14 @@ class RunStore:
         return self.path / OUTPUT
 
     def temp_output(self) -> Path:
-        """A private temporary name for the muxer, beside the output so the rename is atomic."""
+        """A private temporary name for the muxer, beside the output so the rename is atomic.
+
+        The name carries the host and process id, so the temporary file of a killed muxer is removed by the
+        next one (a live twin's is left alone).
+        """
         self.path.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".output.", suffix=".mp4")
+        remove_stale_temps(self.path, ".output.", ".mp4")
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".output.{_owner()}.", suffix=".mp4")
         os.close(fd)
         return Path(tmp)
 
@@ -161,13 +167,27 @@ class RunStore:
     @contextmanager
     def in_use(self) -> Iterator[None]:
         """Hold the run's shared lock for as long as a run uses it (see `gc`)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        with (self.path / ".lock").open("a") as handle:
+        lock = self.path / ".lock"
+        while True:
+            self.path.mkdir(parents=True, exist_ok=True)
+            handle = lock.open("a")
             fcntl.flock(handle, fcntl.LOCK_SH)
+            # `gc` may have deleted the folder, lock file included, while we waited for the lock: a lock on the
+            # deleted file protects nothing, so take the lock of the folder as it is now.
             try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+                current = os.stat(lock).st_ino == os.fstat(handle.fileno()).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                break
+            handle.close()
+        try:
+            # A killed muxer's temporary file is left behind; the next run of the same clip removes it.
+            remove_stale_temps(self.path, ".output.", ".mp4")
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -179,18 +199,80 @@ class RunStore:
         }
 
 
-def publish(source: Path, destination: Path) -> Path:
-    """Copy a finished file to `destination` under a temporary name, then rename: no reader sees half a file."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.", suffix=".partial")
-    os.close(fd)
+def _owner() -> str:
+    """`<host>-<pid>`: who wrote a temporary file, so a later run can tell a dead writer's leftovers."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _process_alive(pid: int) -> bool:
     try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(folder: Path, prefix: str, suffix: str) -> list[Path]:
+    """Delete `<prefix><host>-<pid>.*<suffix>` files in `folder` left by dead processes of this host."""
+    removed: list[Path] = []
+    mine = f"{prefix}{socket.gethostname()}-"
+    try:
+        candidates = [p for p in folder.iterdir() if p.name.startswith(mine) and p.name.endswith(suffix)]
+    except OSError:
+        return removed
+    for path in candidates:
+        pid = path.name[len(mine) :].split(".", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def publish(source: Path, destination: Path) -> Path:
+    """Copy a finished file to `destination` under a temporary name, then rename: no reader sees half a file.
+
+    The file gets the usual permissions of a new file (not the temporary file's owner-only ones). A copy that
+    fails (a full disk, say) leaves nothing behind and raises an `OSError` that names `destination`; the
+    half-copies of a killed process are removed by the next publish to the same name.
+    """
+    tmp: str | None = None
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(destination.parent, f".{destination.name}.", ".partial")
+        fd, tmp = tempfile.mkstemp(
+            dir=destination.parent, prefix=f".{destination.name}.{_owner()}.", suffix=".partial"
+        )
+        os.close(fd)
+        os.chmod(tmp, 0o666 & ~_umask())
         shutil.copyfile(source, tmp)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, destination)
+    except OSError as err:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise OSError(err.errno, f"could not write the output ({err.strerror or err})", str(destination)) from err
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
     return destination
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from k6vsr_core import media
 from k6vsr_core.bundle import BundleInfo, DEFAULT_MODEL, DEFAULT_REVISION, inspect_bundle, resolve_bundle_path
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.params import ParameterError, UpscaleParams
 from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
 from k6vsr_core.runner import read_source
 from storage import RunManifest, RunStore, run_key, source_info
@@ -52,9 +52,17 @@ def traits(info: BundleInfo) -> ModelTraits:
 def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, store_root: str | Path) -> PreparedRun:
     """Everything `k6vsr plan` prints, and the run key: no model is loaded and nothing is written."""
     probe = media.probe(source)
-    indices, fps = media.select_frames(probe.num_frames, probe.fps)
+    try:
+        indices, fps = media.select_frames(probe.num_frames, probe.fps)
+    except ValueError as err:  # too few frames for the rate: a property of the file
+        raise media.MediaError(source, str(err)) from None
     info = model_info(spec)
-    plan = make_plan((probe.height, probe.width), len(indices), fps, params, traits(info))
+    try:
+        plan = make_plan((probe.height, probe.width), len(indices), fps, params, traits(info))
+    except ParameterError:
+        raise
+    except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file
+        raise ValueError(f"{source}: {err}") from None
     key = run_key(source_info(source).sha256, params, info.identity)
     run = RunRef(store_root=str(store_root), run_key=key)
     return PreparedRun(
@@ -67,11 +75,20 @@ def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, stor
     )
 
 
+def _manifest_readable(store: RunStore) -> bool:
+    """A missing or damaged manifest means ingest is not done: every later stage reads its plan from it."""
+    try:
+        store.read_manifest()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 @task(name="ingest", task_run_name="ingest-{run.run_key}", **STAGE_TASK)
 def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo) -> StageResult:
     """Decode the kept frames and the mono 44.1 kHz audio into the store, and write the manifest."""
     store = RunStore(run.store_root, run.run_key)
-    if store.exists() and store.get("frames", stage="ingest") is not None:
+    if _manifest_readable(store) and store.get("frames", stage="ingest") is not None:
         return StageResult(stage="ingest", computed=False)
     started = time.perf_counter()
     decoded = read_source(source, params, traits(info))
