@@ -77,6 +77,7 @@ def upscale_clip(
         timings[result.stage] = timings.get(result.stage, 0.0) + result.seconds
         return result
 
+    started_at = time.time()
     with store.in_use():
         record(ingest_tasks.ingest(prepared.source, run, params, prepared.model_info))
         plan = store.read_manifest().plan
@@ -91,7 +92,12 @@ def upscale_clip(
         publish(store.output_path, destination)
         timings["publish"] = time.perf_counter() - started
 
-    computed = sum(len(result.tiles) for result in denoised if result.computed)
+    # Counted from the records, not from task results: a result Dask recomputes after a worker died reads as reused.
+    computed = sum(
+        1
+        for tile in range(plan.num_tiles)
+        if (entry := store.records.read("denoise", str(tile))) is not None and entry.written_at >= started_at
+    )
     summary = ClipSummary(
         source=prepared.source,
         output=str(destination),
@@ -121,23 +127,25 @@ def _tiles(run, model: ModelSpec, plan, record) -> list[StageResult]:
         stage_tasks.decode.submit(run, model, tile, wait_for=[chunk_futures[plan.chunk_of(tile).index]]): tile
         for tile in range(plan.num_tiles)
     }
-    failures: dict[int, str] = {}
+    decode_errors: dict[int, str] = {}
     done = 0
     for future in as_completed(list(decode_futures)):
         tile = decode_futures[future]
         try:
             record(future.result())
         except Exception as err:  # noqa: BLE001 - collected and reported per tile below
-            failures[tile] = f"{type(err).__name__}: {err}"
+            decode_errors[tile] = f"{type(err).__name__}: {err}"
         done += 1
         artifacts.set_progress(progress, done, plan.num_tiles)
-    denoised = []
+    denoised, failures = [], {}
     for chunk, future in zip(plan.chunks, chunk_futures):
         try:
             denoised.append(record(future.result()))
         except Exception as err:  # noqa: BLE001
-            for tile in chunk.tiles:
-                failures.setdefault(tile, f"{type(err).__name__}: {err}")
+            # A failed chunk's decodes only report that they never ran; the chunk's error is the cause.
+            failures.update({tile: f"{type(err).__name__}: {err}" for tile in chunk.tiles})
+    for tile, message in decode_errors.items():
+        failures.setdefault(tile, message)
     if failures:
         detail = "; ".join(f"tile {tile}: {message}" for tile, message in sorted(failures.items()))
         raise TileFailure(
