@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-path", action="append", default=[], help="folder JSON video_path may point into")
     serve.add_argument("--api-key", default=os.environ.get("K6VSR_API_KEY"))
     serve.add_argument("--max-upload-mb", type=int, default=2048)
+    serve.add_argument("--workers", type=int, default=1, help="jobs run at once (each loads the model once)")
     serve.add_argument("--store", default=None)
     _model_flags(serve)
     serve.add_argument("--debug", action="store_true")
@@ -279,13 +280,16 @@ def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_archive(args: argparse.Namespace) -> dict[str, Any]:
     from flows.upscale_archive import run_archive_command
 
-    return run_archive_command(args, params_from(args), model_from(args), store_from(args))
+    result = run_archive_command(args, params_from(args), model_from(args), store_from(args))
+    return {**result, "plan_only": bool(args.plan)}
 
 
 def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     from flows.server import serve
 
-    serve(args, model_from(args), store_from(args))
+    spec = model_from(args)
+    _check_device(spec.device)
+    serve(args, spec, store_from(args))
     return {}
 
 
@@ -304,6 +308,10 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
             if not run["deleted"]:
                 print(f"  kept {run['run_key']}: {run['reason']}")
     elif command == "archive":
+        for row in result.get("rows", []) if result.get("plan_only") else []:
+            print(f"  {row.get('status', ''):>8}  {row.get('relative_path', '')}  {row.get('reason') or ''}")
+        if result.get("message"):
+            print(result["message"])
         counts = result.get("counts", {})
         print(", ".join(f"{k}: {v}" for k, v in counts.items()) or "nothing to do")
         print(f"manifest: {result.get('manifest_json')}")
