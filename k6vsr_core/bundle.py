@@ -374,7 +374,11 @@ def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None
     dit = kwargs["transformer"]
     _check_head(dit.get("out_visual_dim", 640), dit.get("in_visual_dim", 64), scheduler)
     is_piflow = scheduler["_class_name"] == PIFLOW
-    tile_sizes = dit.get("tile_sizes") or Kandinsky6SRTransformer3DModel.__init__.__defaults__[-1]  # type: ignore[index]
+    # The released config has no `tile_sizes`: the class default is the release's (diffusers wraps `__init__`, so
+    # its defaults are read through the signature, which follows the wrapper).
+    tile_sizes = dit.get("tile_sizes") or inspect.signature(Kandinsky6SRTransformer3DModel.__init__).parameters[
+        "tile_sizes"
+    ].default
     sr_params = raw["transformer"].get("sr_params") or {}
     print_fp = fingerprint(path)
     info = BundleInfo(

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from k6vsr_core.attention import set_attention
+from k6vsr_core.attention import AttentionMode, set_attention
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.plan import ClipPlan, TileChunk
 from k6vsr_core.tiling import TileBlender, pad_video, pre_upscale_video, resize_video
@@ -86,6 +86,17 @@ def chunk_noise(shape: tuple[int, ...], seed: int, device: torch.device, dtype: 
     return torch.randn((n * t, h, w, c), generator=generator, device=device, dtype=dtype).reshape(shape)
 
 
+def use_attention(bundle: ModelBundle, mode: AttentionMode) -> None:
+    """Switch the DiT to `mode`; a bundle prepared by `k6vsr_core.fast.compile_bundle` then installs its own processors.
+
+    Fast-path hook: the plain path has no `attention_hook` and runs exactly as before.
+    """
+    set_attention(bundle.transformer, mode)
+    hook = getattr(bundle, "attention_hook", None)
+    if hook is not None:
+        hook(mode)
+
+
 @torch.no_grad()
 def denoise_chunk(
     bundle: ModelBundle,
@@ -98,7 +109,7 @@ def denoise_chunk(
     device = bundle.device
     dit = bundle.transformer
     dtype = dit.dtype
-    set_attention(dit, plan.params.attention)
+    use_attention(bundle, plan.params.attention)
     upscaled = bundle.latent_upscaler(
         lr_tiles.to(device, bundle.latent_upscaler.dtype), scale=plan.params.tiling_scale, return_dict=False
     )[0]

@@ -507,3 +507,18 @@ def test_hub_repo_id_loads_from_the_local_hugging_face_cache(
     assert bundle.info.model_id == "acme/tiny-vsr"
     assert bundle.info.identity == f"acme/tiny-vsr@{revision}"
     assert Path(bundle.info.path) == snapshot
+
+
+def test_released_transformer_config_without_tile_sizes_uses_the_trained_tiles(
+    tiny_bundle_path: Path, tmp_path: Path
+) -> None:
+    """The released transformer/config.json has no `tile_sizes`: the class default (the release's) applies."""
+    from k6vsr_core.bundle import inspect_bundle
+    from k6vsr_core.tiling import RESOLUTIONS
+
+    path = _copy(tiny_bundle_path, tmp_path)
+    config_file = path / "transformer" / "config.json"
+    config = json.loads(config_file.read_text())
+    del config["tile_sizes"]
+    config_file.write_text(json.dumps(config))
+    assert inspect_bundle(path).info.tile_sizes == RESOLUTIONS

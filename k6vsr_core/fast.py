@@ -1,0 +1,413 @@
+"""The GPU fast path: compiled DiT blocks, the fastest attention kernels, a compiled KVAE decoder, optional offload.
+
+`compile_bundle(bundle)` prepares a loaded bundle in place; every stage function then runs faster with the same
+contract. What it changes, on a CUDA device:
+
+- DiT: `compile_repeated_blocks(fullgraph=True, dynamic=False)` (one graph shared by the 32 blocks, per tile shape).
+- Attention: dense mode calls cuDNN's fused attention (the fastest kernel at the tile shape on Hopper) when a
+  probe on the device passes, else SDPA's default choice; NABLA mode calls flex attention with explicit kernel
+  options (`BLOCK_M = BLOCK_N = 64`, 4 warps, 3 stages), which torch 2.11 needs to compile NABLA's 64-token blocks.
+- Inductor's deterministic mode (no kernel choice by on-device timing), so worker processes compile the same
+  kernels. Measured on two H200s (bench/RESULTS.md): DiT latents are bit-identical across workers, KVAE-decoded
+  pixels were not (tiles decoded in another process differed by up to 13 levels); still open.
+- KVAE decoder: `torch.compile(dynamic=False)`, with Inductor's caches (FX graph, AOT autograd, Triton kernels) kept
+  in a per-user folder, so the long first compile is paid once per machine rather than once per process.
+- `mode="low_memory"`: component offload; only the component in use (KVAE, latent upscaler or DiT) is on the GPU,
+  the others wait in pinned host memory. Weights never change, so leaving the GPU is free: only loading copies.
+
+Models already run in bf16 on CUDA (`load_bundle`), and the denoise state stays fp32 as the contract asks.
+
+On a CPU nothing is compiled and the attention processors fall back to the plain ones, so outputs are bit-identical
+to the plain path. On a GPU, compiled kernels round differently from eager ones, so the fast path's frames are not
+bit-equal to the plain path's; with random weights those rounding differences grow through the network (the
+benchmark measured 31 dB PSNR between them on W2), so only real weights can say how close they are in practice.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from k6vsr_core.attention import AttentionMode, DenseSdpaProcessor
+from k6vsr_core.bundle import ModelBundle
+
+FastMode = Literal["fast", "low_memory"]
+CACHE_ENV = "K6VSR_COMPILE_CACHE"
+# Flex attention tile sizes must divide NABLA's 64-token blocks; 4 warps and 3 stages were the fastest measured on
+# an H200 at the STA-floor density (performance-baseline.md).
+FLEX_KERNEL_OPTIONS: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+DYNAMO_RECOMPILE_LIMIT = 64
+
+
+# ---------------------------------------------------------------------------------------------------- compile cache
+
+
+def compile_cache_dir() -> Path:
+    """`$K6VSR_COMPILE_CACHE`, else `<XDG cache or ~/.cache>/k6vsr/compile`."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "k6vsr" / "compile"
+
+
+def enable_compile_cache(path: str | os.PathLike[str] | None = None) -> Path:
+    """Point Inductor's persistent caches at `path` (default `compile_cache_dir()`), unless already set.
+
+    Call before the first compile of the process: Inductor picks its cache folder when it first needs it. An
+    explicit `TORCHINDUCTOR_CACHE_DIR` wins.
+    """
+    root = Path(path) if path is not None else compile_cache_dir()
+    inductor = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor")))
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    inductor.mkdir(parents=True, exist_ok=True)
+    try:
+        from torch._inductor import config as inductor_config
+
+        inductor_config.fx_graph_cache = True
+        if hasattr(inductor_config, "autograd_cache"):
+            inductor_config.autograd_cache = True  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - every torch this project supports has Inductor
+        pass
+    return inductor
+
+
+def _raise_recompile_limit() -> None:
+    """Each tile shape and attention mode is one more graph of the same block code; the default limit is 8."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name) and getattr(config, name) < DYNAMO_RECOMPILE_LIMIT:
+            setattr(config, name, DYNAMO_RECOMPILE_LIMIT)
+
+
+def _deterministic_inductor() -> bool:
+    """Inductor's deterministic mode: no kernel choice by on-device timing where it could change numerics."""
+    from torch._inductor import config as inductor_config
+
+    if not hasattr(inductor_config, "deterministic"):
+        return False
+    inductor_config.deterministic = True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+
+def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """cuDNN's fused attention on (B, heads, S, D) inputs; the same function as SDPA, another kernel."""
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, None, False, 0.0, False, False)[0]
+
+
+def cudnn_attention_works(device: torch.device) -> bool:
+    """Whether cuDNN attention runs on `device` and agrees with the math kernel (a small eager probe, no compile)."""
+    if device.type != "cuda":
+        return False
+    try:
+        generator = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (
+            torch.randn((1, 256, 4, 64), device=device, dtype=torch.bfloat16, generator=generator).transpose(1, 2)
+            for _ in range(3)
+        )
+        out = _cudnn_attention(q, k, v).float()
+        ref = torch.softmax((q.float() @ k.float().transpose(-2, -1)) / 8.0, dim=-1) @ v.float()
+        return bool(((out - ref).norm() / ref.norm()).item() < 2e-2)
+    except Exception:  # noqa: BLE001 - any failure means: use the default SDPA dispatch
+        return False
+
+
+class FastDenseProcessor(DenseSdpaProcessor):
+    """Dense attention through cuDNN's fused kernel on CUDA where it works; elsewhere exactly the plain processor.
+
+    Same projections, norms and rotary arithmetic as `DenseSdpaProcessor`; only the attention kernel is chosen
+    explicitly (cuDNN measured 474 TFLOP/s at the tile shape on an H200, flash 319). `compile_bundle` sets
+    `use_cudnn` after probing the device.
+    """
+
+    def __init__(self, use_cudnn: bool = False) -> None:
+        self.use_cudnn = use_cudnn
+        self.apply_rotary = _diffusers_functions()["apply_rotary"]
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any) -> torch.Tensor:
+        if not (self.use_cudnn and hidden_states.is_cuda):
+            return super().__call__(attn, hidden_states, rotary_emb, sparse_params)
+        apply_rotary = self.apply_rotary
+        query = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
+        key = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
+        value = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
+        query = attn.query_norm(query.float()).type_as(query)
+        key = attn.key_norm(key.float()).type_as(key)
+        query = apply_rotary(query, rotary_emb)
+        key = apply_rotary(key, rotary_emb)
+        out = _cudnn_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+        return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
+
+
+_DIFFUSERS: dict[str, Any] = {}
+
+
+def _diffusers_functions() -> dict[str, Any]:
+    """diffusers' SR attention helpers, imported once (outside any traced code after the first call)."""
+    if not _DIFFUSERS:
+        from diffusers.models.transformers import transformer_kandinsky6_sr as sr
+
+        _DIFFUSERS.update(apply_rotary=sr.apply_rotary, nabla_block_mask=sr.nabla_block_mask)
+    return _DIFFUSERS
+
+
+def _nabla_processor_base() -> type:
+    from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttnProcessor
+
+    return Kandinsky6SRAttnProcessor
+
+
+@functools.lru_cache(maxsize=None)
+def fast_nabla_processor_class() -> type:
+    """The NABLA processor of the fast path (a subclass of diffusers' own, so `set_attention` keeps it)."""
+    base = _nabla_processor_base()
+    helpers = _diffusers_functions()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    class FastNablaProcessor(base):  # type: ignore[misc, valid-type]
+        """diffusers' NABLA arithmetic with explicit flex kernel options on CUDA; the plain processor elsewhere.
+
+        `threshold` overrides the model's `nabla_threshold` (the benchmark's STA-floor run sets 0: only the STA
+        prior and the single strongest block per row are kept). `stats`, a float64 CUDA tensor of two elements,
+        accumulates (kept block pairs, all block pairs) over every call, to report the density actually used.
+        """
+
+        # Off CUDA the plain processor runs (bit-identical); experiments may lift that to test the flex path.
+        cuda_only = True
+
+        def __init__(self, threshold: float | None = None, stats: torch.Tensor | None = None) -> None:
+            self.threshold = threshold
+            self.stats = stats
+
+        def __call__(
+            self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: dict[str, Any]
+        ) -> torch.Tensor:
+            if self.cuda_only and not hidden_states.is_cuda:
+                return super().__call__(attn, hidden_states, rotary_emb, sparse_params)
+            apply_rotary, nabla_block_mask = helpers["apply_rotary"], helpers["nabla_block_mask"]
+            query = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
+            key = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
+            value = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
+            query = attn.query_norm(query.float()).type_as(query)
+            key = attn.key_norm(key.float()).type_as(key)
+            query = apply_rotary(query, rotary_emb)
+            key = apply_rotary(key, rotary_emb)
+            # (B, S, heads, D) -> (B, heads, S, D), the layout of the mask builder and of flex attention.
+            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            threshold = sparse_params["threshold"] if self.threshold is None else self.threshold
+            block_mask = nabla_block_mask(query, key, sparse_params["sta_mask"], thr=threshold)
+            if self.stats is not None:
+                # diffusers files every kept block as a full block (its partial counts are zeros); count both.
+                kept = block_mask.kv_num_blocks.sum().to(torch.float64)
+                if block_mask.full_kv_num_blocks is not None:
+                    kept = kept + block_mask.full_kv_num_blocks.sum().to(torch.float64)
+                total = block_mask.kv_num_blocks.numel() * block_mask.kv_indices.shape[-1]
+                self.stats.add_(torch.stack([kept, torch.full_like(kept, total)]))
+            options = dict(FLEX_KERNEL_OPTIONS) if hidden_states.is_cuda else None
+            if options is None:  # Inductor's CPU flex template wants contiguous inputs
+                query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+            out = flex_attention(query, key, value, block_mask=block_mask, kernel_options=options)
+            return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
+
+    return FastNablaProcessor
+
+
+def _attention_modules(transformer: Any) -> list[Any]:
+    from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttention
+
+    return [module for module in transformer.modules() if isinstance(module, Kandinsky6SRAttention)]
+
+
+class AttentionSwitch:
+    """Installs the fast processors for a mode, reusing one processor object per layer and mode.
+
+    `stages.denoise_chunk` calls it after the plain `set_attention`. Reusing the same objects matters under
+    `torch.compile`: the compiled blocks are guarded on the processor they were traced with, so fresh objects on
+    every switch would mean a recompile on every switch.
+    """
+
+    def __init__(self, transformer: Any, use_cudnn: bool = False) -> None:
+        self.transformer = transformer
+        modules = _attention_modules(transformer)
+        nabla_cls = fast_nabla_processor_class()
+        self.processors: dict[str, list[Any]] = {
+            "dense": [FastDenseProcessor(use_cudnn) for _ in modules],
+            "nabla": [nabla_cls() for _ in modules],
+        }
+
+    def __call__(self, mode: AttentionMode) -> None:
+        for module, processor in zip(_attention_modules(self.transformer), self.processors[mode]):
+            if module.processor is not processor:
+                module.set_processor(processor)
+
+    def nabla_settings(self, threshold: float | None = None, stats: torch.Tensor | None = None) -> None:
+        """Set the NABLA threshold override and the density accumulator on every layer (benchmark use)."""
+        for processor in self.processors["nabla"]:
+            processor.threshold = threshold
+            processor.stats = stats
+
+
+# ---------------------------------------------------------------------------------------------------- offload
+
+
+class ComponentOffload:
+    """Keep only the component in use on the compute device; the others wait in (pinned) host memory.
+
+    The host copies are made once; leaving the GPU drops the device copy, entering copies host -> device. The
+    KVAE enters on `encode`/`decode`, the latent upscaler and the DiT on `forward`.
+    """
+
+    def __init__(self, bundle: ModelBundle, device: torch.device) -> None:
+        self.device = device
+        self.components: dict[str, torch.nn.Module] = {
+            "vae": bundle.vae,
+            "latent_upscaler": bundle.latent_upscaler,
+            "transformer": bundle.transformer,
+        }
+        pin = device.type == "cuda"
+        self.host: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for name, module in self.components.items():
+            pairs = []
+            for tensor in [*module.parameters(), *module.buffers()]:
+                if tensor.device.type == "cpu" and device.type == "cpu":
+                    # Nothing to move. Not even a copy: CPU matmuls round differently on differently aligned
+                    # weights (safetensors maps them at any 8-byte offset), and outputs must not change.
+                    pairs.append((tensor, tensor.data))
+                    continue
+                host = tensor.data.to("cpu", copy=True)
+                pairs.append((tensor, host.pin_memory() if pin else host))
+            self.host[name] = pairs
+        self.resident: str | None = None
+        for name in self.components:
+            self._leave(name)
+        self.transfers = 0
+
+    def _leave(self, name: str) -> None:
+        for tensor, host in self.host[name]:
+            tensor.data = host
+
+    def _enter(self, name: str) -> None:
+        non_blocking = self.device.type == "cuda"
+        for tensor, host in self.host[name]:
+            tensor.data = host.to(self.device, non_blocking=non_blocking)  # no copy when already there
+
+    def use(self, name: str) -> None:
+        if self.resident == name:
+            return
+        if self.resident is not None:
+            self._leave(self.resident)
+        self._enter(name)
+        self.resident = name
+        self.transfers += 1
+
+    def install(self) -> None:
+        def pre_hook(name: str) -> Any:
+            return lambda module, args, kwargs=None: self.use(name)
+
+        self.components["transformer"].register_forward_pre_hook(pre_hook("transformer"))
+        self.components["latent_upscaler"].register_forward_pre_hook(pre_hook("latent_upscaler"))
+        vae = self.components["vae"]
+        for method in ("encode", "decode"):
+            original = getattr(vae, method)
+
+            def entered(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                self.use("vae")
+                return _original(*args, **kwargs)
+
+            # An instance attribute shadows the class method: only this bundle's KVAE is affected.
+            object.__setattr__(vae, method, entered)
+
+
+class _OffloadedBundle(ModelBundle):
+    """A bundle whose `device` is the compute device, wherever the DiT's weights are at the moment."""
+
+    _compute_device: torch.device
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self._compute_device
+
+
+# ---------------------------------------------------------------------------------------------------- entry point
+
+
+@dataclass
+class FastPath:
+    """What `compile_bundle` did to a bundle (kept on it as `bundle.fast_path`)."""
+
+    device: str
+    mode: str
+    compiled_dit: bool = False
+    compiled_decoder: bool = False
+    offload: bool = False
+    cache_dir: str | None = None
+    cudnn_attention: bool = False
+    deterministic: bool = False
+    flex_kernel_options: dict[str, int] = field(default_factory=lambda: dict(FLEX_KERNEL_OPTIONS))
+    notes: list[str] = field(default_factory=list)
+
+
+def compile_bundle(
+    bundle: ModelBundle,
+    mode: FastMode = "fast",
+    *,
+    compile_dit: bool = True,
+    compile_decoder: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    deterministic: bool = True,
+    on_cpu: bool = False,
+) -> FastPath:
+    """Prepare `bundle` in place for fast inference; returns what was done. Idempotent.
+
+    `mode="low_memory"` adds component offload. `deterministic` keeps Inductor from choosing kernels by timing
+    them, so every process (every worker of a clip) compiles the same kernels. On a CPU this compiles nothing
+    (unless `on_cpu`, for experiments) and leaves the arithmetic untouched, so outputs stay bit-identical.
+    """
+    if mode not in ("fast", "low_memory"):
+        raise ValueError(f"mode={mode!r} is not known; allowed: fast or low_memory")
+    existing = getattr(bundle, "fast_path", None)
+    if existing is not None:
+        if existing.mode != mode:
+            raise ValueError(f"bundle already prepared with mode={existing.mode!r}; load it again for {mode!r}")
+        return existing
+    device = bundle.device
+    cuda = device.type == "cuda"
+    path = FastPath(device=str(device), mode=mode)
+    compiling = (cuda or on_cpu) and (compile_dit or compile_decoder)
+    if compiling:
+        path.cache_dir = str(enable_compile_cache(cache_dir))
+        _raise_recompile_limit()
+        path.deterministic = _deterministic_inductor() if deterministic else False
+    path.cudnn_attention = cudnn_attention_works(device) if cuda else False
+    switch = AttentionSwitch(bundle.transformer, use_cudnn=path.cudnn_attention)
+    # The hook `stages.denoise_chunk` calls after the plain `set_attention` (see stages.use_attention).
+    bundle.attention_hook = switch  # type: ignore[attr-defined]
+    if compiling and compile_dit:
+        bundle.transformer.compile_repeated_blocks(fullgraph=True, dynamic=False)
+        path.compiled_dit = True
+    if compiling and compile_decoder:
+        # Graph breaks are allowed: the decoder's Python-side segment bookkeeping stays eager where it must.
+        bundle.vae.decoder.compile(dynamic=False)
+        path.compiled_decoder = True
+    if mode == "low_memory":
+        offload = ComponentOffload(bundle, device)
+        offload.install()
+        bundle.__class__ = _OffloadedBundle
+        bundle._compute_device = device  # type: ignore[attr-defined]
+        bundle.offload = offload  # type: ignore[attr-defined]
+        path.offload = True
+        if cuda:
+            torch.cuda.empty_cache()
+    if not cuda:
+        path.notes.append("CPU: nothing compiled; processors fall back to the plain arithmetic")
+    bundle.fast_path = path  # type: ignore[attr-defined]
+    return path

@@ -1,0 +1,181 @@
+"""The fast path on the CPU: `compile_bundle` and the low-memory mode must not change a single output bit, the
+attention hook must reuse its processors, and the benchmark script must run end to end in its tiny mode.
+
+On a GPU the fast path compiles and picks other kernels (the benchmark measures that difference); on a CPU it
+compiles nothing and its processors fall back to the plain arithmetic, which these tests pin down.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from k6vsr_core import fast, stages
+from k6vsr_core.attention import DenseSdpaProcessor
+from k6vsr_core.bundle import ModelBundle, load_bundle
+from k6vsr_core.params import parse_params
+from k6vsr_core.plan import ClipPlan, make_plan
+from k6vsr_core.runner import traits_of, upscale
+from k6vsr_core.sample import make_sample_clip
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def fresh_bundle(tiny_bundle_path: Path) -> ModelBundle:
+    """A bundle of its own: `compile_bundle` changes the bundle it is given."""
+    return load_bundle(str(tiny_bundle_path))
+
+
+@pytest.fixture(scope="module")
+def clip_1f_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_sample_clip(tmp_path_factory.mktemp("fast") / "one.mp4", width=96, height=64, num_frames=1)
+
+
+def _plan(bundle: ModelBundle, attention: str, frames: int = 9) -> ClipPlan:
+    return make_plan((64, 96), frames, 24, parse_params(scale=2, attention=attention), traits_of(bundle))
+
+
+def _stages_output(bundle: ModelBundle, attention: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Encode, denoise the first chunk and decode its first tile of a fixed random 9-frame clip."""
+    plan = _plan(bundle, attention)
+    frames = np.random.default_rng(5).integers(0, 256, (9, 64, 96, 3), dtype=np.uint8)
+    latent = stages.encode_clip(bundle, stages.prepare_source(frames, plan))
+    chunk = plan.chunks[0]
+    denoised = stages.denoise_chunk(bundle, stages.cut_tiles(latent, plan, chunk.tiles), chunk, plan)
+    return latent, denoised, stages.decode_tile(bundle, denoised[0])
+
+
+@pytest.mark.parametrize("attention", ["dense", "nabla"])
+def test_compile_bundle_on_cpu_leaves_every_stage_bit_identical(
+    tiny_bundle: ModelBundle, fresh_bundle: ModelBundle, attention: str
+) -> None:
+    expected = _stages_output(tiny_bundle, attention)
+    path = fast.compile_bundle(fresh_bundle)
+    assert not path.compiled_dit and not path.compiled_decoder and not path.cudnn_attention
+    got = _stages_output(fresh_bundle, attention)
+    for want, have in zip(expected, got):
+        assert torch.equal(want, have)
+
+
+def test_attention_hook_installs_and_reuses_the_fast_processors(fresh_bundle: ModelBundle) -> None:
+    from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttention, Kandinsky6SRAttnProcessor
+
+    layers = [m for m in fresh_bundle.transformer.modules() if isinstance(m, Kandinsky6SRAttention)]
+    stages.use_attention(fresh_bundle, "dense")  # no hook yet: the plain processor itself
+    assert all(type(m.processor) is DenseSdpaProcessor for m in layers)
+    fast.compile_bundle(fresh_bundle)
+    stages.use_attention(fresh_bundle, "dense")
+    dense = [m.processor for m in layers]
+    assert all(isinstance(p, fast.FastDenseProcessor) for p in dense)
+    stages.use_attention(fresh_bundle, "nabla")
+    nabla = [m.processor for m in layers]
+    assert all(isinstance(p, fast.fast_nabla_processor_class()) for p in nabla)
+    assert all(isinstance(p, Kandinsky6SRAttnProcessor) for p in nabla)  # so the plain set_attention keeps it
+    stages.use_attention(fresh_bundle, "dense")
+    assert all(m.processor is p for m, p in zip(layers, dense))  # the same objects: no recompile on a switch
+    stages.use_attention(fresh_bundle, "nabla")
+    assert all(m.processor is p for m, p in zip(layers, nabla))
+
+
+def test_compile_bundle_is_idempotent_and_checks_its_mode(fresh_bundle: ModelBundle) -> None:
+    with pytest.raises(ValueError, match="mode="):
+        fast.compile_bundle(fresh_bundle, mode="turbo")  # type: ignore[arg-type]
+    first = fast.compile_bundle(fresh_bundle)
+    assert fast.compile_bundle(fresh_bundle) is first
+    with pytest.raises(ValueError, match="already prepared"):
+        fast.compile_bundle(fresh_bundle, mode="low_memory")
+
+
+def test_low_memory_mode_gives_identical_frames(
+    tiny_bundle: ModelBundle, fresh_bundle: ModelBundle, clip_1f_small: Path, tmp_path: Path
+) -> None:
+    params = parse_params(scale=2, attention="dense")
+    plain = upscale(clip_1f_small, tmp_path / "plain.mp4", tiny_bundle, params)
+    path = fast.compile_bundle(fresh_bundle, mode="low_memory")
+    assert path.offload
+    offload = fresh_bundle.offload  # type: ignore[attr-defined]
+    low = upscale(clip_1f_small, tmp_path / "low.mp4", fresh_bundle, params)
+    assert Path(low.output).read_bytes() == Path(plain.output).read_bytes()
+    # encode (KVAE), then upscaler and DiT alternating per chunk, then the KVAE again for the decodes.
+    assert offload.transfers == 1 + 2 * plain.plan.num_tiles + 1
+    assert offload.resident == "vae"
+    assert fresh_bundle.device == torch.device("cpu")
+
+
+def test_offload_swaps_weights_in_and_out(fresh_bundle: ModelBundle) -> None:
+    """With a host copy (as on a GPU), leaving drops the weights back to the copy and entering restores them."""
+    offload = fast.ComponentOffload.__new__(fast.ComponentOffload)
+    offload.device = torch.device("cpu")
+    offload.components = {"transformer": fresh_bundle.transformer}
+    weight = next(fresh_bundle.transformer.parameters())
+    copy = weight.data.clone()
+    offload.host = {"transformer": [(weight, copy)]}
+    offload.resident, offload.transfers = None, 0
+    offload.use("transformer")
+    assert weight.data.data_ptr() == copy.data_ptr() and offload.transfers == 1
+    offload.use("transformer")
+    assert offload.transfers == 1
+
+
+def test_enable_compile_cache_uses_the_per_user_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_FX_GRAPH_CACHE", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_AUTOGRAD_CACHE", raising=False)
+    monkeypatch.setenv(fast.CACHE_ENV, str(tmp_path / "cache"))
+    folder = fast.enable_compile_cache()
+    assert folder == tmp_path / "cache" / "inductor" and folder.is_dir()
+    import os
+
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    # An explicit Inductor folder wins.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert fast.enable_compile_cache() == tmp_path / "mine"
+
+
+def test_bench_tiny_smoke(tmp_path: Path) -> None:
+    """The benchmark script end to end in its CPU mode: every in-process phase, then the report."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import run_bench
+    finally:
+        sys.path.remove(str(ROOT))
+    out = tmp_path / "out"
+    code = run_bench.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--label", "smoke",
+                           "--phases", "setup,baseline,plain,fast,offload"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    records = {(r["name"], r["workload"]): r for r in results["records"]}
+    assert not [r for r in results["records"] if r.get("error")], [r["error"] for r in results["records"] if r.get("error")]
+    assert records[("diffusers", "W1")]["seconds"] > 0
+    hot = records[("ours-fast hot (dense)", "W2")]
+    assert hot["vs_plain"]["same_bytes"]  # on a CPU the fast path is the plain path
+    low = records[("ours-low-memory hot (dense)", "W1")]
+    assert low["vs_fast"]["same_bytes"]
+    assert set(records[("ours-fast hot (dense)", "W1")]["stages"]) >= {"encode", "upscaler", "dit", "decode", "blend", "mux"}
+    table = (out / "RESULTS-fragment.md").read_text()
+    assert "W1 ours dense hot / diffusers" in table
+
+
+@pytest.mark.slow
+def test_bench_tiny_workers_give_identical_bytes(tmp_path: Path) -> None:
+    """Two worker processes through the store-backed stages write the same MP4 as one worker."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import run_bench
+    finally:
+        sys.path.remove(str(ROOT))
+    out = tmp_path / "out"
+    assert run_bench.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--label", "workers",
+                           "--phases", "multi", "--gpus", "2"]) == 0
+    records = json.loads((out / "results.json").read_text())["records"]
+    two = [r for r in records if r["name"] == "store flow, 2 workers"]
+    assert two and two[0]["byte_identical_to_1_worker"] is True, records
