@@ -485,9 +485,12 @@ def _encoder_frames(frames: np.ndarray, fps: int) -> Iterator[av.VideoFrame]:
 
 
 def _mux(
-    container: av.container.OutputContainer, frames: np.ndarray, fps: int, audio: np.ndarray | None
+    container: av.container.OutputContainer, frames: np.ndarray, fps: int, audio: np.ndarray | None, rotation: int
 ) -> None:
     video = container.add_stream(_VIDEO_CODEC, rate=fps, options=dict(_VIDEO_OPTIONS))
+    if rotation:
+        # Pixels stay as stored (the model never sees rotation); players turn them as they did the source.
+        video.set_display_rotation(rotation)
     video.width = frames.shape[2] + frames.shape[2] % 2
     video.height = frames.shape[1] + frames.shape[1] % 2
     video.pix_fmt = _VIDEO_PIX_FMT
@@ -522,7 +525,9 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def write_video(path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray | None) -> None:
+def write_video(
+    path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray | None, rotation: int = 0
+) -> None:
     """Encode RGB frames (and optional mono audio) as an H.264/AAC MP4 at ``path``.
 
     - ``frames``: ``(T, H, W, 3)`` uint8 RGB; frame ``i`` gets pts ``i`` in a
@@ -535,6 +540,8 @@ def write_video(path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray 
       :func:`decode_audio`), trimmed with :func:`trim_audio` and encoded as AAC
       mono 192 kb/s.  ``None``, or audio that trims to nothing, gives a
       video-only file.
+    - ``rotation``: the source's display rotation (degrees, as :func:`probe`
+      reports it), written as the stream's display matrix.
     - The container is always MP4, whatever the file name, so callers can
       write to a temporary name and rename it.  The output is byte-identical for
       identical inputs (no timestamps or library versions are embedded).
@@ -558,7 +565,7 @@ def write_video(path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray 
             # first so browsers can start playback before the whole file loads.
             options={"fflags": "+bitexact", "movflags": "+faststart"},
         ) as container:
-            _mux(container, frames, fps, audio)
+            _mux(container, frames, fps, audio, int(rotation))
     except Exception as exc:
         _remove_quietly(path)
         raise MediaError(path, f"could not write video ({exc})") from exc

@@ -26,6 +26,7 @@ class Decoded(BaseModel):
 
     frames: np.ndarray
     audio: np.ndarray | None
+    rotation: int  # display rotation of the source, carried to the output
     plan: ClipPlan
 
 
@@ -46,10 +47,11 @@ def traits_of(bundle: ModelBundle) -> ModelTraits:
 
 def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) -> Decoded:
     """Decode the kept frames and the audio of a source, and plan the clip on what was actually decoded."""
-    frames, fps = media.decode_frames(path)
+    probe = media.probe(path)
+    frames, fps = media.decode_frames(path, probe)
     audio = media.decode_audio(path)
     plan = make_plan((frames.shape[1], frames.shape[2]), frames.shape[0], fps, params, traits)
-    return Decoded(frames=frames, audio=audio, plan=plan)
+    return Decoded(frames=frames, audio=audio, rotation=probe.rotation, plan=plan)
 
 
 def upscale(
@@ -92,6 +94,6 @@ def upscale(
     lap("decode")
     video = stages.deliver(stages.blend(plan, tiles), plan)
     lap("blend")
-    media.write_video(output, stages.tensor_to_frames(video), plan.fps, decoded.audio)
+    media.write_video(output, stages.tensor_to_frames(video), plan.fps, decoded.audio, decoded.rotation)
     lap("mux")
     return UpscaleResult(output=str(output), plan=plan, timings=timings, dit_calls=calls)

@@ -21,7 +21,7 @@ from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 
 # Bump whenever what a stage stores, or how, changes: old runs then stop matching instead of being misread.
-STAGE_FORMAT_VERSION = 1
+STAGE_FORMAT_VERSION = 2
 
 
 class SourceInfo(BaseModel):
@@ -39,6 +39,7 @@ class RunManifest(BaseModel):
     plan: ClipPlan
     seeds: list[int]
     has_audio: bool
+    rotation: int = 0  # the source's display rotation, written into the output
     versions: dict[str, str]
     created_at: float = Field(default_factory=time.time)
 

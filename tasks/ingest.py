@@ -100,6 +100,7 @@ def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo) ->
         plan=decoded.plan,
         seeds=[chunk.seed for chunk in decoded.plan.chunks],
         has_audio=decoded.audio is not None and decoded.audio.size > 0,
+        rotation=decoded.rotation,
         versions=library_versions(),
     )
     store.write_manifest(manifest)

@@ -144,10 +144,11 @@ def mux(run: RunRef) -> StageResult:
     video = store.get("video", stage="blend")
     if video is None:
         raise MissingInput(f"run {run.run_key}: the blended video is missing or damaged")
-    audio = store.get("audio", stage="ingest", item="audio") if store.read_manifest().has_audio else None
+    manifest = store.read_manifest()
+    audio = store.get("audio", stage="ingest", item="audio") if manifest.has_audio else None
     tmp = store.temp_output()
     try:
-        media.write_video(tmp, video, plan.fps, audio)
+        media.write_video(tmp, video, plan.fps, audio, manifest.rotation)
         store.commit_output(tmp, time.perf_counter() - started)
     finally:
         tmp.unlink(missing_ok=True)

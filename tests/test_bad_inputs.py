@@ -406,7 +406,6 @@ def test_rotation_metadata_runs(rotated_run: Path, corpus: dict[str, Path]) -> N
     assert (info.width, info.height, info.num_frames) == (128, 128, 1)
 
 
-@pytest.mark.xfail(strict=True, reason="the display rotation of the source is not carried to the output yet")
 def test_rotation_metadata_is_kept(rotated_run: Path) -> None:
     assert media.probe(rotated_run).rotation == 90
 
@@ -588,3 +587,14 @@ def test_command_line_prints_one_line_and_no_traceback(corpus: dict[str, Path], 
 def test_debug_flag_raises_in_process(cli: Cli, corpus: dict[str, Path]) -> None:
     with pytest.raises(media.MediaError, match="empty file"):
         main(["upscale", str(corpus["zero"]), "--debug", "--store", str(cli.store)])
+
+
+def test_rotated_output_equals_the_in_memory_runner(
+    rotated_run: Path, corpus: dict[str, Path], tiny_bundle_path: Path, tmp_path: Path
+) -> None:
+    from k6vsr_core import UpscaleParams, load_bundle, upscale
+
+    reference = tmp_path / "ref.mp4"
+    upscale(corpus["rotated"], reference, load_bundle(str(tiny_bundle_path)), UpscaleParams(scale=2))
+    assert media.probe(reference).rotation == 90
+    assert reference.read_bytes() == rotated_run.read_bytes()
