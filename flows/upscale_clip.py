@@ -6,6 +6,7 @@ work: the next run of the same clip and parameters finds the finished stages by 
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -40,6 +41,32 @@ class ClipSummary(BaseModel):
 
 class TileFailure(RuntimeError):
     """Some tiles failed on every attempt; every finished tile stays stored for the next run."""
+
+
+class WorkersUnavailable(RuntimeError):
+    """Worker processes did not run a trivial task in time (not started, or cannot import k6vsr)."""
+
+
+# Long enough for a cluster of GPU workers to start and import torch; a worker that cannot import k6vsr would
+# otherwise be restarted by Dask forever and the run would hang instead of failing.
+WORKERS_READY_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_READY_TIMEOUT", "300"))
+
+
+def _check_workers() -> None:
+    """With process workers, one trivial task must complete before tiles are sent."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is None or type(context.task_runner).__name__ != "DaskTaskRunner":
+        return
+    future = stage_tasks.workers_ready.submit()
+    future.wait(timeout=WORKERS_READY_TIMEOUT_S)
+    if not future.state.is_completed():
+        raise WorkersUnavailable(
+            f"no Dask worker ran a trivial k6vsr task within {WORKERS_READY_TIMEOUT_S:g} s "
+            f"(state {future.state.name}): check that k6vsr is installed where the workers run and that they "
+            "started (K6VSR_WORKERS_READY_TIMEOUT sets the wait)"
+        )
 
 
 def default_output_name(source: str | Path, params: UpscaleParams, now: datetime | None = None) -> str:
@@ -119,6 +146,7 @@ def upscale_clip(
 
 def _tiles(run, model: ModelSpec, plan, record) -> list[StageResult]:
     """Denoise every chunk and decode every tile concurrently; a decode waits only for its own chunk."""
+    _check_workers()
     progress = artifacts.start_progress(run.run_key, plan.num_tiles)
     chunk_futures = [
         stage_tasks.denoise.submit(run, model, chunk.index, "-".join(map(str, chunk.tiles))) for chunk in plan.chunks

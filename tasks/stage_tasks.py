@@ -157,3 +157,13 @@ def mux(run: RunRef) -> StageResult:
 
 def stored_frames(run: RunRef) -> np.ndarray | None:
     return _store(run).get("frames", stage="ingest")
+
+
+@task(name="workers-ready", cache_policy=NO_CACHE)
+def workers_ready() -> dict[str, str]:
+    """Runs on a worker: proves it can import and run k6vsr's tasks before any tile is sent to it."""
+    import os
+
+    from storage.manifest import library_versions
+
+    return {"pid": str(os.getpid()), **library_versions()}

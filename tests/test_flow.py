@@ -185,3 +185,18 @@ def test_plan_command_loads_no_model(tiny_bundle_path: Path, clip_1f: Path, tmp_
     assert plan["chunks"][1] == {"tiles": [1], "seed": 43}
     assert plan["output_size"] == {"width": 256, "height": 192}
     assert plan["finished_run_exists"] is False
+
+
+def test_unready_dask_workers_fail_the_run_instead_of_hanging(
+    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path
+) -> None:
+    """A worker that never runs a task (here: no time to start) ends the run with a clear error."""
+    env = {**os.environ, "K6VSR_WORKERS_READY_TIMEOUT": "0.001"}
+    argv = [
+        "upscale", str(clip_1f), "-o", str(tmp_path), "--scale", "2", "--model", str(tiny_bundle_path),
+        "--store", str(tmp_path / "store"), "--workers", "2", "--json",
+    ]
+    done = subprocess.run([sys.executable, "-m", "flows.cli", *argv], capture_output=True, text=True, env=env)
+    assert done.returncode == 1
+    assert "no Dask worker ran a trivial k6vsr task" in done.stderr
+    assert not list(tmp_path.glob("*.mp4"))
