@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -153,10 +152,6 @@ def mux(run: RunRef) -> StageResult:
     finally:
         tmp.unlink(missing_ok=True)
     return StageResult(stage="mux", computed=True, seconds=time.perf_counter() - started)
-
-
-def stored_frames(run: RunRef) -> np.ndarray | None:
-    return _store(run).get("frames", stage="ingest")
 
 
 @task(name="workers-ready", cache_policy=NO_CACHE)
