@@ -13,8 +13,30 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.transformers.transformer_kandinsky6_sr import (
+    Kandinsky6SRAttention,
+    Kandinsky6SRAttnProcessor,
+    apply_rotary,
+)
 
 AttentionMode = Literal["nabla", "dense"]
+
+
+def project_qkv(
+    attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The SR attention's query, key and value in `(B, heads, S, D)`: projections, fp32 RMS norms, rotary.
+
+    The same arithmetic as `Kandinsky6SRAttnProcessor`, shared by every processor here.
+    """
+    query = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
+    key = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
+    value = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
+    query = attn.query_norm(query.float()).type_as(query)
+    key = attn.key_norm(key.float()).type_as(key)
+    query = apply_rotary(query, rotary_emb)
+    key = apply_rotary(key, rotary_emb)
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
 
 class DenseSdpaProcessor:
@@ -22,28 +44,16 @@ class DenseSdpaProcessor:
 
     _parallel_config = None
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any) -> torch.Tensor:
-        from diffusers.models.transformers.transformer_kandinsky6_sr import apply_rotary
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(query, key, value)
 
-        query = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
-        key = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
-        value = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
-        query = attn.query_norm(query.float()).type_as(query)
-        key = attn.key_norm(key.float()).type_as(key)
-        query = apply_rotary(query, rotary_emb)
-        key = apply_rotary(key, rotary_emb)
-        # (B, S, heads, D) -> (B, heads, S, D) for SDPA and back.
-        out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any) -> torch.Tensor:
+        out = self.attend(*project_qkv(attn, hidden_states, rotary_emb))
         return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
 
 
 def set_attention(transformer: Any, mode: AttentionMode) -> None:
     """Switch every attention layer of the DiT to `mode` (idempotent)."""
-    from diffusers.models.transformers.transformer_kandinsky6_sr import (
-        Kandinsky6SRAttention,
-        Kandinsky6SRAttnProcessor,
-    )
-
     if mode not in ("nabla", "dense"):
         raise ValueError(f"attention={mode!r} is not known; allowed: nabla or dense")
     wanted = Kandinsky6SRAttnProcessor if mode == "nabla" else DenseSdpaProcessor
@@ -53,8 +63,6 @@ def set_attention(transformer: Any, mode: AttentionMode) -> None:
 
 
 def attention_mode(transformer: Any) -> AttentionMode:
-    from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttention
-
     for module in transformer.modules():
         if isinstance(module, Kandinsky6SRAttention):
             return "dense" if isinstance(module.processor, DenseSdpaProcessor) else "nabla"

@@ -113,7 +113,7 @@ def resolve_bundle_path(model: str, revision: str | None = None) -> Path:
     try:
         if not _hub_resolvable():
             raise ConnectionError("the hub's host name does not resolve (no network)")
-        with _quiet_hub():
+        with _quiet("huggingface_hub"):
             return Path(snapshot_download(model, revision=revision, allow_patterns=patterns))
     except Exception as err:  # noqa: BLE001 - every hub failure means the same thing to the user
         raise BundleError(
@@ -137,18 +137,6 @@ def _hub_resolvable() -> bool:
     except OSError:
         return False
     return True
-
-
-@contextmanager
-def _quiet_hub() -> Iterator[None]:
-    """Each retry is logged as a warning; the final error below says all the user needs."""
-    logger = logging.getLogger("huggingface_hub")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------------- configs
@@ -401,9 +389,10 @@ def _scheduler_from_config(cls: Any, config: dict[str, Any]) -> Any:
 
 
 @contextmanager
-def _quiet_diffusers() -> Iterator[None]:
-    """The released configs' native key names are translated above; diffusers' 'ignored keys' warning is noise."""
-    logger = logging.getLogger("diffusers")
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Silence a library's warnings for a call whose failure we report ourselves: the hub logs every retry, and
+    diffusers warns about the released configs' native key names, which are translated above."""
+    logger = logging.getLogger(logger_name)
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
@@ -439,7 +428,7 @@ def load_bundle(
         "latent_upscaler": Kandinsky6SRLatentUpscalerBank,
     }
     loaded = {}
-    with _quiet_diffusers():
+    with _quiet("diffusers"):
         for component, cls in classes.items():
             try:
                 # fp32 is the checkpoint's own precision: asking for it would only force diffusers' accelerate path.

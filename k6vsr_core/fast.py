@@ -25,15 +25,17 @@ benchmark measured 31 dB PSNR between them on W2), so only real weights can say 
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
-from k6vsr_core.attention import AttentionMode, DenseSdpaProcessor
+from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttnProcessor, nabla_block_mask
+
+from k6vsr_core.attention import AttentionMode, DenseSdpaProcessor, project_qkv
 from k6vsr_core.bundle import ModelBundle
 
 FastMode = Literal["fast", "low_memory"]
@@ -131,94 +133,51 @@ class FastDenseProcessor(DenseSdpaProcessor):
 
     def __init__(self, use_cudnn: bool = False) -> None:
         self.use_cudnn = use_cudnn
-        self.apply_rotary = _diffusers_functions()["apply_rotary"]
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any) -> torch.Tensor:
-        if not (self.use_cudnn and hidden_states.is_cuda):
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if self.use_cudnn and query.is_cuda:
+            return _cudnn_attention(query, key, value)
+        return super().attend(query, key, value)
+
+
+class FastNablaProcessor(Kandinsky6SRAttnProcessor):
+    """The NABLA processor of the fast path (a subclass of diffusers' own, so `set_attention` keeps it).
+
+    diffusers' NABLA arithmetic with explicit flex kernel options on CUDA; the plain processor elsewhere.
+
+    `threshold` overrides the model's `nabla_threshold` (the benchmark's STA-floor run sets 0: only the STA
+    prior and the single strongest block per row are kept). `stats`, a float64 CUDA tensor of two elements,
+    accumulates (kept block pairs, all block pairs) over every call, to report the density actually used.
+    """
+
+    # Off CUDA the plain processor runs (bit-identical); experiments may lift that to test the flex path.
+    cuda_only = True
+
+    def __init__(self, threshold: float | None = None, stats: torch.Tensor | None = None) -> None:
+        self.threshold = threshold
+        self.stats = stats
+
+    def __call__(
+        self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: dict[str, Any]
+    ) -> torch.Tensor:
+        if self.cuda_only and not hidden_states.is_cuda:
             return super().__call__(attn, hidden_states, rotary_emb, sparse_params)
-        apply_rotary = self.apply_rotary
-        query = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
-        key = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
-        value = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
-        query = attn.query_norm(query.float()).type_as(query)
-        key = attn.key_norm(key.float()).type_as(key)
-        query = apply_rotary(query, rotary_emb)
-        key = apply_rotary(key, rotary_emb)
-        out = _cudnn_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2))
+        query, key, value = project_qkv(attn, hidden_states, rotary_emb)
+        threshold = sparse_params["threshold"] if self.threshold is None else self.threshold
+        block_mask = nabla_block_mask(query, key, sparse_params["sta_mask"], thr=threshold)
+        if self.stats is not None:
+            # diffusers files every kept block as a full block (its partial counts are zeros); count both.
+            kept = block_mask.kv_num_blocks.sum().to(torch.float64)
+            if block_mask.full_kv_num_blocks is not None:
+                kept = kept + block_mask.full_kv_num_blocks.sum().to(torch.float64)
+            total = block_mask.kv_num_blocks.numel() * block_mask.kv_indices.shape[-1]
+            self.stats.add_(torch.stack([kept, torch.full_like(kept, total)]))
+        options = dict(FLEX_KERNEL_OPTIONS) if hidden_states.is_cuda else None
+        if options is None:  # Inductor's CPU flex template wants contiguous inputs
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        out = flex_attention(query, key, value, block_mask=block_mask, kernel_options=options)
         return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
 
-
-_DIFFUSERS: dict[str, Any] = {}
-
-
-def _diffusers_functions() -> dict[str, Any]:
-    """diffusers' SR attention helpers, imported once (outside any traced code after the first call)."""
-    if not _DIFFUSERS:
-        from diffusers.models.transformers import transformer_kandinsky6_sr as sr
-
-        _DIFFUSERS.update(apply_rotary=sr.apply_rotary, nabla_block_mask=sr.nabla_block_mask)
-    return _DIFFUSERS
-
-
-def _nabla_processor_base() -> type:
-    from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttnProcessor
-
-    return Kandinsky6SRAttnProcessor
-
-
-@functools.lru_cache(maxsize=None)
-def fast_nabla_processor_class() -> type:
-    """The NABLA processor of the fast path (a subclass of diffusers' own, so `set_attention` keeps it)."""
-    base = _nabla_processor_base()
-    helpers = _diffusers_functions()
-    from torch.nn.attention.flex_attention import flex_attention
-
-    class FastNablaProcessor(base):  # type: ignore[misc, valid-type]
-        """diffusers' NABLA arithmetic with explicit flex kernel options on CUDA; the plain processor elsewhere.
-
-        `threshold` overrides the model's `nabla_threshold` (the benchmark's STA-floor run sets 0: only the STA
-        prior and the single strongest block per row are kept). `stats`, a float64 CUDA tensor of two elements,
-        accumulates (kept block pairs, all block pairs) over every call, to report the density actually used.
-        """
-
-        # Off CUDA the plain processor runs (bit-identical); experiments may lift that to test the flex path.
-        cuda_only = True
-
-        def __init__(self, threshold: float | None = None, stats: torch.Tensor | None = None) -> None:
-            self.threshold = threshold
-            self.stats = stats
-
-        def __call__(
-            self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: dict[str, Any]
-        ) -> torch.Tensor:
-            if self.cuda_only and not hidden_states.is_cuda:
-                return super().__call__(attn, hidden_states, rotary_emb, sparse_params)
-            apply_rotary, nabla_block_mask = helpers["apply_rotary"], helpers["nabla_block_mask"]
-            query = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
-            key = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
-            value = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
-            query = attn.query_norm(query.float()).type_as(query)
-            key = attn.key_norm(key.float()).type_as(key)
-            query = apply_rotary(query, rotary_emb)
-            key = apply_rotary(key, rotary_emb)
-            # (B, S, heads, D) -> (B, heads, S, D), the layout of the mask builder and of flex attention.
-            query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-            threshold = sparse_params["threshold"] if self.threshold is None else self.threshold
-            block_mask = nabla_block_mask(query, key, sparse_params["sta_mask"], thr=threshold)
-            if self.stats is not None:
-                # diffusers files every kept block as a full block (its partial counts are zeros); count both.
-                kept = block_mask.kv_num_blocks.sum().to(torch.float64)
-                if block_mask.full_kv_num_blocks is not None:
-                    kept = kept + block_mask.full_kv_num_blocks.sum().to(torch.float64)
-                total = block_mask.kv_num_blocks.numel() * block_mask.kv_indices.shape[-1]
-                self.stats.add_(torch.stack([kept, torch.full_like(kept, total)]))
-            options = dict(FLEX_KERNEL_OPTIONS) if hidden_states.is_cuda else None
-            if options is None:  # Inductor's CPU flex template wants contiguous inputs
-                query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-            out = flex_attention(query, key, value, block_mask=block_mask, kernel_options=options)
-            return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
-
-    return FastNablaProcessor
 
 
 def _attention_modules(transformer: Any) -> list[Any]:
@@ -238,7 +197,7 @@ class AttentionSwitch:
     def __init__(self, transformer: Any, use_cudnn: bool = False) -> None:
         self.transformer = transformer
         modules = _attention_modules(transformer)
-        nabla_cls = fast_nabla_processor_class()
+        nabla_cls = FastNablaProcessor
         self.processors: dict[str, list[Any]] = {
             "dense": [FastDenseProcessor(use_cudnn) for _ in modules],
             "nabla": [nabla_cls() for _ in modules],

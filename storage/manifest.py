@@ -7,6 +7,7 @@ the same parameters always maps to the same run, and a change to any of them sta
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -44,13 +45,21 @@ class RunManifest(BaseModel):
     created_at: float = Field(default_factory=time.time)
 
 
-def source_info(path: str | Path, block: int = 1 << 20) -> SourceInfo:
-    path = Path(path)
+def source_info(path: str | Path) -> SourceInfo:
+    """The source's identity. Hashed once per process and file version: planning, the flow and the CLI all ask."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    digest = _sha256(str(path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    return SourceInfo(path=str(path), sha256=digest, size=stat.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256(path: str, size: int, mtime_ns: int, inode: int, block: int = 1 << 20) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as handle:
+    with open(path, "rb") as handle:
         while chunk := handle.read(block):
             digest.update(chunk)
-    return SourceInfo(path=str(path.resolve()), sha256=digest.hexdigest(), size=path.stat().st_size)
+    return digest.hexdigest()
 
 
 def output_params(params: UpscaleParams) -> dict[str, Any]:

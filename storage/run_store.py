@@ -111,6 +111,15 @@ class RunStore:
             return None
         return value if array_checksum(value) == record.checksum else None
 
+    def preview(self, name: str, index: int, *, stage: str, item: str = "all") -> np.ndarray | None:
+        """One slice of a finished array, unverified: for thumbnails, not for computing."""
+        if self.records.read(stage, item) is None:
+            return None
+        try:
+            return np.asarray(self._group()[name][index])
+        except Exception:  # noqa: BLE001 - a preview is best effort
+            return None
+
     def put_tile(
         self, name: str, index: int, num_tiles: int, value: np.ndarray, *, stage: str, seconds: float = 0.0
     ) -> None:

@@ -51,6 +51,12 @@ class MissingInput(RuntimeError):
     """A stage's input is not (or no longer) in the store; the flow reruns the stage that makes it."""
 
 
+def _require(value: Any, run: RunRef, what: str) -> Any:
+    if value is None:
+        raise MissingInput(f"run {run.run_key}: {what} is missing or damaged")
+    return value
+
+
 @task(name="encode", task_run_name="encode-{run.run_key}", **STAGE_TASK)
 def encode(run: RunRef, model: ModelSpec) -> StageResult:
     store = _store(run)
@@ -58,9 +64,7 @@ def encode(run: RunRef, model: ModelSpec) -> StageResult:
         return StageResult(stage="encode", computed=False)
     started = time.perf_counter()
     plan = _plan(store)
-    frames = store.get("frames", stage="ingest")
-    if frames is None:
-        raise MissingInput(f"run {run.run_key}: the decoded frames are missing or damaged; ingest again")
+    frames = _require(store.get("frames", stage="ingest"), run, "the decoded source")
     latent = stages.encode_clip(get_bundle(model), stages.prepare_source(frames, plan))
     seconds = time.perf_counter() - started
     store.put("latent", latent.numpy(), stage="encode", seconds=seconds)
@@ -76,9 +80,7 @@ def denoise(run: RunRef, model: ModelSpec, chunk_index: int, tiles_label: str = 
     if all(store.tile_done("tile_latents", i, stage="denoise") for i in chunk.tiles):
         return StageResult(stage="denoise", item=str(chunk_index), computed=False, tiles=chunk.tiles)
     started = time.perf_counter()
-    latent = store.get("latent", stage="encode")
-    if latent is None:
-        raise MissingInput(f"run {run.run_key}: the encoded latent is missing or damaged; encode again")
+    latent = _require(store.get("latent", stage="encode"), run, "the encoded latent")
     calls = 0
 
     def count(_: int) -> None:
@@ -103,9 +105,7 @@ def decode(run: RunRef, model: ModelSpec, tile: int) -> StageResult:
     if store.tile_done("tiles", tile, stage="decode"):
         return StageResult(stage="decode", item=str(tile), computed=False, tiles=(tile,))
     started = time.perf_counter()
-    latent = store.get_tile("tile_latents", tile, stage="denoise")
-    if latent is None:
-        raise MissingInput(f"run {run.run_key}: the denoised latent of tile {tile} is missing or damaged")
+    latent = _require(store.get_tile("tile_latents", tile, stage="denoise"), run, f"the denoised latent of tile {tile}")
     pixels = stages.decode_tile(get_bundle(model), torch.from_numpy(latent))
     seconds = time.perf_counter() - started
     store.put_tile("tiles", tile, plan.num_tiles, pixels.numpy(), stage="decode", seconds=seconds)
@@ -122,9 +122,7 @@ def blend(run: RunRef) -> StageResult:
     plan = _plan(store)
     tiles = []
     for index in range(plan.num_tiles):
-        pixels = store.get_tile("tiles", index, stage="decode")
-        if pixels is None:
-            raise MissingInput(f"run {run.run_key}: decoded tile {index} is missing or damaged")
+        pixels = _require(store.get_tile("tiles", index, stage="decode"), run, f"decoded tile {index}")
         tiles.append((index, torch.from_numpy(pixels)))
     video = stages.deliver(stages.blend(plan, tiles), plan)
     seconds = time.perf_counter() - started
@@ -139,11 +137,9 @@ def mux(run: RunRef) -> StageResult:
     if store.output_done():
         return StageResult(stage="mux", computed=False)
     started = time.perf_counter()
-    plan = _plan(store)
-    video = store.get("video", stage="blend")
-    if video is None:
-        raise MissingInput(f"run {run.run_key}: the blended video is missing or damaged")
     manifest = store.read_manifest()
+    plan = manifest.plan
+    video = _require(store.get("video", stage="blend"), run, "the blended video")
     audio = store.get("audio", stage="ingest", item="audio") if manifest.has_audio else None
     tmp = store.temp_output()
     try:

@@ -74,7 +74,7 @@ def test_attention_hook_installs_and_reuses_the_fast_processors(fresh_bundle: Mo
     assert all(isinstance(p, fast.FastDenseProcessor) for p in dense)
     stages.use_attention(fresh_bundle, "nabla")
     nabla = [m.processor for m in layers]
-    assert all(isinstance(p, fast.fast_nabla_processor_class()) for p in nabla)
+    assert all(isinstance(p, fast.FastNablaProcessor) for p in nabla)
     assert all(isinstance(p, Kandinsky6SRAttnProcessor) for p in nabla)  # so the plain set_attention keeps it
     stages.use_attention(fresh_bundle, "dense")
     assert all(m.processor is p for m, p in zip(layers, dense))  # the same objects: no recompile on a switch
