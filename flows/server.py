@@ -25,11 +25,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from email.message import Message
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
@@ -230,49 +231,6 @@ class UploadTooLarge(ApiError):
                          param=FILE_FIELD, code="file_too_large")
 
 
-class _Stream:
-    """Incremental reads from the request body: bytes up to a marker, or a fixed count."""
-
-    def __init__(self, chunks: AsyncIterator[bytes], prefix: bytes = b"") -> None:
-        self._chunks = chunks.__aiter__()
-        self.buffer = bytearray(prefix)
-
-    async def _more(self) -> None:
-        try:
-            self.buffer += await self._chunks.__anext__()
-        except StopAsyncIteration:
-            raise FormError("the body ended before the closing boundary") from None
-
-    async def until(self, marker: bytes, sink: Callable[[bytes], None]) -> None:
-        """Hand everything before `marker` to `sink` as it arrives, and consume the marker."""
-        keep = len(marker) - 1
-        while True:
-            at = self.buffer.find(marker)
-            if at >= 0:
-                if at:
-                    sink(bytes(self.buffer[:at]))
-                del self.buffer[: at + len(marker)]
-                return
-            if len(self.buffer) > keep:
-                cut = len(self.buffer) - keep
-                sink(bytes(self.buffer[:cut]))
-                del self.buffer[:cut]
-            await self._more()
-
-    async def take(self, count: int) -> bytes:
-        while len(self.buffer) < count:
-            await self._more()
-        data = bytes(self.buffer[:count])
-        del self.buffer[:count]
-        return data
-
-
-def _header_params(name: str, value: str) -> Message:
-    message = Message()
-    message[name] = value
-    return message
-
-
 def _capped(limit: int, error: Callable[[], ApiError], write: Callable[[bytes], Any]) -> Callable[[bytes], None]:
     seen = 0
 
@@ -286,59 +244,110 @@ def _capped(limit: int, error: Callable[[], ApiError], write: Callable[[bytes], 
     return sink
 
 
-async def read_form(request: Request, upload_to: Path, max_bytes: int) -> dict[str, str]:
-    """Stream a multipart body: the `video_reference` file goes to `upload_to` (stopping as soon as it passes
-    `max_bytes`), other fields are returned as strings. The client's file name is never used."""
-    boundary = _header_params("content-type", request.headers["content-type"]).get_param("boundary")
-    if not isinstance(boundary, str) or not 1 <= len(boundary) <= 200:
-        raise FormError("missing or invalid boundary in Content-Type")
-    delimiter = b"\r\n--" + boundary.encode("latin-1")
-    # The body's first boundary has no CRLF before it; a prefix lets one delimiter match them all.
-    body = _Stream(request.stream(), prefix=b"\r\n")
-    await body.until(delimiter, lambda _: None)  # preamble
-    fields: dict[str, str] = {}
-    has_file = False
-    while True:
-        after = await body.take(2)
-        if after == b"--":
-            break  # closing boundary; the epilogue is not read
-        if after != b"\r\n":
-            raise FormError("bad boundary line")
-        raw_headers = bytearray()
-        await body.until(b"\r\n\r\n", _capped(MAX_PART_HEADER_BYTES, lambda: FormError("part headers too long"),
-                                              raw_headers.extend))
-        disposition = ""
-        for line in raw_headers.decode("latin-1").split("\r\n"):
-            key, _, value = line.partition(":")
-            if key.strip().lower() == "content-disposition":
-                disposition = value.strip()
-        parsed = _header_params("content-disposition", disposition)
-        name = parsed.get_param("name", header="content-disposition")
-        if not isinstance(name, str) or not name:
+class _FormReceiver:
+    """python-multipart's streaming callbacks: the `video_reference` file goes straight to disk (stopping as soon as
+    it passes the cap), other fields are kept as strings. The client's file name is never used."""
+
+    def __init__(self, upload_to: Path, max_bytes: int) -> None:
+        self.upload_to = upload_to
+        self.max_bytes = max_bytes
+        self.fields: dict[str, str] = {}
+        self.has_file = False
+        self.ended = False
+        self._header: list[bytes] = [b"", b""]
+        self._disposition = b""
+        self._name = ""
+        self._value = bytearray()
+        self._file: Any = None
+        self._sink: Callable[[bytes], None] = lambda _: None
+
+    def callbacks(self) -> dict[str, Callable[..., None]]:
+        return {
+            "on_part_begin": self._begin,
+            "on_header_field": lambda data, start, end: self._add_header(0, data[start:end]),
+            "on_header_value": lambda data, start, end: self._add_header(1, data[start:end]),
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": lambda data, start, end: self._sink(bytes(data[start:end])),
+            "on_part_end": self._part_end,
+            "on_end": self._end,
+        }
+
+    def _begin(self) -> None:
+        self._header, self._disposition, self._value = [b"", b""], b"", bytearray()
+
+    def _add_header(self, which: int, data: bytes) -> None:
+        self._header[which] += data
+
+    def _header_end(self) -> None:
+        if self._header[0].strip().lower() == b"content-disposition":
+            self._disposition = self._header[1].strip()
+        self._header = [b"", b""]
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        name = options.get(b"name", b"").decode("latin-1")
+        if not name:
             raise FormError("a part has no name")
-        if parsed.get_param("filename", header="content-disposition") is not None or name == FILE_FIELD:
+        self._name = name
+        if b"filename" in options or name == FILE_FIELD:
             if name != FILE_FIELD:
                 raise ApiError(400, f"unexpected file field {name!r}; send the clip as {FILE_FIELD!r}", param=name)
-            if has_file:
+            if self.has_file:
                 raise ApiError(400, f"{FILE_FIELD} was sent twice", param=FILE_FIELD)
-            upload_to.parent.mkdir(parents=True, exist_ok=True)
-            with upload_to.open("wb") as handle:
-                await body.until(delimiter, _capped(max_bytes, lambda: UploadTooLarge(max_bytes), handle.write))
-            has_file = True
+            self.upload_to.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.upload_to.open("wb")
+            self._sink = _capped(self.max_bytes, lambda: UploadTooLarge(self.max_bytes), self._file.write)
         else:
-            value = bytearray()
-            await body.until(delimiter, _capped(
+            self._sink = _capped(
                 MAX_FORM_FIELD_BYTES, lambda: ApiError(413, f"form field {name!r} is too long", param=name),
-                value.extend))
-            if name in fields:
-                raise ApiError(400, f"form field {name!r} was sent twice", param=name)
-            try:
-                fields[name] = value.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ApiError(400, f"form field {name!r} is not UTF-8 text", param=name) from None
-    if not has_file:
+                self._value.extend,
+            )
+
+    def _part_end(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self.has_file = True
+            return
+        if self._name in self.fields:
+            raise ApiError(400, f"form field {self._name!r} was sent twice", param=self._name)
+        try:
+            self.fields[self._name] = self._value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ApiError(400, f"form field {self._name!r} is not UTF-8 text", param=self._name) from None
+
+    def _end(self) -> None:
+        self.ended = True
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+async def read_form(request: Request, upload_to: Path, max_bytes: int) -> dict[str, str]:
+    """Stream a multipart body: the clip to `upload_to`, the other fields returned as strings."""
+    _, options = parse_options_header(request.headers["content-type"])
+    boundary = options.get(b"boundary", b"")
+    if not 1 <= len(boundary) <= 200:
+        raise FormError("missing or invalid boundary in Content-Type")
+    receiver = _FormReceiver(upload_to, max_bytes)
+    parser = MultipartParser(boundary, receiver.callbacks(), max_header_size=MAX_PART_HEADER_BYTES)
+    try:
+        async for chunk in request.stream():
+            parser.write(chunk)
+            if receiver.ended:
+                break  # the epilogue is not read
+        parser.finalize()
+    except MultipartParseError as err:
+        raise FormError(f"malformed multipart body ({err})") from None
+    finally:
+        receiver.close()
+    if not receiver.ended:
+        raise FormError("the body ended before the closing boundary")
+    if not receiver.has_file:
         raise ApiError(400, f"the clip is missing: send it as the file field {FILE_FIELD!r}", param=FILE_FIELD)
-    return fields
+    return receiver.fields
 
 
 # ----------------------------------------------------------------------------------------------- the app

@@ -374,7 +374,7 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
     boundary = "b0undary"
     payload = b"x--b0undary\r\n--b0undar\r\n-b0undary\r\n\r\n" * 40 + bytes(range(256))  # near misses only
     body = (
-        f"preamble\r\n--{boundary}\r\n".encode()
+        f"--{boundary}\r\n".encode()
         + b'Content-Disposition: form-data; name="seed"\r\n\r\n7\r\n'
         + f"--{boundary}\r\n".encode()
         + b'Content-Disposition: form-data; name="video_reference"; filename="../../etc/x"\r\n'
