@@ -87,14 +87,13 @@ def run_clip(
     dask_address: str | None = None,
     show_progress: bool = True,
 ) -> Any:
-    from flows.runners import make_task_runner
+    from flows.runners import make_task_runner, uses_processes
     from flows.upscale_clip import upscale_clip
     from tasks.ingest import prepare_run
 
     prepared = prepare_run(source, params, model, store_root)
     runner = make_task_runner(workers, dask_address, gpus)
-    uses_processes = workers > 1 or gpus or dask_address is not None
-    with prefect_api(uses_processes), tile_progress(
+    with prefect_api(uses_processes(workers, gpus, dask_address)), tile_progress(
         store_root, prepared.run.run_key, prepared.plan.num_tiles, show_progress
     ):
         return upscale_clip.with_options(task_runner=runner)(

@@ -316,17 +316,12 @@ def _publish_table(slug: str, rows: list[ArchiveRow], description: str) -> None:
 @contextlib.contextmanager
 def shared_tiles_cluster(workers: int, gpus: bool, dask_address: str | None) -> Iterator[str | None]:
     """The Dask scheduler every clip sends its tiles to: the given one, one started here, or None (threads)."""
-    if dask_address or (workers <= 1 and not gpus):
+    from flows.runners import start_cluster, uses_processes
+
+    if dask_address or not uses_processes(workers, gpus, None):
         yield dask_address
         return
-    if gpus:
-        from dask_cuda import LocalCUDACluster
-
-        cluster = LocalCUDACluster(threads_per_worker=1, **({"n_workers": workers} if workers > 1 else {}))
-    else:
-        from distributed import LocalCluster
-
-        cluster = LocalCluster(n_workers=workers, processes=True, threads_per_worker=1, dashboard_address=None)
+    cluster = start_cluster(workers, gpus)
     with cluster:
         yield cluster.scheduler_address
 
@@ -490,12 +485,6 @@ def _summary(
 # ------------------------------------------------------------------------------------------------ command line
 
 
-def _api_configured() -> bool:
-    from prefect.settings import PREFECT_API_URL
-
-    return bool(os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value())
-
-
 def run_archive_command(args: Any, params: UpscaleParams, spec: ModelSpec, store_root: str | Path) -> dict[str, Any]:
     """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary."""
     from flows.cli import UserError, _check_output_dir
@@ -512,8 +501,8 @@ def run_archive_command(args: Any, params: UpscaleParams, spec: ModelSpec, store
         raise UserError(f"the output folder {args.output_dir} is the input folder; choose another one")
     _check_output_dir(output_dir)
     model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
-    api = contextlib.nullcontext() if _api_configured() else prefect_api(True)
-    with api:
+    # One API for every clip flow and worker (a configured server, else one temporary server for the command).
+    with prefect_api(True):
         state = upscale_archive(
             input_dir=str(source),
             output_dir=str(output_dir),
