@@ -765,6 +765,7 @@ def phase_flexprobe(bench: Bench) -> None:
 
 def _store_ingest(store: Any, source: Path, params: Any, info: Any) -> Any:
     """The flow's ingest task body: decode the kept frames and the audio into the store, write the manifest."""
+    from k6vsr_core.compute import default_profile
     from k6vsr_core.plan import ModelTraits
     from k6vsr_core.runner import read_source
     from storage import RunManifest, source_info
@@ -772,7 +773,7 @@ def _store_ingest(store: Any, source: Path, params: Any, info: Any) -> Any:
 
     traits = ModelTraits(tile_sizes=info.tile_sizes, scheduler=info.scheduler, trained_steps=info.trained_steps)
     decoded = read_source(source, params, traits)
-    manifest = RunManifest(run_key=store.run_key, source=source_info(source), params=params, model=info,
+    manifest = RunManifest(run_key=store.run_key, source=source_info(source), params=params, model=info, compute=default_profile(),
                            plan=decoded.plan, seeds=[c.seed for c in decoded.plan.chunks],
                            has_audio=decoded.audio is not None and decoded.audio.size > 0,
                            versions=library_versions())

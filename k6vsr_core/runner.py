@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from k6vsr_core import media, stages
 from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
 
@@ -60,9 +61,11 @@ def upscale(
     bundle: ModelBundle,
     params: UpscaleParams | None = None,
     on_step: Callable[[int], None] | None = None,
+    compute: ComputeProfile | None = None,
 ) -> UpscaleResult:
-    """Upscale `source` into the MP4 `output` with the loaded `bundle`."""
+    """Upscale `source` into the MP4 `output` with the loaded `bundle`, computing as `compute` (default) says."""
     params = params or UpscaleParams()
+    apply_profile(compute or default_profile())
     timings: dict[str, float] = {}
     calls = 0
 

@@ -18,11 +18,12 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from k6vsr_core.bundle import BundleInfo
+from k6vsr_core.compute import ComputeProfile
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 
 # Bump whenever what a stage stores, or how, changes: old runs then stop matching instead of being misread.
-STAGE_FORMAT_VERSION = 2
+STAGE_FORMAT_VERSION = 3
 
 
 class SourceInfo(BaseModel):
@@ -42,6 +43,7 @@ class RunManifest(BaseModel):
     has_audio: bool
     rotation: int = 0  # the source's display rotation, written into the output
     versions: dict[str, str]
+    compute: ComputeProfile  # how every process computes this run's stages
     created_at: float = Field(default_factory=time.time)
 
 

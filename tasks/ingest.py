@@ -14,6 +14,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from k6vsr_core import media
+from k6vsr_core.compute import apply_profile, default_profile
 from k6vsr_core.bundle import BundleInfo, DEFAULT_MODEL, DEFAULT_REVISION, inspect_bundle, resolve_bundle_path
 from k6vsr_core.params import ParameterError, UpscaleParams
 from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
@@ -91,6 +92,9 @@ def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo) ->
     if _manifest_readable(store) and store.get("frames", stage="ingest") is not None:
         return StageResult(stage="ingest", computed=False)
     started = time.perf_counter()
+    # Chosen here, once per run: every later stage, in any process, computes as this records.
+    compute = default_profile()
+    apply_profile(compute)
     decoded = read_source(source, params, traits(info))
     manifest = RunManifest(
         run_key=run.run_key,
@@ -102,6 +106,7 @@ def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo) ->
         has_audio=decoded.audio is not None and decoded.audio.size > 0,
         rotation=decoded.rotation,
         versions=library_versions(),
+        compute=compute,
     )
     store.write_manifest(manifest)
     if manifest.has_audio:

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from k6vsr_core import media, stages
 from k6vsr_core.bundle import BundleError
+from k6vsr_core.compute import apply_profile
 from k6vsr_core.params import ParameterError
 from k6vsr_core.plan import ClipPlan
 from storage import RunStore
@@ -44,7 +45,10 @@ def _store(run: RunRef) -> RunStore:
 
 
 def _plan(store: RunStore) -> ClipPlan:
-    return store.read_manifest().plan
+    """The run's plan, with this process set to compute as the run's manifest says (see k6vsr_core.compute)."""
+    manifest = store.read_manifest()
+    apply_profile(manifest.compute)
+    return manifest.plan
 
 
 class MissingInput(RuntimeError):
@@ -138,6 +142,7 @@ def mux(run: RunRef) -> StageResult:
         return StageResult(stage="mux", computed=False)
     started = time.perf_counter()
     manifest = store.read_manifest()
+    apply_profile(manifest.compute)
     plan = manifest.plan
     video = _require(store.get("video", stage="blend"), run, "the blended video")
     audio = store.get("audio", stage="ingest", item="audio") if manifest.has_audio else None

@@ -14,6 +14,7 @@ import pytest
 
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.compute import default_profile
 from storage import RunStore, run_key
 from storage.records import RecordBook, array_checksum
 from tasks.descriptors import ModelSpec
@@ -80,6 +81,7 @@ def test_flow_output_equals_runner_and_reuses_everything(
     assert (tmp_path / "a.mp4").read_bytes() == reference
     assert (first.tiles_computed, first.tiles_reused) == (first.tiles_total, 0)
     assert first.dit_calls == 2 * first.tiles_total
+    assert RunStore(tmp_path / "store", first.run_key).read_manifest().compute == default_profile()
     again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
     assert (tmp_path / "b.mp4").read_bytes() == reference
     assert (again.tiles_computed, again.tiles_reused, again.dit_calls) == (0, first.tiles_total, 0)

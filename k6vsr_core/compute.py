@@ -1,0 +1,51 @@
+"""How a run's stages compute, fixed once per run so that resuming, retrying or scaling out never changes a byte.
+
+torch's CPU kernels split their reductions by the intra-op thread count, so the same stage gives other pixels in a
+process with another thread count (measured with the tiny bundle: 1 and 2 threads wrote different MP4s). Processes
+start with different counts: Dask's nanny exports `OMP_NUM_THREADS=1` to its workers, a command gets one per core.
+So the profile is chosen once, when a run is planned, recorded in its manifest, and applied by every process before
+it computes a stage of that run; the in-memory runner applies the same default.
+
+On a GPU the profile turns off cuDNN's benchmark mode, which picks convolution kernels by timing them in each
+process and so could pick others in another worker.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+THREADS_ENV = "K6VSR_CPU_THREADS"
+_LOCK = threading.Lock()
+
+
+class ComputeProfile(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    cpu_threads: int = Field(ge=1, le=1024)  # torch's intra-op threads for every stage
+    cudnn_benchmark: bool = False
+    cudnn_deterministic: bool = True
+
+
+def default_profile() -> ComputeProfile:
+    """`$K6VSR_CPU_THREADS`, else one thread per core this process may run on (not `OMP_NUM_THREADS`)."""
+    explicit = os.environ.get(THREADS_ENV)
+    if explicit:
+        try:
+            threads = int(explicit)
+        except ValueError:
+            raise ValueError(f"{THREADS_ENV}={explicit!r} is not a whole number of threads") from None
+        return ComputeProfile(cpu_threads=threads)
+    return ComputeProfile(cpu_threads=len(os.sched_getaffinity(0)))
+
+
+def apply_profile(profile: ComputeProfile) -> None:
+    """Make this process compute as `profile` says; cheap when it already does."""
+    with _LOCK:
+        if torch.get_num_threads() != profile.cpu_threads:
+            torch.set_num_threads(profile.cpu_threads)
+        torch.backends.cudnn.benchmark = profile.cudnn_benchmark
+        torch.backends.cudnn.deterministic = profile.cudnn_deterministic
