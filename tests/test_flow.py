@@ -99,15 +99,17 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
     ]
     killer = textwrap.dedent(
         f"""
-        import os, signal, sys
+        import os, signal, sys, threading
         import tasks.stage_tasks as st
-        plain, stored = st.RunStore.put_tile, []
+        plain, stored, lock = st.RunStore.put_tile, [], threading.Lock()
         def put_tile(self, name, index, *args, **kwargs):
-            plain(self, name, index, *args, **kwargs)
-            if name == "tile_latents":
-                stored.append(index)
-                if len(stored) == 2:
-                    os.kill(os.getpid(), signal.SIGKILL)
+            # One store at a time, so no other thread's tile lands between the second and the kill.
+            with lock:
+                plain(self, name, index, *args, **kwargs)
+                if name == "tile_latents":
+                    stored.append(index)
+                    if len(stored) == 2:
+                        os.kill(os.getpid(), signal.SIGKILL)
         st.RunStore.put_tile = put_tile
         from flows.cli import main
         sys.exit(main({argv!r}))
