@@ -1,6 +1,6 @@
 """The HTTP job API (`k6vsr serve`), driven over real HTTP on loopback with the tiny random bundle.
 
-One server runs for the module (a real `python -m flows.cli serve` process with an API key, one allowed folder and a
+One server runs for the module (a real `python -m entrypoints.cli serve` process with an API key, one allowed folder and a
 1 MB upload cap) on one store; the restart test kills a first server mid-job and that module server resumes the job.
 Clips are 1-frame and 64 px, so every job has 1 tile (x2, x2.25) or 9 (x4).
 """
@@ -24,8 +24,8 @@ import pytest
 from k6vsr_core import media
 from k6vsr_core.params import parse_params
 from k6vsr_core.sample import make_sample_clip
-from tasks.descriptors import ModelSpec
-from tasks.ingest import prepare_run
+from service.runs import ModelSpec
+from service.runs import prepare_run
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -50,7 +50,7 @@ class Server:
 
     def start(self) -> Server:
         command = [
-            sys.executable, "-m", "flows.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+            sys.executable, "-m", "entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
             "--store", str(self.stack["store"]), "--model", str(self.stack["bundle"]), "--device", "cpu",
             "--allow-path", str(self.stack["allowed"]), "--api-key", KEY, "--max-upload-mb", "1",
         ]
@@ -173,7 +173,7 @@ def _worker_children_of(pid: int) -> list[int]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"flows.jobs" in argv and str(pid).encode() in argv:
+            if b"entrypoints.jobs" in argv and str(pid).encode() in argv:
                 found.append(int(entry.name))
     return found
 
@@ -369,7 +369,7 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
 
     from starlette.requests import Request
 
-    from flows.server import read_form
+    from entrypoints.http_api import read_form
 
     boundary = "b0undary"
     payload = b"x--b0undary\r\n--b0undar\r\n-b0undary\r\n\r\n" * 40 + bytes(range(256))  # near misses only
@@ -398,7 +398,7 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
 
 
 def test_video_path_needs_an_allowed_folder(tmp_path: Path) -> None:
-    from flows.server import ApiError, resolve_video_path
+    from entrypoints.http_api import ApiError, resolve_video_path
 
     clip = make_sample_clip(tmp_path / "a.mp4", width=64, height=64, num_frames=1)
     with pytest.raises(ApiError) as refused:

@@ -5,7 +5,7 @@ under `<store>/jobs/<id>/` (`input` for an upload, `output.mp4` once finished), 
 killed finds its queued and running jobs again when it starts, and requeues them; since every job runs the resumable
 clip flow, the tiles a killed run had finished are reused.
 
-Each worker slot owns one long-lived child process (`python -m flows.jobs`) that imports the pipeline and loads the
+Each worker slot owns one long-lived child process (`python -m entrypoints.jobs`) that imports the pipeline and loads the
 model once, then runs jobs one at a time as the parent hands them over a pipe (one JSON line each way). Cancelling a
 running job terminates that child: SIGTERM first, so Prefect marks the flow run as crashed, then SIGKILL after a
 grace period. Every tile the run had finished stays recorded in the run store. The slot then starts a fresh child.
@@ -134,7 +134,7 @@ class WorkerSlot:
     # The thread that starts a child must outlive it: PR_SET_PDEATHSIG fires when that *thread* exits. So only this
     # slot's own thread ever spawns.
     def _spawn(self) -> None:
-        command = [sys.executable, "-m", "flows.jobs", self.runner.spec.model_dump_json(), str(os.getpid())]
+        command = [sys.executable, "-m", "entrypoints.jobs", self.runner.spec.model_dump_json(), str(os.getpid())]
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
@@ -352,7 +352,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _error_of(err: BaseException) -> dict[str, str]:
-    from flows.cli import describe_error
+    from entrypoints.cli import describe_error
 
     message = describe_error(err)
     if message is not None:
@@ -370,7 +370,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         replies.write(json.dumps(event) + "\n")
         replies.flush()
 
-    from flows.cli import _quiet
+    from entrypoints.cli import _quiet
 
     _quiet(debug=False)
     try:
@@ -378,7 +378,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
         from storage import RunStore
-        from tasks.descriptors import ModelSpec
+        from service.runs import ModelSpec
         from tasks.model_cache import get_bundle
 
         spec = ModelSpec.model_validate_json(spec_json)

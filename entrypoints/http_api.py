@@ -11,7 +11,7 @@ Request fields and their defaults are SGLang's Kandinsky 6 SR sampling parameter
 JSON `video_path` only inside `--allow-path` folders (resolved, so `..` and symbolic links cannot escape), uploads
 streamed to disk under a size cap and stored under the job id, a bearer key on every route with `--api-key`, random
 job ids, and errors as JSON `{"error": {"message", "type", "param", "code"}}`, never a stack trace. Jobs, their queue
-and their worker processes are in `flows.jobs`.
+and their worker processes are in `entrypoints.jobs`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from flows.jobs import ACTIVE, CANCELLED, COMPLETED, IN_PROGRESS, JobRunner, JobStore, new_job_id
+from entrypoints.jobs import ACTIVE, CANCELLED, COMPLETED, IN_PROGRESS, JobRunner, JobStore, new_job_id
 from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
 
 log = logging.getLogger("k6vsr.server")
@@ -409,7 +409,7 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
 
     def prepare(source: Path, params: UpscaleParams, label: str) -> Any:
         from k6vsr_core.media import MediaError
-        from tasks.ingest import prepare_run
+        from service.runs import prepare_run
 
         try:
             return prepare_run(source, params, spec, config.store_root)
@@ -550,7 +550,7 @@ def serve(args: Any, spec: Any, store_root: Path) -> None:
     import uvicorn
 
     from flows.orchestrate import prefect_api
-    from tasks.ingest import model_info
+    from service.runs import model_info
 
     if not log.handlers:  # our own handler: Prefect's logging setup reconfigures the root logger
         handler = logging.StreamHandler()

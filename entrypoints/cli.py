@@ -139,7 +139,7 @@ def params_from(args: argparse.Namespace) -> Any:
 
 
 def model_from(args: argparse.Namespace) -> Any:
-    from tasks.descriptors import ModelSpec
+    from service.runs import ModelSpec
 
     return ModelSpec(
         model=args.model,
@@ -215,7 +215,7 @@ def _check_device(device: str) -> None:
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     from flows.upscale_clip import default_output_name
     from flows.orchestrate import run_clip
-    from tasks.ingest import prepare_run
+    from service.runs import prepare_run
 
     params = params_from(args)
     spec = model_from(args)
@@ -239,7 +239,7 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
-    from tasks.ingest import prepare_run
+    from service.runs import prepare_run
 
     prepared = prepare_run(Path(args.input), params_from(args), model_from(args), store_from(args))
     plan = prepared.plan
@@ -265,7 +265,7 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from flows.demo import run_demo
+    from entrypoints.demo import run_demo
 
     return run_demo(Path(args.output_dir), params_from(argparse.Namespace(scale=args.scale)), quiet=args.json)
 
@@ -277,15 +277,62 @@ def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
     return {"runs": report, "bytes_reclaimed": sum(r["bytes"] for r in report if r["deleted"])}
 
 
-def cmd_archive(args: argparse.Namespace) -> dict[str, Any]:
-    from flows.upscale_archive import run_archive_command
+def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_root: str | Path) -> dict[str, Any]:
+    """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary."""
+    from flows.orchestrate import prefect_api
+    from flows.upscale_archive import MANIFEST_NAME, ArchiveFailed, ArchiveRow, ArchiveSummary, _summary, upscale_archive
+    from service.runs import model_info
 
+    source = Path(args.input_dir).expanduser()
+    if not source.exists():
+        raise UserError(f"input {args.input_dir} does not exist")
+    if args.max_parallel < 1:
+        raise UserError(f"--max-parallel must be at least 1, not {args.max_parallel}")
+    output_dir = Path(args.output_dir).expanduser()
+    if output_dir.resolve() == source.resolve():
+        raise UserError(f"the output folder {args.output_dir} is the input folder; choose another one")
+    _check_output_dir(output_dir)
+    model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
+    # One API for every clip flow and worker (a configured server, else one temporary server for the command).
+    with prefect_api(True):
+        state = upscale_archive(
+            input_dir=str(source),
+            output_dir=str(output_dir),
+            params=params,
+            model=spec,
+            store_root=str(store_root),
+            include=args.include,
+            exclude=args.exclude,
+            max_parallel=args.max_parallel,
+            overwrite=args.overwrite,
+            plan_only=args.plan,
+            workers=args.workers,
+            gpus=args.gpus,
+            dask_address=args.dask_address,
+            return_state=True,
+        )
+    outcome = state.result(raise_on_failure=False)
+    if isinstance(outcome, ArchiveSummary):
+        return outcome.model_dump(mode="json")
+    manifest = output_dir.resolve() / f"{MANIFEST_NAME}.json"
+    if isinstance(outcome, ArchiveFailed) and manifest.is_file():
+        rows = [ArchiveRow.model_validate(r) for r in json.loads(manifest.read_text())["rows"]]
+        base = Path(json.loads(manifest.read_text())["input"])
+        return _summary(base, output_dir.resolve(), rows, args.plan, manifest, manifest.with_suffix(".csv")).model_dump(
+            mode="json"
+        )
+    if isinstance(outcome, BaseException):
+        raise outcome
+    raise RuntimeError(f"the archive flow ended {state.name}: {state.message}")
+
+
+def cmd_archive(args: argparse.Namespace) -> dict[str, Any]:
     result = run_archive_command(args, params_from(args), model_from(args), store_from(args))
     return {**result, "plan_only": bool(args.plan)}
 
 
 def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
-    from flows.server import serve
+    from entrypoints.http_api import serve
 
     spec = model_from(args)
     _check_device(spec.device)
