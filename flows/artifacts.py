@@ -1,32 +1,163 @@
-"""What a clip run shows in the Prefect UI: tile progress, and a final report with a before/after still."""
+"""What each run shows in the Prefect UI: its own progress artifact and its report, attached to that very run.
+
+Every artifact names the flow run it belongs to explicitly (and no task run). A clip run started inside another
+run's task would otherwise file its artifacts under that task, and they would not show on the clip run's page.
+Keys name the clip and its run: clips that share a run key (two copies of one file) keep separate artifacts.
+
+Artifacts are best effort: a Prefect API that cannot take one logs a warning and never fails a run.
+"""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
 from uuid import UUID
 
 import numpy as np
 from PIL import Image
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+
+from flows.stage_clock import StageSpan
 
 THUMB_WIDTH = 320
+KEY_NAME_LIMIT = 40
+
+T = TypeVar("T")
 
 
-def artifact_key(prefix: str, run_key: str) -> str:
+# ------------------------------------------------------------------------------------------------ keys
+
+
+def slug(text: str, limit: int = KEY_NAME_LIMIT) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
-    return f"{prefix}-{run_key[:12]}".lower()
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:limit].strip("-") or "clip"
 
 
-def start_progress(run_key: str, total: int) -> UUID | None:
-    return create_progress_artifact(
-        progress=0.0, key=artifact_key("tiles", run_key), description=f"tiles decoded of {total}"
-    )
+def clip_key(kind: str, source: str, run_key: str) -> str:
+    """`<kind>-<file name>-<hash of its absolute path>-<run key>`: one key per clip and run."""
+    location = hashlib.sha1(str(Path(source).expanduser().resolve()).encode()).hexdigest()[:6]
+    return f"{kind}-{slug(Path(source).name)}-{location}-{run_key[:8].lower()}"
 
 
-def set_progress(artifact_id: UUID | None, done: int, total: int) -> None:
-    if artifact_id is not None:
-        update_progress_artifact(artifact_id=artifact_id, progress=100.0 * done / max(1, total))
+def flow_run_url(flow_run_id: str | UUID) -> str:
+    """The flow run's page in the UI (relative when the UI address is not configured)."""
+    from prefect.utilities.urls import url_for
+
+    return url_for("flow-run", obj_id=str(flow_run_id)) or f"/runs/flow-run/{flow_run_id}"
+
+
+# ------------------------------------------------------------------------------------------------ API
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
+def _best_effort(what: str, call: Callable[[], T]) -> T | None:
+    try:
+        return call()
+    except Exception as err:  # noqa: BLE001 - the UI is best effort; the run store is the record
+        _logger().warning("could not %s in the Prefect UI: %s", what, err)
+        return None
+
+
+def create(kind: str, key: str, data: Any, description: str, flow_run_id: str | UUID | None) -> UUID | None:
+    """A new artifact of `flow_run_id` (and of no task run)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    def call() -> UUID:
+        request = ArtifactCreate(type=kind, key=key, data=data, description=description, flow_run_id=flow_run_id)
+        with get_client(sync_client=True) as client:
+            return client.create_artifact(artifact=request).id
+
+    return _best_effort(f"create the artifact {key}", call)
+
+
+def update(artifact_id: UUID | None, data: Any, description: str) -> None:
+    """Replace an artifact's data and description in place: the run keeps one artifact, always current."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+
+    if artifact_id is None:
+        return
+
+    def call() -> None:
+        with get_client(sync_client=True) as client:
+            client.update_artifact(artifact_id=artifact_id, artifact=ArtifactUpdate(data=data, description=description))
+
+    _best_effort("update an artifact", call)
+
+
+def percent(done: int, total: int) -> float:
+    """Exactly 100 once everything is done."""
+    return 100.0 if done >= total else 100.0 * done / total
+
+
+# ------------------------------------------------------------------------------------------------ clip runs
+
+
+def tile_progress_text(done: int, total: int, windows: Sequence[tuple[int, int]] = ()) -> str:
+    """`4 of 6 tiles decoded`; with several windows (done, total each), also how many windows are done."""
+    text = f"{done} of {total} tiles decoded"
+    if len(windows) > 1:
+        finished = sum(1 for window_done, window_total in windows if window_done >= window_total)
+        text += f"; {finished} of {len(windows)} windows done"
+        current = next((i for i, (d, t) in enumerate(windows) if d < t), None)
+        if current is not None:
+            text += f" (window {current + 1}: {windows[current][0]} of {windows[current][1]} tiles)"
+    return text
+
+
+class TileProgress:
+    """A clip run's progress artifact: `N of M tiles decoded`, updated as tiles finish."""
+
+    def __init__(self, source: str, run_key: str, flow_run_id: str | UUID | None, total: int) -> None:
+        self.total = total
+        self._id = create("progress", clip_key("tiles", source, run_key), 0.0, tile_progress_text(0, total),
+                          flow_run_id)
+
+    def update(self, done: int, windows: Sequence[tuple[int, int]] = ()) -> None:
+        """`done` tiles decoded so far; `windows` the (done, total) of each window when a clip has several."""
+        update(self._id, percent(done, self.total), tile_progress_text(done, self.total, windows))
+
+
+@dataclass(frozen=True)
+class ClipReport:
+    """Everything the report of one clip run says, as plain values."""
+
+    source: str
+    run_key: str
+    frames: int
+    fps: int
+    before: np.ndarray  # a source frame, (H, W, 3) uint8
+    after: np.ndarray  # the same frame of the output
+    stages: list[StageSpan]
+    run_seconds: float  # the run's clock when the report was made
+    tiles_total: int
+    tiles_computed: int
+    tiles_reused: int
+    workers: str
+    output: str  # absolute
+    output_bytes: int
+    store: str  # the run's folder in the run store
+    reused_output: bool = False
 
 
 def _thumbnail(frame: np.ndarray) -> str:
@@ -37,26 +168,113 @@ def _thumbnail(frame: np.ndarray) -> str:
     return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def report_markdown(
-    source_name: str,
-    before: np.ndarray,
-    after: np.ndarray,
-    timings: dict[str, float],
-    tiles_computed: int,
-    tiles_reused: int,
-    output: str,
-    note: str = "",
-) -> str:
-    rows = "\n".join(f"| {stage} | {seconds:.2f} |" for stage, seconds in timings.items())
-    return (
-        f"# {source_name}\n\n{note}\n\n"
-        f"| before ({before.shape[1]}x{before.shape[0]}) | after ({after.shape[1]}x{after.shape[0]}) |\n|---|---|\n"
-        f"| ![before]({_thumbnail(before)}) | ![after]({_thumbnail(after)}) |\n\n"
-        f"| stage | seconds |\n|---|---|\n{rows}\n\n"
-        f"| tiles computed | tiles reused |\n|---|---|\n| {tiles_computed} | {tiles_reused} |\n\n"
-        f"Output: `{output}`\n"
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> str:
+    """A markdown table; `align` has one letter per column (`l`, `r`), left when missing."""
+
+    def cell(value: Any) -> str:
+        return " ".join(str("" if value is None else value).split()).replace("|", "\\|")
+
+    marks = [{"r": "--:"}.get(align[i:i + 1], "---") for i in range(len(headers))]
+    lines = [headers, marks, *rows]
+    return "\n".join("| " + " | ".join(cell(value) for value in line) + " |" for line in lines)
+
+
+def size_text(size: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def clip_report_markdown(report: ClipReport) -> str:
+    before_size = f"{report.before.shape[1]}x{report.before.shape[0]}"
+    after_size = f"{report.after.shape[1]}x{report.after.shape[0]}"
+    frames = f"{report.frames} frame{'s' if report.frames != 1 else ''} at {report.fps} fps"
+    stages = markdown_table(
+        ["stage", "starts (s)", "ends (s)", "span (s)", "adds (s)", "tasks"],
+        [
+            *([s.stage, f"{s.starts:.2f}", f"{s.ends:.2f}", f"{s.span:.2f}", f"{s.adds:.2f}", s.tasks]
+              for s in report.stages),
+            ["run", "0.00", f"{report.run_seconds:.2f}", f"{report.run_seconds:.2f}", f"{report.run_seconds:.2f}", ""],
+        ],
+        align="lrrrrr",
     )
+    reused = " (published from the finished run in the store)" if report.reused_output else ""
+    return "\n\n".join([
+        f"# {Path(report.source).name}",
+        f"Run `{report.run_key}`: {frames}, {before_size} to {after_size}. Workers: {report.workers}.",
+        markdown_table([f"before ({before_size})", f"after ({after_size})"],
+                       [[f"![before]({_thumbnail(report.before)})", f"![after]({_thumbnail(report.after)})"]]),
+        "## Stages",
+        stages,
+        "Seconds on this run's clock, from its start. *span*: first start to last end of the stage's tasks; stages "
+        "overlap (a tile decodes while the next chunk denoises), so spans may add up to more than the run. *adds*: "
+        "from the end of the stage before to the end of this one, what the stage added to the run; these add up to "
+        "the run's time until this report.",
+        markdown_table(["tiles", "computed", "reused"],
+                       [[report.tiles_total, report.tiles_computed, report.tiles_reused]], align="rrr"),
+        f"**Output** `{report.output}` ({size_text(report.output_bytes)}){reused}",
+        f"**Run store** `{report.store}`: the manifest, the stored stages and their completion records; rerunning "
+        "the same command resumes from it.",
+    ]) + "\n"
 
 
-def publish_report(run_key: str, markdown: str) -> None:
-    create_markdown_artifact(markdown=markdown, key=artifact_key("clip-report", run_key), description="before/after")
+def publish_clip_report(report: ClipReport, flow_run_id: str | UUID | None) -> UUID | None:
+    description = (f"{report.tiles_computed} tiles computed, {report.tiles_reused} reused; "
+                   f"{report.run_seconds:.1f} s; {Path(report.output).name}")
+    return create("markdown", clip_key("clip-report", report.source, report.run_key),
+                  clip_report_markdown(report), description, flow_run_id)
+
+
+def workers_in_use() -> str:
+    """Where this flow run's tasks run: its Dask workers, or threads of this process."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    runner = context.task_runner if context is not None else None
+    client = getattr(runner, "client", None) if type(runner).__name__ == "DaskTaskRunner" else None
+    if client is not None:
+        workers = client.scheduler_info()["workers"].values()
+        hosts = sorted({str(worker.get("host", "?")) for worker in workers})
+        return f"{len(workers)} Dask worker process{'es' if len(workers) != 1 else ''} on {', '.join(hosts)}"
+    # Prefect's default thread pool has no bound (sys.maxsize); the command's has two threads.
+    threads = getattr(runner, "_max_workers", sys.maxsize)
+    count = f"{threads} threads" if threads < sys.maxsize else "a thread per task"
+    return f"{count} in process {os.getpid()} on {socket.gethostname()}"
+
+
+# ------------------------------------------------------------------------------------------------ archive runs
+
+
+def archive_progress_text(done: int, failed: int, total: int, running: Sequence[str] = ()) -> str:
+    """`1 done, 0 failed, 2 left of 3 clips; running: a.mp4`."""
+    text = f"{done} done, {failed} failed, {total - done - failed} left of {total} clips"
+    return text + (f"; running: {', '.join(running)}" if running else "")
+
+
+class ArchiveProgress:
+    """An archive run's progress artifact: clips done, failed and left, and the clips running now."""
+
+    def __init__(self, archive: str, flow_run_id: str | UUID | None, total: int) -> None:
+        self.total, self.done, self.failed = total, 0, 0
+        self.running: list[str] = []
+        self._lock = threading.Lock()  # clips start and end in several threads; each update shows one moment
+        self._id = create("progress", f"archive-progress-{archive}", 0.0, archive_progress_text(0, 0, total),
+                          flow_run_id)
+
+    def started(self, clip: str) -> None:
+        with self._lock:
+            self.running.append(clip)
+            self._show()
+
+    def finished(self, clip: str, failed: bool) -> None:
+        with self._lock:
+            self.running.remove(clip)
+            self.failed += failed
+            self.done += not failed
+            self._show()
+
+    def _show(self) -> None:
+        update(self._id, percent(self.done + self.failed, self.total),
+               archive_progress_text(self.done, self.failed, self.total, self.running))

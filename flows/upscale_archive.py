@@ -6,13 +6,14 @@
    probed is `skipped` with the reason. Each output mirrors the input tree under `output_dir`, named
    `<stem>_sr<scale>x.mp4`: the clip flow's rule without the timestamp, so a rerun finds what an earlier run made.
    An existing output is `reused`, never overwritten unless `overwrite`.
-3. Run the pending clips, `max_parallel` at once, each as its own `upscale-clip` flow run (a subflow under one
-   task run per clip); a clip that fails is recorded as `failed` with the reason and the others go on.
+3. Run the pending clips, `max_parallel` at once, each as its own `upscale-clip` flow run (a subflow of the
+   archive run); a clip that fails is recorded as `failed` with the reason and the others go on.
 
 The manifest (`k6vsr-archive-manifest.json` and `.csv` in `output_dir`, one row per clip) is rewritten atomically
-after planning and after every clip. In the Prefect UI the archive run shows a progress artifact over clips and the
-manifest as a table artifact; each clip run shows the clip flow's own artifacts. A rerun does only what is missing;
-the archive run ends Failed when a clip failed, after the manifest and artifacts are written.
+after planning and after every clip. In the Prefect UI the archive run shows a progress artifact over clips and one
+manifest table, updated in place, whose rows link to the clip runs; each clip run shows its own artifacts. A rerun
+does only what is missing; the archive run ends Failed when a clip failed, after the manifest and artifacts are
+written.
 """
 
 from __future__ import annotations
@@ -34,15 +35,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from k6vsr_core.params import UpscaleParams
 from storage import default_store_root
 from storage.records import atomic_write_bytes
 from service.runs import ModelSpec
+from flows import artifacts
 
 VIDEO_GLOBS = (
     "*.mp4", "*.m4v", "*.mov", "*.mkv", "*.webm", "*.avi", "*.wmv", "*.flv", "*.mpg", "*.mpeg", "*.m2v",
@@ -50,7 +51,7 @@ VIDEO_GLOBS = (
 )
 MANIFEST_NAME = "k6vsr-archive-manifest"
 STATUSES = ("done", "reused", "failed", "skipped", "planned")
-# The table artifact is a new artifact version per update: at most one per this many seconds, and one at the end.
+# The manifest artifact is rewritten whole on each update: at most once per this many seconds, and at the end.
 TABLE_EVERY_S = 10.0
 PLAN_THREADS = 8
 REASON_LIMIT = 2000
@@ -301,13 +302,53 @@ def write_manifest(output_dir: Path, header: dict[str, Any], rows: list[ArchiveR
     return json_path, csv_path
 
 
-def _publish_table(slug: str, rows: list[ArchiveRow], description: str) -> None:
-    try:
-        table = [{k: ("" if v is None else v) for k, v in row.model_dump(mode="json").items() if k != "source"}
-                 for row in rows]
-        create_table_artifact(table=table, key=f"archive-manifest-{slug}", description=description)
-    except Exception as err:  # noqa: BLE001 - the UI is best effort; the manifest files are the record
-        get_run_logger().warning("could not publish the manifest table artifact: %s", err)
+# ------------------------------------------------------------------------------------------------ the UI
+
+
+def manifest_markdown(header: dict[str, Any], rows: list[ArchiveRow], clip_runs: dict[str, str], message: str) -> str:
+    """The manifest as one table: the clip (linked to its run), its status, tiles and seconds first, so that they
+    fit a laptop screen; then the output (relative to the output folder), the run key and the reason."""
+    out_dir = Path(header["output_dir"])
+
+    def clip(row: ArchiveRow) -> str:
+        name = row.relative_path.replace("[", "\\[").replace("]", "\\]")
+        run_id = clip_runs.get(row.relative_path)
+        return f"[{name}]({artifacts.flow_run_url(run_id)})" if run_id else name
+
+    def output(row: ArchiveRow) -> str:
+        path = Path(row.output)
+        return path.relative_to(out_dir).as_posix() if row.output and path.is_relative_to(out_dir) else row.output
+
+    def reason(row: ArchiveRow) -> str:
+        # A file's error names the file first; the row already does.
+        return row.reason.removeprefix(f"{row.source}: ")
+
+    table = artifacts.markdown_table(
+        ["clip", "status", "tiles", "computed", "reused", "seconds", "output", "run key", "reason"],
+        [[clip(row), row.status, row.tiles, row.tiles_computed, row.tiles_reused,
+          "" if row.seconds is None else f"{row.seconds:.1f}", output(row), row.run_key[:12], reason(row)]
+         for row in rows],
+        align="llrrrr",
+    )
+    updated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return (f"# Archive {Path(header['input']).name}\n\n"
+            f"`{header['input']}` to `{out_dir}`: {message}. Updated {updated}; the manifest files are "
+            f"`{out_dir / MANIFEST_NAME}.json` and `.csv`.\n\n{table}\n")
+
+
+class ManifestArtifact:
+    """The archive run's one manifest artifact, rewritten in place: the run never lists a stale version."""
+
+    def __init__(self, archive: str, flow_run_id: str | None, header: dict[str, Any]) -> None:
+        self.key, self.flow_run_id, self.header = f"archive-manifest-{archive}", flow_run_id, header
+        self._id = None
+
+    def show(self, rows: list[ArchiveRow], clip_runs: dict[str, str], message: str) -> None:
+        markdown = manifest_markdown(self.header, rows, clip_runs, message)
+        if self._id is None:
+            self._id = artifacts.create("markdown", self.key, markdown, message, self.flow_run_id)
+        else:
+            artifacts.update(self._id, markdown, message)
 
 
 # ------------------------------------------------------------------------------------------------ run
@@ -326,7 +367,6 @@ def shared_tiles_cluster(workers: int, gpus: bool, dask_address: str | None) -> 
         yield cluster.scheduler_address
 
 
-@task(name="archive-clip", task_run_name="clip-{relative_path}", cache_policy=NO_CACHE)
 def upscale_one(
     relative_path: str,
     source: str,
@@ -335,15 +375,24 @@ def upscale_one(
     model: ModelSpec,
     store_root: str,
     dask_address: str | None = None,
-) -> Any:
-    """Run the clip flow for one clip as a subflow of this task run (its flow run is named after the clip)."""
+) -> tuple[str, Any]:
+    """Run the clip flow for one clip as a subflow of this flow run, named after the clip.
+
+    Returns the clip's flow run id and its summary, or the error it failed with. Called straight from the archive
+    flow, not from a task: the clip run's artifacts then belong to the clip run alone.
+    """
     from flows.runners import make_task_runner
     from flows.upscale_clip import upscale_clip
 
     clip_flow = upscale_clip.with_options(
         flow_run_name=f"upscale-{relative_path}", task_runner=make_task_runner(1, dask_address, False)
     )
-    return clip_flow(source=source, output=output, params=params, model=model, store_root=store_root)
+    state = clip_flow(source=source, output=output, params=params, model=model, store_root=store_root,
+                      return_state=True)
+    try:
+        return str(state.state_details.flow_run_id), state.result()
+    except Exception as err:  # noqa: BLE001 - the clip failed: its row says why, the others go on
+        return str(state.state_details.flow_run_id), err
 
 
 @flow(name="upscale-archive", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
@@ -370,6 +419,7 @@ def upscale_archive(
     tiles of every clip run, as for one clip; `max_parallel` clips run at once.
     """
     logger = get_run_logger()
+    archive_run_id = flow_run.id
     root = str(Path(store_root) if store_root else default_store_root())
     out_dir = Path(output_dir).expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,51 +445,51 @@ def upscale_archive(
         if row.status == "skipped":
             logger.warning("skipped %s: %s", row.relative_path, row.reason)
     pending = [i for i, row in enumerate(rows) if row.status == "planned"]
-
-    def describe() -> str:
-        return f"{message_of(rows, plan_only)}. Manifest: {manifest_json}"
+    manifest_artifact = ManifestArtifact(slug, archive_run_id, header)
+    clip_runs: dict[str, str] = {}  # relative path -> the clip's flow run id
 
     if plan_only or not pending:
-        _publish_table(slug, rows, describe())
+        manifest_artifact.show(rows, clip_runs, message_of(rows, plan_only))
         logger.info("%s", message_of(rows, plan_only))
         return _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
 
     # 3. Run the pending clips, max_parallel at once, each as its own clip flow run.
     logger.info("running %d of %d clips, %d at once", len(pending), len(rows), max_parallel)
-    progress = create_progress_artifact(
-        progress=0.0, key=f"archive-progress-{slug}", description=f"clips finished of {len(pending)} to run"
-    )
-    _publish_table(slug, rows, describe())
+    progress = artifacts.ArchiveProgress(slug, archive_run_id, len(pending))
+    manifest_artifact.show(rows, clip_runs, message_of(rows, plan_only))
     last_table = time.monotonic()
     with shared_tiles_cluster(workers, gpus, dask_address) as address, ThreadPoolExecutor(
         max_workers=max(1, max_parallel), thread_name_prefix="archive-clip"
     ) as pool:
 
-        def run(index: int) -> tuple[int, float, Any]:
+        def run(index: int) -> tuple[int, float, str | None, Any]:
             row = rows[index]
+            progress.started(row.relative_path)
             started = time.perf_counter()
             try:
-                summary = upscale_one(row.relative_path, row.source, row.output, params, model, root, address)
+                clip_run, outcome = upscale_one(row.relative_path, row.source, row.output, params, model, root,
+                                                address)
             except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
-                return index, time.perf_counter() - started, err
-            return index, time.perf_counter() - started, summary
+                return index, time.perf_counter() - started, None, err
+            return index, time.perf_counter() - started, clip_run, outcome
 
-        # Each clip runs in a copy of this flow run's context, so its task and flow runs belong to this run.
+        # Each clip runs in a copy of this flow run's context, so its flow run is a subflow of this run.
         futures = [pool.submit(contextvars.copy_context().run, run, index) for index in pending]
         for finished, future in enumerate(as_completed(futures), start=1):
-            index, seconds, outcome = future.result()
+            index, seconds, clip_run, outcome = future.result()
             rows[index] = _finished_row(rows[index], seconds, outcome)
             row = rows[index]
+            if clip_run is not None:
+                clip_runs[row.relative_path] = clip_run
+            progress.finished(row.relative_path, failed=row.status == "failed")
             if row.status == "failed":
                 logger.error("clip %s failed: %s", row.relative_path, row.reason)
             else:
                 logger.info("clip %s done in %.1f s (%s tiles computed, %s reused)",
                             row.relative_path, seconds, row.tiles_computed, row.tiles_reused)
             write_manifest(out_dir, header, rows)
-            if progress is not None:
-                update_progress_artifact(artifact_id=progress, progress=100.0 * finished / len(pending))
             if time.monotonic() - last_table >= TABLE_EVERY_S or finished == len(pending):
-                _publish_table(slug, rows, describe())
+                manifest_artifact.show(rows, clip_runs, message_of(rows, plan_only))
                 last_table = time.monotonic()
 
     summary = _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
+from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from k6vsr_core.params import UpscaleParams
@@ -22,6 +23,7 @@ from tasks import stage_tasks
 from service.runs import ModelSpec, prepare_run
 from tasks.descriptors import StageResult
 from flows import artifacts
+from flows.stage_clock import StageClock
 
 
 class ClipSummary(BaseModel):
@@ -77,8 +79,6 @@ def default_output_name(source: str | Path, params: UpscaleParams, now: datetime
 
 
 def _flow_run_name() -> str:
-    from prefect.runtime import flow_run
-
     source = flow_run.parameters.get("source", "clip")
     return f"upscale-{Path(str(source)).name}"
 
@@ -92,6 +92,7 @@ def upscale_clip(
     store_root: str | None = None,
 ) -> ClipSummary:
     """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it)."""
+    clock = StageClock()
     logger = get_run_logger()
     root = Path(store_root) if store_root else default_store_root()
     prepared = prepare_run(source, params, model, root)
@@ -99,26 +100,27 @@ def upscale_clip(
     store = RunStore(root, run.run_key)
     destination = Path(output) if output else Path(source).parent / default_output_name(source, params)
     logger.info("run %s: %d tiles, store %s", run.run_key, prepared.plan.num_tiles, store.path)
-    timings: dict[str, float] = {}
 
     def record(result: StageResult) -> StageResult:
-        timings[result.stage] = timings.get(result.stage, 0.0) + result.seconds
+        clock.finished(result.stage, result.seconds)
         return result
 
     started_at = time.time()
     with store.in_use():
         record(ingest_tasks.ingest(prepared.source, run, params, prepared.model_info))
         plan = store.read_manifest().plan
+        progress = artifacts.TileProgress(prepared.source, run.run_key, flow_run.id, plan.num_tiles)
         if store.output_done():
             denoised = [StageResult(stage="denoise", computed=False, tiles=chunk.tiles) for chunk in plan.chunks]
+            progress.update(plan.num_tiles)
         else:
             record(stage_tasks.encode(run, model))
-            denoised = _tiles(run, model, plan, record)
+            denoised = _tiles(run, model, plan, record, progress)
             record(stage_tasks.blend(run))
             record(stage_tasks.mux(run))
         started = time.perf_counter()
         publish(store.output_path, destination)
-        timings["publish"] = time.perf_counter() - started
+        clock.finished("publish", time.perf_counter() - started)
 
     # Counted from the records, not from task results: a result Dask recomputes after a worker died reads as reused.
     computed = sum(
@@ -126,6 +128,7 @@ def upscale_clip(
         for tile in range(plan.num_tiles)
         if (entry := store.records.read("denoise", str(tile))) is not None and entry.written_at >= started_at
     )
+    timings = clock.task_seconds()
     summary = ClipSummary(
         source=prepared.source,
         output=str(destination),
@@ -141,38 +144,41 @@ def upscale_clip(
         timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
         reused_output=all(not result.computed for result in denoised) and "mux" not in timings,
     )
-    _report(store, summary)
+    _report(store, summary, clock)
     return summary
 
 
-def _tiles(run, model: ModelSpec, plan, record) -> list[StageResult]:
+def _tiles(run, model: ModelSpec, plan, record, progress: artifacts.TileProgress) -> list[StageResult]:
     """Denoise every chunk and decode every tile concurrently; a decode waits only for its own chunk."""
     _check_workers()
-    progress = artifacts.start_progress(run.run_key, plan.num_tiles)
-    chunk_futures = [
-        stage_tasks.denoise.submit(run, model, chunk.index, "-".join(map(str, chunk.tiles))) for chunk in plan.chunks
-    ]
+    chunk_futures = {
+        stage_tasks.denoise.submit(run, model, chunk.index, "-".join(map(str, chunk.tiles))): chunk
+        for chunk in plan.chunks
+    }
+    by_chunk = {chunk.index: future for future, chunk in chunk_futures.items()}
     decode_futures = {
-        stage_tasks.decode.submit(run, model, tile, wait_for=[chunk_futures[plan.chunk_of(tile).index]]): tile
+        stage_tasks.decode.submit(run, model, tile, wait_for=[by_chunk[plan.chunk_of(tile).index]]): tile
         for tile in range(plan.num_tiles)
     }
-    decode_errors: dict[int, str] = {}
-    done = 0
-    for future in as_completed(list(decode_futures)):
-        tile = decode_futures[future]
+    denoised, failures, decode_errors = [], {}, {}
+    decoded = 0
+    # Every task is recorded as it ends, so the stage clock sees when each one finished.
+    for future in as_completed([*chunk_futures, *decode_futures]):
         try:
-            record(future.result())
+            result = record(future.result())
         except Exception as err:  # noqa: BLE001 - collected and reported per tile below
-            decode_errors[tile] = f"{type(err).__name__}: {err}"
-        done += 1
-        artifacts.set_progress(progress, done, plan.num_tiles)
-    denoised, failures = [], {}
-    for chunk, future in zip(plan.chunks, chunk_futures):
-        try:
-            denoised.append(record(future.result()))
-        except Exception as err:  # noqa: BLE001
-            # A failed chunk's decodes only report that they never ran; the chunk's error is the cause.
-            failures.update({tile: f"{type(err).__name__}: {err}" for tile in chunk.tiles})
+            message = f"{type(err).__name__}: {err}"
+            if future in decode_futures:
+                decode_errors[decode_futures[future]] = message
+            else:
+                # A failed chunk's decodes only report that they never ran; the chunk's error is the cause.
+                failures.update({tile: message for tile in chunk_futures[future].tiles})
+            continue
+        if future in decode_futures:
+            decoded += 1
+            progress.update(decoded)
+        else:
+            denoised.append(result)
     for tile, message in decode_errors.items():
         failures.setdefault(tile, message)
     if failures:
@@ -184,8 +190,8 @@ def _tiles(run, model: ModelSpec, plan, record) -> list[StageResult]:
     return denoised
 
 
-def _report(store: RunStore, summary: ClipSummary) -> None:
-    """Before/after still and timings as a markdown artifact; best effort, never fails a finished run."""
+def _report(store: RunStore, summary: ClipSummary, clock: StageClock) -> None:
+    """The run's report artifact: before/after still, stage spans, tiles, workers, output; never fails a run."""
     try:
         # Only the middle frame of each is read: verifying the whole clip again would cost seconds per run.
         middle = summary.frames // 2
@@ -193,17 +199,25 @@ def _report(store: RunStore, summary: ClipSummary) -> None:
         after = store.preview("video", middle, stage="blend")
         if before is None or after is None:
             return
-        note = f"Run `{summary.run_key}`: {summary.frames} frames at {summary.fps} fps."
-        markdown = artifacts.report_markdown(
-            Path(summary.source).name,
-            before,
-            after,
-            summary.timings,
-            summary.tiles_computed,
-            summary.tiles_reused,
-            summary.output,
-            note,
+        output = Path(summary.output).resolve()
+        report = artifacts.ClipReport(
+            source=summary.source,
+            run_key=summary.run_key,
+            frames=summary.frames,
+            fps=summary.fps,
+            before=before,
+            after=after,
+            stages=clock.spans(),
+            run_seconds=clock.elapsed(),
+            tiles_total=summary.tiles_total,
+            tiles_computed=summary.tiles_computed,
+            tiles_reused=summary.tiles_reused,
+            workers=artifacts.workers_in_use(),
+            output=str(output),
+            output_bytes=output.stat().st_size,
+            store=summary.store,
+            reused_output=summary.reused_output,
         )
-        artifacts.publish_report(summary.run_key, markdown)
+        artifacts.publish_clip_report(report, flow_run.id)
     except Exception as err:  # noqa: BLE001
         get_run_logger().warning("could not publish the report artifact: %s", err)

@@ -97,17 +97,29 @@ def test_archive_runs_reuses_and_reruns_nothing(prefect_server: str, tiny_bundle
                                                         "upscale-sub/deeper/c.mp4"]
         assert all(run.state.is_completed() for run in children)
         slug = archive_slug(folder)
-        artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[archive_run.id])),
-            sort=ArtifactSort.CREATED_DESC,
-        )
-        assert {(a.key, a.type) for a in artifacts} == {(f"archive-manifest-{slug}", "table"),
-                                                        (f"archive-progress-{slug}", "progress")}
+
+        def artifacts_of(run_id):
+            return client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])),
+                sort=ArtifactSort.CREATED_DESC,
+            )
+
+        # One progress and one manifest, updated in place: no stale versions listed under the run.
+        artifacts = artifacts_of(archive_run.id)
+        assert sorted((a.key, a.type) for a in artifacts) == [(f"archive-manifest-{slug}", "markdown"),
+                                                              (f"archive-progress-{slug}", "progress")]
         progress = next(a for a in artifacts if a.type == "progress")
-        assert float(progress.data) == 100.0
-        table = next(a for a in artifacts if a.type == "table")  # the latest version
-        shown = json.loads(table.data) if isinstance(table.data, str) else table.data
-        assert {r["relative_path"]: r["status"] for r in shown} == {k: v["status"] for k, v in rows.items()}
+        assert float(progress.data) == 100.0 and progress.description == "3 done, 0 failed, 0 left of 3 clips"
+        table = next(a for a in artifacts if a.type == "markdown")
+        assert table.description == "3 done, 1 reused, 1 skipped"
+        for relative, row in rows.items():
+            assert f"| {row['status']} |" in next(line for line in table.data.splitlines() if relative in line)
+        # Each clip run owns its progress and report, and the manifest links to it.
+        for child in children:
+            assert f"/runs/flow-run/{child.id})" in table.data
+            owned = artifacts_of(child.id)
+            assert sorted(a.key.split("-")[0] for a in owned) == ["clip", "tiles"]
+            assert all(a.task_run_id is None for a in owned)
 
     # A second run of the same archive: every output exists, nothing is computed, and it says so.
     outputs = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*.mp4")}

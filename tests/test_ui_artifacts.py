@@ -1,0 +1,195 @@
+"""What runs show in the Prefect UI: stage spans on the run's clock, progress texts, keys, reports and the manifest
+table; and, against a real server, that each clip run owns its artifacts and its progress counts every tile."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from flows import artifacts
+from flows.stage_clock import StageClock
+from service.runs import ModelSpec
+
+STAGE_ROW = re.compile(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d*) \|$", re.MULTILINE)
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _clock(events: list[tuple[float, str, float]]) -> StageClock:
+    """A clock that saw `stage` tasks end at `at` seconds after the run's start, having worked `seconds`."""
+    time = FakeTime()
+    clock = StageClock(now=time)
+    for at, stage, seconds in events:
+        time.now = 1000.0 + at
+        clock.finished(stage, seconds)
+    return clock
+
+
+def test_spans_follow_the_pipeline_and_add_up_to_the_run() -> None:
+    # Two threads: chunk 1 denoises while tile 0 decodes; blend waits for the last decode.
+    clock = _clock([
+        (0.5, "ingest", 0.4), (1.5, "encode", 0.9), (3.0, "denoise", 1.4), (4.5, "denoise", 1.4),
+        (3.8, "decode", 0.8), (5.2, "decode", 0.7), (5.6, "blend", 0.3), (6.0, "mux", 0.3), (6.1, "publish", 0.1),
+    ])
+    spans = clock.spans()
+    assert [s.stage for s in spans] == ["ingest", "encode", "denoise", "decode", "blend", "mux", "publish"]
+    by_stage = {s.stage: s for s in spans}
+    assert (by_stage["denoise"].starts, by_stage["denoise"].ends, by_stage["denoise"].tasks) == (1.6, 4.5, 2)
+    assert (by_stage["decode"].starts, by_stage["decode"].ends) == (3.0, 5.2)
+    # Spans overlap; what each stage adds does not: decode adds only what it ran after the last chunk.
+    assert sum(s.span for s in spans) > 6.1
+    assert round(by_stage["decode"].adds, 6) == 0.7
+    assert round(sum(s.adds for s in spans), 6) == 6.1
+    assert clock.task_seconds()["denoise"] == 2.8
+
+
+def test_printed_adds_sum_exactly_to_the_last_end() -> None:
+    clock = _clock([(0.123, "ingest", 0.1), (0.456, "encode", 0.2), (0.789, "decode", 0.2), (0.7891, "denoise", 0.3)])
+    printed = [float(f"{s.adds:.2f}") for s in clock.spans()]
+    assert round(sum(printed), 2) == float(f"{clock.spans()[-1].ends:.2f}") == 0.79
+    assert [s.stage for s in clock.spans()] == ["ingest", "encode", "denoise", "decode"]
+
+
+def test_a_stage_the_pipeline_does_not_name_comes_last_and_reused_tasks_take_no_time() -> None:
+    clock = _clock([(1.0, "verify", 0.5), (2.0, "ingest", 0.0), (2.5, "publish", 0.2)])
+    assert [(s.stage, s.starts, s.ends) for s in clock.spans()] == [
+        ("ingest", 2.0, 2.0), ("publish", 2.3, 2.5), ("verify", 0.5, 1.0)
+    ]
+    assert clock.spans()[-1].adds == 0.0
+
+
+def test_progress_texts_say_the_counts_and_reach_exactly_100() -> None:
+    assert artifacts.tile_progress_text(4, 6) == "4 of 6 tiles decoded"
+    assert artifacts.tile_progress_text(8, 12, [(6, 6), (2, 6)]) == (
+        "8 of 12 tiles decoded; 1 of 2 windows done (window 2: 2 of 6 tiles)"
+    )
+    assert artifacts.tile_progress_text(12, 12, [(6, 6), (6, 6)]) == "12 of 12 tiles decoded; 2 of 2 windows done"
+    assert [artifacts.percent(done, 7) for done in (0, 7)] == [0.0, 100.0]
+    assert artifacts.percent(2, 3) < 100.0 and artifacts.percent(0, 0) == 100.0
+    assert artifacts.archive_progress_text(1, 1, 4, ["a.mp4", "sub/b.mp4"]) == (
+        "1 done, 1 failed, 2 left of 4 clips; running: a.mp4, sub/b.mp4"
+    )
+
+
+def test_keys_name_the_clip_and_the_run(tmp_path: Path) -> None:
+    key = artifacts.clip_key("clip-report", str(tmp_path / "a" / "Dawn Take 2.MP4"), "0123456789ABCDEF")
+    assert re.fullmatch(r"clip-report-dawn-take-2-mp4-[0-9a-f]{6}-01234567", key)
+    copy = artifacts.clip_key("clip-report", str(tmp_path / "b" / "Dawn Take 2.MP4"), "0123456789ABCDEF")
+    other_run = artifacts.clip_key("clip-report", str(tmp_path / "a" / "Dawn Take 2.MP4"), "fedcba9876543210")
+    assert len({key, copy, other_run}) == 3
+
+
+def _report(**changes) -> artifacts.ClipReport:
+    frame = np.zeros((48, 64, 3), np.uint8)
+    values = dict(
+        source="/in/dawn.mp4", run_key="ab" * 12, frames=9, fps=24, before=frame,
+        after=np.zeros((96, 128, 3), np.uint8),
+        stages=_clock([(0.5, "ingest", 0.4), (1.0, "encode", 0.4), (3.0, "denoise", 2.0), (3.2, "decode", 1.0),
+                       (3.4, "blend", 0.1), (3.6, "mux", 0.2), (3.7, "publish", 0.05)]).spans(),
+        run_seconds=3.75, tiles_total=6, tiles_computed=4, tiles_reused=2, workers="2 threads in process 1 on h",
+        output="/out/dawn_sr2x.mp4", output_bytes=3 * 1024 * 1024, store="/store/runs/abab",
+    )
+    return artifacts.ClipReport(**{**values, **changes})
+
+
+def test_clip_report_lists_stages_in_order_within_the_run() -> None:
+    markdown = artifacts.clip_report_markdown(_report())
+    rows = STAGE_ROW.findall(markdown)
+    assert [row[0] for row in rows] == ["ingest", "encode", "denoise", "decode", "blend", "mux", "publish", "run"]
+    adds = [float(row[4]) for row in rows[:-1]]
+    assert round(sum(adds), 2) == float(rows[-2][2]) <= float(rows[-1][2]) == 3.75
+    assert markdown.count("](data:image/jpeg;base64,") == 2
+    assert "before (64x48)" in markdown and "after (128x96)" in markdown
+    assert "`/out/dawn_sr2x.mp4` (3.0 MiB)" in markdown and "`/store/runs/abab`" in markdown
+    assert "| 6 | 4 | 2 |" in markdown and "2 threads in process 1 on h" in markdown
+    assert "published from the finished run" in artifacts.clip_report_markdown(_report(reused_output=True))
+
+
+def test_manifest_table_links_clip_runs_and_puts_long_text_last(tmp_path: Path) -> None:
+    from flows.upscale_archive import ArchiveRow, manifest_markdown
+
+    out = tmp_path / "out"
+    rows = [
+        ArchiveRow(source="/in/a.mp4", relative_path="a.mp4", status="done", run_key="r" * 24, frames=1, tiles=6,
+                   tiles_computed=6, tiles_reused=0, seconds=3.25, output=str(out / "a_sr2x.mp4")),
+        ArchiveRow(source="/in/b|c.mp4", relative_path="b|c.mp4", status="skipped",
+                   reason="/in/b|c.mp4: not a readable media file"),
+    ]
+    header = {"input": "/in", "output_dir": str(out)}
+    markdown = manifest_markdown(header, rows, {"a.mp4": "1234-run"}, "1 done, 1 skipped")
+    lines = markdown.splitlines()
+    head = next(line for line in lines if line.startswith("| clip"))
+    assert head.split(" | ")[:6] == ["| clip", "status", "tiles", "computed", "reused", "seconds"]
+    assert head.endswith("| reason |")
+    assert "| [a.mp4](/runs/flow-run/1234-run) | done | 6 | 6 | 0 | 3.2 | a_sr2x.mp4 | rrrrrrrrrrrr |  |" in lines
+    assert r"| b\|c.mp4 | skipped |  |  |  |  |  |  | not a readable media file |" in lines
+    assert "1 done, 1 skipped" in markdown and str(out / "k6vsr-archive-manifest") in markdown
+
+
+# --------------------------------------------------------------------------------------------------- with Prefect
+
+
+def test_each_clip_run_owns_its_artifacts(
+    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """A clip and its copy share a run key but not their artifacts; progress counts every decoded tile."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+    from prefect.runtime import flow_run
+
+    from flows.orchestrate import run_clip
+    from k6vsr_core.params import UpscaleParams
+
+    updates: list[tuple[object, str]] = []
+    real_update = artifacts.update
+
+    def recording(artifact_id, data, description):
+        updates.append((data, description))
+        real_update(artifact_id, data, description)
+
+    monkeypatch.setattr(artifacts, "update", recording)
+    run_ids = []
+    monkeypatch.setattr(artifacts, "workers_in_use", lambda: run_ids.append(flow_run.id) or "test workers")
+
+    copy = tmp_path / "copies" / clip_1f.name
+    copy.parent.mkdir()
+    shutil.copyfile(clip_1f, copy)
+    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    summaries = [
+        run_clip(str(source), str(tmp_path / f"out-{n}.mp4"), UpscaleParams(scale=2), model, str(tmp_path / "s"),
+                 show_progress=False)
+        for n, source in enumerate((clip_1f, copy))
+    ]
+    assert summaries[0].run_key == summaries[1].run_key and summaries[1].tiles_reused == summaries[1].tiles_total
+    total = summaries[0].tiles_total
+    first_run = [description for data, description in updates[: total]]
+    assert first_run == [f"{n} of {total} tiles decoded" for n in range(1, total + 1)]
+    assert updates[total - 1][0] == 100.0 and all(data < 100.0 for data, _ in updates[: total - 1])
+
+    keys = set()
+    with get_client(sync_client=True) as client:
+        for run_id, source in zip(run_ids, (clip_1f, copy)):
+            found = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
+            )
+            assert {a.type for a in found} == {"progress", "markdown"} and len(found) == 2
+            assert all(a.task_run_id is None for a in found)
+            progress = next(a for a in found if a.type == "progress")
+            assert float(progress.data) == 100.0 and progress.description == f"{total} of {total} tiles decoded"
+            report = next(a for a in found if a.type == "markdown")
+            assert report.key == artifacts.clip_key("clip-report", str(source), summaries[0].run_key)
+            assert "test workers" in report.data and str(tmp_path.resolve()) in report.data
+            run = client.read_flow_run(run_id)
+            rows = STAGE_ROW.findall(report.data)
+            assert float(rows[-1][2]) <= (run.end_time - run.start_time).total_seconds()
+            keys |= {a.key for a in found}
+    assert len(keys) == 4
