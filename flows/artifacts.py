@@ -180,11 +180,12 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align:
 
 
 def size_text(size: int) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+    value, unit = float(size), "bytes"
+    for larger in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{size} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
 def clip_report_markdown(report: ClipReport) -> str:

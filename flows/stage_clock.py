@@ -56,15 +56,14 @@ class StageClock:
 
     def spans(self) -> list[StageSpan]:
         """One span per stage that ran, in pipeline order (stages the pipeline does not name come last)."""
-        stages = sorted({stage for stage, _, _ in self._tasks}, key=_pipeline_position)
-        spans, reached = [], 0.0
-        for stage in stages:
+        intervals: dict[str, list[tuple[float, float]]] = {}
+        for stage, seconds, end in self._tasks:
             # To the hundredth of a second first, so that the figures as printed add up exactly.
-            intervals = [
-                (round(max(0.0, end - seconds), 2), round(end, 2)) for name, seconds, end in self._tasks if name == stage
-            ]
-            starts, ends = min(start for start, _ in intervals), max(end for _, end in intervals)
-            spans.append(StageSpan(stage, starts, ends, max(0.0, ends - reached), len(intervals)))
+            intervals.setdefault(stage, []).append((round(max(0.0, end - seconds), 2), round(end, 2)))
+        spans, reached = [], 0.0
+        for stage in sorted(intervals, key=_pipeline_position):
+            starts, ends = min(start for start, _ in intervals[stage]), max(end for _, end in intervals[stage])
+            spans.append(StageSpan(stage, starts, ends, max(0.0, ends - reached), len(intervals[stage])))
             reached = max(reached, ends)
         return spans
 

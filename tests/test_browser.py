@@ -1,10 +1,14 @@
-"""The Prefect UI as the archive's dashboard, seen in a real headless Chromium.
+"""The Prefect UI, seen in a real headless Chromium: every run tells its own story.
 
-A small archive (two tiny clips in nested folders and one broken file) runs against the session's Prefect server;
-then the UI must show the archive run and its clip runs with their states, the manifest table artifact (the broken
-file skipped with its reason) and a clip's before/after preview images. The screenshot of the archive run's
-artifacts goes to the test's tmp folder, and also to `$K6VSR_SCREENSHOT_DIR` when that is set (the committed
-tests/artifacts/browser-archive.png was made that way).
+A clip runs on its own (as `k6vsr upscale` runs it); then an archive runs a copy of that clip (the same run key, so
+its tiles are reused), another clip and a broken file, against the session's Prefect server. On the page of the
+standalone clip run, of the copy's clip run (a child of the archive) and of the archive run, the test checks the
+artifacts listed under that run and no other, the progress text with its counts, and the report: its stage table
+in pipeline order, adding up to at most the run's duration, and its before/after images decoded by the browser; for
+the archive, the manifest table with its first columns in view at 1400 px and links to the clip runs.
+
+Screenshots go to the test's tmp folder, and also to `$K6VSR_SCREENSHOT_DIR` when that is set (the committed
+tests/artifacts/*.png, shown in docs/archive.md and the README, were made that way).
 
 Needs the Debian packages `chromium` and `chromium-driver` and the `selenium` package; no browser is downloaded.
 """
@@ -17,9 +21,11 @@ import tempfile
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from uuid import UUID
 
 import pytest
 
+from flows.stage_clock import PIPELINE
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
@@ -32,6 +38,7 @@ CHROMIUM_FLAGS = (
 )
 WAIT_S = 60
 SCREENSHOT_DIR = os.environ.get("K6VSR_SCREENSHOT_DIR")
+PARAMS = UpscaleParams(scale=2)
 
 
 @pytest.fixture
@@ -55,6 +62,9 @@ def browser(tmp_path: Path) -> Iterator[object]:
         driver.quit()
 
 
+# --------------------------------------------------------------------------------------------------- the page
+
+
 def _wait(driver, condition: Callable[[object], object], what: str):
     from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
@@ -67,8 +77,12 @@ def _wait(driver, condition: Callable[[object], object], what: str):
                              f"{body[:3000]}") from None
 
 
+def _body(driver) -> str:
+    return driver.find_element("tag name", "body").text
+
+
 def _wait_text(driver, *texts: str) -> None:
-    _wait(driver, lambda d: all(t in d.find_element("tag name", "body").text for t in texts), " and ".join(texts))
+    _wait(driver, lambda d: all(t in _body(d) for t in texts), " and ".join(texts))
 
 
 def _tab(driver, name: str) -> None:
@@ -87,78 +101,173 @@ def _run_state(driver, run_name: str) -> str:
     return badges[0].text.strip() if badges else ""
 
 
-def _latest_artifact_id(key: str) -> str:
+def _artifact_cards(driver) -> dict[str, str]:
+    """Key -> text of each artifact card on the page."""
+    return driver.execute_script(
+        "return Object.fromEntries([...document.querySelectorAll('.artifact-card')].map(card =>"
+        " [card.querySelector('.artifact-card__title').textContent.trim(), card.innerText]))")
+
+
+def _open_card(driver, key: str) -> None:
+    title = f"//div[contains(@class, 'artifact-card__title') and normalize-space(.)='{key}']"
+    driver.find_element("xpath", title).click()
+
+
+def _table(driver, first_header: str) -> list[list[str]]:
+    """The rendered markdown table whose first header is `first_header`: its header and body rows, as text."""
+    return driver.execute_script(
+        "const table = [...document.querySelectorAll('table')].find(t => t.querySelector('th')"
+        "  && t.querySelector('th').textContent.trim() === arguments[0]);"
+        "return table ? [...table.rows].map(r => [...r.cells].map(c => c.textContent.trim())) : [];", first_header)
+
+
+def _images_loaded(driver) -> int:
+    return driver.execute_script(
+        "return [...document.images].filter(i => i.src.startsWith('data:image/') && i.complete"
+        " && i.naturalWidth > 0).length")
+
+
+def _screenshot(driver, tmp_path: Path, name: str) -> None:
+    shot = tmp_path / name
+    assert driver.save_screenshot(str(shot))
+    if SCREENSHOT_DIR:
+        Path(SCREENSHOT_DIR).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(shot, Path(SCREENSHOT_DIR) / name)
+
+
+# --------------------------------------------------------------------------------------------------- the API
+
+
+def _flow_run(name: str | None = None, run_id: UUID | None = None):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
-    from prefect.client.schemas.sorting import ArtifactSort
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        if run_id is not None:
+            return client.read_flow_run(run_id)
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])),
+                                     sort=FlowRunSort.START_TIME_DESC, limit=1)
+    assert runs, f"no flow run named {name}"
+    return runs[0]
+
+
+def _keys_of(run_id: UUID) -> set[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), sort=ArtifactSort.CREATED_DESC, limit=1
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
         )
-    assert found, f"no artifact with key {key}"
-    return str(found[0].id)
+    return {artifact.key for artifact in found}
 
 
-def test_archive_in_the_prefect_ui(prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, browser) -> None:
+# --------------------------------------------------------------------------------------------------- the checks
+
+
+def _check_clip_run(driver, ui: str, run, run_key: str, all_keys: set[str], tiles: int, computed: int,
+                    tmp_path: Path, shot: str) -> None:
+    """The clip run's page lists its own progress and report; the report tells this run's story."""
+    from flows.artifacts import clip_key
+
+    progress_key, report_key = (clip_key(kind, run.parameters["source"], run_key) for kind in ("tiles", "clip-report"))
+    own = {progress_key, report_key}
+    driver.get(f"{ui}/runs/flow-run/{run.id}")
+    _wait_text(driver, run.name, "Completed")
+    _tab(driver, "Artifacts")
+    cards = _wait(driver, lambda d: len(_artifact_cards(d)) == len(own) and _artifact_cards(d), f"{own} listed")
+    assert set(cards) == own and not (set(cards) & (all_keys - own))
+    assert f"{tiles} of {tiles} tiles decoded" in cards[progress_key]
+    assert f"{computed} tiles computed, {tiles - computed} reused" in cards[report_key]
+    _screenshot(driver, tmp_path, f"{shot}-run.png")
+
+    _open_card(driver, report_key)
+    stages = _wait(driver, lambda d: _table(d, "stage"), "the report's stage table")
+    assert stages[0] == ["stage", "starts (s)", "ends (s)", "span (s)", "adds (s)", "tasks"]
+    names = [row[0] for row in stages[1:-1]]
+    assert names == [stage for stage in PIPELINE if stage in names] and names[0] == "ingest"
+    assert names[-1] == "publish" and stages[-1][0] == "run"
+    duration = (run.end_time - run.start_time).total_seconds()
+    adds = [float(row[4]) for row in stages[1:-1]]
+    assert 0 < round(sum(adds), 2) == float(stages[-2][2]) <= float(stages[-1][2]) <= duration
+    assert all(float(row[3]) <= duration for row in stages[1:])
+    assert _table(driver, "tiles")[1] == [str(tiles), str(computed), str(tiles - computed)]
+    _wait(driver, lambda d: _images_loaded(d) >= 2, "the before/after preview images")
+    _screenshot(driver, tmp_path, f"{shot}-report.png")
+
+
+def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, browser) -> None:
+    from flows.orchestrate import run_clip
     from flows.upscale_archive import archive_slug, upscale_archive
 
     ui = prefect_server.removesuffix("/api")
     with urllib.request.urlopen(ui, timeout=10) as response:
         if b"<html" not in response.read(4096).lower():
             pytest.skip(f"the Prefect server at {ui} serves no UI (PREFECT_UI_ENABLED is off)")
+    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    store = str(tmp_path / "store")
 
-    folder = tmp_path / "nightly-clips"
-    (folder / "harbour").mkdir(parents=True)
+    # A clip on its own (2 tiles), then an archive with a copy of it, another clip and a broken file.
+    clip = make_sample_clip(tmp_path / "harbour.mp4", width=96, height=64, num_frames=1, tone_hz=590.0)
+    alone = run_clip(str(clip), str(tmp_path / "harbour_sr2x.mp4"), PARAMS, model, store, show_progress=False)
+    folder = tmp_path / "nightly"
+    (folder / "copies").mkdir(parents=True)
+    shutil.copyfile(clip, folder / "copies" / "harbour.mp4")
     make_sample_clip(folder / "dawn.mp4", width=64, height=64, num_frames=1, tone_hz=610.0)
-    make_sample_clip(folder / "harbour" / "dusk.mp4", width=96, height=64, num_frames=1, tone_hz=620.0)
     (folder / "broken.mp4").write_bytes(b"\x00not a video\xff" * 300)
-    state = upscale_archive(
-        input_dir=str(folder), output_dir=str(tmp_path / "out"), params=UpscaleParams(scale=2),
-        model=ModelSpec(model=str(tiny_bundle_path), device="cpu"), store_root=str(tmp_path / "store"),
-        max_parallel=2, return_state=True,
-    )
+    state = upscale_archive(input_dir=str(folder), output_dir=str(tmp_path / "out"), params=PARAMS, model=model,
+                            store_root=store, max_parallel=2, return_state=True)
     assert state.is_completed(), state.message
     summary = state.result()
     assert summary.counts == {"done": 2, "skipped": 1}
-    archive_id = str(state.state_details.flow_run_id)
+    rows = {row.relative_path: row for row in summary.rows}
     slug = archive_slug(folder)
-    dawn = next(row for row in summary.rows if row.relative_path == "dawn.mp4")
 
-    # The archive run, its state, and its clip runs with theirs.
-    browser.get(f"{ui}/runs/flow-run/{archive_id}")
-    _wait_text(browser, "archive-nightly-clips", "Completed", "upscale-archive")
+    standalone = _flow_run(name="upscale-harbour.mp4")
+    copy = _flow_run(name="upscale-copies/harbour.mp4")
+    dawn = _flow_run(name="upscale-dawn.mp4")
+    archive = _flow_run(run_id=state.state_details.flow_run_id)
+    assert rows["copies/harbour.mp4"].run_key == alone.run_key
+    all_keys = set().union(*(_keys_of(run.id) for run in (standalone, copy, dawn, archive)))
+    # Two clips sharing one run key keep apart: 2 artifacts per clip run, 2 for the archive.
+    assert len(all_keys) == 8
+
+    _check_clip_run(browser, ui, standalone, alone.run_key, all_keys, tiles=alone.tiles_total,
+                    computed=alone.tiles_total, tmp_path=tmp_path, shot="browser-clip")
+    _check_clip_run(browser, ui, copy, alone.run_key, all_keys, tiles=alone.tiles_total, computed=0,
+                    tmp_path=tmp_path, shot="browser-archive-clip")
+    assert "published from the finished run in the store" in _body(browser)
+
+    # The archive run: its clip runs, its progress over clips and its one manifest table.
+    browser.get(f"{ui}/runs/flow-run/{archive.id}")
+    _wait_text(browser, archive.name, "Completed", "upscale-archive")
     _tab(browser, "Subflow Runs")
-    for clip_run in ("upscale-dawn.mp4", "upscale-harbour/dusk.mp4"):
-        _wait(browser, lambda d, name=clip_run: _run_state(d, name) == "Completed", f"{clip_run} Completed")
-
-    # The runs page lists them all.
-    browser.get(f"{ui}/runs")
-    for run_name in ("archive-nightly-clips", "upscale-dawn.mp4", "upscale-harbour/dusk.mp4"):
-        _wait(browser, lambda d, name=run_name: _run_state(d, name) == "Completed", f"{run_name} Completed")
-
-    # The archive's artifacts: the progress over clips and the manifest table.
-    browser.get(f"{ui}/runs/flow-run/{archive_id}")
+    for clip_run in (copy, dawn):
+        _wait(browser, lambda d, name=clip_run.name: _run_state(d, name) == "Completed", f"{clip_run.name} Completed")
     _tab(browser, "Artifacts")
-    _wait_text(browser, f"archive-progress-{slug}", f"archive-manifest-{slug}", "2 done, 1 skipped")
-    screenshot = tmp_path / "browser-archive.png"
-    assert browser.save_screenshot(str(screenshot))
-    if SCREENSHOT_DIR:
-        Path(SCREENSHOT_DIR).mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(screenshot, Path(SCREENSHOT_DIR) / screenshot.name)
+    own = {f"archive-progress-{slug}", f"archive-manifest-{slug}"}
+    cards = _wait(browser, lambda d: len(_artifact_cards(d)) == 2 and _artifact_cards(d), f"{own} listed")
+    assert set(cards) == own
+    assert "2 done, 0 failed, 0 left of 2 clips" in cards[f"archive-progress-{slug}"]
+    assert "2 done, 1 skipped" in cards[f"archive-manifest-{slug}"]
+    _screenshot(browser, tmp_path, "browser-archive.png")
 
-    browser.get(f"{ui}/artifacts")
-    _wait_text(browser, f"archive-manifest-{slug}", f"clip-report-{dawn.run_key[:12]}")
-
-    browser.get(f"{ui}/artifacts/artifact/{_latest_artifact_id(f'archive-manifest-{slug}')}")
-    _wait_text(browser, "relative_path", "dawn.mp4", "harbour/dusk.mp4", "done", "broken.mp4", "skipped",
-               "not a readable media file", "harbour/dusk_sr2x.mp4")
-    browser.save_screenshot(str(tmp_path / "browser-manifest.png"))
-
-    # A clip's report: the before/after preview images, decoded by the browser.
-    browser.get(f"{ui}/artifacts/artifact/{_latest_artifact_id(f'clip-report-{dawn.run_key[:12]}')}")
-    _wait_text(browser, "dawn.mp4", "before (64", "after (128")
-    _wait(browser, lambda d: d.execute_script(
-        "return [...document.images].filter(i => i.src.startsWith('data:image/') && i.complete"
-        " && i.naturalWidth > 0).length") >= 2, "the before/after preview images")
-    browser.save_screenshot(str(tmp_path / "browser-report.png"))
+    _open_card(browser, f"archive-manifest-{slug}")
+    table = _wait(browser, lambda d: _table(d, "clip"), "the manifest table")
+    assert table[0][:6] == ["clip", "status", "tiles", "computed", "reused", "seconds"]
+    assert {row[0]: row[1] for row in table[1:]} == {"broken.mp4": "skipped", "dawn.mp4": "done",
+                                                      "copies/harbour.mp4": "done"}
+    assert next(row for row in table if row[0] == "broken.mp4")[-1].startswith("not a readable media file")
+    # The first six columns are in view at 1400 px: no scrolling to see what happened to a clip.
+    assert browser.execute_script(
+        "const table = [...document.querySelectorAll('table')].find(t => t.querySelector('th').textContent.trim()"
+        "  === 'clip'); const box = table.parentElement.getBoundingClientRect();"
+        "return table.rows[0].cells[5].getBoundingClientRect().right <= box.right;")
+    _screenshot(browser, tmp_path, "browser-manifest.png")
+    # Markdown links open in a new tab.
+    browser.find_element("link text", "dawn.mp4").click()
+    _wait(browser, lambda d: len(d.window_handles) == 2, "a new tab for the clip run")
+    browser.switch_to.window(browser.window_handles[-1])
+    _wait(browser, lambda d: d.current_url.endswith(f"/runs/flow-run/{dawn.id}"), "the clip run the manifest links")
+    _wait_text(browser, "upscale-dawn.mp4", "Completed")
