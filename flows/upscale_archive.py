@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
+from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -341,9 +342,10 @@ class ManifestArtifact:
 
     def __init__(self, archive: str, flow_run_id: str | None, header: dict[str, Any]) -> None:
         self.key, self.flow_run_id, self.header = f"archive-manifest-{archive}", flow_run_id, header
-        self._id = None
+        self._id: UUID | None = None
 
-    def show(self, rows: list[ArchiveRow], clip_runs: dict[str, str], message: str) -> None:
+    def show(self, rows: list[ArchiveRow], clip_runs: dict[str, str]) -> None:
+        message = message_of(rows, self.header["plan_only"])
         markdown = manifest_markdown(self.header, rows, clip_runs, message)
         if self._id is None:
             self._id = artifacts.create("markdown", self.key, markdown, message, self.flow_run_id)
@@ -449,14 +451,14 @@ def upscale_archive(
     clip_runs: dict[str, str] = {}  # relative path -> the clip's flow run id
 
     if plan_only or not pending:
-        manifest_artifact.show(rows, clip_runs, message_of(rows, plan_only))
+        manifest_artifact.show(rows, clip_runs)
         logger.info("%s", message_of(rows, plan_only))
         return _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
 
     # 3. Run the pending clips, max_parallel at once, each as its own clip flow run.
     logger.info("running %d of %d clips, %d at once", len(pending), len(rows), max_parallel)
     progress = artifacts.ArchiveProgress(slug, archive_run_id, len(pending))
-    manifest_artifact.show(rows, clip_runs, message_of(rows, plan_only))
+    manifest_artifact.show(rows, clip_runs)
     last_table = time.monotonic()
     with shared_tiles_cluster(workers, gpus, dask_address) as address, ThreadPoolExecutor(
         max_workers=max(1, max_parallel), thread_name_prefix="archive-clip"
@@ -489,7 +491,7 @@ def upscale_archive(
                             row.relative_path, seconds, row.tiles_computed, row.tiles_reused)
             write_manifest(out_dir, header, rows)
             if time.monotonic() - last_table >= TABLE_EVERY_S or finished == len(pending):
-                manifest_artifact.show(rows, clip_runs, message_of(rows, plan_only))
+                manifest_artifact.show(rows, clip_runs)
                 last_table = time.monotonic()
 
     summary = _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)

@@ -80,6 +80,29 @@ def test_progress_texts_say_the_counts_and_reach_exactly_100() -> None:
     )
 
 
+def test_archive_progress_follows_clips_as_they_start_and_end(monkeypatch) -> None:
+    shown: list[tuple[float, str]] = []
+    monkeypatch.setattr(artifacts, "create", lambda kind, key, data, text, run: shown.append((data, text)) or "id")
+    monkeypatch.setattr(artifacts, "update", lambda artifact, data, text: shown.append((data, text)))
+    progress = artifacts.ArchiveProgress("nightly-abc123", "run-id", 3)
+    progress.started("a.mp4")
+    progress.started("b.mp4")
+    progress.finished("a.mp4", failed=False)
+    progress.finished("b.mp4", failed=True)
+    progress.started("c.mp4")
+    progress.finished("c.mp4", failed=False)
+    assert [text for _, text in shown] == [
+        "0 done, 0 failed, 3 left of 3 clips",
+        "0 done, 0 failed, 3 left of 3 clips; running: a.mp4",
+        "0 done, 0 failed, 3 left of 3 clips; running: a.mp4, b.mp4",
+        "1 done, 0 failed, 2 left of 3 clips; running: b.mp4",
+        "1 done, 1 failed, 1 left of 3 clips",
+        "1 done, 1 failed, 1 left of 3 clips; running: c.mp4",
+        "2 done, 1 failed, 0 left of 3 clips",
+    ]
+    assert shown[-1][0] == 100.0 and shown[-2][0] < 100.0
+
+
 def test_keys_name_the_clip_and_the_run(tmp_path: Path) -> None:
     key = artifacts.clip_key("clip-report", str(tmp_path / "a" / "Dawn Take 2.MP4"), "0123456789ABCDEF")
     assert re.fullmatch(r"clip-report-dawn-take-2-mp4-[0-9a-f]{6}-01234567", key)
@@ -130,7 +153,9 @@ def test_manifest_table_links_clip_runs_and_puts_long_text_last(tmp_path: Path) 
     head = next(line for line in lines if line.startswith("| clip"))
     assert head.split(" | ")[:6] == ["| clip", "status", "tiles", "computed", "reused", "seconds"]
     assert head.endswith("| reason |")
-    assert "| [a.mp4](/runs/flow-run/1234-run) | done | 6 | 6 | 0 | 3.2 | a_sr2x.mp4 | rrrrrrrrrrrr |  |" in lines
+    # The link is absolute when the UI's address is known (PREFECT_UI_URL, or derived from PREFECT_API_URL).
+    row = next(line for line in lines if line.startswith("| [a.mp4]("))
+    assert row.endswith("/runs/flow-run/1234-run) | done | 6 | 6 | 0 | 3.2 | a_sr2x.mp4 | rrrrrrrrrrrr |  |")
     assert r"| b\|c.mp4 | skipped |  |  |  |  |  |  | not a readable media file |" in lines
     assert "1 done, 1 skipped" in markdown and str(out / "k6vsr-archive-manifest") in markdown
 
