@@ -29,11 +29,19 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     from k6vsr_core.bundle import DEFAULT_MODEL
 
     group = parser.add_argument_group("model")
-    group.add_argument("--model", "--model-path", dest="model", default=os.environ.get("K6VSR_MODEL", DEFAULT_MODEL),
-                       help="Hugging Face repo id or local folder in the Diffusers layout (env K6VSR_MODEL)")
+    group.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default=os.environ.get("K6VSR_MODEL", DEFAULT_MODEL),
+        help="Hugging Face repo id or local folder in the Diffusers layout (env K6VSR_MODEL)",
+    )
     group.add_argument("--revision", default=None, help="hub revision (default: the pinned release revision)")
-    group.add_argument("--model-id", default=None,
-                       help="identity of a local copy (e.g. the repo id it came from), so its runs are shared")
+    group.add_argument(
+        "--model-id",
+        default=None,
+        help="identity of a local copy (e.g. the repo id it came from), so its runs are shared",
+    )
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
 
 
@@ -44,10 +52,20 @@ def _param_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--seed", type=int, default=42)
     group.add_argument("--tiles-batch-size", "--sr-tiles-batch-size", dest="tiles_batch_size", type=int, default=1)
     group.add_argument("--tile-min-overlap", "--sr-tile-min-overlap", dest="min_overlap", type=float, default=0.2)
-    group.add_argument("--target-resolution", "--sr-target-resolution", dest="target_resolution", default=None,
-                       help="none, hd, fullhd, 2k or WxH")
-    group.add_argument("--target-resize-mode", "--sr-target-resize-mode", dest="target_resize_mode", default="fit",
-                       help="fit (default) or exact")
+    group.add_argument(
+        "--target-resolution",
+        "--sr-target-resolution",
+        dest="target_resolution",
+        default=None,
+        help="none, hd, fullhd, 2k or WxH",
+    )
+    group.add_argument(
+        "--target-resize-mode",
+        "--sr-target-resize-mode",
+        dest="target_resize_mode",
+        default="fit",
+        help="fit (default) or exact",
+    )
     group.add_argument("--attention", default="nabla", help="nabla (default, as released) or dense")
 
 
@@ -67,8 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("upscale", help="upscale one clip")
     up.add_argument("input")
-    up.add_argument("-o", "--output-dir", "--output-path", dest="output_dir", default=None,
-                    help="output folder (default: beside the input)")
+    up.add_argument(
+        "-o",
+        "--output-dir",
+        "--output-path",
+        dest="output_dir",
+        default=None,
+        help="output folder (default: beside the input)",
+    )
     up.add_argument("--output-file-name", default=None, help="default: <stem>_sr<scale>x_<timestamp>.mp4")
     _param_flags(up)
     _model_flags(up)
@@ -213,8 +237,8 @@ def _check_device(device: str) -> None:
 
 
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
-    from flows.upscale_clip import default_output_name
     from flows.orchestrate import run_clip
+    from flows.upscale_clip import default_output_name
     from service.runs import prepare_run
 
     params = params_from(args)
@@ -232,8 +256,15 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
         name += ".mp4"
     _check_output_file(out_dir / name, source)
     summary = run_clip(
-        str(source), str(out_dir / name), params, spec, str(store),
-        workers=args.workers, gpus=args.gpus, dask_address=args.dask_address, show_progress=not args.json,
+        str(source),
+        str(out_dir / name),
+        params,
+        spec,
+        str(store),
+        workers=args.workers,
+        gpus=args.gpus,
+        dask_address=args.dask_address,
+        show_progress=not args.json,
     )
     return summary.model_dump(mode="json")
 
@@ -280,7 +311,14 @@ def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
 def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_root: str | Path) -> dict[str, Any]:
     """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary."""
     from flows.orchestrate import prefect_api
-    from flows.upscale_archive import MANIFEST_NAME, ArchiveFailed, ArchiveRow, ArchiveSummary, _summary, upscale_archive
+    from flows.upscale_archive import (
+        MANIFEST_NAME,
+        ArchiveFailed,
+        ArchiveRow,
+        ArchiveSummary,
+        _summary,
+        upscale_archive,
+    )
     from service.runs import model_info
 
     source = Path(args.input_dir).expanduser()

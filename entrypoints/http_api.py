@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from python_multipart.exceptions import MultipartParseError
-from python_multipart.multipart import MultipartParser, parse_options_header
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -82,17 +82,30 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
 
-_KIND = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-         405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-         415: "invalid_request_error", 422: "invalid_request_error"}
+_KIND = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+}
 
 
 def error_response(
-    status: int, message: str, kind: str | None = None, param: str | None = None, code: str | None = None,
+    status: int,
+    message: str,
+    kind: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind or _KIND.get(status, "server_error"), "param": param,
-                      "code": code}}
+    body = {
+        "error": {"message": message, "type": kind or _KIND.get(status, "server_error"), "param": param, "code": code}
+    }
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -135,7 +148,9 @@ class BearerAuth:
             if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
                 message = "missing API key" if not header else "invalid API key"
                 response = error_response(
-                    401, f"{message}: send the header 'Authorization: Bearer <key>'", code="invalid_api_key",
+                    401,
+                    f"{message}: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
                 await response(scope, receive, send)
@@ -165,7 +180,7 @@ def params_from_fields(fields: dict[str, Any]) -> UpscaleParams:
             parse_params(**{internal: value})
         except ParameterError as err:
             text = str(err)
-            problems.append((name, name + text[len(internal):] if text.startswith(internal) else f"{name}: {text}"))
+            problems.append((name, name + text[len(internal) :] if text.startswith(internal) else f"{name}: {text}"))
             continue
         values[internal] = value
     if problems:
@@ -183,11 +198,18 @@ def api_params(params: dict[str, Any]) -> dict[str, Any]:
 
 def resolve_video_path(raw: Any, roots: tuple[Path, ...]) -> Path:
     if not isinstance(raw, str) or not raw:
-        raise ApiError(400, f"video_path must be a non-empty string (or upload the clip as multipart field "
-                       f"{FILE_FIELD!r})", param="video_path")
+        raise ApiError(
+            400,
+            f"video_path must be a non-empty string (or upload the clip as multipart field {FILE_FIELD!r})",
+            param="video_path",
+        )
     if not roots:
-        raise ApiError(403, "video_path is not allowed on this server: start it with --allow-path DIR to accept "
-                       f"clips under DIR, or upload the clip as {FILE_FIELD!r}", param="video_path")
+        raise ApiError(
+            403,
+            "video_path is not allowed on this server: start it with --allow-path DIR to accept "
+            f"clips under DIR, or upload the clip as {FILE_FIELD!r}",
+            param="video_path",
+        )
     try:
         resolved = Path(raw).resolve()
     except (OSError, RuntimeError, ValueError):
@@ -227,8 +249,12 @@ class FormError(ApiError):
 
 class UploadTooLarge(ApiError):
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"{FILE_FIELD} is larger than the upload limit of {limit} bytes (--max-upload-mb)",
-                         param=FILE_FIELD, code="file_too_large")
+        super().__init__(
+            413,
+            f"{FILE_FIELD} is larger than the upload limit of {limit} bytes (--max-upload-mb)",
+            param=FILE_FIELD,
+            code="file_too_large",
+        )
 
 
 def _capped(limit: int, error: Callable[[], ApiError], write: Callable[[bytes], Any]) -> Callable[[bytes], None]:
@@ -300,7 +326,8 @@ class _FormReceiver:
             self._sink = _capped(self.max_bytes, lambda: UploadTooLarge(self.max_bytes), self._file.write)
         else:
             self._sink = _capped(
-                MAX_FORM_FIELD_BYTES, lambda: ApiError(413, f"form field {name!r} is too long", param=name),
+                MAX_FORM_FIELD_BYTES,
+                lambda: ApiError(413, f"form field {name!r} is too long", param=name),
                 self._value.extend,
             )
 
@@ -414,8 +441,12 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
         try:
             return prepare_run(source, params, spec, config.store_root)
         except MediaError as err:
-            raise ApiError(400, f"{label}: {err.cause}", param="video_path" if label != FILE_FIELD else FILE_FIELD,
-                           code="invalid_video") from None
+            raise ApiError(
+                400,
+                f"{label}: {err.cause}",
+                param="video_path" if label != FILE_FIELD else FILE_FIELD,
+                code="invalid_video",
+            ) from None
         except ValueError as err:  # a plan these parameters cannot make (e.g. an `exact` target above the result)
             raise ApiError(400, f"this request cannot be planned: {err}") from None
 
@@ -442,34 +473,44 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
                 source = resolve_video_path(raw_path, config.allow_paths)
                 label, origin = raw_path, {"type": "path", "video_path": raw_path}
             else:
-                raise ApiError(415, "send JSON (application/json) with video_path, or multipart/form-data with the "
-                               f"clip as {FILE_FIELD!r}")
+                raise ApiError(
+                    415,
+                    "send JSON (application/json) with video_path, or multipart/form-data with the "
+                    f"clip as {FILE_FIELD!r}",
+                )
             prepared = await run_in_threadpool(prepare, source, params, label)
         except BaseException:
             store.discard_dir(job_id)  # a partial or refused upload leaves nothing behind
             raise
         plan = prepared.plan
         now = time.time()
-        job = await run_in_threadpool(store.put, {
-            "id": job_id,
-            "object": "video",
-            "model": config.model_name,
-            "status": "queued",
-            "progress": 0,
-            "created_at": int(now),
-            "created_ns": time.time_ns(),
-            "started_at": None,
-            "completed_at": None,
-            "error": None,
-            "run_key": prepared.run.run_key,
-            "request": params.model_dump(mode="json"),
-            "source": {**origin, "path": str(source)},
-            "output": {
-                "width": plan.delivery_size[1], "height": plan.delivery_size[0], "frames": plan.num_frames,
-                "fps": plan.fps, "has_audio": prepared.probe.has_audio, "bytes": None,
+        job = await run_in_threadpool(
+            store.put,
+            {
+                "id": job_id,
+                "object": "video",
+                "model": config.model_name,
+                "status": "queued",
+                "progress": 0,
+                "created_at": int(now),
+                "created_ns": time.time_ns(),
+                "started_at": None,
+                "completed_at": None,
+                "error": None,
+                "run_key": prepared.run.run_key,
+                "request": params.model_dump(mode="json"),
+                "source": {**origin, "path": str(source)},
+                "output": {
+                    "width": plan.delivery_size[1],
+                    "height": plan.delivery_size[0],
+                    "frames": plan.num_frames,
+                    "fps": plan.fps,
+                    "has_audio": prepared.probe.has_audio,
+                    "bytes": None,
+                },
+                "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},
             },
-            "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},
-        })
+        )
         runner.submit(job_id)
         log.info("job %s queued: run %s, %d tiles", job_id, prepared.run.run_key, plan.num_tiles)
         return JSONResponse(job_view(job, config.store_root))
@@ -502,8 +543,9 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
             if job["status"] == CANCELLED:
                 return job_view(job, config.store_root)
         if runner.running(video_id):
-            raise ApiError(409, f"video job {video_id} is still stopping; delete it again in a few seconds",
-                           code="job_stopping")
+            raise ApiError(
+                409, f"video job {video_id} is still stopping; delete it again in a few seconds", code="job_stopping"
+            )
         store.remove(video_id)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
@@ -568,6 +610,9 @@ def serve(args: Any, spec: Any, store_root: Path) -> None:
     # Job processes report to one Prefect API: the configured one, else a temporary server for our lifetime.
     with prefect_api(for_processes=True):
         uvicorn.run(
-            create_app(config, spec), host=args.host, port=args.port, log_level="debug" if args.debug else "info",
+            create_app(config, spec),
+            host=args.host,
+            port=args.port,
+            log_level="debug" if args.debug else "info",
             server_header=False,
         )

@@ -162,7 +162,10 @@ class WorkerSlot:
             except Exception:  # noqa: BLE001 - one bad job must not take the worker down
                 log.exception("job %s: unexpected error in the worker", job_id)
                 self.runner.store.update(
-                    job_id, only_if=ACTIVE, status=FAILED, completed_at=int(time.time()),
+                    job_id,
+                    only_if=ACTIVE,
+                    status=FAILED,
+                    completed_at=int(time.time()),
                     error={"message": "internal error in the job worker", "type": "server_error"},
                 )
             finally:
@@ -211,14 +214,23 @@ class WorkerSlot:
             width, height = summary["size"]
             output = store.output_path(job_id)
             store.update(
-                job_id, only_if=(IN_PROGRESS,), status=COMPLETED, progress=100, completed_at=now,
+                job_id,
+                only_if=(IN_PROGRESS,),
+                status=COMPLETED,
+                progress=100,
+                completed_at=now,
                 run_key=summary["run_key"],
                 output={
-                    "width": width, "height": height, "frames": summary["frames"], "fps": summary["fps"],
-                    "has_audio": reply.get("has_audio"), "bytes": output.stat().st_size if output.is_file() else None,
+                    "width": width,
+                    "height": height,
+                    "frames": summary["frames"],
+                    "fps": summary["fps"],
+                    "has_audio": reply.get("has_audio"),
+                    "bytes": output.stat().st_size if output.is_file() else None,
                 },
                 tiles={
-                    "total": summary["tiles_total"], "computed": summary["tiles_computed"],
+                    "total": summary["tiles_total"],
+                    "computed": summary["tiles_computed"],
                     "reused": summary["tiles_reused"],
                 },
             )
@@ -237,9 +249,15 @@ class WorkerSlot:
         job = store.get(job_id)
         if job is not None and job["status"] == IN_PROGRESS:
             store.update(
-                job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now,
-                error={"message": f"the worker process exited (code {code}) during the job; resubmit the same "
-                       "request to resume from its finished tiles", "type": "server_error"},
+                job_id,
+                only_if=(IN_PROGRESS,),
+                status=FAILED,
+                completed_at=now,
+                error={
+                    "message": f"the worker process exited (code {code}) during the job; resubmit the same "
+                    "request to resume from its finished tiles",
+                    "type": "server_error",
+                },
             )
         if not self.runner.stopping.is_set():
             self._spawn()  # warm up the next child while the queue is idle
@@ -309,7 +327,10 @@ class JobRunner:
     def cancel(self, job_id: str) -> dict[str, Any] | None:
         """Mark a queued or running job cancelled; a running one's child process is terminated."""
         job = self.store.update(
-            job_id, only_if=ACTIVE, status=CANCELLED, completed_at=int(time.time()),
+            job_id,
+            only_if=ACTIVE,
+            status=CANCELLED,
+            completed_at=int(time.time()),
         )
         for slot in self.slots:
             if slot.current == job_id:
@@ -377,8 +398,8 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         from flows.runners import make_task_runner
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
-        from storage import RunStore
         from service.runs import ModelSpec
+        from storage import RunStore
         from tasks.model_cache import get_bundle
 
         spec = ModelSpec.model_validate_json(spec_json)

@@ -130,8 +130,9 @@ class TileProgress:
 
     def __init__(self, source: str, run_key: str, flow_run_id: str | UUID | None, total: int) -> None:
         self.total = total
-        self._id = create("progress", clip_key("tiles", source, run_key), 0.0, tile_progress_text(0, total),
-                          flow_run_id)
+        self._id = create(
+            "progress", clip_key("tiles", source, run_key), 0.0, tile_progress_text(0, total), flow_run_id
+        )
 
     def update(self, done: int, windows: Sequence[tuple[int, int]] = ()) -> None:
         """`done` tiles decoded so far; `windows` the (done, total) of each window when a clip has several."""
@@ -174,7 +175,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align:
     def cell(value: Any) -> str:
         return " ".join(str("" if value is None else value).split()).replace("|", "\\|")
 
-    marks = [{"r": "--:"}.get(align[i:i + 1], "---") for i in range(len(headers))]
+    marks = [{"r": "--:"}.get(align[i : i + 1], "---") for i in range(len(headers))]
     lines = [headers, marks, *rows]
     return "\n".join("| " + " | ".join(cell(value) for value in line) + " |" for line in lines)
 
@@ -195,37 +196,56 @@ def clip_report_markdown(report: ClipReport) -> str:
     stages = markdown_table(
         ["stage", "starts (s)", "ends (s)", "span (s)", "adds (s)", "tasks"],
         [
-            *([s.stage, f"{s.starts:.2f}", f"{s.ends:.2f}", f"{s.span:.2f}", f"{s.adds:.2f}", s.tasks]
-              for s in report.stages),
+            *(
+                [s.stage, f"{s.starts:.2f}", f"{s.ends:.2f}", f"{s.span:.2f}", f"{s.adds:.2f}", s.tasks]
+                for s in report.stages
+            ),
             ["run", "0.00", f"{report.run_seconds:.2f}", f"{report.run_seconds:.2f}", f"{report.run_seconds:.2f}", ""],
         ],
         align="lrrrrr",
     )
     reused = " (published from the finished run in the store)" if report.reused_output else ""
-    return "\n\n".join([
-        f"# {Path(report.source).name}",
-        f"Run `{report.run_key}`: {frames}, {before_size} to {after_size}. Workers: {report.workers}.",
-        markdown_table([f"before ({before_size})", f"after ({after_size})"],
-                       [[f"![before]({_thumbnail(report.before)})", f"![after]({_thumbnail(report.after)})"]]),
-        "## Stages",
-        stages,
-        "Seconds on this run's clock, from its start. *span*: first start to last end of the stage's tasks; stages "
-        "overlap (a tile decodes while the next chunk denoises), so spans may add up to more than the run. *adds*: "
-        "from the end of the stage before to the end of this one, what the stage added to the run; these add up to "
-        "the run's time until this report.",
-        markdown_table(["tiles", "computed", "reused"],
-                       [[report.tiles_total, report.tiles_computed, report.tiles_reused]], align="rrr"),
-        f"**Output** `{report.output}` ({size_text(report.output_bytes)}){reused}",
-        f"**Run store** `{report.store}`: the manifest, the stored stages and their completion records; rerunning "
-        "the same command resumes from it.",
-    ]) + "\n"
+    return (
+        "\n\n".join(
+            [
+                f"# {Path(report.source).name}",
+                f"Run `{report.run_key}`: {frames}, {before_size} to {after_size}. Workers: {report.workers}.",
+                markdown_table(
+                    [f"before ({before_size})", f"after ({after_size})"],
+                    [[f"![before]({_thumbnail(report.before)})", f"![after]({_thumbnail(report.after)})"]],
+                ),
+                "## Stages",
+                stages,
+                "Seconds on this run's clock, from its start. *span*: first start to last end of the stage's tasks; stages "
+                "overlap (a tile decodes while the next chunk denoises), so spans may add up to more than the run. *adds*: "
+                "from the end of the stage before to the end of this one, what the stage added to the run; these add up to "
+                "the run's time until this report.",
+                markdown_table(
+                    ["tiles", "computed", "reused"],
+                    [[report.tiles_total, report.tiles_computed, report.tiles_reused]],
+                    align="rrr",
+                ),
+                f"**Output** `{report.output}` ({size_text(report.output_bytes)}){reused}",
+                f"**Run store** `{report.store}`: the manifest, the stored stages and their completion records; rerunning "
+                "the same command resumes from it.",
+            ]
+        )
+        + "\n"
+    )
 
 
 def publish_clip_report(report: ClipReport, flow_run_id: str | UUID | None) -> UUID | None:
-    description = (f"{report.tiles_computed} tiles computed, {report.tiles_reused} reused; "
-                   f"{report.run_seconds:.1f} s; {Path(report.output).name}")
-    return create("markdown", clip_key("clip-report", report.source, report.run_key),
-                  clip_report_markdown(report), description, flow_run_id)
+    description = (
+        f"{report.tiles_computed} tiles computed, {report.tiles_reused} reused; "
+        f"{report.run_seconds:.1f} s; {Path(report.output).name}"
+    )
+    return create(
+        "markdown",
+        clip_key("clip-report", report.source, report.run_key),
+        clip_report_markdown(report),
+        description,
+        flow_run_id,
+    )
 
 
 def workers_in_use() -> str:
@@ -261,8 +281,9 @@ class ArchiveProgress:
         self.total, self.done, self.failed = total, 0, 0
         self.running: list[str] = []
         self._lock = threading.Lock()  # clips start and end in several threads; each update shows one moment
-        self._id = create("progress", f"archive-progress-{archive}", 0.0, archive_progress_text(0, 0, total),
-                          flow_run_id)
+        self._id = create(
+            "progress", f"archive-progress-{archive}", 0.0, archive_progress_text(0, 0, total), flow_run_id
+        )
 
     def started(self, clip: str) -> None:
         with self._lock:
@@ -277,5 +298,8 @@ class ArchiveProgress:
             self._show()
 
     def _show(self) -> None:
-        update(self._id, percent(self.done + self.failed, self.total),
-               archive_progress_text(self.done, self.failed, self.total, self.running))
+        update(
+            self._id,
+            percent(self.done + self.failed, self.total),
+            archive_progress_text(self.done, self.failed, self.total, self.running),
+        )

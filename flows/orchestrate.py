@@ -93,8 +93,9 @@ def run_clip(
 
     prepared = prepare_run(source, params, model, store_root)
     runner = make_task_runner(workers, dask_address, gpus)
-    with prefect_api(uses_processes(workers, gpus, dask_address)), tile_progress(
-        store_root, prepared.run.run_key, prepared.plan.num_tiles, show_progress
+    with (
+        prefect_api(uses_processes(workers, gpus, dask_address)),
+        tile_progress(store_root, prepared.run.run_key, prepared.plan.num_tiles, show_progress),
     ):
         return upscale_clip.with_options(task_runner=runner)(
             source=str(Path(source)), output=output, params=params, model=model, store_root=store_root

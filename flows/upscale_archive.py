@@ -40,15 +40,31 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
+from flows import artifacts
 from k6vsr_core.params import UpscaleParams
+from service.runs import ModelSpec
 from storage import default_store_root
 from storage.records import atomic_write_bytes
-from service.runs import ModelSpec
-from flows import artifacts
 
 VIDEO_GLOBS = (
-    "*.mp4", "*.m4v", "*.mov", "*.mkv", "*.webm", "*.avi", "*.wmv", "*.flv", "*.mpg", "*.mpeg", "*.m2v",
-    "*.ts", "*.mts", "*.m2ts", "*.mxf", "*.3gp", "*.ogv", "*.y4m",
+    "*.mp4",
+    "*.m4v",
+    "*.mov",
+    "*.mkv",
+    "*.webm",
+    "*.avi",
+    "*.wmv",
+    "*.flv",
+    "*.mpg",
+    "*.mpeg",
+    "*.m2v",
+    "*.ts",
+    "*.mts",
+    "*.m2ts",
+    "*.mxf",
+    "*.3gp",
+    "*.ogv",
+    "*.y4m",
 )
 MANIFEST_NAME = "k6vsr-archive-manifest"
 STATUSES = ("done", "reused", "failed", "skipped", "planned")
@@ -177,8 +193,10 @@ def _sources(
     if not base.is_dir():
         raise ValueError(f"input folder {input_dir} does not exist")
     if output_dir == base:
-        raise ValueError(f"the output folder {output_dir} is the input folder: outputs would be read as inputs "
-                         "by the next run; choose another folder (a subfolder of the input is fine)")
+        raise ValueError(
+            f"the output folder {output_dir} is the input folder: outputs would be read as inputs "
+            "by the next run; choose another folder (a subfolder of the input is fine)"
+        )
     return base, scan_folder(base, include, exclude, skip=output_dir)
 
 
@@ -232,16 +250,23 @@ def plan_clips(
         try:
             relative = source.relative_to(base)
         except ValueError:
-            rows.append(ArchiveRow(source=str(source), relative_path=source.name, status="skipped",
-                                   reason=f"not inside the input folder {base}"))
+            rows.append(
+                ArchiveRow(
+                    source=str(source),
+                    relative_path=source.name,
+                    status="skipped",
+                    reason=f"not inside the input folder {base}",
+                )
+            )
             continue
         output = output_dir / relative.parent / output_name(relative, params)
         row = ArchiveRow(source=str(source), relative_path=relative.as_posix(), status="planned", output=str(output))
         if isinstance(result, BaseException):
             rows.append(row.model_copy(update={"status": "skipped", "reason": _describe(result), "output": ""}))
             continue
-        row = row.model_copy(update={"run_key": result.run.run_key, "frames": result.plan.num_frames,
-                                     "tiles": result.plan.num_tiles})
+        row = row.model_copy(
+            update={"run_key": result.run.run_key, "frames": result.plan.num_frames, "tiles": result.plan.num_tiles}
+        )
         if output in claimed:
             reason = f"its output {output} is already the output of {claimed[output]}"
             rows.append(row.model_copy(update={"status": "skipped", "output": "", "reason": reason}))
@@ -252,10 +277,21 @@ def plan_clips(
             earlier = previous.get(row.relative_path, row.run_key)
             reason = "output exists"
             if earlier != row.run_key:
-                reason = (f"output exists, made by run {earlier} but this request is run {row.run_key} (the source, "
-                          "parameters or model changed); overwrite replaces it")
-            rows.append(row.model_copy(update={"status": "reused", "reason": reason, "run_key": earlier,
-                                               "tiles_computed": 0, "tiles_reused": row.tiles}))
+                reason = (
+                    f"output exists, made by run {earlier} but this request is run {row.run_key} (the source, "
+                    "parameters or model changed); overwrite replaces it"
+                )
+            rows.append(
+                row.model_copy(
+                    update={
+                        "status": "reused",
+                        "reason": reason,
+                        "run_key": earlier,
+                        "tiles_computed": 0,
+                        "tiles_reused": row.tiles,
+                    }
+                )
+            )
         elif result.finished:
             rows.append(row.model_copy(update={"reason": "finished run in the store: only the output is written"}))
         else:
@@ -326,15 +362,28 @@ def manifest_markdown(header: dict[str, Any], rows: list[ArchiveRow], clip_runs:
 
     table = artifacts.markdown_table(
         ["clip", "status", "tiles", "computed", "reused", "seconds", "output", "run key", "reason"],
-        [[clip(row), row.status, row.tiles, row.tiles_computed, row.tiles_reused,
-          "" if row.seconds is None else f"{row.seconds:.1f}", output(row), row.run_key[:12], reason(row)]
-         for row in rows],
+        [
+            [
+                clip(row),
+                row.status,
+                row.tiles,
+                row.tiles_computed,
+                row.tiles_reused,
+                "" if row.seconds is None else f"{row.seconds:.1f}",
+                output(row),
+                row.run_key[:12],
+                reason(row),
+            ]
+            for row in rows
+        ],
         align="llrrrr",
     )
     updated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return (f"# Archive {Path(header['input']).name}\n\n"
-            f"`{header['input']}` to `{out_dir}`: {message}. Updated {updated}; the manifest files are "
-            f"`{out_dir / MANIFEST_NAME}.json` and `.csv`.\n\n{table}\n")
+    return (
+        f"# Archive {Path(header['input']).name}\n\n"
+        f"`{header['input']}` to `{out_dir}`: {message}. Updated {updated}; the manifest files are "
+        f"`{out_dir / MANIFEST_NAME}.json` and `.csv`.\n\n{table}\n"
+    )
 
 
 class ManifestArtifact:
@@ -389,8 +438,9 @@ def upscale_one(
     clip_flow = upscale_clip.with_options(
         flow_run_name=f"upscale-{relative_path}", task_runner=make_task_runner(1, dask_address, False)
     )
-    state = clip_flow(source=source, output=output, params=params, model=model, store_root=store_root,
-                      return_state=True)
+    state = clip_flow(
+        source=source, output=output, params=params, model=model, store_root=store_root, return_state=True
+    )
     try:
         return str(state.state_details.flow_run_id), state.result()
     except Exception as err:  # noqa: BLE001 - the clip failed: its row says why, the others go on
@@ -460,17 +510,17 @@ def upscale_archive(
     progress = artifacts.ArchiveProgress(slug, archive_run_id, len(pending))
     manifest_artifact.show(rows, clip_runs)
     last_table = time.monotonic()
-    with shared_tiles_cluster(workers, gpus, dask_address) as address, ThreadPoolExecutor(
-        max_workers=max(1, max_parallel), thread_name_prefix="archive-clip"
-    ) as pool:
+    with (
+        shared_tiles_cluster(workers, gpus, dask_address) as address,
+        ThreadPoolExecutor(max_workers=max(1, max_parallel), thread_name_prefix="archive-clip") as pool,
+    ):
 
         def run(index: int) -> tuple[int, float, str | None, Any]:
             row = rows[index]
             progress.started(row.relative_path)
             started = time.perf_counter()
             try:
-                clip_run, outcome = upscale_one(row.relative_path, row.source, row.output, params, model, root,
-                                                address)
+                clip_run, outcome = upscale_one(row.relative_path, row.source, row.output, params, model, root, address)
             except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
                 return index, time.perf_counter() - started, None, err
             return index, time.perf_counter() - started, clip_run, outcome
@@ -487,8 +537,13 @@ def upscale_archive(
             if row.status == "failed":
                 logger.error("clip %s failed: %s", row.relative_path, row.reason)
             else:
-                logger.info("clip %s done in %.1f s (%s tiles computed, %s reused)",
-                            row.relative_path, seconds, row.tiles_computed, row.tiles_reused)
+                logger.info(
+                    "clip %s done in %.1f s (%s tiles computed, %s reused)",
+                    row.relative_path,
+                    seconds,
+                    row.tiles_computed,
+                    row.tiles_reused,
+                )
             write_manifest(out_dir, header, rows)
             if time.monotonic() - last_table >= TABLE_EVERY_S or finished == len(pending):
                 manifest_artifact.show(rows, clip_runs)
@@ -497,25 +552,29 @@ def upscale_archive(
     summary = _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
     logger.info("%s; manifest %s", summary.message, manifest_json)
     if summary.failed:
-        raise ArchiveFailed(f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
-                            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused")
+        raise ArchiveFailed(
+            f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
+            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused"
+        )
     return summary
 
 
 def _finished_row(row: ArchiveRow, seconds: float, outcome: Any) -> ArchiveRow:
     if isinstance(outcome, BaseException):
         return row.model_copy(update={"status": "failed", "reason": _describe(outcome), "seconds": round(seconds, 3)})
-    return row.model_copy(update={
-        "status": "done",
-        "reason": "published from the finished run in the store" if outcome.reused_output else "",
-        "run_key": outcome.run_key,
-        "frames": outcome.frames,
-        "tiles": outcome.tiles_total,
-        "tiles_computed": outcome.tiles_computed,
-        "tiles_reused": outcome.tiles_reused,
-        "seconds": round(seconds, 3),
-        "output": outcome.output,
-    })
+    return row.model_copy(
+        update={
+            "status": "done",
+            "reason": "published from the finished run in the store" if outcome.reused_output else "",
+            "run_key": outcome.run_key,
+            "frames": outcome.frames,
+            "tiles": outcome.tiles_total,
+            "tiles_computed": outcome.tiles_computed,
+            "tiles_reused": outcome.tiles_reused,
+            "seconds": round(seconds, 3),
+            "output": outcome.output,
+        }
+    )
 
 
 def _summary(

@@ -16,14 +16,14 @@ from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
+from flows import artifacts
+from flows.stage_clock import StageClock
 from k6vsr_core.params import UpscaleParams
+from service.runs import ModelSpec, prepare_run
 from storage import RunStore, default_store_root, publish
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
-from service.runs import ModelSpec, prepare_run
 from tasks.descriptors import StageResult
-from flows import artifacts
-from flows.stage_clock import StageClock
 
 
 class ClipSummary(BaseModel):

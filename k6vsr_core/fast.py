@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch.nn.attention.flex_attention import flex_attention
-
 from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttnProcessor, nabla_block_mask
+from torch.nn.attention.flex_attention import flex_attention
 
 from k6vsr_core.attention import AttentionMode, DenseSdpaProcessor, project_qkv
 from k6vsr_core.bundle import ModelBundle
@@ -177,7 +176,6 @@ class FastNablaProcessor(Kandinsky6SRAttnProcessor):
             query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = flex_attention(query, key, value, block_mask=block_mask, kernel_options=options)
         return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
-
 
 
 def _attention_modules(transformer: Any) -> list[Any]:

@@ -28,9 +28,7 @@ def get_bundle(spec: ModelSpec) -> ModelBundle:
     with _LOCK:
         bundle = _BUNDLES.get(spec)
         if bundle is None:
-            bundle = load_bundle(
-                spec.model, spec.revision, model_id=spec.model_id, device=resolve_device(spec.device)
-            )
+            bundle = load_bundle(spec.model, spec.revision, model_id=spec.model_id, device=resolve_device(spec.device))
             if spec.compile:
                 from k6vsr_core.fast import compile_bundle
 

@@ -33,8 +33,15 @@ from service.runs import ModelSpec
 pytestmark = pytest.mark.slow
 
 CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1400,1250",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1250",
 )
 WAIT_S = 60
 SCREENSHOT_DIR = os.environ.get("K6VSR_SCREENSHOT_DIR")
@@ -73,8 +80,9 @@ def _wait(driver, condition: Callable[[object], object], what: str):
         return WebDriverWait(driver, WAIT_S, poll_frequency=0.5).until(condition)
     except TimeoutException:
         body = driver.find_element("tag name", "body").text
-        raise AssertionError(f"the UI at {driver.current_url} did not show {what} in {WAIT_S} s; it shows:\n"
-                             f"{body[:3000]}") from None
+        raise AssertionError(
+            f"the UI at {driver.current_url} did not show {what} in {WAIT_S} s; it shows:\n{body[:3000]}"
+        ) from None
 
 
 def _body(driver) -> str:
@@ -86,15 +94,19 @@ def _wait_text(driver, *texts: str) -> None:
 
 
 def _tab(driver, name: str) -> None:
-    tab = _wait(driver, lambda d: d.find_elements(
-        "xpath", f"//li[contains(@class, 'p-tab') and normalize-space(.)='{name}']"), f"the {name} tab")
+    tab = _wait(
+        driver,
+        lambda d: d.find_elements("xpath", f"//li[contains(@class, 'p-tab') and normalize-space(.)='{name}']"),
+        f"the {name} tab",
+    )
     tab[0].click()
 
 
 def _run_state(driver, run_name: str) -> str:
     """The state badge of the listed flow run named `run_name` (empty while it is not listed)."""
     rows = driver.find_elements(
-        "xpath", f"//a[normalize-space(.)='{run_name}']/ancestor::div[contains(@class, 'state-list-item ')][1]")
+        "xpath", f"//a[normalize-space(.)='{run_name}']/ancestor::div[contains(@class, 'state-list-item ')][1]"
+    )
     if not rows:
         return ""
     badges = rows[0].find_elements("css selector", ".state-badge")
@@ -105,7 +117,8 @@ def _artifact_cards(driver) -> dict[str, str]:
     """Key -> text of each artifact card on the page."""
     return driver.execute_script(
         "return Object.fromEntries([...document.querySelectorAll('.artifact-card')].map(card =>"
-        " [card.querySelector('.artifact-card__title').textContent.trim(), card.innerText]))")
+        " [card.querySelector('.artifact-card__title').textContent.trim(), card.innerText]))"
+    )
 
 
 def _open_card(driver, key: str) -> None:
@@ -118,13 +131,16 @@ def _table(driver, first_header: str) -> list[list[str]]:
     return driver.execute_script(
         "const table = [...document.querySelectorAll('table')].find(t => t.querySelector('th')"
         "  && t.querySelector('th').textContent.trim() === arguments[0]);"
-        "return table ? [...table.rows].map(r => [...r.cells].map(c => c.textContent.trim())) : [];", first_header)
+        "return table ? [...table.rows].map(r => [...r.cells].map(c => c.textContent.trim())) : [];",
+        first_header,
+    )
 
 
 def _images_loaded(driver) -> int:
     return driver.execute_script(
         "return [...document.images].filter(i => i.src.startsWith('data:image/') && i.complete"
-        " && i.naturalWidth > 0).length")
+        " && i.naturalWidth > 0).length"
+    )
 
 
 def _screenshot(driver, tmp_path: Path, name: str) -> None:
@@ -146,8 +162,11 @@ def _flow_run(name: str | None = None, run_id: UUID | None = None):
     with get_client(sync_client=True) as client:
         if run_id is not None:
             return client.read_flow_run(run_id)
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])),
-                                     sort=FlowRunSort.START_TIME_DESC, limit=1)
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])),
+            sort=FlowRunSort.START_TIME_DESC,
+            limit=1,
+        )
     assert runs, f"no flow run named {name}"
     return runs[0]
 
@@ -166,8 +185,9 @@ def _keys_of(run_id: UUID) -> set[str]:
 # --------------------------------------------------------------------------------------------------- the checks
 
 
-def _check_clip_run(driver, ui: str, run, run_key: str, all_keys: set[str], tiles: int, computed: int,
-                    tmp_path: Path, shot: str) -> None:
+def _check_clip_run(
+    driver, ui: str, run, run_key: str, all_keys: set[str], tiles: int, computed: int, tmp_path: Path, shot: str
+) -> None:
     """The clip run's page lists its own progress and report; the report tells this run's story."""
     from flows.artifacts import clip_key
 
@@ -216,8 +236,15 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
     shutil.copyfile(clip, folder / "copies" / "harbour.mp4")
     make_sample_clip(folder / "dawn.mp4", width=64, height=64, num_frames=1, tone_hz=610.0)
     (folder / "broken.mp4").write_bytes(b"\x00not a video\xff" * 300)
-    state = upscale_archive(input_dir=str(folder), output_dir=str(tmp_path / "out"), params=PARAMS, model=model,
-                            store_root=store, max_parallel=2, return_state=True)
+    state = upscale_archive(
+        input_dir=str(folder),
+        output_dir=str(tmp_path / "out"),
+        params=PARAMS,
+        model=model,
+        store_root=store,
+        max_parallel=2,
+        return_state=True,
+    )
     assert state.is_completed(), state.message
     summary = state.result()
     assert summary.counts == {"done": 2, "skipped": 1}
@@ -233,10 +260,28 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
     # Two clips sharing one run key keep apart: 2 artifacts per clip run, 2 for the archive.
     assert len(all_keys) == 8
 
-    _check_clip_run(browser, ui, standalone, alone.run_key, all_keys, tiles=alone.tiles_total,
-                    computed=alone.tiles_total, tmp_path=tmp_path, shot="browser-clip")
-    _check_clip_run(browser, ui, copy, alone.run_key, all_keys, tiles=alone.tiles_total, computed=0,
-                    tmp_path=tmp_path, shot="browser-archive-clip")
+    _check_clip_run(
+        browser,
+        ui,
+        standalone,
+        alone.run_key,
+        all_keys,
+        tiles=alone.tiles_total,
+        computed=alone.tiles_total,
+        tmp_path=tmp_path,
+        shot="browser-clip",
+    )
+    _check_clip_run(
+        browser,
+        ui,
+        copy,
+        alone.run_key,
+        all_keys,
+        tiles=alone.tiles_total,
+        computed=0,
+        tmp_path=tmp_path,
+        shot="browser-archive-clip",
+    )
     assert "published from the finished run in the store" in _body(browser)
 
     # The archive run: its clip runs, its progress over clips and its one manifest table.
@@ -256,14 +301,18 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
     _open_card(browser, f"archive-manifest-{slug}")
     table = _wait(browser, lambda d: _table(d, "clip"), "the manifest table")
     assert table[0][:6] == ["clip", "status", "tiles", "computed", "reused", "seconds"]
-    assert {row[0]: row[1] for row in table[1:]} == {"broken.mp4": "skipped", "dawn.mp4": "done",
-                                                      "copies/harbour.mp4": "done"}
+    assert {row[0]: row[1] for row in table[1:]} == {
+        "broken.mp4": "skipped",
+        "dawn.mp4": "done",
+        "copies/harbour.mp4": "done",
+    }
     assert next(row for row in table if row[0] == "broken.mp4")[-1].startswith("not a readable media file")
     # The first six columns are in view at 1400 px: no scrolling to see what happened to a clip.
     assert browser.execute_script(
         "const table = [...document.querySelectorAll('table')].find(t => t.querySelector('th').textContent.trim()"
         "  === 'clip'); const box = table.parentElement.getBoundingClientRect();"
-        "return table.rows[0].cells[5].getBoundingClientRect().right <= box.right;")
+        "return table.rows[0].cells[5].getBoundingClientRect().right <= box.right;"
+    )
     _screenshot(browser, tmp_path, "browser-manifest.png")
     # Markdown links open in a new tab.
     browser.find_element("link text", "dawn.mp4").click()

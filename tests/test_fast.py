@@ -147,18 +147,38 @@ def test_bench_tiny_smoke(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(ROOT))
     out = tmp_path / "out"
-    code = run_bench.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--label", "smoke",
-                           "--phases", "setup,baseline,plain,fast,offload"])
+    code = run_bench.main(
+        [
+            "--tiny",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+            "--label",
+            "smoke",
+            "--phases",
+            "setup,baseline,plain,fast,offload",
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     records = {(r["name"], r["workload"]): r for r in results["records"]}
-    assert not [r for r in results["records"] if r.get("error")], [r["error"] for r in results["records"] if r.get("error")]
+    assert not [r for r in results["records"] if r.get("error")], [
+        r["error"] for r in results["records"] if r.get("error")
+    ]
     assert records[("diffusers", "W1")]["seconds"] > 0
     hot = records[("ours-fast hot (dense)", "W2")]
     assert hot["vs_plain"]["same_bytes"]  # on a CPU the fast path is the plain path
     low = records[("ours-low-memory hot (dense)", "W1")]
     assert low["vs_fast"]["same_bytes"]
-    assert set(records[("ours-fast hot (dense)", "W1")]["stages"]) >= {"encode", "upscaler", "dit", "decode", "blend", "mux"}
+    assert set(records[("ours-fast hot (dense)", "W1")]["stages"]) >= {
+        "encode",
+        "upscaler",
+        "dit",
+        "decode",
+        "blend",
+        "mux",
+    }
     table = (out / "RESULTS-fragment.md").read_text()
     assert "W1 ours dense hot / diffusers" in table
 
@@ -174,8 +194,24 @@ def test_bench_tiny_workers_give_identical_bytes(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(ROOT))
     out = tmp_path / "out"
-    assert run_bench.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--label", "workers",
-                           "--phases", "multi", "--gpus", "2"]) == 0
+    assert (
+        run_bench.main(
+            [
+                "--tiny",
+                "--work",
+                str(tmp_path / "work"),
+                "--out",
+                str(out),
+                "--label",
+                "workers",
+                "--phases",
+                "multi",
+                "--gpus",
+                "2",
+            ]
+        )
+        == 0
+    )
     records = json.loads((out / "results.json").read_text())["records"]
     two = [r for r in records if r["name"] == "store flow, 2 workers"]
     assert two and two[0]["byte_identical_to_1_worker"] is True, records

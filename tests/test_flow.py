@@ -15,9 +15,9 @@ import pytest
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.compute import default_profile
+from service.runs import ModelSpec
 from storage import RunStore, run_key
 from storage.records import RecordBook, array_checksum
-from service.runs import ModelSpec
 
 PARAMS = UpscaleParams(scale=2)
 
@@ -34,8 +34,13 @@ def _run(clip: Path, out: Path, bundle_path: Path, store: Path, **kwargs):
     from flows.orchestrate import run_clip
 
     return run_clip(
-        str(clip), str(out), PARAMS, ModelSpec(model=str(bundle_path), device="cpu"), str(store),
-        show_progress=False, **kwargs,
+        str(clip),
+        str(out),
+        PARAMS,
+        ModelSpec(model=str(bundle_path), device="cpu"),
+        str(store),
+        show_progress=False,
+        **kwargs,
     )
 
 
@@ -94,8 +99,19 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
     """SIGKILL the command after two chunks are stored; the rerun reuses them and finishes the rest."""
     store, out = tmp_path / "store", tmp_path / "out"
     argv = [
-        "upscale", str(clip_1f), "-o", str(out), "--output-file-name", "x.mp4", "--scale", "2",
-        "--model", str(tiny_bundle_path), "--store", str(store), "--json",
+        "upscale",
+        str(clip_1f),
+        "-o",
+        str(out),
+        "--output-file-name",
+        "x.mp4",
+        "--scale",
+        "2",
+        "--model",
+        str(tiny_bundle_path),
+        "--store",
+        str(store),
+        "--json",
     ]
     killer = textwrap.dedent(
         f"""
@@ -133,7 +149,11 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
 
 
 def test_tile_failing_once_is_retried(
-    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path,
+    prefect_server: str,
+    tiny_bundle_path: Path,
+    clip_1f: Path,
+    reference: bytes,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import tasks.stage_tasks as stage_tasks
@@ -182,7 +202,9 @@ def test_plan_command_loads_no_model(tiny_bundle_path: Path, clip_1f: Path, tmp_
     from tasks import model_cache
 
     model_cache.clear()
-    code = main(["plan", str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--store", str(tmp_path), "--json"])
+    code = main(
+        ["plan", str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--store", str(tmp_path), "--json"]
+    )
     plan = json.loads(capsys.readouterr().out)
     assert code == 0 and model_cache.loaded_count() == 0
     assert plan["tiles"] == 6 and plan["frames_kept"] == 1 and plan["fps"] == 24
@@ -197,8 +219,19 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
     """A worker that never runs a task (here: no time to start) ends the run with a clear error."""
     env = {**os.environ, "K6VSR_WORKERS_READY_TIMEOUT": "0.001"}
     argv = [
-        "upscale", str(clip_1f), "-o", str(tmp_path), "--scale", "2", "--model", str(tiny_bundle_path),
-        "--store", str(tmp_path / "store"), "--workers", "2", "--json",
+        "upscale",
+        str(clip_1f),
+        "-o",
+        str(tmp_path),
+        "--scale",
+        "2",
+        "--model",
+        str(tiny_bundle_path),
+        "--store",
+        str(tmp_path / "store"),
+        "--workers",
+        "2",
+        "--json",
     ]
     done = subprocess.run([sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=env)
     assert done.returncode == 1

@@ -24,8 +24,7 @@ import pytest
 from k6vsr_core import media
 from k6vsr_core.params import parse_params
 from k6vsr_core.sample import make_sample_clip
-from service.runs import ModelSpec
-from service.runs import prepare_run
+from service.runs import ModelSpec, prepare_run
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -50,9 +49,26 @@ class Server:
 
     def start(self) -> Server:
         command = [
-            sys.executable, "-m", "entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-            "--store", str(self.stack["store"]), "--model", str(self.stack["bundle"]), "--device", "cpu",
-            "--allow-path", str(self.stack["allowed"]), "--api-key", KEY, "--max-upload-mb", "1",
+            sys.executable,
+            "-m",
+            "entrypoints.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--store",
+            str(self.stack["store"]),
+            "--model",
+            str(self.stack["bundle"]),
+            "--device",
+            "cpu",
+            "--allow-path",
+            str(self.stack["allowed"]),
+            "--api-key",
+            KEY,
+            "--max-upload-mb",
+            "1",
         ]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -245,8 +261,11 @@ def test_repeated_request_reuses_the_run_and_delete_removes_the_job(
     jobs = stack["store"] / "jobs"
     assert (jobs / again["id"] / "output.mp4").is_file()
     deleted = server.client.delete(f"/v1/videos/{again['id']}")
-    assert deleted.status_code == 200 and deleted.json() == {"id": again["id"], "object": "video.deleted",
-                                                              "deleted": True}
+    assert deleted.status_code == 200 and deleted.json() == {
+        "id": again["id"],
+        "object": "video.deleted",
+        "deleted": True,
+    }
     assert not (jobs / again["id"]).exists() and not (jobs / f"{again['id']}.json").exists()
     error_of(server.client.get(f"/v1/videos/{again['id']}"), 404)
     assert (stack["store"] / "runs" / first["run_key"] / "output.mp4").is_file()  # the shared run is kept
@@ -290,8 +309,12 @@ def test_refusals(server: Server, stack: dict[str, Path]) -> None:
         anonymous.close()
 
     # Paths outside the allowed folder, through `..`, or through a symbolic link.
-    for path in (outside / "secret.mp4", allowed / ".." / "outside" / "secret.mp4", allowed / "escape.mp4",
-                 Path("/etc/passwd")):
+    for path in (
+        outside / "secret.mp4",
+        allowed / ".." / "outside" / "secret.mp4",
+        allowed / "escape.mp4",
+        Path("/etc/passwd"),
+    ):
         error = error_of(server.post_json(video_path=str(path)), 403)
         assert error["param"] == "video_path" and error["type"] == "permission_error"
 
@@ -299,19 +322,30 @@ def test_refusals(server: Server, stack: dict[str, Path]) -> None:
     big = os.urandom(3 << 19)
     error_of(server.client.post(url, files={"video_reference": ("a.mp4", big)}), 413)
     boundary = "k6vsr-test-boundary"
-    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="video_reference"; filename="a.mp4"\r\n\r\n'.encode()
-            + big + f"\r\n--{boundary}--\r\n".encode())
-    chunks = (body[i: i + 65536] for i in range(0, len(body), 65536))
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="video_reference"; filename="a.mp4"\r\n\r\n'.encode()
+        + big
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))
     form_type = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
     streamed = server.client.post(url, content=chunks, headers=form_type)  # chunked: no Content-Length
     assert error_of(streamed, 413)["param"] == "video_reference"
 
     # Bad parameters name their field.
     square = str(allowed / "square.mp4")
-    for field, value in [("sr_resolution_scale", 3), ("sr_resolution_scale", "x2"), ("sr_tiles_batch_size", 0),
-                         ("sr_tile_min_overlap", 1.5), ("sr_target_resolution", "8k"),
-                         ("sr_target_resize_mode", "zoom"), ("seed", -1), ("seed", "abc"),
-                         ("num_inference_steps", 0), ("sr_unknown", 1)]:
+    for field, value in [
+        ("sr_resolution_scale", 3),
+        ("sr_resolution_scale", "x2"),
+        ("sr_tiles_batch_size", 0),
+        ("sr_tile_min_overlap", 1.5),
+        ("sr_target_resolution", "8k"),
+        ("sr_target_resize_mode", "zoom"),
+        ("seed", -1),
+        ("seed", "abc"),
+        ("num_inference_steps", 0),
+        ("sr_unknown", 1),
+    ]:
         error = error_of(server.post_json(video_path=square, **{field: value}), 400)
         assert error["param"] == field and field in error["message"], error
     error = error_of(server.post_upload(allowed / "square.mp4", sr_resolution_scale="3"), 400)
@@ -378,18 +412,24 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
         + b'Content-Disposition: form-data; name="seed"\r\n\r\n7\r\n'
         + f"--{boundary}\r\n".encode()
         + b'Content-Disposition: form-data; name="video_reference"; filename="../../etc/x"\r\n'
-        + b"Content-Type: video/mp4\r\n\r\n" + payload + b"\r\n"
+        + b"Content-Type: video/mp4\r\n\r\n"
+        + payload
+        + b"\r\n"
         + f"--{boundary}\r\n".encode()
         + b'Content-Disposition: form-data; name="sr_target_resolution"\r\n\r\nhd\r\n'
         + f"--{boundary}--\r\nepilogue".encode()
     )
-    pieces = [body[i: i + chunk] for i in range(0, len(body), chunk)]
+    pieces = [body[i : i + chunk] for i in range(0, len(body), chunk)]
 
     async def receive() -> dict:
         return {"type": "http.request", "body": pieces.pop(0) if pieces else b"", "more_body": bool(pieces)}
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/videos",
-             "headers": [(b"content-type", f'multipart/form-data; boundary="{boundary}"'.encode())]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/videos",
+        "headers": [(b"content-type", f'multipart/form-data; boundary="{boundary}"'.encode())],
+    }
     target = tmp_path / "input"
     fields = asyncio.run(read_form(Request(scope, receive), target, max_bytes=len(payload)))
     assert fields == {"seed": "7", "sr_target_resolution": "hd"}

@@ -196,8 +196,10 @@ def test_denoise_chunk_of_two_tiles_batches_the_noise(tiny_bundle: ModelBundle, 
     assert torch.equal(result, expected)
 
 
-@pytest.mark.parametrize(("batch", "tile", "seed", "position", "chunk_size"),
-                         [(4, 6, 46, 2, 4), (4, 8, 50, 0, 1), (2, 3, 44, 1, 2), (1, 5, 47, 0, 1)])
+@pytest.mark.parametrize(
+    ("batch", "tile", "seed", "position", "chunk_size"),
+    [(4, 6, 46, 2, 4), (4, 8, 50, 0, 1), (2, 3, 44, 1, 2), (1, 5, 47, 0, 1)],
+)
 def test_chunk_noise_seed_rule(batch: int, tile: int, seed: int, position: int, chunk_size: int) -> None:
     """Tile j's noise with batch B is slice (j mod B) of the draw seeded seed + B*floor(j/B)."""
     plan = make_plan((512, 768), 9, 24, parse_params(scale=2, tiles_batch_size=batch))
@@ -238,15 +240,17 @@ def test_flow_euler_sigmas_two_steps(flow_bundle: ModelBundle) -> None:
     scheduler = flow_bundle.new_scheduler()
     stages._timesteps(scheduler, plan, CPU)
     # (1, .5) -> (1, 2.5/3), then 0.
-    torch.testing.assert_close(scheduler.sigmas.double(), torch.tensor([1.0, 2.5 / 3, 0.0], dtype=torch.float64),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        scheduler.sigmas.double(), torch.tensor([1.0, 2.5 / 3, 0.0], dtype=torch.float64), rtol=0, atol=1e-6
+    )
 
 
 def test_piflow_timesteps(tiny_bundle: ModelBundle) -> None:
     plan = _plan(tiny_bundle)
     timesteps = stages._timesteps(tiny_bundle.new_scheduler(), plan, CPU)
-    torch.testing.assert_close(timesteps.double(), torch.tensor([1000.0, 7000 / 11], dtype=torch.float64),
-                               rtol=0, atol=1e-3)
+    torch.testing.assert_close(
+        timesteps.double(), torch.tensor([1000.0, 7000 / 11], dtype=torch.float64), rtol=0, atol=1e-3
+    )
 
 
 def test_flow_euler_denoise_is_the_official_euler_loop(flow_bundle: ModelBundle) -> None:
@@ -289,8 +293,10 @@ def test_decode_tile_equals_diffusers_vae(tiny_bundle: ModelBundle) -> None:
 def test_blend_and_deliver(tiny_bundle: ModelBundle) -> None:
     plan = _plan(tiny_bundle, target_resolution="96x64")
     assert plan.sr_size == (128, 192) and plan.delivery_size == (64, 96)
-    tiles = [(1, torch.full((3, 1, 128, 128), 200, dtype=torch.uint8)),
-             (0, torch.full((3, 1, 128, 128), 200, dtype=torch.uint8))]
+    tiles = [
+        (1, torch.full((3, 1, 128, 128), 200, dtype=torch.uint8)),
+        (0, torch.full((3, 1, 128, 128), 200, dtype=torch.uint8)),
+    ]
     video = stages.blend(plan, tiles)
     assert video.shape == (3, 1, 128, 192)
     assert int((video < 199).sum()) <= 3  # only the floored top-left corner pixel, one per channel

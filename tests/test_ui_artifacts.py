@@ -36,10 +36,19 @@ def _clock(events: list[tuple[float, str, float]]) -> StageClock:
 
 def test_spans_follow_the_pipeline_and_add_up_to_the_run() -> None:
     # Two threads: chunk 1 denoises while tile 0 decodes; blend waits for the last decode.
-    clock = _clock([
-        (0.5, "ingest", 0.4), (1.5, "encode", 0.9), (3.0, "denoise", 1.4), (4.5, "denoise", 1.4),
-        (3.8, "decode", 0.8), (5.2, "decode", 0.7), (5.6, "blend", 0.3), (6.0, "mux", 0.3), (6.1, "publish", 0.1),
-    ])
+    clock = _clock(
+        [
+            (0.5, "ingest", 0.4),
+            (1.5, "encode", 0.9),
+            (3.0, "denoise", 1.4),
+            (4.5, "denoise", 1.4),
+            (3.8, "decode", 0.8),
+            (5.2, "decode", 0.7),
+            (5.6, "blend", 0.3),
+            (6.0, "mux", 0.3),
+            (6.1, "publish", 0.1),
+        ]
+    )
     spans = clock.spans()
     assert [s.stage for s in spans] == ["ingest", "encode", "denoise", "decode", "blend", "mux", "publish"]
     by_stage = {s.stage: s for s in spans}
@@ -62,7 +71,9 @@ def test_printed_adds_sum_exactly_to_the_last_end() -> None:
 def test_a_stage_the_pipeline_does_not_name_comes_last_and_reused_tasks_take_no_time() -> None:
     clock = _clock([(1.0, "verify", 0.5), (2.0, "ingest", 0.0), (2.5, "publish", 0.2)])
     assert [(s.stage, s.starts, s.ends) for s in clock.spans()] == [
-        ("ingest", 2.0, 2.0), ("publish", 2.3, 2.5), ("verify", 0.5, 1.0)
+        ("ingest", 2.0, 2.0),
+        ("publish", 2.3, 2.5),
+        ("verify", 0.5, 1.0),
     ]
     assert clock.spans()[-1].adds == 0.0
 
@@ -114,12 +125,31 @@ def test_keys_name_the_clip_and_the_run(tmp_path: Path) -> None:
 def _report(**changes) -> artifacts.ClipReport:
     frame = np.zeros((48, 64, 3), np.uint8)
     values = dict(
-        source="/in/dawn.mp4", run_key="ab" * 12, frames=9, fps=24, before=frame,
+        source="/in/dawn.mp4",
+        run_key="ab" * 12,
+        frames=9,
+        fps=24,
+        before=frame,
         after=np.zeros((96, 128, 3), np.uint8),
-        stages=_clock([(0.5, "ingest", 0.4), (1.0, "encode", 0.4), (3.0, "denoise", 2.0), (3.2, "decode", 1.0),
-                       (3.4, "blend", 0.1), (3.6, "mux", 0.2), (3.7, "publish", 0.05)]).spans(),
-        run_seconds=3.75, tiles_total=6, tiles_computed=4, tiles_reused=2, workers="2 threads in process 1 on h",
-        output="/out/dawn_sr2x.mp4", output_bytes=3 * 1024 * 1024, store="/store/runs/abab",
+        stages=_clock(
+            [
+                (0.5, "ingest", 0.4),
+                (1.0, "encode", 0.4),
+                (3.0, "denoise", 2.0),
+                (3.2, "decode", 1.0),
+                (3.4, "blend", 0.1),
+                (3.6, "mux", 0.2),
+                (3.7, "publish", 0.05),
+            ]
+        ).spans(),
+        run_seconds=3.75,
+        tiles_total=6,
+        tiles_computed=4,
+        tiles_reused=2,
+        workers="2 threads in process 1 on h",
+        output="/out/dawn_sr2x.mp4",
+        output_bytes=3 * 1024 * 1024,
+        store="/store/runs/abab",
     )
     return artifacts.ClipReport(**{**values, **changes})
 
@@ -142,10 +172,24 @@ def test_manifest_table_links_clip_runs_and_puts_long_text_last(tmp_path: Path) 
 
     out = tmp_path / "out"
     rows = [
-        ArchiveRow(source="/in/a.mp4", relative_path="a.mp4", status="done", run_key="r" * 24, frames=1, tiles=6,
-                   tiles_computed=6, tiles_reused=0, seconds=3.25, output=str(out / "a_sr2x.mp4")),
-        ArchiveRow(source="/in/b|c.mp4", relative_path="b|c.mp4", status="skipped",
-                   reason="/in/b|c.mp4: not a readable media file"),
+        ArchiveRow(
+            source="/in/a.mp4",
+            relative_path="a.mp4",
+            status="done",
+            run_key="r" * 24,
+            frames=1,
+            tiles=6,
+            tiles_computed=6,
+            tiles_reused=0,
+            seconds=3.25,
+            output=str(out / "a_sr2x.mp4"),
+        ),
+        ArchiveRow(
+            source="/in/b|c.mp4",
+            relative_path="b|c.mp4",
+            status="skipped",
+            reason="/in/b|c.mp4: not a readable media file",
+        ),
     ]
     header = {"input": "/in", "output_dir": str(out)}
     markdown = manifest_markdown(header, rows, {"a.mp4": "1234-run"}, "1 done, 1 skipped")
@@ -190,13 +234,19 @@ def test_each_clip_run_owns_its_artifacts(
     shutil.copyfile(clip_1f, copy)
     model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
     summaries = [
-        run_clip(str(source), str(tmp_path / f"out-{n}.mp4"), UpscaleParams(scale=2), model, str(tmp_path / "s"),
-                 show_progress=False)
+        run_clip(
+            str(source),
+            str(tmp_path / f"out-{n}.mp4"),
+            UpscaleParams(scale=2),
+            model,
+            str(tmp_path / "s"),
+            show_progress=False,
+        )
         for n, source in enumerate((clip_1f, copy))
     ]
     assert summaries[0].run_key == summaries[1].run_key and summaries[1].tiles_reused == summaries[1].tiles_total
     total = summaries[0].tiles_total
-    first_run = [description for data, description in updates[: total]]
+    first_run = [description for data, description in updates[:total]]
     assert first_run == [f"{n} of {total} tiles decoded" for n in range(1, total + 1)]
     assert updates[total - 1][0] == 100.0 and all(data < 100.0 for data, _ in updates[: total - 1])
 
