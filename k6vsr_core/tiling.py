@@ -240,11 +240,23 @@ class TileBlender:
         self.added.add(index)
 
     def result(self) -> torch.Tensor:
-        """The blended canvas, cropped to source x scale, as uint8 `(C, T, H, W)` (truncated, as the official)."""
+        """The blended canvas, cropped to source x scale, as uint8 `(C, T, H, W)` (truncated, as the official).
+
+        Every pixel is the weighted mean of the tiles covering it. The official code divides by `max(weight, 1e-6)`
+        instead; near the frame corners, where one tile's outermost Hann weights multiply to less than 1e-6, that
+        floor darkens the pixels, so k6vsr divides by the weight itself, as SGLang does.
+        """
         missing = set(range(self.grid.num_tiles)) - self.added
         if missing:
             raise ValueError(f"cannot blend: tiles {sorted(missing)} are missing")
-        blended = self.acc / self.weight.clamp(min=1e-6)
+        uncovered = (self.weight <= 0).nonzero()
+        if len(uncovered):
+            row, column = uncovered[0].tolist()
+            raise ValueError(
+                f"cannot blend: {len(uncovered)} canvas pixels are covered by no tile (first at row {row}, column "
+                f"{column}); the tile grid must cover the canvas"
+            )
+        blended = self.acc / self.weight
         return crop_output(blended.clamp(0, 255).to(torch.uint8), self.grid)
 
 
