@@ -107,12 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--json", action="store_true")
     gc.add_argument("--debug", action="store_true")
 
-    serve = commands.add_parser("serve", help="SGLang-compatible HTTP job API (/v1/videos)")
+    serve = commands.add_parser("serve", help="SGLang-compatible HTTP job API (/v1/videos)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--allow-path", action="append", default=[], help="folder JSON video_path may point into")
-    serve.add_argument("--api-key", default=os.environ.get("K6VSR_API_KEY"))
-    serve.add_argument("--max-upload-mb", type=int, default=2048)
+    access = serve.add_argument_group("access")
+    access.add_argument("--api-key", action="append", default=None,
+                        help="a client key (repeatable; env K6VSR_API_KEY); each job belongs to the key that made it")
+    access.add_argument("--api-key-file", action="append", default=None, help="file of client keys, one a line")
+    access.add_argument("--admin-key", action="append", default=None, help="a key that sees and deletes every job")
+    access.add_argument("--list-jobs", action="store_true", help="without keys: let GET /v1/videos list the jobs")
+    access.add_argument("--umask", default="077", help="umask of the files and folders the server creates")
+    limits = serve.add_argument_group("limits")
+    limits.add_argument("--max-upload-mb", type=int, default=2048, help="size of one uploaded clip")
+    limits.add_argument("--max-fields", type=int, default=32, help="fields of one request besides the clip")
+    limits.add_argument("--max-fields-kb", type=int, default=64,
+                        help="bytes of one request besides the clip: a JSON body, form fields")
+    limits.add_argument("--max-queued", type=int, default=16, help="jobs waiting for a worker, then 429")
+    limits.add_argument("--input-quota-mb", type=int, default=10240,
+                        help="inputs on disk of queued and running jobs: uploads, copies of video_path files")
+    limits.add_argument("--max-output-mpx", type=float, default=2048,
+                        help="megapixels of one job's result: frames x width x height")
+    limits.add_argument("--retention-hours", type=float, default=24,
+                        help="finished jobs, their files and runs are deleted this long after they finished")
     serve.add_argument("--workers", type=int, default=1, help="jobs run at once (each loads the model once)")
     serve.add_argument("--store", default=None)
     _model_flags(serve)
