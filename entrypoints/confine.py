@@ -22,7 +22,7 @@ QUOTE_CHARS = 80
 
 
 class PathRefused(Exception):
-    """A `video_path` the server will not read. `forbidden`: outside the allowed folders (403), else a bad path (400)."""
+    """A `video_path` the server will not read; `forbidden`: outside the allowed folders (403), else bad (400)."""
 
     def __init__(self, code: str, message: str, forbidden: bool = False) -> None:
         super().__init__(message)

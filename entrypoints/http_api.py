@@ -557,7 +557,21 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
             raise ApiError(404, f"no video job {quote(job_id)}", param="video_id", code="job_not_found")
         return job
 
-    def prepare(job_id: str, params: UpscaleParams, label: str, param: str) -> Any:
+    async def receive(request: Request, media_type: str, job_id: str) -> tuple[UpscaleParams, dict[str, str], str]:
+        """Read the request into the job's input (the streamed upload, or a copy of the confined `video_path`);
+        returns the parameters, the job's `source` and how messages name the clip."""
+        if media_type == "multipart/form-data":
+            too_large = lambda: UploadTooLarge(limits.max_upload_bytes)  # noqa: E731
+            fields = await read_form(
+                request, lambda: store.open_input(job_id, limits.max_upload_bytes, too_large), limits)
+            return params_from_fields(fields), {"type": "upload"}, FILE_FIELD
+        fields = await read_json(request, limits)
+        raw_path = fields.pop("video_path", None)
+        params = params_from_fields(fields)  # a bad field is refused before anything is copied
+        relative = await run_in_threadpool(copy_path_source, raw_path, config.allow_paths, store, job_id)
+        return params, {"type": "path", "video_path": relative}, f"video_path {quote(relative)}"
+
+    def prepare(job_id: str, params: UpscaleParams, label: str) -> Any:
         from k6vsr_core.media import MediaError
         from service.runs import prepare_run
 
@@ -565,6 +579,7 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
         try:
             return prepare_run(store.input_path(job_id), params, spec, config.store_root)
         except MediaError as err:
+            param = FILE_FIELD if label == FILE_FIELD else "video_path"
             raise ApiError(400, f"{label}: {scrub_paths(err.cause, known)}", param=param,
                            code="invalid_video") from None
         except ValueError as err:  # a plan these parameters cannot make (e.g. an `exact` target above the result)
@@ -585,19 +600,8 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
         job_id = new_job_id()
         with runner.admission():
             try:
-                if media_type == "multipart/form-data":
-                    fields: dict[str, Any] = await read_form(request, lambda: store.open_input(
-                        job_id, limits.max_upload_bytes, lambda: UploadTooLarge(limits.max_upload_bytes)), limits)
-                    params = params_from_fields(fields)
-                    origin, label, param = {"type": "upload"}, FILE_FIELD, FILE_FIELD
-                else:
-                    fields = await read_json(request, limits)
-                    raw_path = fields.pop("video_path", None)
-                    params = params_from_fields(fields)
-                    relative = await run_in_threadpool(copy_path_source, raw_path, config.allow_paths, store, job_id)
-                    origin, label, param = {"type": "path", "video_path": relative}, f"video_path {quote(relative)}", \
-                        "video_path"
-                prepared = await run_in_threadpool(prepare, job_id, params, label, param)
+                params, origin, label = await receive(request, media_type, job_id)
+                prepared = await run_in_threadpool(prepare, job_id, params, label)
                 check_output_size(prepared.plan, limits)
                 plan = prepared.plan
                 job = await run_in_threadpool(store.put, {

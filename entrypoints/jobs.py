@@ -106,7 +106,9 @@ class InputQuota:
 class InputFile:
     """One job's input as it is written: at most `cap` bytes, each charged to the quota before it reaches the disk."""
 
-    def __init__(self, path: Path, job_id: str, quota: InputQuota, cap: int, too_large: Callable[[], Exception]) -> None:
+    def __init__(
+        self, path: Path, job_id: str, quota: InputQuota, cap: int, too_large: Callable[[], Exception]
+    ) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("xb")
         self.job_id, self.quota, self.cap, self.too_large = job_id, quota, cap, too_large
@@ -470,9 +472,9 @@ class JobRunner:
                 return
         collect_garbage(self.store.store_root, run_keys=(run_key,))
 
-    def expire(self, now: float | None = None) -> list[str]:
+    def expire(self) -> list[str]:
         """Delete the finished jobs that finished `retention_s` ago or earlier."""
-        deadline = (time.time() if now is None else now) - self.retention_s
+        deadline = time.time() - self.retention_s
         expired = [
             job["id"] for job in self.store.all()
             if job["status"] in FINISHED and (job.get("completed_at") or 0) <= deadline and not self.running(job["id"])

@@ -91,7 +91,7 @@ def test_server_restart_mid_job_resumes_it(stack: dict[str, Path], request: pyte
     record = (stack["store"] / "jobs" / f"{job_id}.json").read_text()
     assert '"status": "in_progress"' in record
     if sys.platform.startswith("linux"):
-        deadline = time.monotonic() + 30  # the worker dies with its server (once it has started: slow on a busy machine)
+        deadline = time.monotonic() + 30  # the worker dies with its server (once started: slow on a busy machine)
         while _worker_children_of(first.process.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _worker_children_of(first.process.pid)
@@ -241,7 +241,8 @@ def test_paths_outside_get_one_answer_whatever_they_name(server: Server, stack: 
     """Whether a path outside exists, is a video or is a folder changes nothing in the answer: nothing outside is
     looked at."""
     allowed, outside = stack["allowed"], stack["outside"]
-    targets = [outside / "secret.mp4", outside / "notes.txt", outside / "missing.mp4", outside, Path("/proc/self/environ")]
+    targets = [outside / "secret.mp4", outside / "notes.txt", outside / "missing.mp4", outside,
+               Path("/proc/self/environ")]
     answers = set()
     for index, target in enumerate(targets):
         link = allowed / f"to-outside-{index}.mp4"
@@ -350,6 +351,13 @@ def test_output_pixels_are_bounded_at_submit(server: Server, stack: dict[str, Pa
     assert sorted(p.name for p in jobs.iterdir()) == before
 
 
+def test_files_are_owner_only(server: Server, stack: dict[str, Path]) -> None:
+    """Uploads, outputs, records and runs are created 0600 (folders 0700) under the default --umask 077."""
+    completed(server, server.post_upload(stack["allowed"] / "wide.mp4", sr_resolution_scale=2, seed=51))
+    loose = {path: oct(mode) for path, mode in modes_under(stack["store"]).items() if mode & 0o077}
+    assert not loose
+
+
 def test_queue_is_bounded(server: Server, stack: dict[str, Path]) -> None:
     """At most 16 jobs wait (the default); the next one gets 429 with Retry-After. Cancelling a queued job frees its
     input at once."""
@@ -379,13 +387,6 @@ def test_queue_is_bounded(server: Server, stack: dict[str, Path]) -> None:
     again = server.post_json(video_path=square, sr_resolution_scale=2, seed=100)
     assert again.status_code == 200, again.text
     server.delete_until_gone(again.json()["id"])
-
-
-def test_files_are_owner_only(server: Server, stack: dict[str, Path]) -> None:
-    """Uploads, outputs, records and runs are created 0600 (folders 0700) under the default --umask 077."""
-    completed(server, server.post_upload(stack["allowed"] / "wide.mp4", sr_resolution_scale=2, seed=51))
-    loose = {path: oct(mode) for path, mode in modes_under(stack["store"]).items() if mode & 0o077}
-    assert not loose
 
 
 # Runs last: cancelling a running job restarts its worker process, which the tests after it would wait for.
@@ -517,4 +518,4 @@ def test_messages_from_libraries_lose_the_server_paths() -> None:
     message = "[Errno 1094995529] Invalid data found when processing input: '/srv/k6vsr/store/jobs/video_x/input'"
     assert scrub_paths(message, known) == "[Errno 1094995529] Invalid data found when processing input: 'the clip'"
     assert scrub_paths("/srv/k6vsr/store/runs/abc: disk full", known) == "<store>/runs/abc: disk full"
-    assert scrub_paths("cannot open /etc/shadow: denied; 1/2 of x2/x4", {}) == "cannot open <path>: denied; 1/2 of x2/x4"
+    assert scrub_paths("no /etc/shadow: denied; 1/2 of x2/x4", {}) == "no <path>: denied; 1/2 of x2/x4"
