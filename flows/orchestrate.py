@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from k6vsr_core.params import UpscaleParams
-from tasks.descriptors import ModelSpec
+from service.runs import ModelSpec
 
 
 @contextmanager
@@ -89,7 +89,7 @@ def run_clip(
 ) -> Any:
     from flows.runners import make_task_runner, uses_processes
     from flows.upscale_clip import upscale_clip
-    from tasks.ingest import prepare_run
+    from service.runs import prepare_run
 
     prepared = prepare_run(source, params, model, store_root)
     runner = make_task_runner(workers, dask_address, gpus)

@@ -42,7 +42,7 @@ from pydantic import BaseModel
 from k6vsr_core.params import UpscaleParams
 from storage import default_store_root
 from storage.records import atomic_write_bytes
-from tasks.descriptors import ModelSpec
+from service.runs import ModelSpec
 
 VIDEO_GLOBS = (
     "*.mp4", "*.m4v", "*.mov", "*.mkv", "*.webm", "*.avi", "*.wmv", "*.flv", "*.mpg", "*.mpeg", "*.m2v",
@@ -209,7 +209,7 @@ def plan_clips(
     overwrite: bool,
 ) -> list[ArchiveRow]:
     """One row per source: `planned`, `reused` (output exists) or `skipped` (with the reason). Loads no model."""
-    from tasks.ingest import model_info, prepare_run
+    from service.runs import model_info, prepare_run
 
     # Once, first, in this thread: a broken model fails the archive rather than every clip, and diffusers' lazy
     # imports are done before the planning threads use them (concurrent first imports can fail).
@@ -480,55 +480,3 @@ def _summary(
         failed=bool(counts.get("failed")),
         rows=rows,
     )
-
-
-# ------------------------------------------------------------------------------------------------ command line
-
-
-def run_archive_command(args: Any, params: UpscaleParams, spec: ModelSpec, store_root: str | Path) -> dict[str, Any]:
-    """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary."""
-    from flows.cli import UserError, _check_output_dir
-    from flows.orchestrate import prefect_api
-    from tasks.ingest import model_info
-
-    source = Path(args.input_dir).expanduser()
-    if not source.exists():
-        raise UserError(f"input {args.input_dir} does not exist")
-    if args.max_parallel < 1:
-        raise UserError(f"--max-parallel must be at least 1, not {args.max_parallel}")
-    output_dir = Path(args.output_dir).expanduser()
-    if output_dir.resolve() == source.resolve():
-        raise UserError(f"the output folder {args.output_dir} is the input folder; choose another one")
-    _check_output_dir(output_dir)
-    model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
-    # One API for every clip flow and worker (a configured server, else one temporary server for the command).
-    with prefect_api(True):
-        state = upscale_archive(
-            input_dir=str(source),
-            output_dir=str(output_dir),
-            params=params,
-            model=spec,
-            store_root=str(store_root),
-            include=args.include,
-            exclude=args.exclude,
-            max_parallel=args.max_parallel,
-            overwrite=args.overwrite,
-            plan_only=args.plan,
-            workers=args.workers,
-            gpus=args.gpus,
-            dask_address=args.dask_address,
-            return_state=True,
-        )
-    outcome = state.result(raise_on_failure=False)
-    if isinstance(outcome, ArchiveSummary):
-        return outcome.model_dump(mode="json")
-    manifest = output_dir.resolve() / f"{MANIFEST_NAME}.json"
-    if isinstance(outcome, ArchiveFailed) and manifest.is_file():
-        rows = [ArchiveRow.model_validate(r) for r in json.loads(manifest.read_text())["rows"]]
-        base = Path(json.loads(manifest.read_text())["input"])
-        return _summary(base, output_dir.resolve(), rows, args.plan, manifest, manifest.with_suffix(".csv")).model_dump(
-            mode="json"
-        )
-    if isinstance(outcome, BaseException):
-        raise outcome
-    raise RuntimeError(f"the archive flow ended {state.name}: {state.message}")

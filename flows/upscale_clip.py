@@ -19,7 +19,8 @@ from k6vsr_core.params import UpscaleParams
 from storage import RunStore, default_store_root, publish
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
-from tasks.descriptors import ModelSpec, StageResult
+from service.runs import ModelSpec, prepare_run
+from tasks.descriptors import StageResult
 from flows import artifacts
 
 
@@ -93,7 +94,7 @@ def upscale_clip(
     """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it)."""
     logger = get_run_logger()
     root = Path(store_root) if store_root else default_store_root()
-    prepared = ingest_tasks.prepare_run(source, params, model, root)
+    prepared = prepare_run(source, params, model, root)
     run = prepared.run
     store = RunStore(root, run.run_key)
     destination = Path(output) if output else Path(source).parent / default_output_name(source, params)

@@ -20,7 +20,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -290,13 +290,20 @@ def run_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def collect_garbage(root: str | Path, keep_finished_outputs: bool = False, older_than_s: float = 0.0) -> list[dict]:
-    """Delete run folders that no live run holds. Returns what was (or was not) reclaimed, per run."""
+def collect_garbage(
+    root: str | Path,
+    keep_finished_outputs: bool = False,
+    older_than_s: float = 0.0,
+    run_keys: Collection[str] | None = None,
+) -> list[dict]:
+    """Delete run folders (all, or those of `run_keys`) that no live run holds. Returns what was (or was not)
+    reclaimed, per run."""
     report = []
     runs = Path(root) / RUNS
     if not runs.is_dir():
         return report
-    for path in sorted(p for p in runs.iterdir() if p.is_dir()):
+    candidates = runs.iterdir() if run_keys is None else (runs / key for key in run_keys)
+    for path in sorted(p for p in candidates if p.is_dir()):
         lock = path / ".lock"
         entry: dict[str, Any] = {"run_key": path.name, "bytes": run_size(path)}
         if time.time() - path.stat().st_mtime < older_than_s:

@@ -12,7 +12,7 @@ import threading
 import torch
 
 from k6vsr_core.bundle import ModelBundle, load_bundle
-from tasks.descriptors import ModelSpec
+from service.runs import ModelSpec
 
 _LOCK = threading.Lock()
 _BUNDLES: dict[ModelSpec, ModelBundle] = {}

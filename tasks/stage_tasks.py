@@ -20,7 +20,8 @@ from k6vsr_core.compute import apply_profile
 from k6vsr_core.params import ParameterError
 from k6vsr_core.plan import ClipPlan
 from storage import RunStore
-from tasks.descriptors import ModelSpec, RunRef, StageResult
+from service.runs import ModelSpec, RunRef
+from tasks.descriptors import StageResult
 from tasks.model_cache import get_bundle
 
 # Errors that another attempt cannot fix.

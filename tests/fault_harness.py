@@ -250,7 +250,7 @@ def leftovers(*folders: Path) -> list[Path]:
 def command(*args: str, specs: tuple[str, ...] = (), state: Path | None = None) -> list[str]:
     """The argv of a `k6vsr` subprocess, through the harness when `specs` are given."""
     if not specs:
-        return [sys.executable, "-m", "flows.cli", *args]
+        return [sys.executable, "-m", "entrypoints.cli", *args]
     head = ["--state", str(state)] if state is not None else []
     return [sys.executable, str(Path(__file__).resolve()), *head, *specs, "--", *args]
 
@@ -321,7 +321,7 @@ def main(argv: list[str]) -> int:
     os.environ.update(child_environment(head, state_dir))
     install_from_env()
 
-    from flows.cli import main as k6vsr_main
+    from entrypoints.cli import main as k6vsr_main
 
     return k6vsr_main(command)
 

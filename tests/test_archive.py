@@ -11,7 +11,7 @@ import pytest
 from k6vsr_core import media
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
-from tasks.descriptors import ModelSpec
+from service.runs import ModelSpec
 
 PARAMS = UpscaleParams(scale=2)
 
@@ -133,7 +133,7 @@ def test_failed_clip_does_not_stop_the_others(
     from prefect import task
 
     import tasks.ingest as ingest_tasks
-    from flows.cli import main
+    from entrypoints.cli import main
 
     folder = tmp_path / "in"
     folder.mkdir()
@@ -164,7 +164,7 @@ def test_failed_clip_does_not_stop_the_others(
 def test_plan_writes_the_manifest_and_runs_nothing(
     prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, capsys
 ) -> None:
-    from flows.cli import main
+    from entrypoints.cli import main
 
     folder = _tree(tmp_path)
     out = tmp_path / "out"
@@ -209,7 +209,7 @@ def test_path_list_and_name_collisions(tmp_path: Path, tiny_bundle_path: Path) -
 def test_scan_rules(tmp_path: Path, capsys) -> None:
     """Globs match case-insensitively on the relative path or name; hidden entries and the output folder are left
     out; the input folder itself cannot be the output folder."""
-    from flows.cli import main
+    from entrypoints.cli import main
     from flows.upscale_archive import VIDEO_GLOBS, scan_folder
 
     folder = tmp_path / "in"

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import fault_harness
-from flows.cli import main
+from entrypoints.cli import main
 from k6vsr_core import media, upscale
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
@@ -449,7 +449,7 @@ def test_unparsable_flag_value_is_a_usage_error(cli: Cli, corpus: dict[str, Path
 
 def test_latent_input_combination_does_not_exist() -> None:
     """The issue's "2.25 with a latent input": the command takes only media files, so there is no such combination."""
-    from flows.cli import build_parser
+    from entrypoints.cli import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["upscale", "x.mp4", "--latent-input", "x.pt"])

@@ -22,7 +22,7 @@ import pytest
 
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
-from tasks.descriptors import ModelSpec
+from service.runs import ModelSpec
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import fault_harness
-from flows.cli import main
+from entrypoints.cli import main
 from k6vsr_core import media, upscale
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
@@ -156,7 +156,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from flows.cli import main
+from entrypoints.cli import main
 from k6vsr_core.sample import make_sample_clip
 
 root, bundle, clips = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import fault_harness
-from flows.cli import main
+from entrypoints.cli import main
 from k6vsr_core.sample import make_sample_clip
 from storage import RunStore
 

@@ -17,7 +17,7 @@ from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.compute import default_profile
 from storage import RunStore, run_key
 from storage.records import RecordBook, array_checksum
-from tasks.descriptors import ModelSpec
+from service.runs import ModelSpec
 
 PARAMS = UpscaleParams(scale=2)
 
@@ -111,17 +111,17 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
                     if len(stored) == 2:
                         os.kill(os.getpid(), signal.SIGKILL)
         st.RunStore.put_tile = put_tile
-        from flows.cli import main
+        from entrypoints.cli import main
         sys.exit(main({argv!r}))
         """
     )
     killed = subprocess.run([sys.executable, "-c", killer], capture_output=True, text=True, env=os.environ.copy())
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (out / "x.mp4").exists()
-    from flows.cli import main
+    from entrypoints.cli import main
 
     rerun = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *argv], capture_output=True, text=True, env=os.environ.copy()
+        [sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=os.environ.copy()
     )
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     summary = json.loads(rerun.stdout)
@@ -178,7 +178,7 @@ def test_two_dask_workers_give_identical_output(
 
 
 def test_plan_command_loads_no_model(tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path, capsys) -> None:
-    from flows.cli import main
+    from entrypoints.cli import main
     from tasks import model_cache
 
     model_cache.clear()
@@ -200,7 +200,7 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
         "upscale", str(clip_1f), "-o", str(tmp_path), "--scale", "2", "--model", str(tiny_bundle_path),
         "--store", str(tmp_path / "store"), "--workers", "2", "--json",
     ]
-    done = subprocess.run([sys.executable, "-m", "flows.cli", *argv], capture_output=True, text=True, env=env)
+    done = subprocess.run([sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=env)
     assert done.returncode == 1
     assert "no Dask worker ran a trivial k6vsr task" in done.stderr
     assert not list(tmp_path.glob("*.mp4"))

@@ -8,7 +8,7 @@ from typing import Any
 from k6vsr_core.bundle import make_tiny_bundle
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
-from tasks.descriptors import ModelSpec
+from service.runs import ModelSpec
 
 NOTE = (
     "The model weights are RANDOM (a tiny stand-in bundle): the output is noise-like. Every stage ran as it does "

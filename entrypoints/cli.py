@@ -107,12 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--json", action="store_true")
     gc.add_argument("--debug", action="store_true")
 
-    serve = commands.add_parser("serve", help="SGLang-compatible HTTP job API (/v1/videos)")
+    serve = commands.add_parser("serve", help="SGLang-compatible HTTP job API (/v1/videos)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--allow-path", action="append", default=[], help="folder JSON video_path may point into")
-    serve.add_argument("--api-key", default=os.environ.get("K6VSR_API_KEY"))
-    serve.add_argument("--max-upload-mb", type=int, default=2048)
+    access = serve.add_argument_group("access")
+    access.add_argument("--api-key", action="append", default=None,
+                        help="a client key (repeatable; env K6VSR_API_KEY); each job belongs to the key that made it")
+    access.add_argument("--api-key-file", action="append", default=None, help="file of client keys, one a line")
+    access.add_argument("--admin-key", action="append", default=None, help="a key that sees and deletes every job")
+    access.add_argument("--list-jobs", action="store_true", help="without keys: let GET /v1/videos list the jobs")
+    access.add_argument("--umask", default="077", help="umask of the files and folders the server creates")
+    limits = serve.add_argument_group("limits")
+    limits.add_argument("--max-upload-mb", type=int, default=2048, help="size of one uploaded clip")
+    limits.add_argument("--max-fields", type=int, default=32, help="fields of one request besides the clip")
+    limits.add_argument("--max-fields-kb", type=int, default=64,
+                        help="bytes of one request besides the clip: a JSON body, form fields")
+    limits.add_argument("--max-queued", type=int, default=16, help="jobs waiting for a worker, then 429")
+    limits.add_argument("--input-quota-mb", type=int, default=10240,
+                        help="inputs on disk of queued and running jobs: uploads, copies of video_path files")
+    limits.add_argument("--max-output-mpx", type=float, default=2048,
+                        help="megapixels of one job's result: frames x width x height")
+    limits.add_argument("--retention-hours", type=float, default=24,
+                        help="finished jobs, their files and runs are deleted this long after they finished")
     serve.add_argument("--workers", type=int, default=1, help="jobs run at once (each loads the model once)")
     serve.add_argument("--store", default=None)
     _model_flags(serve)
@@ -139,7 +157,7 @@ def params_from(args: argparse.Namespace) -> Any:
 
 
 def model_from(args: argparse.Namespace) -> Any:
-    from tasks.descriptors import ModelSpec
+    from service.runs import ModelSpec
 
     return ModelSpec(
         model=args.model,
@@ -215,7 +233,7 @@ def _check_device(device: str) -> None:
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     from flows.upscale_clip import default_output_name
     from flows.orchestrate import run_clip
-    from tasks.ingest import prepare_run
+    from service.runs import prepare_run
 
     params = params_from(args)
     spec = model_from(args)
@@ -239,7 +257,7 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
-    from tasks.ingest import prepare_run
+    from service.runs import prepare_run
 
     prepared = prepare_run(Path(args.input), params_from(args), model_from(args), store_from(args))
     plan = prepared.plan
@@ -265,7 +283,7 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
-    from flows.demo import run_demo
+    from entrypoints.demo import run_demo
 
     return run_demo(Path(args.output_dir), params_from(argparse.Namespace(scale=args.scale)), quiet=args.json)
 
@@ -277,15 +295,62 @@ def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
     return {"runs": report, "bytes_reclaimed": sum(r["bytes"] for r in report if r["deleted"])}
 
 
-def cmd_archive(args: argparse.Namespace) -> dict[str, Any]:
-    from flows.upscale_archive import run_archive_command
+def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_root: str | Path) -> dict[str, Any]:
+    """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary."""
+    from flows.orchestrate import prefect_api
+    from flows.upscale_archive import MANIFEST_NAME, ArchiveFailed, ArchiveRow, ArchiveSummary, _summary, upscale_archive
+    from service.runs import model_info
 
+    source = Path(args.input_dir).expanduser()
+    if not source.exists():
+        raise UserError(f"input {args.input_dir} does not exist")
+    if args.max_parallel < 1:
+        raise UserError(f"--max-parallel must be at least 1, not {args.max_parallel}")
+    output_dir = Path(args.output_dir).expanduser()
+    if output_dir.resolve() == source.resolve():
+        raise UserError(f"the output folder {args.output_dir} is the input folder; choose another one")
+    _check_output_dir(output_dir)
+    model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
+    # One API for every clip flow and worker (a configured server, else one temporary server for the command).
+    with prefect_api(True):
+        state = upscale_archive(
+            input_dir=str(source),
+            output_dir=str(output_dir),
+            params=params,
+            model=spec,
+            store_root=str(store_root),
+            include=args.include,
+            exclude=args.exclude,
+            max_parallel=args.max_parallel,
+            overwrite=args.overwrite,
+            plan_only=args.plan,
+            workers=args.workers,
+            gpus=args.gpus,
+            dask_address=args.dask_address,
+            return_state=True,
+        )
+    outcome = state.result(raise_on_failure=False)
+    if isinstance(outcome, ArchiveSummary):
+        return outcome.model_dump(mode="json")
+    manifest = output_dir.resolve() / f"{MANIFEST_NAME}.json"
+    if isinstance(outcome, ArchiveFailed) and manifest.is_file():
+        rows = [ArchiveRow.model_validate(r) for r in json.loads(manifest.read_text())["rows"]]
+        base = Path(json.loads(manifest.read_text())["input"])
+        return _summary(base, output_dir.resolve(), rows, args.plan, manifest, manifest.with_suffix(".csv")).model_dump(
+            mode="json"
+        )
+    if isinstance(outcome, BaseException):
+        raise outcome
+    raise RuntimeError(f"the archive flow ended {state.name}: {state.message}")
+
+
+def cmd_archive(args: argparse.Namespace) -> dict[str, Any]:
     result = run_archive_command(args, params_from(args), model_from(args), store_from(args))
     return {**result, "plan_only": bool(args.plan)}
 
 
 def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
-    from flows.server import serve
+    from entrypoints.http_api import serve
 
     spec = model_from(args)
     _check_device(spec.device)

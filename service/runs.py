@@ -1,0 +1,88 @@
+"""Planning a run without loading a model: the model's identity and traits, the clip's plan and its run key.
+
+Planning needs no weights: the model's identity, trained tile sizes and sampler come from the bundle's configs and
+weight headers. Every entry point plans a run here before any work starts, so a bad file, value or model is refused
+before a server starts or a model loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from k6vsr_core import media
+from k6vsr_core.bundle import DEFAULT_MODEL, DEFAULT_REVISION, BundleInfo, inspect_bundle, resolve_bundle_path
+from k6vsr_core.params import ParameterError, UpscaleParams
+from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
+from storage import RunStore, run_key, source_info
+
+
+class RunRef(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    store_root: str
+    run_key: str
+
+
+class ModelSpec(BaseModel):
+    """Which model a worker loads. `device` "auto" means the worker's first GPU if it has one, else the CPU."""
+
+    model_config = ConfigDict(frozen=True)
+
+    model: str = DEFAULT_MODEL
+    revision: str | None = None
+    model_id: str | None = None
+    device: str = "auto"
+    compile: bool = False
+
+
+class PreparedRun(BaseModel):
+    run: RunRef
+    source: str
+    model_info: BundleInfo
+    probe: media.VideoProbe
+    plan: ClipPlan  # from the probe; ingest re-plans on the frames actually decoded
+    finished: bool
+
+
+def model_info(spec: ModelSpec) -> BundleInfo:
+    """The model's identity and traits, from its configs and weight headers only."""
+    revision = spec.revision
+    if revision is None and spec.model == DEFAULT_MODEL:
+        revision = DEFAULT_REVISION
+    path = resolve_bundle_path(spec.model, revision)
+    is_local = Path(spec.model).expanduser().exists()
+    # A local copy keeps the identity of its origin when given `--model-id` (and `--revision`).
+    model_id = spec.model_id or (None if is_local else spec.model)
+    return inspect_bundle(path, model_id=model_id, revision=revision).info
+
+
+def traits(info: BundleInfo) -> ModelTraits:
+    return ModelTraits(tile_sizes=info.tile_sizes, scheduler=info.scheduler, trained_steps=info.trained_steps)
+
+
+def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, store_root: str | Path) -> PreparedRun:
+    """Everything `k6vsr plan` prints, and the run key: no model is loaded and nothing is written."""
+    probe = media.probe(source)
+    try:
+        indices, fps = media.select_frames(probe.num_frames, probe.fps)
+    except ValueError as err:  # too few frames for the rate: a property of the file
+        raise media.MediaError(source, str(err)) from None
+    info = model_info(spec)
+    try:
+        plan = make_plan((probe.height, probe.width), len(indices), fps, params, traits(info))
+    except ParameterError:
+        raise
+    except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file
+        raise ValueError(f"{source}: {err}") from None
+    key = run_key(source_info(source).sha256, params, info.identity)
+    run = RunRef(store_root=str(store_root), run_key=key)
+    return PreparedRun(
+        run=run,
+        source=str(Path(source).resolve()),
+        model_info=info,
+        probe=probe,
+        plan=plan,
+        finished=RunStore(store_root, key).output_done(),
+    )
