@@ -17,12 +17,10 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
+
 EXIT_USAGE = 2
 EXIT_FAILED = 1
-
-
-class UserError(Exception):
-    """An error the user can fix; printed without a traceback."""
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
@@ -121,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def params_from(args: argparse.Namespace) -> Any:
-    from k6vsr_core.params import ParameterError, parse_params
+    from k6vsr_core.params import parse_params
 
     try:
         return parse_params(
@@ -135,7 +133,7 @@ def params_from(args: argparse.Namespace) -> Any:
             attention=getattr(args, "attention", "nabla"),
         )
     except ParameterError as err:
-        raise UserError(f"invalid request: {err}") from None
+        raise ParameterError(f"invalid request: {err}") from None
 
 
 def model_from(args: argparse.Namespace) -> Any:
@@ -162,19 +160,19 @@ MIN_FREE_BYTES = 1 << 20
 
 def _check_output_dir(path: Path, needed_bytes: int = 0) -> None:
     if path.exists() and not path.is_dir():
-        raise UserError(f"output directory {path} is a file")
+        raise UserFacingError(f"output directory {path} is a file")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UserError(f"output directory {path} cannot be created: {err.strerror}") from None
+        raise UserFacingError(f"output directory {path} cannot be created: {err.strerror}") from None
     if not os.access(path, os.W_OK):
-        raise UserError(f"output directory {path} is not writable")
+        raise UserFacingError(f"output directory {path} is not writable")
     try:
         free = shutil.disk_usage(path).free
     except OSError:
         return
     if free < needed_bytes + MIN_FREE_BYTES:
-        raise UserError(
+        raise UserFacingError(
             f"output directory {path} is on a full disk: {free} bytes free, about "
             f"{needed_bytes + MIN_FREE_BYTES} needed; free some space and rerun"
         )
@@ -182,9 +180,9 @@ def _check_output_dir(path: Path, needed_bytes: int = 0) -> None:
 
 def _check_output_file(destination: Path, source: Path) -> None:
     if destination.is_dir():
-        raise UserError(f"output file {destination} is a directory")
+        raise UserFacingError(f"output file {destination} is a directory")
     if destination.exists() and source.exists() and os.path.samefile(destination, source):
-        raise UserError(f"output file {destination} is the input file; pick another name or folder")
+        raise UserFacingError(f"output file {destination} is the input file; pick another name or folder")
 
 
 def _estimated_output_bytes(plan: Any) -> int:
@@ -200,16 +198,16 @@ def _check_device(device: str) -> None:
     try:
         parsed = torch.device(device) if device != "auto" else None
     except (RuntimeError, ValueError):
-        raise UserError(f"--device {device!r} is not a device; use cpu, cuda, cuda:N or auto") from None
+        raise UserFacingError(f"--device {device!r} is not a device; use cpu, cuda, cuda:N or auto") from None
     if parsed is None or parsed.type == "cpu":
         return
     if parsed.type != "cuda":
-        raise UserError(f"--device {device!r} is not supported; use cpu, cuda, cuda:N or auto")
+        raise UserFacingError(f"--device {device!r} is not supported; use cpu, cuda, cuda:N or auto")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        raise UserError(f"--device {device!r}: no CUDA GPU is available here; use cpu or auto")
+        raise UserFacingError(f"--device {device!r}: no CUDA GPU is available here; use cpu or auto")
     if parsed.index is not None and parsed.index >= count:
-        raise UserError(f"--device {device!r}: this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
+        raise UserFacingError(f"--device {device!r}: this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
 
 
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
@@ -285,12 +283,12 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
 
     source = Path(args.input_dir).expanduser()
     if not source.exists():
-        raise UserError(f"input {args.input_dir} does not exist")
+        raise UserFacingError(f"input {args.input_dir} does not exist")
     if args.max_parallel < 1:
-        raise UserError(f"--max-parallel must be at least 1, not {args.max_parallel}")
+        raise UserFacingError(f"--max-parallel must be at least 1, not {args.max_parallel}")
     output_dir = Path(args.output_dir).expanduser()
     if output_dir.resolve() == source.resolve():
-        raise UserError(f"the output folder {args.output_dir} is the input folder; choose another one")
+        raise UserFacingError(f"the output folder {args.output_dir} is the input folder; choose another one")
     _check_output_dir(output_dir)
     model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
     # One API for every clip flow and worker (a configured server, else one temporary server for the command).
@@ -401,22 +399,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         _print_human(args.command, result)
     return EXIT_FAILED if result.get("failed") else 0
-
-
-def describe_error(err: BaseException) -> str | None:
-    """One-line message for errors the user can act on; None for internal failures."""
-    from k6vsr_core.bundle import BundleError
-    from k6vsr_core.media import MediaError
-    from k6vsr_core.params import ParameterError
-    from storage import StoreError
-
-    if isinstance(err, (UserError, MediaError, BundleError, ParameterError, StoreError)):
-        return str(err)
-    if isinstance(err, ValueError):
-        return str(err)
-    if isinstance(err, OSError) and err.filename:
-        return f"{err.filename}: {err.strerror}"
-    return None
 
 
 if __name__ == "__main__":

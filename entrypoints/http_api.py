@@ -38,7 +38,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from entrypoints.jobs import ACTIVE, CANCELLED, COMPLETED, IN_PROGRESS, JobRunner, JobStore, new_job_id
-from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
+from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
+from k6vsr_core.params import UpscaleParams, parse_params
 
 log = logging.getLogger("k6vsr.server")
 
@@ -82,6 +83,22 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
 
+# The errors a user can fix (k6vsr_core.errors) as HTTP answers: the first class that matches gives status and code.
+USER_ERROR_STATUS: tuple[tuple[type[UserFacingError], int, str], ...] = (
+    (MediaError, 400, "invalid_video"),
+    (ParameterError, 400, "invalid_value"),
+    (BundleError, 503, "model_unavailable"),
+    (StoreError, 500, "store_unusable"),
+    (UserFacingError, 400, "invalid_request"),
+)
+
+
+def api_error(err: UserFacingError, param: str | None = None, message: str | None = None) -> ApiError:
+    """The HTTP answer to an error a user can fix: its status and code from `USER_ERROR_STATUS`."""
+    status, code = next((status, code) for kind, status, code in USER_ERROR_STATUS if isinstance(err, kind))
+    return ApiError(status, message or str(err), param=param, code=code)
+
+
 _KIND = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
          405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
          415: "invalid_request_error", 422: "invalid_request_error"}
@@ -97,9 +114,16 @@ def error_response(
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(_: Request, err: ApiError) -> JSONResponse:
+    def answer(err: ApiError) -> JSONResponse:
         return error_response(err.status, err.message, err.kind, err.param, err.code)
+
+    @app.exception_handler(ApiError)
+    async def api_error_handler(_: Request, err: ApiError) -> JSONResponse:
+        return answer(err)
+
+    @app.exception_handler(UserFacingError)
+    async def user_error_handler(_: Request, err: UserFacingError) -> JSONResponse:
+        return answer(api_error(err))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -408,16 +432,13 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
         return job
 
     def prepare(source: Path, params: UpscaleParams, label: str) -> Any:
-        from k6vsr_core.media import MediaError
         from service.runs import prepare_run
 
         try:
             return prepare_run(source, params, spec, config.store_root)
-        except MediaError as err:
-            raise ApiError(400, f"{label}: {err.cause}", param="video_path" if label != FILE_FIELD else FILE_FIELD,
-                           code="invalid_video") from None
-        except ValueError as err:  # a plan these parameters cannot make (e.g. an `exact` target above the result)
-            raise ApiError(400, f"this request cannot be planned: {err}") from None
+        except MediaError as err:  # named as the client knows the clip, never by the server's path of an upload
+            param = "video_path" if label != FILE_FIELD else FILE_FIELD
+            raise api_error(err, param, f"{label}: {err.cause}") from None
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -527,10 +548,10 @@ def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
     for raw in args.allow_path or []:
         root = Path(raw).expanduser().resolve()
         if not root.is_dir():
-            raise ValueError(f"--allow-path {raw}: not a directory")
+            raise UserFacingError(f"--allow-path {raw}: not a directory")
         roots.append(root)
     if args.max_upload_mb < 1:
-        raise ValueError("--max-upload-mb must be at least 1")
+        raise UserFacingError("--max-upload-mb must be at least 1")
     return ServerConfig(
         store_root=Path(store_root),
         allow_paths=tuple(roots),

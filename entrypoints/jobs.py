@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from k6vsr_core.errors import describe_error
 from storage.records import atomic_write_json
 
 log = logging.getLogger("k6vsr.server")
@@ -352,8 +353,6 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _error_of(err: BaseException) -> dict[str, str]:
-    from entrypoints.cli import describe_error
-
     message = describe_error(err)
     if message is not None:
         return {"message": message, "type": "invalid_request_error"}

@@ -39,6 +39,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from k6vsr_core.errors import UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams
 from storage import default_store_root
 from storage.records import atomic_write_bytes
@@ -168,14 +169,14 @@ def _sources(
             base = Path(os.path.commonpath([str(s.parent) for s in sources]))
         return base, sources
     if not input_dir:
-        raise ValueError("give input_dir (a folder or a file listing paths) or paths")
+        raise UserFacingError("give input_dir (a folder or a file listing paths) or paths")
     base = Path(input_dir).expanduser().resolve()
     if base.is_file():
         return _sources(None, read_path_list(base), output_dir, include, exclude)
     if not base.is_dir():
-        raise ValueError(f"input folder {input_dir} does not exist")
+        raise UserFacingError(f"input folder {input_dir} does not exist")
     if output_dir == base:
-        raise ValueError(f"the output folder {output_dir} is the input folder: outputs would be read as inputs "
+        raise UserFacingError(f"the output folder {output_dir} is the input folder: outputs would be read as inputs "
                          "by the next run; choose another folder (a subfolder of the input is fine)")
     return base, scan_folder(base, include, exclude, skip=output_dir)
 
@@ -193,10 +194,8 @@ def _previous_run_keys(manifest_json: Path) -> dict[str, str]:
 
 
 def _describe(err: BaseException) -> str:
-    text = str(err) or type(err).__name__
-    if not isinstance(err, ValueError):  # MediaError, ParameterError and BundleError are ValueErrors and say it all
-        text = f"{type(err).__name__}: {text}"
-    return text[:REASON_LIMIT]
+    """A row's reason: the user's one line, or the internal error's type and message."""
+    return (describe_error(err) or f"{type(err).__name__}: {err}")[:REASON_LIMIT]
 
 
 def plan_clips(

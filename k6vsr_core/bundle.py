@@ -37,6 +37,8 @@ from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from k6vsr_core.errors import BundleError
+
 DEFAULT_MODEL = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 DEFAULT_REVISION = "3e3e10bcd23659eeeb23cac740258ee4fc14aa7d"
 
@@ -48,10 +50,6 @@ PIFLOW = "PiflowScheduler"
 FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
 # Settings of the released DiT (`transformer/config.json` `sr_params`), used when a bundle omits them.
 DEFAULT_LQ_NOISE_SCALE = 0.7
-
-
-class BundleError(RuntimeError):
-    """A model bundle that cannot be used; the message names the component and the cause."""
 
 
 class BundleInfo(BaseModel):

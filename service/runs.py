@@ -75,7 +75,7 @@ def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, stor
     except ParameterError:
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file
-        raise ValueError(f"{source}: {err}") from None
+        raise ParameterError(f"{source}: {err}") from None
     key = run_key(source_info(source).sha256, params, info.identity)
     run = RunRef(store_root=str(store_root), run_key=key)
     return PreparedRun(

@@ -29,15 +29,12 @@ import numpy as np
 import zarr
 from zarr.errors import ContainsArrayError
 
+from k6vsr_core.errors import StoreError
 from storage.manifest import RunManifest
 from storage.records import RecordBook, array_checksum, atomic_write_json, file_checksum
 
 RUNS = "runs"
 OUTPUT = "output.mp4"
-
-
-class StoreError(RuntimeError):
-    """The store is unusable (unwritable root, foreign data under a run key)."""
 
 
 def default_store_root() -> Path:

@@ -15,9 +15,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from k6vsr_core import media, stages
-from k6vsr_core.bundle import BundleError
 from k6vsr_core.compute import apply_profile
-from k6vsr_core.params import ParameterError
+from k6vsr_core.errors import UserFacingError
 from k6vsr_core.plan import ClipPlan
 from storage import RunStore
 from service.runs import ModelSpec, RunRef
@@ -25,7 +24,7 @@ from tasks.descriptors import StageResult
 from tasks.model_cache import get_bundle
 
 # Errors that another attempt cannot fix.
-PERMANENT_ERRORS = (media.MediaError, ParameterError, BundleError, ValueError)
+PERMANENT_ERRORS = (UserFacingError, ValueError)
 
 
 def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
