@@ -410,10 +410,10 @@ def warm_shapes(bench: Bench, bundle: Any, workload: str, attention: str) -> flo
     """Compile and warm at a workload's tile shapes: one chunk (upscaler + DiT steps) and one tile decode."""
     from k6vsr_core import stages
     from k6vsr_core.plan import make_plan
-    from k6vsr_core.runner import traits_of
+    from k6vsr_core.bundle import model_traits
 
     width, height, frames, _ = bench.workloads[workload]
-    plan = make_plan((height, width), frames, 24, bench.params(workload, attention), traits_of(bundle))
+    plan = make_plan((height, width), frames, 24, bench.params(workload, attention), model_traits(bundle.info))
     chunk = plan.chunks[0]
     th, tw = plan.grid.latent_tile
     generator = torch.Generator().manual_seed(1)
@@ -640,7 +640,7 @@ def phase_density(bench: Bench) -> None:
 
     from k6vsr_core import media, stages
     from k6vsr_core.plan import make_plan
-    from k6vsr_core.runner import traits_of
+    from k6vsr_core.bundle import model_traits
 
     if bench.fast_bundle:
         bench.skip("nabla density", "W1", "needs the plain bundle")
@@ -677,7 +677,7 @@ def phase_density(bench: Bench) -> None:
     layers = [m for m in bundle.transformer.modules() if isinstance(m, Kandinsky6SRAttention)]
     width, height, frames, _ = bench.workloads["W1"]
     params = bench.params("W1", "nabla")
-    plan = make_plan((height, width), frames, 24, params, traits_of(bundle))
+    plan = make_plan((height, width), frames, 24, params, model_traits(bundle.info))
     source_frames, _ = media.decode_frames(bench.clip("W1"))
     latent = stages.encode_clip(bundle, stages.prepare_source(source_frames, plan))
     chunk = plan.chunks[0]
@@ -838,9 +838,9 @@ def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, ta
             from k6vsr_core import stages
             from k6vsr_core.params import parse_params
             from k6vsr_core.plan import make_plan
-            from k6vsr_core.runner import traits_of
+            from k6vsr_core.bundle import model_traits
 
-            plan = make_plan(tuple(warm["size"]), warm["frames"], 24, parse_params(**warm["params"]), traits_of(bundle))
+            plan = make_plan(tuple(warm["size"]), warm["frames"], 24, parse_params(**warm["params"]), model_traits(bundle.info))
             chunk = plan.chunks[0]
             th, tw = plan.grid.latent_tile
             lr = torch.randn((len(chunk.tiles), 64, plan.latent_frames, th, tw), generator=torch.Generator().manual_seed(1))

@@ -17,15 +17,17 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
+from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
+from k6vsr_core.params import UpscaleParams, parse_params
+from service.runs import ModelSpec, model_info, prepare_run
+from storage import collect_garbage, default_store_root
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
-    from k6vsr_core.bundle import DEFAULT_MODEL
-
     group = parser.add_argument_group("model")
     group.add_argument("--model", "--model-path", dest="model", default=os.environ.get("K6VSR_MODEL", DEFAULT_MODEL),
                        help="Hugging Face repo id or local folder in the Diffusers layout (env K6VSR_MODEL)")
@@ -36,17 +38,22 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _param_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("request")
-    group.add_argument("--scale", "--sr-resolution-scale", dest="scale", default="2.25", help="2, 2.25 (default) or 4")
-    group.add_argument("--num-inference-steps", type=int, default=None)
-    group.add_argument("--seed", type=int, default=42)
-    group.add_argument("--tiles-batch-size", "--sr-tiles-batch-size", dest="tiles_batch_size", type=int, default=1)
-    group.add_argument("--tile-min-overlap", "--sr-tile-min-overlap", dest="min_overlap", type=float, default=0.2)
-    group.add_argument("--target-resolution", "--sr-target-resolution", dest="target_resolution", default=None,
-                       help="none, hd, fullhd, 2k or WxH")
-    group.add_argument("--target-resize-mode", "--sr-target-resize-mode", dest="target_resize_mode", default="fit",
-                       help="fit (default) or exact")
-    group.add_argument("--attention", default="nabla", help="nabla (default, as released) or dense")
+    """The request flags. A flag not given is left out, so the request takes `UpscaleParams`' (official) default."""
+    defaults = UpscaleParams()
+    group = parser.add_argument_group("request", argument_default=argparse.SUPPRESS)
+    group.add_argument("--scale", "--sr-resolution-scale", dest="scale",
+                       help=f"2, 2.25 or 4 (default {defaults.scale_label})")
+    group.add_argument("--num-inference-steps", type=int, help="DiT evaluations per tile (default: the checkpoint's)")
+    group.add_argument("--seed", type=int, help=f"noise seed (default {defaults.seed})")
+    group.add_argument("--tiles-batch-size", "--sr-tiles-batch-size", dest="tiles_batch_size", type=int,
+                       help=f"tiles denoised together (default {defaults.tiles_batch_size})")
+    group.add_argument("--tile-min-overlap", "--sr-tile-min-overlap", dest="min_overlap", type=float,
+                       help=f"minimum tile overlap (default {defaults.min_overlap})")
+    group.add_argument("--target-resolution", "--sr-target-resolution", dest="target_resolution",
+                       help="none, hd, fullhd, 2k or WxH (default none)")
+    group.add_argument("--target-resize-mode", "--sr-target-resize-mode", dest="target_resize_mode",
+                       help=f"fit or exact (default {defaults.target_resize_mode})")
+    group.add_argument("--attention", help=f"nabla or dense (default {defaults.attention}, as released)")
 
 
 def _run_flags(parser: argparse.ArgumentParser) -> None:
@@ -118,27 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def params_from(args: argparse.Namespace) -> Any:
-    from k6vsr_core.params import parse_params
-
+def params_from(args: argparse.Namespace) -> UpscaleParams:
+    given = {name: getattr(args, name) for name in UpscaleParams.model_fields if hasattr(args, name)}
     try:
-        return parse_params(
-            scale=args.scale,
-            num_inference_steps=getattr(args, "num_inference_steps", None),
-            seed=getattr(args, "seed", 42),
-            tiles_batch_size=getattr(args, "tiles_batch_size", 1),
-            min_overlap=getattr(args, "min_overlap", 0.2),
-            target_resolution=getattr(args, "target_resolution", None),
-            target_resize_mode=getattr(args, "target_resize_mode", "fit"),
-            attention=getattr(args, "attention", "nabla"),
-        )
+        return parse_params(**given)
     except ParameterError as err:
         raise ParameterError(f"invalid request: {err}") from None
 
 
-def model_from(args: argparse.Namespace) -> Any:
-    from service.runs import ModelSpec
-
+def model_from(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(
         model=args.model,
         revision=args.revision,
@@ -149,8 +144,6 @@ def model_from(args: argparse.Namespace) -> Any:
 
 
 def store_from(args: argparse.Namespace) -> Path:
-    from storage import default_store_root
-
     return Path(args.store).expanduser() if getattr(args, "store", None) else default_store_root()
 
 
@@ -213,7 +206,6 @@ def _check_device(device: str) -> None:
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     from flows.upscale_clip import default_output_name
     from flows.orchestrate import run_clip
-    from service.runs import prepare_run
 
     params = params_from(args)
     spec = model_from(args)
@@ -237,7 +229,6 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
-    from service.runs import prepare_run
 
     prepared = prepare_run(Path(args.input), params_from(args), model_from(args), store_from(args))
     plan = prepared.plan
@@ -269,8 +260,6 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
-    from storage import collect_garbage
-
     report = collect_garbage(store_from(args), args.keep_outputs, args.older_than_hours * 3600)
     return {"runs": report, "bytes_reclaimed": sum(r["bytes"] for r in report if r["deleted"])}
 
@@ -279,7 +268,6 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
     """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary."""
     from flows.orchestrate import prefect_api
     from flows.upscale_archive import MANIFEST_NAME, ArchiveFailed, ArchiveRow, ArchiveSummary, _summary, upscale_archive
-    from service.runs import model_info
 
     source = Path(args.input_dir).expanduser()
     if not source.exists():
@@ -334,7 +322,10 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = model_from(args)
     _check_device(spec.device)
-    serve(args, spec, store_from(args))
+    serve(
+        spec, store_from(args), host=args.host, port=args.port, allow_paths=args.allow_path, api_key=args.api_key,
+        max_upload_mb=args.max_upload_mb, workers=args.workers, debug=args.debug,
+    )
     return {}
 
 

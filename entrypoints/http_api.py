@@ -22,7 +22,7 @@ import json
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +40,7 @@ from starlette.requests import ClientDisconnect
 from entrypoints.jobs import ACTIVE, CANCELLED, COMPLETED, IN_PROGRESS, JobRunner, JobStore, new_job_id
 from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
 from k6vsr_core.params import UpscaleParams, parse_params
+from service.runs import ModelSpec
 
 log = logging.getLogger("k6vsr.server")
 
@@ -407,7 +408,7 @@ def job_view(job: dict[str, Any], store_root: Path) -> dict[str, Any]:
     return view
 
 
-def create_app(config: ServerConfig, spec: Any) -> FastAPI:
+def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
     store = JobStore(config.store_root)
     runner = JobRunner(store, spec, workers=config.workers)
 
@@ -543,21 +544,23 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
+def server_config(
+    store_root: Path, allow_paths: Sequence[str], api_key: str | None, max_upload_mb: int, workers: int, model_name: str
+) -> ServerConfig:
     roots = []
-    for raw in args.allow_path or []:
+    for raw in allow_paths:
         root = Path(raw).expanduser().resolve()
         if not root.is_dir():
             raise UserFacingError(f"--allow-path {raw}: not a directory")
         roots.append(root)
-    if args.max_upload_mb < 1:
+    if max_upload_mb < 1:
         raise UserFacingError("--max-upload-mb must be at least 1")
     return ServerConfig(
         store_root=Path(store_root),
         allow_paths=tuple(roots),
-        api_key=args.api_key or None,
-        max_upload_bytes=args.max_upload_mb << 20,
-        workers=max(1, int(getattr(args, "workers", 1) or 1)),
+        api_key=api_key or None,
+        max_upload_bytes=max_upload_mb << 20,
+        workers=max(1, workers),
         model_name=model_name,
     )
 
@@ -566,7 +569,17 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def serve(args: Any, spec: Any, store_root: Path) -> None:
+def serve(
+    spec: ModelSpec,
+    store_root: Path,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    allow_paths: Sequence[str] = (),
+    api_key: str | None = None,
+    max_upload_mb: int = 2048,
+    workers: int = 1,
+    debug: bool = False,
+) -> None:
     """Run the server until interrupted. The model is checked before the port opens."""
     import uvicorn
 
@@ -578,17 +591,17 @@ def serve(args: Any, spec: Any, store_root: Path) -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
         log.addHandler(handler)
         log.propagate = False
-    log.setLevel(logging.DEBUG if args.debug else logging.INFO)
+    log.setLevel(logging.DEBUG if debug else logging.INFO)
     info = model_info(spec)  # a missing or broken model fails here, with one clear line
-    config = config_from(args, store_root, info.model_id)
-    if not _is_loopback(args.host) and not config.api_key:
-        log.warning("listening on %s without --api-key: anyone who can reach it can submit jobs", args.host)
+    config = server_config(store_root, allow_paths, api_key, max_upload_mb, workers, info.model_id)
+    if not _is_loopback(host) and not config.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach it can submit jobs", host)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process would die on the
     # spot, skipping the exit handlers that stop a temporary Prefect server. Exit through Python instead.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     # Job processes report to one Prefect API: the configured one, else a temporary server for our lifetime.
     with prefect_api(for_processes=True):
         uvicorn.run(
-            create_app(config, spec), host=args.host, port=args.port, log_level="debug" if args.debug else "info",
+            create_app(config, spec), host=host, port=port, log_level="debug" if debug else "info",
             server_header=False,
         )

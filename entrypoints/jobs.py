@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from k6vsr_core.errors import describe_error
+from service.runs import ModelSpec
 from storage.records import atomic_write_json
 
 log = logging.getLogger("k6vsr.server")
@@ -283,7 +284,7 @@ class WorkerSlot:
 class JobRunner:
     """The queue and its worker slots (`workers` jobs run at once; default 1, so jobs run in order)."""
 
-    def __init__(self, store: JobStore, spec: Any, workers: int = 1) -> None:
+    def __init__(self, store: JobStore, spec: ModelSpec, workers: int = 1) -> None:
         self.store = store
         self.spec = spec
         self.queue: queue.Queue[str | None] = queue.Queue()
@@ -377,7 +378,6 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
         from storage import RunStore
-        from service.runs import ModelSpec
         from tasks.model_cache import get_bundle
 
         spec = ModelSpec.model_validate_json(spec_json)

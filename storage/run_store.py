@@ -61,9 +61,6 @@ class RunStore:
     def manifest_path(self) -> Path:
         return self.path / "manifest.json"
 
-    def exists(self) -> bool:
-        return self.manifest_path.is_file()
-
     def write_manifest(self, manifest: RunManifest) -> None:
         if manifest.run_key != self.run_key:
             raise StoreError(f"manifest of run {manifest.run_key} cannot go into run {self.run_key}")
@@ -194,15 +191,6 @@ class RunStore:
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "run_key": self.run_key,
-            "path": str(self.path),
-            "denoised": len(self.records.items("denoise")),
-            "decoded": len(self.records.items("decode")),
-            "finished": self.output_done(),
-        }
 
 
 def _owner() -> str:

@@ -10,11 +10,11 @@ import time
 
 from prefect import task
 
-from k6vsr_core.bundle import BundleInfo
+from k6vsr_core.bundle import BundleInfo, model_traits
 from k6vsr_core.compute import apply_profile, default_profile
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.runner import read_source
-from service.runs import RunRef, traits
+from service.runs import RunRef
 from storage import RunManifest, RunStore, source_info
 from storage.manifest import library_versions
 from tasks.descriptors import StageResult
@@ -40,7 +40,7 @@ def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo) ->
     # Chosen here, once per run: every later stage, in any process, computes as this records.
     compute = default_profile()
     apply_profile(compute)
-    decoded = read_source(source, params, traits(info))
+    decoded = read_source(source, params, model_traits(info))
     manifest = RunManifest(
         run_key=run.run_key,
         source=source_info(source),

@@ -19,7 +19,8 @@ from k6vsr_core.attention import DenseSdpaProcessor
 from k6vsr_core.bundle import ModelBundle, load_bundle
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ClipPlan, make_plan
-from k6vsr_core.runner import traits_of, upscale
+from k6vsr_core.bundle import model_traits
+from k6vsr_core.runner import upscale
 from k6vsr_core.sample import make_sample_clip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +38,7 @@ def clip_1f_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _plan(bundle: ModelBundle, attention: str, frames: int = 9) -> ClipPlan:
-    return make_plan((64, 96), frames, 24, parse_params(scale=2, attention=attention), traits_of(bundle))
+    return make_plan((64, 96), frames, 24, parse_params(scale=2, attention=attention), model_traits(bundle.info))
 
 
 def _stages_output(bundle: ModelBundle, attention: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,13 +17,13 @@ from k6vsr_core.attention import DenseSdpaProcessor, attention_mode, set_attenti
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ClipPlan, make_plan
-from k6vsr_core.runner import traits_of
+from k6vsr_core.bundle import model_traits
 
 CPU = torch.device("cpu")
 
 
 def _plan(bundle: ModelBundle, size: tuple[int, int] = (64, 96), frames: int = 1, **params: object) -> ClipPlan:
-    return make_plan(size, frames, 24, parse_params(**{"scale": 2, **params}), traits_of(bundle))
+    return make_plan(size, frames, 24, parse_params(**{"scale": 2, **params}), model_traits(bundle.info))
 
 
 def _random(shape: tuple[int, ...], seed: int) -> torch.Tensor:
