@@ -384,7 +384,7 @@ def job_view(job: dict[str, Any], store_root: Path) -> dict[str, Any]:
     if job["status"] == IN_PROGRESS and job.get("tiles", {}).get("total"):
         from storage import RunStore
 
-        decoded = len(RunStore(store_root, job["run_key"]).records.items("decode"))
+        decoded = RunStore(store_root, job["run_key"]).tiles_decoded()
         progress = min(99, int(100 * decoded / job["tiles"]["total"]))
     output = job["output"]
     view = {

@@ -56,13 +56,13 @@ def tile_progress(store_root: str, run_key: str | None, total: int, enabled: boo
 
     from storage import RunStore
 
-    records = RunStore(store_root, run_key).records
+    store = RunStore(store_root, run_key)
     stop = threading.Event()
     bar = tqdm(total=total, desc="tiles", unit="tile", file=sys.stderr)
 
     def poll() -> None:
         while not stop.wait(0.5):
-            bar.n = min(total, len(records.items("decode")))
+            bar.n = min(total, store.tiles_decoded())
             bar.refresh()
 
     thread = threading.Thread(target=poll, daemon=True)
@@ -72,7 +72,7 @@ def tile_progress(store_root: str, run_key: str | None, total: int, enabled: boo
     finally:
         stop.set()
         thread.join()
-        bar.n = min(total, len(records.items("decode")))
+        bar.n = min(total, store.tiles_decoded())
         bar.close()
 
 

@@ -7,7 +7,8 @@ work: the next run of the same clip and parameters finds the finished stages by 
 from __future__ import annotations
 
 import os
-import time
+import uuid
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -16,10 +17,11 @@ from prefect.futures import as_completed
 from pydantic import BaseModel
 
 from k6vsr_core.params import UpscaleParams
-from storage import RunStore, default_store_root, publish
+from k6vsr_core.plan import ClipPlan
+from storage import RunStore, default_store_root
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
-from service.runs import ModelSpec, prepare_run
+from service.runs import ModelSpec, RunRef, prepare_run
 from tasks.descriptors import StageResult
 from flows import artifacts
 
@@ -76,6 +78,13 @@ def default_output_name(source: str | Path, params: UpscaleParams, now: datetime
     return f"{Path(source).stem}_sr{params.scale_label}x_{stamp}.mp4"
 
 
+def _attempt_id() -> str:
+    """The name this attempt writes into every record it makes: its flow-run id, else a fresh one."""
+    from prefect.runtime import flow_run
+
+    return flow_run.id or uuid.uuid4().hex
+
+
 def _flow_run_name() -> str:
     from prefect.runtime import flow_run
 
@@ -105,27 +114,20 @@ def upscale_clip(
         timings[result.stage] = timings.get(result.stage, 0.0) + result.seconds
         return result
 
-    started_at = time.time()
+    attempt = _attempt_id()
     with store.in_use():
-        record(ingest_tasks.ingest(prepared.source, run, params, prepared.model_info))
+        record(ingest_tasks.ingest(prepared.source, run, params, prepared.model_info, attempt))
         plan = store.read_manifest().plan
-        if store.output_done():
-            denoised = [StageResult(stage="denoise", computed=False, tiles=chunk.tiles) for chunk in plan.chunks]
-        else:
-            record(stage_tasks.encode(run, model))
-            denoised = _tiles(run, model, plan, record)
-            record(stage_tasks.blend(run))
-            record(stage_tasks.mux(run))
-        started = time.perf_counter()
-        publish(store.output_path, destination)
-        timings["publish"] = time.perf_counter() - started
+        denoised: list[StageResult] = []
+        if not store.output_done():
+            record(stage_tasks.encode(run, model, attempt))
+            denoised = _tiles(run, model, plan, record, attempt)
+            record(stage_tasks.blend(run, attempt))
+            record(stage_tasks.mux(run, attempt))
+        record(stage_tasks.publish(run, str(destination)))
 
-    # Counted from the records, not from task results: a result Dask recomputes after a worker died reads as reused.
-    computed = sum(
-        1
-        for tile in range(plan.num_tiles)
-        if (entry := store.records.read("denoise", str(tile))) is not None and entry.written_at >= started_at
-    )
+    # The store says what this attempt computed: a tile Dask recomputed after a worker died is counted, once.
+    computed = store.tiles_computed(attempt)
     summary = ClipSummary(
         source=prepared.source,
         output=str(destination),
@@ -139,21 +141,24 @@ def upscale_clip(
         tiles_reused=plan.num_tiles - computed,
         dit_calls=sum(result.dit_calls for result in denoised),
         timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
-        reused_output=all(not result.computed for result in denoised) and "mux" not in timings,
+        reused_output=store.attempt_of("mux") != attempt,
     )
     _report(store, summary)
     return summary
 
 
-def _tiles(run, model: ModelSpec, plan, record) -> list[StageResult]:
+def _tiles(
+    run: RunRef, model: ModelSpec, plan: ClipPlan, record: Callable[[StageResult], StageResult], attempt: str
+) -> list[StageResult]:
     """Denoise every chunk and decode every tile concurrently; a decode waits only for its own chunk."""
     _check_workers()
     progress = artifacts.start_progress(run.run_key, plan.num_tiles)
     chunk_futures = [
-        stage_tasks.denoise.submit(run, model, chunk.index, "-".join(map(str, chunk.tiles))) for chunk in plan.chunks
+        stage_tasks.denoise.submit(run, model, chunk.index, attempt, "-".join(map(str, chunk.tiles)))
+        for chunk in plan.chunks
     ]
     decode_futures = {
-        stage_tasks.decode.submit(run, model, tile, wait_for=[chunk_futures[plan.chunk_of(tile).index]]): tile
+        stage_tasks.decode.submit(run, model, tile, attempt, wait_for=[chunk_futures[plan.chunk_of(tile).index]]): tile
         for tile in range(plan.num_tiles)
     }
     decode_errors: dict[int, str] = {}

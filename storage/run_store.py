@@ -88,11 +88,13 @@ class RunStore:
             raise StoreError(f"run {self.run_key}: stored {name} is {array.dtype}{array.shape}, expected {dtype}{shape}")
         return array
 
-    def put(self, name: str, value: np.ndarray, *, stage: str, item: str = "all", seconds: float = 0.0) -> None:
-        """Store a whole array (one writer), then its record."""
+    def put(
+        self, name: str, value: np.ndarray, *, stage: str, item: str = "all", seconds: float = 0.0, attempt: str = ""
+    ) -> None:
+        """Store a whole array (one writer), then its record, naming the run attempt that computed it."""
         array = self._array(name, value.shape, value.shape if value.ndim else (1,), value.dtype.str)
         array[...] = value
-        self.records.write(stage, item, array_checksum(value), seconds)
+        self.records.write(stage, item, array_checksum(value), seconds, attempt)
 
     def get(self, name: str, *, stage: str, item: str = "all") -> np.ndarray | None:
         """The stored array if its record exists and its checksum matches, else None (recompute it)."""
@@ -115,12 +117,20 @@ class RunStore:
             return None
 
     def put_tile(
-        self, name: str, index: int, num_tiles: int, value: np.ndarray, *, stage: str, seconds: float = 0.0
+        self,
+        name: str,
+        index: int,
+        num_tiles: int,
+        value: np.ndarray,
+        *,
+        stage: str,
+        seconds: float = 0.0,
+        attempt: str = "",
     ) -> None:
         """Store tile `index` of a per-tile array (its own chunk), then the tile's record."""
         array = self._array(name, (num_tiles, *value.shape), (1, *value.shape), value.dtype.str)
         array[index] = value
-        self.records.write(stage, str(index), array_checksum(value), seconds)
+        self.records.write(stage, str(index), array_checksum(value), seconds, attempt)
 
     def get_tile(self, name: str, index: int, *, stage: str) -> np.ndarray | None:
         record = self.records.read(stage, str(index))
@@ -153,9 +163,9 @@ class RunStore:
         os.close(fd)
         return Path(tmp)
 
-    def commit_output(self, tmp: Path, seconds: float = 0.0) -> None:
+    def commit_output(self, tmp: Path, seconds: float = 0.0, attempt: str = "") -> None:
         os.replace(tmp, self.output_path)
-        self.records.write("mux", "all", file_checksum(self.output_path), seconds)
+        self.records.write("mux", "all", file_checksum(self.output_path), seconds, attempt)
 
     def output_done(self) -> bool:
         record = self.records.read("mux", "all")
@@ -164,6 +174,21 @@ class RunStore:
             and self.output_path.is_file()
             and file_checksum(self.output_path) == record.checksum
         )
+
+    # ------------------------------------------------------------------------------------------- progress
+
+    def attempt_of(self, stage: str, item: str = "all") -> str | None:
+        """The run attempt whose record says `stage` (`item`) is done; None while it is not recorded."""
+        record = self.records.read(stage, item)
+        return None if record is None else record.attempt
+
+    def tiles_computed(self, attempt: str) -> int:
+        """Tiles whose denoised latent `attempt` computed (the others it found stored, or has not reached)."""
+        return sum(self.attempt_of("denoise", item) == attempt for item in self.records.items("denoise"))
+
+    def tiles_decoded(self) -> int:
+        """Tiles decoded so far, by any attempt: the progress of a run, cheap enough to poll."""
+        return len(self.records.items("decode"))
 
     # ------------------------------------------------------------------------------------------- liveness
 

@@ -31,7 +31,7 @@ def _manifest_readable(store: RunStore) -> bool:
 
 
 @task(name="ingest", task_run_name="ingest-{run.run_key}", **STAGE_TASK)
-def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo) -> StageResult:
+def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo, attempt: str) -> StageResult:
     """Decode the kept frames and the mono 44.1 kHz audio into the store, and write the manifest."""
     store = RunStore(run.store_root, run.run_key)
     if _manifest_readable(store) and store.get("frames", stage="ingest") is not None:
@@ -55,8 +55,8 @@ def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo) ->
     )
     store.write_manifest(manifest)
     if manifest.has_audio:
-        store.put("audio", decoded.audio, stage="ingest", item="audio")
+        store.put("audio", decoded.audio, stage="ingest", item="audio", attempt=attempt)
     seconds = time.perf_counter() - started
     # The frames record is the ingest record: written last, after the manifest and the audio.
-    store.put("frames", decoded.frames, stage="ingest", seconds=seconds)
+    store.put("frames", decoded.frames, stage="ingest", seconds=seconds, attempt=attempt)
     return StageResult(stage="ingest", computed=True, seconds=seconds)

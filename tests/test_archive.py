@@ -142,10 +142,10 @@ def test_failed_clip_does_not_stop_the_others(
     original = ingest_tasks.ingest
 
     @task(name="ingest")
-    def failing_ingest(source, run, params, info):
+    def failing_ingest(source, run, *rest):
         if Path(source).name == "doomed.mp4":
             raise RuntimeError("disk on fire")
-        return original.fn(source, run, params, info)
+        return original.fn(source, run, *rest)
 
     monkeypatch.setattr(ingest_tasks, "ingest", failing_ingest)
     argv = ["archive", str(folder), "-o", str(tmp_path / "out"), "--model", str(tiny_bundle_path), "--device", "cpu",

@@ -64,6 +64,17 @@ def test_damaged_record_or_chunk_reads_as_not_done(tmp_path: Path) -> None:
     assert store.get_tile("tile_latents", 1, stage="denoise") is None
 
 
+def test_store_answers_what_an_attempt_computed(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, "k")
+    value = np.zeros((2, 3), dtype=np.float32)
+    for tile, attempt in ((0, "first"), (1, "second"), (2, "first")):
+        store.put_tile("tile_latents", tile, 3, value, stage="denoise", attempt=attempt)
+    store.put_tile("tiles", 2, 3, value, stage="decode", attempt="second")
+    assert (store.tiles_computed("first"), store.tiles_computed("second"), store.tiles_computed("third")) == (2, 1, 0)
+    assert store.attempt_of("denoise", "1") == "second" and store.attempt_of("mux") is None
+    assert store.tiles_decoded() == 1
+
+
 def test_records_are_written_atomically(tmp_path: Path) -> None:
     book = RecordBook(tmp_path)
     book.write("decode", "3", array_checksum(np.zeros(3)))
