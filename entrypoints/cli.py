@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams, parse_params
+from entrypoints.console import tile_progress
 from service.runs import ModelSpec, model_info, prepare_run
 from storage import collect_garbage, default_store_root
 
@@ -221,15 +222,14 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     if not name.endswith(".mp4"):
         name += ".mp4"
     _check_output_file(out_dir / name, source)
-    summary = run_clip(
-        str(source), str(out_dir / name), params, spec, str(store),
-        workers=args.workers, gpus=args.gpus, dask_address=args.dask_address, show_progress=not args.json,
-    )
+    with tile_progress(prepared, enabled=not args.json):
+        summary = run_clip(
+            prepared, str(out_dir / name), spec, workers=args.workers, gpus=args.gpus, dask_address=args.dask_address
+        )
     return summary.model_dump(mode="json")
 
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
-
     prepared = prepare_run(Path(args.input), params_from(args), model_from(args), store_from(args))
     plan = prepared.plan
     grid = plan.grid

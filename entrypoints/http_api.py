@@ -491,6 +491,7 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
                 "fps": plan.fps, "has_audio": prepared.probe.has_audio, "bytes": None,
             },
             "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},
+            "prepared": prepared.model_dump(mode="json"),  # the plan the job's flow runs; never shown to clients
         })
         runner.submit(job_id)
         log.info("job %s queued: run %s, %d tiles", job_id, prepared.run.run_key, plan.num_tiles)

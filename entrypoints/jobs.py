@@ -28,11 +28,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from k6vsr_core.errors import describe_error
-from service.runs import ModelSpec
-from storage.records import atomic_write_json
+# The child process runs this module: it imports only the standard library at the top, so that it is bound to its
+# parent before the pipeline's imports (seconds on a busy machine) run. The pipeline is imported where it is used.
+if TYPE_CHECKING:
+    from service.runs import ModelSpec
 
 log = logging.getLogger("k6vsr.server")
 
@@ -45,6 +46,12 @@ ACTIVE = (QUEUED, IN_PROGRESS)
 FINISHED = (COMPLETED, FAILED, CANCELLED)
 
 TERMINATE_GRACE_S = 3.0
+
+
+def _write_record(path: Path, job: dict[str, Any]) -> None:
+    from storage.records import atomic_write_json
+
+    atomic_write_json(path, job)
 
 
 def new_job_id() -> str:
@@ -88,7 +95,7 @@ class JobStore:
 
     def put(self, job: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            atomic_write_json(self.record_path(job["id"]), job)
+            _write_record(self.record_path(job["id"]), job)
         return job
 
     def update(self, job_id: str, only_if: tuple[str, ...] | None = None, **changes: Any) -> dict[str, Any] | None:
@@ -99,7 +106,7 @@ class JobStore:
                 return None
             if only_if is None or job["status"] in only_if:
                 job.update(changes)
-                atomic_write_json(self.record_path(job_id), job)
+                _write_record(self.record_path(job_id), job)
             return job
 
     def all(self) -> list[dict[str, Any]]:
@@ -187,6 +194,7 @@ class WorkerSlot:
             "output": str(store.output_path(job_id)),
             "params": job["request"],
             "store_root": str(store.store_root),
+            "prepared": job.get("prepared"),
         }
         reply: dict[str, Any] | None = None
         try:
@@ -354,6 +362,8 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _error_of(err: BaseException) -> dict[str, str]:
+    from k6vsr_core.errors import describe_error
+
     message = describe_error(err)
     if message is not None:
         return {"message": message, "type": "invalid_request_error"}
@@ -377,6 +387,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         from flows.runners import make_task_runner
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
+        from service.runs import ModelSpec, PreparedRun
         from storage import RunStore
         from tasks.model_cache import get_bundle
 
@@ -399,6 +410,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
                 params=UpscaleParams(**job["params"]),
                 model=spec,
                 store_root=job["store_root"],
+                prepared=PreparedRun.model_validate(job["prepared"]) if job.get("prepared") else None,
             )
             has_audio = RunStore(job["store_root"], summary.run_key).read_manifest().has_audio
             reply(event="done", id=job["id"], summary=summary.model_dump(mode="json"), has_audio=has_audio)

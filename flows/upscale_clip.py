@@ -21,7 +21,7 @@ from k6vsr_core.plan import ClipPlan
 from storage import RunStore, default_store_root
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
-from service.runs import ModelSpec, RunRef, prepare_run
+from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from tasks.descriptors import StageResult
 from flows import artifacts
 
@@ -99,13 +99,18 @@ def upscale_clip(
     params: UpscaleParams = UpscaleParams(),
     model: ModelSpec = ModelSpec(),
     store_root: str | None = None,
+    prepared: PreparedRun | None = None,
 ) -> ClipSummary:
-    """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it)."""
+    """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it).
+
+    `prepared` is the plan its caller made of this clip with these arguments (`service.runs.prepare_run`); without
+    it, the flow plans the clip itself. From ingest on, the flow runs the plan that ingest recorded in the manifest.
+    """
     logger = get_run_logger()
-    root = Path(store_root) if store_root else default_store_root()
-    prepared = prepare_run(source, params, model, root)
-    run = prepared.run
-    store = RunStore(root, run.run_key)
+    if prepared is None:
+        prepared = prepare_run(source, params, model, store_root or default_store_root())
+    run, params = prepared.run, prepared.plan.params
+    store = RunStore(run.store_root, run.run_key)
     destination = Path(output) if output else Path(source).parent / default_output_name(source, params)
     logger.info("run %s: %d tiles, store %s", run.run_key, prepared.plan.num_tiles, store.path)
     timings: dict[str, float] = {}
@@ -116,8 +121,9 @@ def upscale_clip(
 
     attempt = _attempt_id()
     with store.in_use():
-        record(ingest_tasks.ingest(prepared.source, run, params, prepared.model_info, attempt))
-        plan = store.read_manifest().plan
+        ingested = ingest_tasks.ingest(prepared.source, run, params, prepared.model_info, attempt)
+        record(ingested)
+        plan = ingested.plan
         denoised: list[StageResult] = []
         if not store.output_done():
             record(stage_tasks.encode(run, model, attempt))

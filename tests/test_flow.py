@@ -17,7 +17,7 @@ from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.compute import default_profile
 from storage import RunStore, run_key
 from storage.records import RecordBook, array_checksum
-from service.runs import ModelSpec
+from service.runs import ModelSpec, prepare_run
 
 PARAMS = UpscaleParams(scale=2)
 
@@ -33,10 +33,8 @@ def reference(tiny_bundle: ModelBundle, clip_1f: Path, tmp_path_factory: pytest.
 def _run(clip: Path, out: Path, bundle_path: Path, store: Path, **kwargs):
     from flows.orchestrate import run_clip
 
-    return run_clip(
-        str(clip), str(out), PARAMS, ModelSpec(model=str(bundle_path), device="cpu"), str(store),
-        show_progress=False, **kwargs,
-    )
+    model = ModelSpec(model=str(bundle_path), device="cpu")
+    return run_clip(prepare_run(clip, PARAMS, model, store), str(out), model, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------- store
@@ -85,9 +83,17 @@ def test_records_are_written_atomically(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------- flow
 
 
+def _no_second_plan(*args, **kwargs):
+    raise AssertionError("the clip flow planned the clip again instead of running the plan it was given")
+
+
 def test_flow_output_equals_runner_and_reuses_everything(
-    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import flows.upscale_clip
+
+    monkeypatch.setattr(flows.upscale_clip, "prepare_run", _no_second_plan)
     first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
     assert (tmp_path / "a.mp4").read_bytes() == reference
     assert (first.tiles_computed, first.tiles_reused) == (first.tiles_total, 0)
