@@ -763,76 +763,45 @@ def phase_flexprobe(bench: Bench) -> None:
 # ---------------------------------------------------------------------------------------------------- multi-GPU
 
 
-def _store_ingest(store: Any, source: Path, params: Any, info: Any) -> Any:
-    """The flow's ingest task body: decode the kept frames and the audio into the store, write the manifest."""
-    from k6vsr_core.compute import default_profile
-    from k6vsr_core.plan import ModelTraits
-    from k6vsr_core.runner import read_source
-    from storage import RunManifest, source_info
-    from storage.manifest import library_versions
-
-    traits = ModelTraits(tile_sizes=info.tile_sizes, scheduler=info.scheduler, trained_steps=info.trained_steps)
-    decoded = read_source(source, params, traits)
-    manifest = RunManifest(run_key=store.run_key, source=source_info(source), params=params, model=info, compute=default_profile(),
-                           plan=decoded.plan, seeds=[c.seed for c in decoded.plan.chunks],
-                           has_audio=decoded.audio is not None and decoded.audio.size > 0,
-                           versions=library_versions())
-    store.write_manifest(manifest)
-    if manifest.has_audio:
-        store.put("audio", decoded.audio, stage="ingest", item="audio")
-    store.put("frames", decoded.frames, stage="ingest")
-    return decoded.plan
+# The store-backed phase runs the flow's own task bodies (`Task.fn`: the body without Prefect), so it measures exactly
+# what the flow computes; only the scheduling below is the benchmark's own (one process per GPU, no Prefect).
+ATTEMPT = "bench"
 
 
-def store_task(bundle: Any, kind: str, store_root: str, run_key: str, index: int) -> None:
-    """The body of the flow's stage tasks (tasks/stage_tasks.py), without Prefect: read the store, compute, write."""
-    from k6vsr_core import stages
-    from storage import RunStore
+def _run_ref(store_root: str | Path, run_key: str) -> Any:
+    from service.runs import RunRef
 
-    store = RunStore(store_root, run_key)
-    plan = store.read_manifest().plan
+    return RunRef(store_root=str(store_root), run_key=run_key)
+
+
+def store_task(spec: Any, kind: str, store_root: str, run_key: str, index: int) -> None:
+    """One tile stage of the flow (tasks/stage_tasks.py) in this worker process."""
+    from tasks import stage_tasks
+
+    run = _run_ref(store_root, run_key)
     if kind == "encode":
-        frames = store.get("frames", stage="ingest")
-        latent = stages.encode_clip(bundle, stages.prepare_source(frames, plan))
-        store.put("latent", latent.numpy(), stage="encode")
+        stage_tasks.encode.fn(run, spec, ATTEMPT)
     elif kind == "denoise":
-        chunk = plan.chunks[index]
-        latent = torch.from_numpy(store.get("latent", stage="encode"))
-        denoised = stages.denoise_chunk(bundle, stages.cut_tiles(latent, plan, chunk.tiles), chunk, plan)
-        for tile, value in zip(chunk.tiles, denoised):
-            store.put_tile("tile_latents", tile, plan.num_tiles, value.numpy(), stage="denoise")
+        stage_tasks.denoise.fn(run, spec, index, ATTEMPT)
     elif kind == "decode":
-        latent = store.get_tile("tile_latents", index, stage="denoise")
-        pixels = stages.decode_tile(bundle, torch.from_numpy(latent))
-        store.put_tile("tiles", index, plan.num_tiles, pixels.numpy(), stage="decode")
+        stage_tasks.decode.fn(run, spec, index, ATTEMPT)
     else:
         raise ValueError(kind)
 
 
-def _store_finish(store: Any) -> None:
-    from k6vsr_core import media, stages
-
-    plan = store.read_manifest().plan
-    tiles = [(i, torch.from_numpy(store.get_tile("tiles", i, stage="decode"))) for i in range(plan.num_tiles)]
-    video = stages.deliver(stages.blend(plan, tiles), plan)
-    store.put("video", stages.tensor_to_frames(video), stage="blend")
-    audio = store.get("audio", stage="ingest", item="audio") if store.read_manifest().has_audio else None
-    tmp = store.temp_output()
-    media.write_video(tmp, store.get("video", stage="blend"), plan.fps, audio)
-    store.commit_output(tmp)
-
-
 def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, tasks: Any, results: Any) -> None:
     try:
-        from k6vsr_core.bundle import load_bundle
-        from k6vsr_core.fast import compile_bundle
+        from service.runs import ModelSpec
+        from tasks.model_cache import get_bundle
 
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
+        # The tasks' own model cache: the stage bodies below find this bundle (compiled if `fast`) loaded.
+        spec = ModelSpec(model=bundle_path, device=device, compile=fast)
         started = time.perf_counter()
-        bundle = load_bundle(bundle_path, device=device)
+        bundle = get_bundle(spec)
         loaded = time.perf_counter() - started
-        fast_path = compile_bundle(bundle) if fast else None
+        fast_path = getattr(bundle, "fast_path", None)
         started = time.perf_counter()
         if warm:
             from k6vsr_core import stages
@@ -860,7 +829,7 @@ def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, ta
                 results.put(("peak", rank, peak(torch.device(device)) if device.startswith("cuda") else {}))
                 continue
             started = time.perf_counter()
-            store_task(bundle, *task)
+            store_task(spec, *task)
             results.put(("done", rank, (task, round(time.perf_counter() - started, 3))))
     except BaseException as err:  # noqa: BLE001 - report, then let the parent decide
         results.put(("error", rank, f"{type(err).__name__}: {err}\n{traceback.format_exc()[-2000:]}"))
@@ -872,12 +841,14 @@ def _run_job(source: Path, root: Path, params: Any, info: Any, workers: list[int
     import shutil
 
     from storage import RunStore
+    from tasks import stage_tasks
+    from tasks.ingest import ingest
 
     if root.exists():
         shutil.rmtree(root)
-    store = RunStore(root, "bench")
+    run = _run_ref(root, "bench")
     started = time.perf_counter()
-    plan = _store_ingest(store, source, params, info)
+    plan = ingest.fn(str(source), run, params, info, ATTEMPT).plan
     pending: list[tuple[str, int]] = [("denoise", c.index) for c in plan.chunks]
     waiting = {t: plan.chunk_of(t).index for t in range(plan.num_tiles)}
     done_chunks: set[int] = set()
@@ -909,10 +880,11 @@ def _run_job(source: Path, root: Path, params: Any, info: Any, workers: list[int
             queues[rank_next].put((task_next[0], str(root), "bench", task_next[1]))
             busy[rank_next] = task_next
     gpu_done = time.perf_counter() - started
-    _store_finish(store)
+    stage_tasks.blend.fn(run, ATTEMPT)
+    stage_tasks.mux.fn(run, ATTEMPT)
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "until_last_decode": round(gpu_done, 3), "busy_per_worker": per_worker,
-            "output": str(store.output_path)}
+            "output": str(RunStore(root, "bench").output_path)}
 
 
 def phase_multi(bench: Bench) -> None:
