@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
 from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams, parse_params
-from entrypoints.console import tile_progress
+from entrypoints.console import configure_terminal, summary_lines, tile_progress
 from service.runs import ModelSpec, model_info, prepare_run
 from storage import collect_garbage, default_store_root
 
@@ -64,7 +62,8 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dask-address", default=None, help="run tiles on an existing Dask scheduler")
     parser.add_argument("--compile", action="store_true", help="compile the DiT and KVAE decoder (GPU fast path)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and verbose logs")
+    parser.add_argument("--verbose", action="store_true", help="show every task's log lines on the terminal")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and every log line")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("-o", "--output-dir", dest="output_dir", default="k6vsr-demo")
     demo.add_argument("--scale", default="2")
     demo.add_argument("--json", action="store_true")
+    demo.add_argument("--verbose", action="store_true")
     demo.add_argument("--debug", action="store_true")
 
     archive = commands.add_parser("archive", help="upscale every clip of a folder tree")
@@ -122,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=int, default=1, help="jobs run at once (each loads the model once)")
     serve.add_argument("--store", default=None)
     _model_flags(serve)
+    serve.add_argument("--verbose", action="store_true")
     serve.add_argument("--debug", action="store_true")
     return parser
 
@@ -280,7 +281,7 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
     _check_output_dir(output_dir)
     model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
     # One API for every clip flow and worker (a configured server, else one temporary server for the command).
-    with prefect_api(True):
+    with prefect_api():
         state = upscale_archive(
             input_dir=str(source),
             output_dir=str(output_dir),
@@ -334,10 +335,7 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
         for key, value in result.items():
             print(f"{key:>22}: {value}")
     elif command in ("upscale", "demo"):
-        print(f"wrote {result['output']}")
-        print(f"  run {result['run_key']}: {result['tiles_computed']} tiles computed, {result['tiles_reused']} reused")
-        if result.get("note"):
-            print(f"  {result['note']}")
+        print("\n".join(summary_lines(result)))
     elif command == "gc":
         print(f"reclaimed {result['bytes_reclaimed']} bytes from {sum(r['deleted'] for r in result['runs'])} runs")
         for run in result["runs"]:
@@ -353,17 +351,10 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
         print(f"manifest: {result.get('manifest_json')}")
 
 
-def _quiet(debug: bool) -> None:
-    if not debug:
-        warnings.filterwarnings("ignore", message=".*flex attention.*")
-        warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-        logging.getLogger("diffusers").setLevel(logging.ERROR)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _quiet(args.debug)
+    configure_terminal(verbose=args.debug or getattr(args, "verbose", False))
     handlers = {
         "upscale": cmd_upscale,
         "plan": cmd_plan,

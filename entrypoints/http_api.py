@@ -601,7 +601,7 @@ def serve(
     # spot, skipping the exit handlers that stop a temporary Prefect server. Exit through Python instead.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     # Job processes report to one Prefect API: the configured one, else a temporary server for our lifetime.
-    with prefect_api(for_processes=True):
+    with prefect_api():
         uvicorn.run(
             create_app(config, spec), host=host, port=port, log_level="debug" if debug else "info",
             server_header=False,

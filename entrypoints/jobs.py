@@ -380,9 +380,9 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         replies.write(json.dumps(event) + "\n")
         replies.flush()
 
-    from entrypoints.cli import _quiet
+    from entrypoints.console import CONSOLE_LEVEL_ENV, configure_terminal
 
-    _quiet(debug=False)
+    configure_terminal(verbose=os.environ.get(CONSOLE_LEVEL_ENV) == "INFO")  # as the server that started it
     try:
         from flows.runners import make_task_runner
         from flows.upscale_clip import upscale_clip

@@ -1,8 +1,8 @@
 """Running a flow from an entry point: the Prefect API it reports to and the task runner.
 
-Without `PREFECT_API_URL`, Prefect starts a temporary local server in this process. Dask worker processes would
-each start their own (slow, and they can be orphaned when a worker dies), so for process-based runners we start the
-temporary server ourselves and hand its address to every worker through the environment.
+Without `PREFECT_API_URL`, we start one temporary local Prefect server for the process and hand its address to every
+process it starts through the environment: Dask workers would otherwise each start their own (slow, and orphaned
+when a worker dies). Its usage analytics are off: on an offline machine they would only log connection errors.
 """
 
 from __future__ import annotations
@@ -14,23 +14,22 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from flows.runners import make_task_runner, uses_processes
+from flows.runners import make_task_runner
 from flows.upscale_clip import ClipSummary, upscale_clip
 from service.runs import ModelSpec, PreparedRun
 
 
 @contextmanager
-def prefect_api(for_processes: bool) -> Iterator[None]:
+def prefect_api() -> Iterator[None]:
+    """The configured Prefect API, else a temporary server (analytics off) for as long as this process runs."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
 
-    if os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value() or not for_processes:
+    if os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value():
         yield
         return
     from prefect.server.api.server import SubprocessASGIServer
 
-    # Offline machines are common here: the server's usage telemetry would only log connection errors.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"  # the server process reads its settings from here
     server = SubprocessASGIServer()
     server.start()
     # Python's atexit (which stops the server) does not run on a default SIGTERM: exit through Python instead.
@@ -55,7 +54,7 @@ def run_clip(
 ) -> ClipSummary:
     """Run the clip flow on the plan `prepared`, its tiles on threads or Dask workers, reporting to one Prefect API."""
     runner = make_task_runner(workers, dask_address, gpus)
-    with prefect_api(uses_processes(workers, gpus, dask_address)):
+    with prefect_api():
         return upscale_clip.with_options(task_runner=runner)(
             source=prepared.source,
             output=output,

@@ -24,6 +24,10 @@ from tasks import stage_tasks
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from tasks.descriptors import StageResult
 from flows import artifacts
+from flows.run_log import run_log
+
+
+STAGES = ("ingest", "encode", "denoise", "decode", "blend", "mux", "publish")
 
 
 class ClipSummary(BaseModel):
@@ -31,6 +35,7 @@ class ClipSummary(BaseModel):
     output: str
     run_key: str
     store: str
+    log: str
     frames: int
     fps: int
     size: tuple[int, int]  # (width, height) of the written video
@@ -112,7 +117,6 @@ def upscale_clip(
     run, params = prepared.run, prepared.plan.params
     store = RunStore(run.store_root, run.run_key)
     destination = Path(output) if output else Path(source).parent / default_output_name(source, params)
-    logger.info("run %s: %d tiles, store %s", run.run_key, prepared.plan.num_tiles, store.path)
     timings: dict[str, float] = {}
 
     def record(result: StageResult) -> StageResult:
@@ -120,7 +124,8 @@ def upscale_clip(
         return result
 
     attempt = _attempt_id()
-    with store.in_use():
+    with store.in_use(), run_log(store.log_path, attempt):
+        logger.info("run %s: %d tiles, store %s", run.run_key, prepared.plan.num_tiles, store.path)
         ingested = ingest_tasks.ingest(prepared.source, run, params, prepared.model_info, attempt)
         record(ingested)
         plan = ingested.plan
@@ -139,6 +144,7 @@ def upscale_clip(
         output=str(destination),
         run_key=run.run_key,
         store=str(store.path),
+        log=str(store.log_path),
         frames=plan.num_frames,
         fps=plan.fps,
         size=(plan.delivery_size[1], plan.delivery_size[0]),
@@ -146,7 +152,7 @@ def upscale_clip(
         tiles_computed=computed,
         tiles_reused=plan.num_tiles - computed,
         dit_calls=sum(result.dit_calls for result in denoised),
-        timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
+        timings={stage: round(timings[stage], 3) for stage in STAGES if stage in timings},
         reused_output=store.attempt_of("mux") != attempt,
     )
     _report(store, summary)

@@ -6,6 +6,7 @@ Layout of one run, under `<root>/runs/<run key>/`:
     data.zarr/             frames, audio, latent, tile_latents, tiles, video (Zarr v3, one chunk per writer unit)
     done/<stage>/<item>    completion records with checksums (see `records`)
     output.mp4             the muxed result, published atomically
+    run.log                what the flow runs of this run and their tasks logged
     .lock                  held (shared) by every live run, so `gc` never deletes a store in use
 
 Arrays written by concurrent tasks have exactly one chunk per tile and no sharding: Zarr supports concurrent writes
@@ -35,6 +36,7 @@ from storage.records import RecordBook, array_checksum, atomic_write_json, file_
 
 RUNS = "runs"
 OUTPUT = "output.mp4"
+LOG = "run.log"
 
 
 def default_store_root() -> Path:
@@ -150,6 +152,11 @@ class RunStore:
     @property
     def output_path(self) -> Path:
         return self.path / OUTPUT
+
+    @property
+    def log_path(self) -> Path:
+        """The run's log: what its flow runs and their tasks logged, appended run after run."""
+        return self.path / LOG
 
     def temp_output(self) -> Path:
         """A private temporary name for the muxer, beside the output so the rename is atomic.

@@ -138,9 +138,11 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
     from entrypoints.cli import main
 
     rerun = subprocess.run(
-        [sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=os.environ.copy()
+        [sys.executable, "-m", "entrypoints.cli", *argv, "--verbose"], capture_output=True, text=True,
+        env=os.environ.copy(),
     )
     assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "Task run 'decode-tile-5' - Finished in state Completed()" in rerun.stderr  # --verbose: every task line
     summary = json.loads(rerun.stdout)
     assert summary["tiles_reused"] == 2
     assert summary["tiles_computed"] == summary["tiles_total"] - 2
@@ -221,3 +223,33 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
     assert done.returncode == 1
     assert "no Dask worker ran a trivial k6vsr task" in done.stderr
     assert not list(tmp_path.glob("*.mp4"))
+
+
+@pytest.mark.slow
+def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: Path, tmp_path: Path) -> None:
+    """The real command without a configured Prefect API: it starts its own server (analytics off, so no telemetry
+    errors offline), and prints warnings, one line each, and a five-line summary; the task lines go to the run's log."""
+    from k6vsr_core.sample import make_sample_clip
+
+    clip = make_sample_clip(tmp_path / "slow.mp4", width=64, height=64, num_frames=1, fps=12)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
+    argv = ["upscale", str(clip), "-o", str(tmp_path / "out"), "--scale", "2", "--model", str(tiny_bundle_path),
+            "--store", str(tmp_path / "store")]
+    done = subprocess.run(
+        [sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.splitlines() == [
+        "k6vsr: warning: source frame rate 12 fps is below 24 fps; keeping every frame at 12 fps (no motion "
+        "interpolation is done)"
+    ]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 5, done.stdout
+    assert lines[0].startswith(f"wrote {tmp_path / 'out'}") and lines[0].endswith("(128x128, 1 frame at 12 fps)")
+    assert lines[1].endswith("1 of 1 tiles computed, 0 reused, 2 DiT calls")
+    assert lines[2].startswith("seconds by stage: ingest ")
+    log = Path(lines[4].removeprefix("log: "))
+    assert lines[3] == f"store: {log.parent}"
+    logged = log.read_text()
+    assert "Task run 'decode-tile-0' - Finished in state Completed()" in logged and "Flow run 'upscale-slow.mp4'" in logged
