@@ -40,8 +40,9 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -99,7 +100,8 @@ class Bench:
         self.save()
         shown = f"{seconds:9.3f} s" if isinstance(seconds, (int, float)) else "    -    "
         detail = {k: v for k, v in extra.items() if k not in ("stages", "traceback")}
-        print(f"[{time.monotonic() - self.started:7.1f}s] {name:<28} {workload or '':<4} {shown}  {json.dumps(detail)[:300]}",
+        clock = f"[{time.monotonic() - self.started:7.1f}s]"
+        print(f"{clock} {name:<28} {workload or '':<4} {shown}  {json.dumps(detail)[:300]}",
               flush=True)
         return entry
 
@@ -409,8 +411,8 @@ def frames_diff(a: Path, b: Path) -> dict[str, Any]:
 def warm_shapes(bench: Bench, bundle: Any, workload: str, attention: str) -> float:
     """Compile and warm at a workload's tile shapes: one chunk (upscaler + DiT steps) and one tile decode."""
     from k6vsr_core import stages
-    from k6vsr_core.plan import make_plan
     from k6vsr_core.bundle import model_traits
+    from k6vsr_core.plan import make_plan
 
     width, height, frames, _ = bench.workloads[workload]
     plan = make_plan((height, width), frames, 24, bench.params(workload, attention), model_traits(bundle.info))
@@ -480,7 +482,7 @@ def phase_baseline(bench: Bench) -> None:
                          **best[1])
         except Exception as err:  # noqa: BLE001
             bench.fail("diffusers", workload, err)
-    del pipe
+    pipe = None  # free the pipeline's GPU memory for the next phase
     gc.collect()
 
 
@@ -639,8 +641,8 @@ def phase_density(bench: Bench) -> None:
     )
 
     from k6vsr_core import media, stages
-    from k6vsr_core.plan import make_plan
     from k6vsr_core.bundle import model_traits
+    from k6vsr_core.plan import make_plan
 
     if bench.fast_bundle:
         bench.skip("nabla density", "W1", "needs the plain bundle")
@@ -805,9 +807,9 @@ def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, ta
         started = time.perf_counter()
         if warm:
             from k6vsr_core import stages
+            from k6vsr_core.bundle import model_traits
             from k6vsr_core.params import parse_params
             from k6vsr_core.plan import make_plan
-            from k6vsr_core.bundle import model_traits
 
             plan = make_plan(tuple(warm["size"]), warm["frames"], 24, parse_params(**warm["params"]), model_traits(bundle.info))
             chunk = plan.chunks[0]

@@ -12,13 +12,14 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
+from entrypoints.console import configure_terminal, summary_lines, tile_progress
 from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams, parse_params
-from entrypoints.console import configure_terminal, summary_lines, tile_progress
 from service.runs import ModelSpec, model_info, prepare_run
 from storage import collect_garbage, default_store_root
 
@@ -206,8 +207,8 @@ def _check_device(device: str) -> None:
 
 
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
-    from flows.upscale_clip import default_output_name
     from flows.orchestrate import run_clip
+    from flows.upscale_clip import default_output_name
 
     params = params_from(args)
     spec = model_from(args)
@@ -268,7 +269,14 @@ def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
 def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_root: str | Path) -> dict[str, Any]:
     """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary."""
     from flows.orchestrate import prefect_api
-    from flows.upscale_archive import MANIFEST_NAME, ArchiveFailed, ArchiveRow, ArchiveSummary, _summary, upscale_archive
+    from flows.upscale_archive import (
+        MANIFEST_NAME,
+        ArchiveFailed,
+        ArchiveRow,
+        ArchiveSummary,
+        _summary,
+        upscale_archive,
+    )
 
     source = Path(args.input_dir).expanduser()
     if not source.exists():

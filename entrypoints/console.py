@@ -20,7 +20,6 @@ from tqdm import tqdm
 from service.runs import PreparedRun
 from storage import RunStore
 
-
 # Prefect's terminal handler, set through the environment so that every process Prefect starts (its temporary server,
 # Dask workers) inherits it; the API handler, which feeds the UI, keeps every line.
 CONSOLE_LEVEL_ENV = "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from entrypoints.console import tile_progress
 from k6vsr_core.bundle import make_tiny_bundle
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
-from entrypoints.console import tile_progress
 from service.runs import ModelSpec, prepare_run
 
 NOTE = (

@@ -5,8 +5,8 @@ under `<store>/jobs/<id>/` (`input` for an upload, `output.mp4` once finished), 
 killed finds its queued and running jobs again when it starts, and requeues them; since every job runs the resumable
 clip flow, the tiles a killed run had finished are reused.
 
-Each worker slot owns one long-lived child process (`python -m entrypoints.jobs`) that imports the pipeline and loads the
-model once, then runs jobs one at a time as the parent hands them over a pipe (one JSON line each way). Cancelling a
+Each worker slot owns one long-lived child process (`python -m entrypoints.jobs`) that imports the pipeline and loads
+the model once, then runs jobs one at a time as the parent hands them over a pipe (one JSON line each way). Cancelling a
 running job terminates that child: SIGTERM first, so Prefect marks the flow run as crashed, then SIGKILL after a
 grace period. Every tile the run had finished stays recorded in the run store. The slot then starts a fresh child.
 The child dies with its parent (Linux `PR_SET_PDEATHSIG`, and EOF on its pipe elsewhere), so a killed server leaves

@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,13 +39,13 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from k6vsr_core.errors import UserFacingError, describe_error
-from k6vsr_core.params import UpscaleParams
-from storage import default_store_root
-from storage.records import atomic_write_bytes
 from flows.runners import make_task_runner, start_cluster, uses_processes
 from flows.upscale_clip import ClipSummary, upscale_clip
+from k6vsr_core.errors import UserFacingError, describe_error
+from k6vsr_core.params import UpscaleParams
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
+from storage import default_store_root
+from storage.records import atomic_write_bytes
 
 VIDEO_GLOBS = (
     "*.mp4", "*.m4v", "*.mov", "*.mkv", "*.webm", "*.avi", "*.wmv", "*.flv", "*.mpg", "*.mpeg", "*.m2v",
@@ -227,7 +227,7 @@ def plan_clips(
     claimed: dict[Path, str] = {}
     rows = []
     plans: dict[str, PreparedRun] = {}
-    for source, result in zip(sources, prepared):
+    for source, result in zip(sources, prepared, strict=True):
         try:
             relative = source.relative_to(base)
         except ValueError:
@@ -288,7 +288,7 @@ def write_manifest(output_dir: Path, header: dict[str, Any], rows: list[ArchiveR
     csv_path = output_dir / f"{MANIFEST_NAME}.csv"
     payload = {
         **header,
-        "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "updated_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "counts": counts_of(rows),
         "rows": [row.model_dump(mode="json") for row in rows],
     }
@@ -385,7 +385,7 @@ def upscale_archive(
         "params": params.model_dump(mode="json"),
         "model": model.model_dump(mode="json"),
         "plan_only": plan_only,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     manifest_json, manifest_csv = write_manifest(out_dir, header, rows)
     for row in rows:

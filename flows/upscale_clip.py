@@ -16,16 +16,15 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 from pydantic import BaseModel
 
+from flows import artifacts
+from flows.run_log import run_log
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
+from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, default_store_root
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
-from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from tasks.descriptors import StageResult
-from flows import artifacts
-from flows.run_log import run_log
-
 
 STAGES = ("ingest", "encode", "denoise", "decode", "blend", "mux", "publish")
 
@@ -184,7 +183,7 @@ def _tiles(
         done += 1
         artifacts.set_progress(progress, done, plan.num_tiles)
     denoised, failures = [], {}
-    for chunk, future in zip(plan.chunks, chunk_futures):
+    for chunk, future in zip(plan.chunks, chunk_futures, strict=True):
         try:
             denoised.append(record(future.result()))
         except Exception as err:  # noqa: BLE001

@@ -83,7 +83,7 @@ def upscale(
     denoised = {}
     for chunk in plan.chunks:
         result = stages.denoise_chunk(bundle, stages.cut_tiles(latent, plan, chunk.tiles), chunk, plan, count)
-        denoised.update(zip(chunk.tiles, result))
+        denoised.update(zip(chunk.tiles, result, strict=True))
     lap("denoise")
     tiles = [(index, stages.decode_tile(bundle, denoised[index])) for index in range(plan.num_tiles)]
     lap("decode")

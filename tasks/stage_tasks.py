@@ -19,9 +19,9 @@ from k6vsr_core import media, stages
 from k6vsr_core.compute import apply_profile
 from k6vsr_core.errors import UserFacingError
 from k6vsr_core.plan import ClipPlan
+from service.runs import ModelSpec, RunRef
 from storage import RunStore
 from storage import publish as publish_file
-from service.runs import ModelSpec, RunRef
 from tasks.descriptors import StageResult
 from tasks.model_cache import get_bundle
 
@@ -96,7 +96,7 @@ def denoise(run: RunRef, model: ModelSpec, chunk_index: int, attempt: str, tiles
     lr_tiles = stages.cut_tiles(torch.from_numpy(latent), plan, chunk.tiles)
     denoised = stages.denoise_chunk(get_bundle(model), lr_tiles, chunk, plan, count)
     seconds = time.perf_counter() - started
-    for index, tile in zip(chunk.tiles, denoised):
+    for index, tile in zip(chunk.tiles, denoised, strict=True):
         store.put_tile(
             "tile_latents", index, plan.num_tiles, tile.numpy(), stage="denoise", seconds=seconds, attempt=attempt
         )

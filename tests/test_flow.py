@@ -15,9 +15,9 @@ import pytest
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.compute import default_profile
+from service.runs import ModelSpec, prepare_run
 from storage import RunStore, run_key
 from storage.records import RecordBook, array_checksum
-from service.runs import ModelSpec, prepare_run
 
 PARAMS = UpscaleParams(scale=2)
 

@@ -1,7 +1,7 @@
 """The HTTP job API (`k6vsr serve`), driven over real HTTP on loopback with the tiny random bundle.
 
-One server runs for the module (a real `python -m entrypoints.cli serve` process with an API key, one allowed folder and a
-1 MB upload cap) on one store; the restart test kills a first server mid-job and that module server resumes the job.
+One server runs for the module (a real `python -m entrypoints.cli serve` process with an API key, one allowed folder and
+a 1 MB upload cap) on one store; the restart test kills a first server mid-job and that module server resumes the job.
 Clips are 1-frame and 64 px, so every job has 1 tile (x2, x2.25) or 9 (x4).
 """
 
@@ -24,8 +24,7 @@ import pytest
 from k6vsr_core import media
 from k6vsr_core.params import parse_params
 from k6vsr_core.sample import make_sample_clip
-from service.runs import ModelSpec
-from service.runs import prepare_run
+from service.runs import ModelSpec, prepare_run
 
 KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

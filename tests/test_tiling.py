@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from itertools import pairwise
 
 import pytest
 import torch
@@ -89,7 +90,7 @@ def test_axis_positions_zero_overlap_still_covers(length: int, tile: int) -> Non
     positions = axis_positions(length, tile, 0.0)
     assert positions[0] == 0
     assert positions[-1] + tile == length
-    assert all(b - a <= tile for a, b in zip(positions, positions[1:]))
+    assert all(b - a <= tile for a, b in pairwise(positions))
 
 
 def test_axis_positions_zero_overlap_values() -> None:
@@ -101,7 +102,7 @@ def test_axis_positions_zero_overlap_values() -> None:
 @pytest.mark.parametrize(("length", "tile", "overlap"), [(1088, 256, 0.2), (1920, 384, 0.2), (864, 192, 0.5)])
 def test_axis_positions_respect_min_overlap(length: int, tile: int, overlap: float) -> None:
     positions = axis_positions(length, tile, overlap)
-    assert all(tile - (b - a) >= overlap * tile for a, b in zip(positions, positions[1:]))
+    assert all(tile - (b - a) >= overlap * tile for a, b in pairwise(positions))
 
 
 def test_axis_positions_rejects_non_positive() -> None:
