@@ -2,7 +2,8 @@
 
 Flag names follow SGLang's where they overlap, so its users recognise them. Errors a user can fix (a bad file, a bad
 value, a missing model) are printed as one line naming the cause, with exit code 2 and no traceback (unless
-`--debug`); nothing half-written is left in the output directory.
+`--debug`); nothing half-written is left in the output directory. The commands that run flows import them (and
+Prefect, which takes seconds to import) when they run, so `plan`, `gc` and `--help` answer at once.
 """
 
 from __future__ import annotations

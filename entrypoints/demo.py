@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from entrypoints.console import tile_progress
+from flows.orchestrate import run_clip
 from k6vsr_core.bundle import make_tiny_bundle
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
@@ -18,8 +19,6 @@ NOTE = (
 
 
 def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[str, Any]:
-    from flows.orchestrate import run_clip
-
     out_dir.mkdir(parents=True, exist_ok=True)
     bundle = out_dir / "tiny-bundle"
     if not (bundle / "model_index.json").is_file():

@@ -38,9 +38,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from entrypoints.jobs import ACTIVE, CANCELLED, COMPLETED, IN_PROGRESS, JobRunner, JobStore, new_job_id
+from flows.orchestrate import prefect_api
 from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
 from k6vsr_core.params import UpscaleParams, parse_params
-from service.runs import ModelSpec
+from service.runs import ModelSpec, model_info, prepare_run
+from storage import RunStore
 
 log = logging.getLogger("k6vsr.server")
 
@@ -382,8 +384,6 @@ def job_view(job: dict[str, Any], store_root: Path) -> dict[str, Any]:
     """The job as clients see it: no server paths except the caller's own `video_path`."""
     progress = job.get("progress", 0)
     if job["status"] == IN_PROGRESS and job.get("tiles", {}).get("total"):
-        from storage import RunStore
-
         decoded = RunStore(store_root, job["run_key"]).tiles_decoded()
         progress = min(99, int(100 * decoded / job["tiles"]["total"]))
     output = job["output"]
@@ -433,8 +433,6 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
         return job
 
     def prepare(source: Path, params: UpscaleParams, label: str) -> Any:
-        from service.runs import prepare_run
-
         try:
             return prepare_run(source, params, spec, config.store_root)
         except MediaError as err:  # named as the client knows the clip, never by the server's path of an upload
@@ -583,9 +581,6 @@ def serve(
 ) -> None:
     """Run the server until interrupted. The model is checked before the port opens."""
     import uvicorn
-
-    from flows.orchestrate import prefect_api
-    from service.runs import model_info
 
     if not log.handlers:  # our own handler: Prefect's logging setup reconfigures the root logger
         handler = logging.StreamHandler()

@@ -7,6 +7,7 @@ the store, not from Prefect's cache, whose default policy is per flow run and ca
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, RunRef
 from storage import RunStore
 from storage import publish as publish_file
+from storage.manifest import library_versions
 from tasks.descriptors import StageResult
 from tasks.model_cache import get_bundle
 
@@ -170,8 +172,4 @@ def publish(run: RunRef, destination: str) -> StageResult:
 @task(name="workers-ready", cache_policy=NO_CACHE)
 def workers_ready() -> dict[str, str]:
     """Runs on a worker: proves it can import and run k6vsr's tasks before any tile is sent to it."""
-    import os
-
-    from storage.manifest import library_versions
-
     return {"pid": str(os.getpid()), **library_versions()}
