@@ -157,7 +157,7 @@ def test_dask_worker_killed_while_holding_a_tile(
     assert fault_harness.leftovers(tmp_path / "store", tmp_path / "out") == []
 
 
-# ---------------------------------------------------------------------------------------------- a tile that always fails
+# -------------------------------------------------------------------------------------------- a tile that always fails
 
 
 @pytest.fixture(scope="module")
