@@ -40,8 +40,9 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -99,7 +100,8 @@ class Bench:
         self.save()
         shown = f"{seconds:9.3f} s" if isinstance(seconds, (int, float)) else "    -    "
         detail = {k: v for k, v in extra.items() if k not in ("stages", "traceback")}
-        print(f"[{time.monotonic() - self.started:7.1f}s] {name:<28} {workload or '':<4} {shown}  {json.dumps(detail)[:300]}",
+        clock = f"[{time.monotonic() - self.started:7.1f}s]"
+        print(f"{clock} {name:<28} {workload or '':<4} {shown}  {json.dumps(detail)[:300]}",
               flush=True)
         return entry
 
@@ -409,11 +411,11 @@ def frames_diff(a: Path, b: Path) -> dict[str, Any]:
 def warm_shapes(bench: Bench, bundle: Any, workload: str, attention: str) -> float:
     """Compile and warm at a workload's tile shapes: one chunk (upscaler + DiT steps) and one tile decode."""
     from k6vsr_core import stages
+    from k6vsr_core.bundle import model_traits
     from k6vsr_core.plan import make_plan
-    from k6vsr_core.runner import traits_of
 
     width, height, frames, _ = bench.workloads[workload]
-    plan = make_plan((height, width), frames, 24, bench.params(workload, attention), traits_of(bundle))
+    plan = make_plan((height, width), frames, 24, bench.params(workload, attention), model_traits(bundle.info))
     chunk = plan.chunks[0]
     th, tw = plan.grid.latent_tile
     generator = torch.Generator().manual_seed(1)
@@ -480,7 +482,7 @@ def phase_baseline(bench: Bench) -> None:
                          **best[1])
         except Exception as err:  # noqa: BLE001
             bench.fail("diffusers", workload, err)
-    del pipe
+    pipe = None  # free the pipeline's GPU memory for the next phase
     gc.collect()
 
 
@@ -639,8 +641,8 @@ def phase_density(bench: Bench) -> None:
     )
 
     from k6vsr_core import media, stages
+    from k6vsr_core.bundle import model_traits
     from k6vsr_core.plan import make_plan
-    from k6vsr_core.runner import traits_of
 
     if bench.fast_bundle:
         bench.skip("nabla density", "W1", "needs the plain bundle")
@@ -677,7 +679,7 @@ def phase_density(bench: Bench) -> None:
     layers = [m for m in bundle.transformer.modules() if isinstance(m, Kandinsky6SRAttention)]
     width, height, frames, _ = bench.workloads["W1"]
     params = bench.params("W1", "nabla")
-    plan = make_plan((height, width), frames, 24, params, traits_of(bundle))
+    plan = make_plan((height, width), frames, 24, params, model_traits(bundle.info))
     source_frames, _ = media.decode_frames(bench.clip("W1"))
     latent = stages.encode_clip(bundle, stages.prepare_source(source_frames, plan))
     chunk = plan.chunks[0]
@@ -763,84 +765,53 @@ def phase_flexprobe(bench: Bench) -> None:
 # ---------------------------------------------------------------------------------------------------- multi-GPU
 
 
-def _store_ingest(store: Any, source: Path, params: Any, info: Any) -> Any:
-    """The flow's ingest task body: decode the kept frames and the audio into the store, write the manifest."""
-    from k6vsr_core.compute import default_profile
-    from k6vsr_core.plan import ModelTraits
-    from k6vsr_core.runner import read_source
-    from storage import RunManifest, source_info
-    from storage.manifest import library_versions
-
-    traits = ModelTraits(tile_sizes=info.tile_sizes, scheduler=info.scheduler, trained_steps=info.trained_steps)
-    decoded = read_source(source, params, traits)
-    manifest = RunManifest(run_key=store.run_key, source=source_info(source), params=params, model=info, compute=default_profile(),
-                           plan=decoded.plan, seeds=[c.seed for c in decoded.plan.chunks],
-                           has_audio=decoded.audio is not None and decoded.audio.size > 0,
-                           versions=library_versions())
-    store.write_manifest(manifest)
-    if manifest.has_audio:
-        store.put("audio", decoded.audio, stage="ingest", item="audio")
-    store.put("frames", decoded.frames, stage="ingest")
-    return decoded.plan
+# The store-backed phase runs the flow's own task bodies (`Task.fn`: the body without Prefect), so it measures exactly
+# what the flow computes; only the scheduling below is the benchmark's own (one process per GPU, no Prefect).
+ATTEMPT = "bench"
 
 
-def store_task(bundle: Any, kind: str, store_root: str, run_key: str, index: int) -> None:
-    """The body of the flow's stage tasks (tasks/stage_tasks.py), without Prefect: read the store, compute, write."""
-    from k6vsr_core import stages
-    from storage import RunStore
+def _run_ref(store_root: str | Path, run_key: str) -> Any:
+    from service.runs import RunRef
 
-    store = RunStore(store_root, run_key)
-    plan = store.read_manifest().plan
+    return RunRef(store_root=str(store_root), run_key=run_key)
+
+
+def store_task(spec: Any, kind: str, store_root: str, run_key: str, index: int) -> None:
+    """One tile stage of the flow (tasks/stage_tasks.py) in this worker process."""
+    from tasks import stage_tasks
+
+    run = _run_ref(store_root, run_key)
     if kind == "encode":
-        frames = store.get("frames", stage="ingest")
-        latent = stages.encode_clip(bundle, stages.prepare_source(frames, plan))
-        store.put("latent", latent.numpy(), stage="encode")
+        stage_tasks.encode.fn(run, spec, ATTEMPT)
     elif kind == "denoise":
-        chunk = plan.chunks[index]
-        latent = torch.from_numpy(store.get("latent", stage="encode"))
-        denoised = stages.denoise_chunk(bundle, stages.cut_tiles(latent, plan, chunk.tiles), chunk, plan)
-        for tile, value in zip(chunk.tiles, denoised):
-            store.put_tile("tile_latents", tile, plan.num_tiles, value.numpy(), stage="denoise")
+        stage_tasks.denoise.fn(run, spec, index, ATTEMPT)
     elif kind == "decode":
-        latent = store.get_tile("tile_latents", index, stage="denoise")
-        pixels = stages.decode_tile(bundle, torch.from_numpy(latent))
-        store.put_tile("tiles", index, plan.num_tiles, pixels.numpy(), stage="decode")
+        stage_tasks.decode.fn(run, spec, index, ATTEMPT)
     else:
         raise ValueError(kind)
 
 
-def _store_finish(store: Any) -> None:
-    from k6vsr_core import media, stages
-
-    plan = store.read_manifest().plan
-    tiles = [(i, torch.from_numpy(store.get_tile("tiles", i, stage="decode"))) for i in range(plan.num_tiles)]
-    video = stages.deliver(stages.blend(plan, tiles), plan)
-    store.put("video", stages.tensor_to_frames(video), stage="blend")
-    audio = store.get("audio", stage="ingest", item="audio") if store.read_manifest().has_audio else None
-    tmp = store.temp_output()
-    media.write_video(tmp, store.get("video", stage="blend"), plan.fps, audio)
-    store.commit_output(tmp)
-
-
 def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, tasks: Any, results: Any) -> None:
     try:
-        from k6vsr_core.bundle import load_bundle
-        from k6vsr_core.fast import compile_bundle
+        from service.runs import ModelSpec
+        from tasks.model_cache import get_bundle
 
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
+        # The tasks' own model cache: the stage bodies below find this bundle (compiled if `fast`) loaded.
+        spec = ModelSpec(model=bundle_path, device=device, compile=fast)
         started = time.perf_counter()
-        bundle = load_bundle(bundle_path, device=device)
+        bundle = get_bundle(spec)
         loaded = time.perf_counter() - started
-        fast_path = compile_bundle(bundle) if fast else None
+        fast_path = getattr(bundle, "fast_path", None)
         started = time.perf_counter()
         if warm:
             from k6vsr_core import stages
+            from k6vsr_core.bundle import model_traits
             from k6vsr_core.params import parse_params
             from k6vsr_core.plan import make_plan
-            from k6vsr_core.runner import traits_of
 
-            plan = make_plan(tuple(warm["size"]), warm["frames"], 24, parse_params(**warm["params"]), traits_of(bundle))
+            plan = make_plan(tuple(warm["size"]), warm["frames"], 24, parse_params(**warm["params"]), model_traits(bundle.info))
             chunk = plan.chunks[0]
             th, tw = plan.grid.latent_tile
             lr = torch.randn((len(chunk.tiles), 64, plan.latent_frames, th, tw), generator=torch.Generator().manual_seed(1))
@@ -860,7 +831,7 @@ def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, ta
                 results.put(("peak", rank, peak(torch.device(device)) if device.startswith("cuda") else {}))
                 continue
             started = time.perf_counter()
-            store_task(bundle, *task)
+            store_task(spec, *task)
             results.put(("done", rank, (task, round(time.perf_counter() - started, 3))))
     except BaseException as err:  # noqa: BLE001 - report, then let the parent decide
         results.put(("error", rank, f"{type(err).__name__}: {err}\n{traceback.format_exc()[-2000:]}"))
@@ -872,12 +843,14 @@ def _run_job(source: Path, root: Path, params: Any, info: Any, workers: list[int
     import shutil
 
     from storage import RunStore
+    from tasks import stage_tasks
+    from tasks.ingest import ingest
 
     if root.exists():
         shutil.rmtree(root)
-    store = RunStore(root, "bench")
+    run = _run_ref(root, "bench")
     started = time.perf_counter()
-    plan = _store_ingest(store, source, params, info)
+    plan = ingest.fn(str(source), run, params, info, ATTEMPT).plan
     pending: list[tuple[str, int]] = [("denoise", c.index) for c in plan.chunks]
     waiting = {t: plan.chunk_of(t).index for t in range(plan.num_tiles)}
     done_chunks: set[int] = set()
@@ -909,10 +882,11 @@ def _run_job(source: Path, root: Path, params: Any, info: Any, workers: list[int
             queues[rank_next].put((task_next[0], str(root), "bench", task_next[1]))
             busy[rank_next] = task_next
     gpu_done = time.perf_counter() - started
-    _store_finish(store)
+    stage_tasks.blend.fn(run, ATTEMPT)
+    stage_tasks.mux.fn(run, ATTEMPT)
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "until_last_decode": round(gpu_done, 3), "busy_per_worker": per_worker,
-            "output": str(store.output_path)}
+            "output": str(RunStore(root, "bench").output_path)}
 
 
 def phase_multi(bench: Bench) -> None:

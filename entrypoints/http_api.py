@@ -53,7 +53,10 @@ from entrypoints.jobs import (
     QueueFull,
     new_job_id,
 )
-from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
+from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
+from k6vsr_core.params import UpscaleParams, parse_params
+from service.runs import ModelSpec, model_info, prepare_run
+from storage import RunStore
 
 log = logging.getLogger("k6vsr.server")
 
@@ -125,6 +128,21 @@ _KIND = {400: "invalid_request_error", 401: "authentication_error", 403: "permis
          415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
 _CODE = {404: "not_found", 405: "method_not_allowed"}
 
+# The errors a user can fix (k6vsr_core.errors) as HTTP answers: the first class that matches gives status and code.
+USER_ERROR_STATUS: tuple[tuple[type[UserFacingError], int, str], ...] = (
+    (MediaError, 400, "invalid_video"),
+    (ParameterError, 400, "invalid_value"),
+    (BundleError, 503, "model_unavailable"),
+    (StoreError, 500, "store_unusable"),
+    (UserFacingError, 400, "invalid_request"),
+)
+
+
+def api_error(err: UserFacingError, param: str | None = None, message: str | None = None) -> ApiError:
+    """The HTTP answer to an error a user can fix: its status and code from `USER_ERROR_STATUS`."""
+    status, code = next((status, code) for kind, status, code in USER_ERROR_STATUS if isinstance(err, kind))
+    return ApiError(status, message or str(err), param=param, code=code)
+
 
 def error_response(
     status: int, message: str, kind: str | None = None, param: str | None = None, code: str | None = None,
@@ -139,8 +157,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     retry = {"Retry-After": str(RETRY_AFTER_S)}
 
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, err: ApiError) -> JSONResponse:
+    async def api_error_handler(_: Request, err: ApiError) -> JSONResponse:
         return error_response(err.status, err.message, err.kind, err.param, err.code, err.headers)
+
+    @app.exception_handler(UserFacingError)
+    async def user_error_handler(_: Request, err: UserFacingError) -> JSONResponse:
+        answer = api_error(err)
+        return error_response(answer.status, answer.message, param=answer.param, code=answer.code)
 
     @app.exception_handler(PathRefused)
     async def path_refused(_: Request, err: PathRefused) -> JSONResponse:
@@ -483,9 +506,7 @@ def job_view(job: dict[str, Any], caller: Caller, store_root: Path, retention_s:
     owner."""
     progress = job.get("progress", 0)
     if job["status"] == IN_PROGRESS and job.get("tiles", {}).get("total"):
-        from storage import RunStore
-
-        decoded = len(RunStore(store_root, job["run_key"]).records.items("decode"))
+        decoded = RunStore(store_root, job["run_key"]).tiles_decoded()
         progress = min(99, int(100 * decoded / job["tiles"]["total"]))
     output = job["output"]
     source = {"type": job["source"]["type"]}
@@ -526,7 +547,7 @@ def check_output_size(plan: Any, limits: Limits) -> None:
         )
 
 
-def create_app(config: ServerConfig, spec: Any) -> FastAPI:
+def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
     limits = config.limits
     store = JobStore(config.store_root, limits.input_quota_bytes)
     runner = JobRunner(store, spec, workers=config.workers, max_queued=limits.max_queued,
@@ -572,9 +593,6 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
         return params, {"type": "path", "video_path": relative}, f"video_path {quote(relative)}"
 
     def prepare(job_id: str, params: UpscaleParams, label: str) -> Any:
-        from k6vsr_core.media import MediaError
-        from service.runs import prepare_run
-
         known = {str(store.input_path(job_id)): label, str(config.store_root): "<store>"}
         try:
             return prepare_run(store.input_path(job_id), params, spec, config.store_root)
@@ -624,6 +642,7 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
                         "fps": plan.fps, "has_audio": prepared.probe.has_audio, "bytes": None,
                     },
                     "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},
+                    "prepared": prepared.model_dump(mode="json"),  # the plan the job's flow runs; never shown
                 })
             except BaseException:
                 store.discard_dir(job_id)  # a partial or refused request leaves nothing behind
@@ -748,12 +767,11 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def serve(args: Any, spec: Any, store_root: Path) -> None:
+def serve(args: Any, spec: ModelSpec, store_root: Path) -> None:
     """Run the server until interrupted. The model is checked before the port opens."""
     import uvicorn
 
     from flows.orchestrate import prefect_api
-    from service.runs import model_info
 
     if not log.handlers:  # our own handler: Prefect's logging setup reconfigures the root logger
         handler = logging.StreamHandler()
@@ -771,7 +789,7 @@ def serve(args: Any, spec: Any, store_root: Path) -> None:
     # spot, skipping the exit handlers that stop a temporary Prefect server. Exit through Python instead.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     # Job processes report to one Prefect API: the configured one, else a temporary server for our lifetime.
-    with prefect_api(for_processes=True):
+    with prefect_api():
         uvicorn.run(
             create_app(config, spec), host=args.host, port=args.port, log_level="debug" if args.debug else "info",
             server_header=False,

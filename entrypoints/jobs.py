@@ -5,8 +5,8 @@ under `<store>/jobs/<id>/` (`input` for an upload, `output.mp4` once finished), 
 killed finds its queued and running jobs again when it starts, and requeues them; since every job runs the resumable
 clip flow, the tiles a killed run had finished are reused.
 
-Each worker slot owns one long-lived child process (`python -m entrypoints.jobs`) that imports the pipeline and loads the
-model once, then runs jobs one at a time as the parent hands them over a pipe (one JSON line each way). Cancelling a
+Each worker slot owns one long-lived child process (`python -m entrypoints.jobs`) that imports the pipeline and loads
+the model once, then runs jobs one at a time as the parent hands them over a pipe (one JSON line each way). Cancelling a
 running job terminates that child: SIGTERM first, so Prefect marks the flow run as crashed, then SIGKILL after a
 grace period. Every tile the run had finished stays recorded in the run store. The slot then starts a fresh child.
 The child dies with its parent (Linux `PR_SET_PDEATHSIG`, and EOF on its pipe elsewhere), so a killed server leaves
@@ -35,10 +35,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+# The child process runs this module: it imports only the standard library (and the standard-library-only
+# `confine`) at the top, so that it is bound to its parent before the pipeline's imports (seconds on a busy machine)
+# run. The pipeline is imported where it is used.
 from entrypoints.confine import scrub_paths
-from storage.records import atomic_write_json
+
+if TYPE_CHECKING:
+    from service.runs import ModelSpec
 
 log = logging.getLogger("k6vsr.server")
 
@@ -51,6 +56,12 @@ ACTIVE = (QUEUED, IN_PROGRESS)
 FINISHED = (COMPLETED, FAILED, CANCELLED)
 
 TERMINATE_GRACE_S = 3.0
+
+
+def _write_record(path: Path, job: dict[str, Any]) -> None:
+    from storage.records import atomic_write_json
+
+    atomic_write_json(path, job)
 
 
 def new_job_id() -> str:
@@ -158,7 +169,7 @@ class JobStore:
 
     def put(self, job: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            atomic_write_json(self.record_path(job["id"]), job)
+            _write_record(self.record_path(job["id"]), job)
         return job
 
     def update(self, job_id: str, only_if: tuple[str, ...] | None = None, **changes: Any) -> dict[str, Any] | None:
@@ -169,7 +180,7 @@ class JobStore:
                 return None
             if only_if is None or job["status"] in only_if:
                 job.update(changes)
-                atomic_write_json(self.record_path(job_id), job)
+                _write_record(self.record_path(job_id), job)
             return job
 
     def all(self) -> list[dict[str, Any]]:
@@ -278,6 +289,7 @@ class WorkerSlot:
             "output": str(store.output_path(job_id)),
             "params": job["request"],
             "store_root": str(store.store_root),
+            "prepared": job.get("prepared"),
         }
         reply: dict[str, Any] | None = None
         try:
@@ -371,7 +383,7 @@ class JobRunner:
     """The queue and its worker slots (`workers` jobs run at once; default 1, so jobs run in order), and the janitor
     that deletes finished jobs `retention_s` after they finished."""
 
-    def __init__(self, store: JobStore, spec: Any, workers: int, max_queued: int, retention_s: float) -> None:
+    def __init__(self, store: JobStore, spec: ModelSpec, workers: int, max_queued: int, retention_s: float) -> None:
         self.store = store
         self.spec = spec
         self.max_queued = max_queued
@@ -538,7 +550,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _error_of(err: BaseException) -> dict[str, str]:
-    from entrypoints.cli import describe_error
+    from k6vsr_core.errors import describe_error
 
     message = describe_error(err)
     if message is not None:
@@ -556,15 +568,15 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         replies.write(json.dumps(event) + "\n")
         replies.flush()
 
-    from entrypoints.cli import _quiet
+    from entrypoints.console import CONSOLE_LEVEL_ENV, configure_terminal
 
-    _quiet(debug=False)
+    configure_terminal(verbose=os.environ.get(CONSOLE_LEVEL_ENV) == "INFO")  # as the server that started it
     try:
         from flows.runners import make_task_runner
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
+        from service.runs import ModelSpec, PreparedRun
         from storage import RunStore
-        from service.runs import ModelSpec
         from tasks.model_cache import get_bundle
 
         spec = ModelSpec.model_validate_json(spec_json)
@@ -586,6 +598,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
                 params=UpscaleParams(**job["params"]),
                 model=spec,
                 store_root=job["store_root"],
+                prepared=PreparedRun.model_validate(job["prepared"]) if job.get("prepared") else None,
             )
             has_audio = RunStore(job["store_root"], summary.run_key).read_manifest().has_audio
             reply(event="done", id=job["id"], summary=summary.model_dump(mode="json"), has_audio=has_audio)

@@ -7,7 +7,8 @@ work: the next run of the same clip and parameters finds the finished stages by 
 from __future__ import annotations
 
 import os
-import time
+import uuid
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -15,13 +16,17 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 from pydantic import BaseModel
 
+from flows import artifacts
+from flows.run_log import run_log
 from k6vsr_core.params import UpscaleParams
-from storage import RunStore, default_store_root, publish
+from k6vsr_core.plan import ClipPlan
+from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
+from storage import RunStore, default_store_root
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
-from service.runs import ModelSpec, prepare_run
 from tasks.descriptors import StageResult
-from flows import artifacts
+
+STAGES = ("ingest", "encode", "denoise", "decode", "blend", "mux", "publish")
 
 
 class ClipSummary(BaseModel):
@@ -29,6 +34,7 @@ class ClipSummary(BaseModel):
     output: str
     run_key: str
     store: str
+    log: str
     frames: int
     fps: int
     size: tuple[int, int]  # (width, height) of the written video
@@ -76,6 +82,13 @@ def default_output_name(source: str | Path, params: UpscaleParams, now: datetime
     return f"{Path(source).stem}_sr{params.scale_label}x_{stamp}.mp4"
 
 
+def _attempt_id() -> str:
+    """The name this attempt writes into every record it makes: its flow-run id, else a fresh one."""
+    from prefect.runtime import flow_run
+
+    return flow_run.id or uuid.uuid4().hex
+
+
 def _flow_run_name() -> str:
     from prefect.runtime import flow_run
 
@@ -90,47 +103,47 @@ def upscale_clip(
     params: UpscaleParams = UpscaleParams(),
     model: ModelSpec = ModelSpec(),
     store_root: str | None = None,
+    prepared: PreparedRun | None = None,
 ) -> ClipSummary:
-    """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it)."""
+    """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it).
+
+    `prepared` is the plan its caller made of this clip with these arguments (`service.runs.prepare_run`); without
+    it, the flow plans the clip itself. From ingest on, the flow runs the plan that ingest recorded in the manifest.
+    """
     logger = get_run_logger()
-    root = Path(store_root) if store_root else default_store_root()
-    prepared = prepare_run(source, params, model, root)
-    run = prepared.run
-    store = RunStore(root, run.run_key)
+    if prepared is None:
+        prepared = prepare_run(source, params, model, store_root or default_store_root())
+    run, params = prepared.run, prepared.plan.params
+    store = RunStore(run.store_root, run.run_key)
     destination = Path(output) if output else Path(source).parent / default_output_name(source, params)
-    logger.info("run %s: %d tiles, store %s", run.run_key, prepared.plan.num_tiles, store.path)
     timings: dict[str, float] = {}
 
     def record(result: StageResult) -> StageResult:
         timings[result.stage] = timings.get(result.stage, 0.0) + result.seconds
         return result
 
-    started_at = time.time()
-    with store.in_use():
-        record(ingest_tasks.ingest(prepared.source, run, params, prepared.model_info))
-        plan = store.read_manifest().plan
-        if store.output_done():
-            denoised = [StageResult(stage="denoise", computed=False, tiles=chunk.tiles) for chunk in plan.chunks]
-        else:
-            record(stage_tasks.encode(run, model))
-            denoised = _tiles(run, model, plan, record)
-            record(stage_tasks.blend(run))
-            record(stage_tasks.mux(run))
-        started = time.perf_counter()
-        publish(store.output_path, destination)
-        timings["publish"] = time.perf_counter() - started
+    attempt = _attempt_id()
+    with store.in_use(), run_log(store.log_path, attempt):
+        logger.info("run %s: %d tiles, store %s", run.run_key, prepared.plan.num_tiles, store.path)
+        ingested = ingest_tasks.ingest(prepared.source, run, params, prepared.model_info, attempt)
+        record(ingested)
+        plan = ingested.plan
+        denoised: list[StageResult] = []
+        if not store.output_done():
+            record(stage_tasks.encode(run, model, attempt))
+            denoised = _tiles(run, model, plan, record, attempt)
+            record(stage_tasks.blend(run, attempt))
+            record(stage_tasks.mux(run, attempt))
+        record(stage_tasks.publish(run, str(destination)))
 
-    # Counted from the records, not from task results: a result Dask recomputes after a worker died reads as reused.
-    computed = sum(
-        1
-        for tile in range(plan.num_tiles)
-        if (entry := store.records.read("denoise", str(tile))) is not None and entry.written_at >= started_at
-    )
+    # The store says what this attempt computed: a tile Dask recomputed after a worker died is counted, once.
+    computed = store.tiles_computed(attempt)
     summary = ClipSummary(
         source=prepared.source,
         output=str(destination),
         run_key=run.run_key,
         store=str(store.path),
+        log=str(store.log_path),
         frames=plan.num_frames,
         fps=plan.fps,
         size=(plan.delivery_size[1], plan.delivery_size[0]),
@@ -138,22 +151,25 @@ def upscale_clip(
         tiles_computed=computed,
         tiles_reused=plan.num_tiles - computed,
         dit_calls=sum(result.dit_calls for result in denoised),
-        timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
-        reused_output=all(not result.computed for result in denoised) and "mux" not in timings,
+        timings={stage: round(timings[stage], 3) for stage in STAGES if stage in timings},
+        reused_output=store.attempt_of("mux") != attempt,
     )
     _report(store, summary)
     return summary
 
 
-def _tiles(run, model: ModelSpec, plan, record) -> list[StageResult]:
+def _tiles(
+    run: RunRef, model: ModelSpec, plan: ClipPlan, record: Callable[[StageResult], StageResult], attempt: str
+) -> list[StageResult]:
     """Denoise every chunk and decode every tile concurrently; a decode waits only for its own chunk."""
     _check_workers()
     progress = artifacts.start_progress(run.run_key, plan.num_tiles)
     chunk_futures = [
-        stage_tasks.denoise.submit(run, model, chunk.index, "-".join(map(str, chunk.tiles))) for chunk in plan.chunks
+        stage_tasks.denoise.submit(run, model, chunk.index, attempt, "-".join(map(str, chunk.tiles)))
+        for chunk in plan.chunks
     ]
     decode_futures = {
-        stage_tasks.decode.submit(run, model, tile, wait_for=[chunk_futures[plan.chunk_of(tile).index]]): tile
+        stage_tasks.decode.submit(run, model, tile, attempt, wait_for=[chunk_futures[plan.chunk_of(tile).index]]): tile
         for tile in range(plan.num_tiles)
     }
     decode_errors: dict[int, str] = {}
@@ -167,7 +183,7 @@ def _tiles(run, model: ModelSpec, plan, record) -> list[StageResult]:
         done += 1
         artifacts.set_progress(progress, done, plan.num_tiles)
     denoised, failures = [], {}
-    for chunk, future in zip(plan.chunks, chunk_futures):
+    for chunk, future in zip(plan.chunks, chunk_futures, strict=True):
         try:
             denoised.append(record(future.result()))
         except Exception as err:  # noqa: BLE001

@@ -18,9 +18,10 @@ import inspect
 import json
 import logging
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -37,6 +38,9 @@ from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from k6vsr_core.errors import BundleError
+from k6vsr_core.plan import ModelTraits
+
 DEFAULT_MODEL = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 DEFAULT_REVISION = "3e3e10bcd23659eeeb23cac740258ee4fc14aa7d"
 
@@ -48,10 +52,6 @@ PIFLOW = "PiflowScheduler"
 FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
 # Settings of the released DiT (`transformer/config.json` `sr_params`), used when a bundle omits them.
 DEFAULT_LQ_NOISE_SCALE = 0.7
-
-
-class BundleError(RuntimeError):
-    """A model bundle that cannot be used; the message names the component and the cause."""
 
 
 class BundleInfo(BaseModel):
@@ -96,10 +96,15 @@ class ModelBundle:
 # ---------------------------------------------------------------------------------------------------- resolving
 
 
+def is_local(model: str) -> bool:
+    """Whether `model` names a local folder (an existing path, or one written as a path) rather than a hub repo."""
+    return Path(model).expanduser().exists() or model.startswith((".", "/", "~"))
+
+
 def resolve_bundle_path(model: str, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a Hugging Face repo id, from the local cache or downloaded."""
     path = Path(model).expanduser()
-    if path.exists() or model.startswith((".", "/", "~")):
+    if is_local(model):
         if not path.is_dir():
             raise BundleError(f"model folder {path} does not exist or is not a directory")
         return path.resolve()
@@ -332,6 +337,24 @@ class _PlannedBundle(BaseModel):
     info: BundleInfo
 
 
+def locate_bundle(model: str, revision: str | None = None, model_id: str | None = None) -> _PlannedBundle:
+    """Find and validate a bundle by repo id or folder, without reading any weight data.
+
+    The released repo defaults to its pinned revision. A repo keeps its id as identity; a local copy is identified by
+    its content fingerprint unless `model_id` gives it the identity of its origin.
+    """
+    local = is_local(model)
+    if revision is None and not local and model == DEFAULT_MODEL:
+        revision = DEFAULT_REVISION
+    path = resolve_bundle_path(model, revision)
+    return inspect_bundle(path, model_id=model_id or (None if local else model), revision=revision)
+
+
+def model_traits(info: BundleInfo) -> ModelTraits:
+    """What planning needs to know of the model."""
+    return ModelTraits(tile_sizes=info.tile_sizes, scheduler=info.scheduler, trained_steps=info.trained_steps)
+
+
 def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None = None) -> _PlannedBundle:
     """Validate a bundle folder without reading any weight data."""
     index = _read_json(path / MODEL_INDEX, "model_index")
@@ -415,11 +438,8 @@ def load_bundle(
     dtype: torch.dtype | None = None,
 ) -> ModelBundle:
     """Load and validate a bundle from a Hugging Face repo id (with revision) or a local folder."""
-    is_local = Path(model).expanduser().exists() or model.startswith((".", "/", "~"))
-    if revision is None and not is_local and model == DEFAULT_MODEL:
-        revision = DEFAULT_REVISION
-    path = resolve_bundle_path(model, revision)
-    planned = inspect_bundle(path, model_id=model_id or (None if is_local else model), revision=revision)
+    planned = locate_bundle(model, revision, model_id)
+    path = planned.path
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     classes = {

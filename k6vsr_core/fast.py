@@ -31,9 +31,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch.nn.attention.flex_attention import flex_attention
-
 from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttnProcessor, nabla_block_mask
+from torch.nn.attention.flex_attention import flex_attention
 
 from k6vsr_core.attention import AttentionMode, DenseSdpaProcessor, project_qkv
 from k6vsr_core.bundle import ModelBundle
@@ -204,7 +203,7 @@ class AttentionSwitch:
         }
 
     def __call__(self, mode: AttentionMode) -> None:
-        for module, processor in zip(_attention_modules(self.transformer), self.processors[mode]):
+        for module, processor in zip(_attention_modules(self.transformer), self.processors[mode], strict=True):
             if module.processor is not processor:
                 module.set_processor(processor)
 

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import av
+import fault_harness
 import numpy as np
 import pytest
 
-import fault_harness
 from entrypoints.cli import main
 from k6vsr_core import media, upscale
 from k6vsr_core.params import UpscaleParams

@@ -16,10 +16,10 @@ import torch
 
 from k6vsr_core import fast, stages
 from k6vsr_core.attention import DenseSdpaProcessor
-from k6vsr_core.bundle import ModelBundle, load_bundle
+from k6vsr_core.bundle import ModelBundle, load_bundle, model_traits
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ClipPlan, make_plan
-from k6vsr_core.runner import traits_of, upscale
+from k6vsr_core.runner import upscale
 from k6vsr_core.sample import make_sample_clip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def clip_1f_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _plan(bundle: ModelBundle, attention: str, frames: int = 9) -> ClipPlan:
-    return make_plan((64, 96), frames, 24, parse_params(scale=2, attention=attention), traits_of(bundle))
+    return make_plan((64, 96), frames, 24, parse_params(scale=2, attention=attention), model_traits(bundle.info))
 
 
 def _stages_output(bundle: ModelBundle, attention: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -58,7 +58,7 @@ def test_compile_bundle_on_cpu_leaves_every_stage_bit_identical(
     path = fast.compile_bundle(fresh_bundle)
     assert not path.compiled_dit and not path.compiled_decoder and not path.cudnn_attention
     got = _stages_output(fresh_bundle, attention)
-    for want, have in zip(expected, got):
+    for want, have in zip(expected, got, strict=True):
         assert torch.equal(want, have)
 
 
@@ -77,9 +77,9 @@ def test_attention_hook_installs_and_reuses_the_fast_processors(fresh_bundle: Mo
     assert all(isinstance(p, fast.FastNablaProcessor) for p in nabla)
     assert all(isinstance(p, Kandinsky6SRAttnProcessor) for p in nabla)  # so the plain set_attention keeps it
     stages.use_attention(fresh_bundle, "dense")
-    assert all(m.processor is p for m, p in zip(layers, dense))  # the same objects: no recompile on a switch
+    assert all(m.processor is p for m, p in zip(layers, dense, strict=True))  # the same objects: no recompile on a switch
     stages.use_attention(fresh_bundle, "nabla")
-    assert all(m.processor is p for m, p in zip(layers, nabla))
+    assert all(m.processor is p for m, p in zip(layers, nabla, strict=True))
 
 
 def test_compile_bundle_is_idempotent_and_checks_its_mode(fresh_bundle: ModelBundle) -> None:

@@ -23,8 +23,7 @@ import pytest
 from k6vsr_core import media
 from k6vsr_core.params import parse_params
 from k6vsr_core.sample import make_sample_clip
-from service.runs import ModelSpec
-from service.runs import prepare_run
+from service.runs import ModelSpec, prepare_run
 from http_harness import Server, completed, error_of, frames_of, has_audio_stream, modes_under
 
 KEY = "test-key-0123456789"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -14,17 +15,16 @@ import torch.nn.functional as F
 
 from k6vsr_core import stages
 from k6vsr_core.attention import DenseSdpaProcessor, attention_mode, set_attention
-from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ClipPlan, make_plan
-from k6vsr_core.runner import traits_of
 from k6vsr_core.tiling import crop_output, hann_window_2d
 
 CPU = torch.device("cpu")
 
 
 def _plan(bundle: ModelBundle, size: tuple[int, int] = (64, 96), frames: int = 1, **params: object) -> ClipPlan:
-    return make_plan(size, frames, 24, parse_params(**{"scale": 2, **params}), traits_of(bundle))
+    return make_plan(size, frames, 24, parse_params(**{"scale": 2, **params}), model_traits(bundle.info))
 
 
 def _random(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -263,7 +263,7 @@ def test_flow_euler_denoise_is_the_official_euler_loop(flow_bundle: ModelBundle)
         noise = torch.randn(lq.shape, generator=torch.Generator().manual_seed(42))
         x = math.sqrt(0.51) * lq + 0.7 * noise
         zeros = torch.zeros((*x.shape[:-1], 65))
-        for sigma, sigma_next in zip(sigmas, sigmas[1:]):
+        for sigma, sigma_next in pairwise(sigmas):
             v = flow_bundle.transformer(
                 hidden_states=torch.cat([x, zeros], dim=-1), timestep=torch.tensor([1000 * sigma]), return_dict=False
             )[0]
