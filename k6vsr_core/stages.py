@@ -145,7 +145,7 @@ def _denoise(
     return latents.permute(0, 4, 1, 2, 3).contiguous().cpu()
 
 
-def _to_pixels(decoded: torch.Tensor) -> torch.Tensor:
+def to_pixels(decoded: torch.Tensor) -> torch.Tensor:
     """(y + 1) * 128 back to pixels, truncated to uint8 as the official pipeline does, on the CPU."""
     return (((decoded.float() + 1.0) * 128.0 / 255.0).clamp(0.0, 1.0) * 255.0).to(torch.uint8).cpu()
 
@@ -160,7 +160,7 @@ def decode_tile(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
     with bundle.turn():
         z = latent.unsqueeze(0).to(bundle.device) / vae.config.scaling_factor
         # Each piece becomes uint8 on the CPU as it is decoded: the GPU never holds the whole decoded tile.
-        return kvae.decode(vae, z.to(vae.dtype), chunk, _to_pixels)[0]
+        return kvae.decode(vae, z.to(vae.dtype), chunk, to_pixels)[0]
 
 
 def blend(plan: ClipPlan, tiles: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
