@@ -158,6 +158,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     """Eager KVAE on one denoised W1 tile: the KVAE's own call against chunks of 3, 2 and 1 latent frames."""
     from k6vsr_core import kvae, stages
     from k6vsr_core.bundle import load_bundle
+    from k6vsr_core.memory import frames_per_call
     from k6vsr_core.runner import read_source, traits_of
 
     bench = bench_for(args, "decode")
@@ -181,10 +182,18 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
         reference = None
         for chunk in (None, 3, 2, 1):
             run_bench.reset_peak(device)
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             started = time.perf_counter()
             tile = kvae.decode(vae, z, chunk, stages.to_pixels)
             run_bench.sync(device)
             entry: dict[str, Any] = {"seconds": round(time.perf_counter() - started, 3), **run_bench.peak(device)}
+            if device.type == "cuda":
+                # What k6vsr_core.memory's decode_per_pixel_frame should be: activations per pixel and frame of one
+                # call, the causal caches counted as one more frame.
+                activations = torch.cuda.max_memory_allocated(device) - before
+                frames = frames_per_call(chunk, plan.num_frames) + 1
+                entry["activations_gib"] = gib(activations)
+                entry["bytes_per_pixel_frame"] = round(activations / (plan.grid.base[0] * plan.grid.base[1] * frames))
             if reference is None:
                 reference = tile
             else:
@@ -204,6 +213,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     default = modes.get("default", {})
     if "seconds" in default:
         checks["default"] = {"reserved_gib": default.get("peak_reserved_gib"), "seconds": default["seconds"],
+                             "estimate_gib": gib(default["budget"]["estimate"] or 0),
                              "vs_today": round(default["seconds"] / TODAY_W1_S, 3),
                              "reserved_ok": (default.get("peak_reserved_gib") or 0) <= TARGETS["default_reserved_gib"]}
     for mode in CAPS:
@@ -211,6 +221,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         if "seconds" not in entry:
             continue
         check = {"reserved_gib": entry.get("peak_reserved_gib"), "seconds": entry["seconds"],
+                 "estimate_gib": gib(entry["budget"]["estimate"] or 0),
                  "reserved_ok": (entry.get("peak_reserved_gib") or 0) <= TARGETS[f"{mode}_reserved_gib"]}
         if "seconds" in default:
             check["vs_default"] = round(entry["seconds"] / default["seconds"], 3)
