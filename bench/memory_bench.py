@@ -127,7 +127,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         torch.cuda.set_per_process_memory_fraction(CAPS[mode] / total, device)
         record["cap_gib"] = gib(CAPS[mode])
     plan = plan_of(bench)
-    budget = choose_budget("auto" if mode == "default" else mode, free_gpu_bytes(device), plan, device=str(device))  # type: ignore[arg-type]
+    asked = "auto" if mode == "default" else mode
+    budget = choose_budget(asked, free_gpu_bytes(device), plan, device=str(device))  # type: ignore[arg-type]
     record["budget"] = {**budget.model_dump(mode="json", exclude={"footprint"}), "summary": budget.summary()}
     started = time.perf_counter()
     bundle = load_bundle(str(bench.bundle_path), device=device)
@@ -248,7 +249,7 @@ def run_child(args: argparse.Namespace, mode: str, left: float) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, in this order; of {', '.join(MODES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, in this order: {', '.join(MODES)}")
     parser.add_argument("--eager", action="store_true", help="no torch.compile (the default compiles, as --compile)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny bundle and a one-frame clip")
     parser.add_argument("--work", default=os.environ.get("K6VSR_BENCH_WORK", "/tmp/k6vsr-bench"))

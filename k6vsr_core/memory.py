@@ -114,7 +114,8 @@ class Workload(BaseModel):
     @property
     def tokens(self) -> int:
         latent_frames = 1 + (self.frames - 1) // TEMPORAL_FACTOR
-        return (self.tile[0] // SPATIAL_FACTOR) * (self.tile[1] // SPATIAL_FACTOR) * latent_frames * self.tiles_per_chunk
+        per_frame = (self.tile[0] // SPATIAL_FACTOR) * (self.tile[1] // SPATIAL_FACTOR)
+        return per_frame * latent_frames * self.tiles_per_chunk
 
     def describe(self) -> str:
         return f"{self.tile[1]}x{self.tile[0]} tiles of {self.frames} frames"
@@ -163,18 +164,14 @@ class MemoryBudget(BaseModel):
         if self.layout is None or self.limit is None:
             return None
         peak = _encode_peak if stage == "encode" else _decode_peak
-        for chunk in CHUNKS:
-            if _reserved(self.footprint, peak(self.layout, self.footprint, size, frames, chunk)) <= self.limit:
-                return chunk
-        return 1
+        return _largest_chunk(self.layout, self.footprint, peak, size, frames, self.limit)[0]
 
     def summary(self) -> str:
         """One line for plans and logs."""
-        if self.budget is None:
+        if self.layout is None or self.estimate is None:
             return self.reason
-        assert self.estimate is not None and self.limit is not None
         return (
-            f"{self.budget} ({self.layout.summary}; KVAE {_chunk_words(self.encode_chunk)} to encode, "  # type: ignore[union-attr]
+            f"{self.budget} ({self.layout.summary}; KVAE {_chunk_words(self.encode_chunk)} to encode, "
             f"{_chunk_words(self.decode_chunk)} to decode; about {self.estimate / GIB:.1f} GiB): {self.reason}"
         )
 
@@ -186,6 +183,9 @@ def _chunk_words(chunk: int | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- estimates
+
+# Allocated bytes at a KVAE stage's peak: (layout, footprint, source or tile size, pixel frames, chunk).
+Peak = Callable[[Layout, Footprint, Size, int, "int | None"], float]
 
 
 def _resident(layout: Layout, footprint: Footprint) -> int:
@@ -199,7 +199,9 @@ def _streamed(layout: Layout, footprint: Footprint) -> int:
 
 def _encode_peak(layout: Layout, footprint: Footprint, source: Size, frames: int, chunk: int | None) -> float:
     pixels = source[0] * source[1]
-    return _resident(layout, footprint) + footprint.encode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
+    # The causal caches count as one more frame.
+    activations = footprint.encode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
+    return _resident(layout, footprint) + activations
 
 
 def _denoise_activations(layout: Layout, footprint: Footprint, tokens: int) -> float:
@@ -208,7 +210,8 @@ def _denoise_activations(layout: Layout, footprint: Footprint, tokens: int) -> f
 
 def _decode_peak(layout: Layout, footprint: Footprint, tile: Size, frames: int, chunk: int | None) -> float:
     pixels = tile[0] * tile[1]
-    peak = _resident(layout, footprint) + footprint.decode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
+    activations = footprint.decode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
+    peak = _resident(layout, footprint) + activations
     if not layout.take_turns:
         # A decode may overlap the next chunk's denoise in the same process; budget for both. The chunk's tokens
         # are not known here, so this assumes a chunk of one tile of the same size.
@@ -219,14 +222,12 @@ def _decode_peak(layout: Layout, footprint: Footprint, tile: Size, frames: int, 
     return peak
 
 
-Peak = Callable[[Layout, Footprint, Size, int, "int | None"], float]
-
-
 def _reserved(footprint: Footprint, allocated: float) -> int:
     return int((allocated + footprint.runtime) * footprint.reserved_factor)
 
 
-class _Fit(BaseModel):
+@dataclass(frozen=True)
+class _Fit:
     budget: BudgetName
     encode_chunk: int | None
     decode_chunk: int | None
@@ -234,19 +235,22 @@ class _Fit(BaseModel):
     fits: bool
 
 
+def _largest_chunk(
+    layout: Layout, footprint: Footprint, peak: Peak, size: Size, frames: int, limit: int
+) -> tuple[int | None, int]:
+    """The largest KVAE chunk whose stage stays under `limit` (else the smallest), with its reserved estimate."""
+    estimates = [(chunk, _reserved(footprint, peak(layout, footprint, size, frames, chunk))) for chunk in CHUNKS]
+    return next(((chunk, estimate) for chunk, estimate in estimates if estimate <= limit), estimates[-1])
+
+
 def _fit(budget: BudgetName, footprint: Footprint, work: Workload, limit: int) -> _Fit:
     """The largest KVAE chunks that keep each stage under `limit`, and the resulting peak."""
     layout = BUDGETS[budget]
-
-    def best(peak: Peak, size: Size) -> tuple[int | None, int]:
-        estimates = [(chunk, _reserved(footprint, peak(layout, footprint, size, work.frames, chunk))) for chunk in CHUNKS]
-        return next(((chunk, bytes_) for chunk, bytes_ in estimates if bytes_ <= limit), estimates[-1])
-
-    encode_chunk, encode = best(_encode_peak, work.source)
-    decode_chunk, decode = best(_decode_peak, work.tile)
+    encode_chunk, encode = _largest_chunk(layout, footprint, _encode_peak, work.source, work.frames, limit)
+    decode_chunk, decode = _largest_chunk(layout, footprint, _decode_peak, work.tile, work.frames, limit)
     denoise = _reserved(footprint, _resident(layout, footprint) + _denoise_activations(layout, footprint, work.tokens))
     estimate = max(encode, decode, denoise)
-    return _Fit(budget=budget, encode_chunk=encode_chunk, decode_chunk=decode_chunk, estimate=estimate, fits=estimate <= limit)
+    return _Fit(budget, encode_chunk, decode_chunk, estimate, estimate <= limit)
 
 
 # ---------------------------------------------------------------------------------------------------- the choice
@@ -271,19 +275,21 @@ def choose_budget(
     work = workload_of(plan)
     free = f"{free_bytes / GIB:.1f} GiB free on {device}"
     if mode != "auto":
-        fit = _fit(mode, footprint, work, min(BUDGETS[mode].ceiling, free_bytes))
+        limit = min(BUDGETS[mode].ceiling, free_bytes)
+        fit = _fit(mode, footprint, work, limit)
         if not fit.fits:
             raise MemoryBudgetError(
                 f"memory={mode}: {work.describe()} need about {fit.estimate / GIB:.1f} GiB, {free}; "
                 + ("use a smaller budget or auto" if mode != "16g" else "free memory on the GPU or use another one")
             )
-        return _budget(mode, fit, min(BUDGETS[mode].ceiling, free_bytes), footprint, f"asked for; {free}")
+        return _budget(mode, fit, limit, footprint, f"asked for; {free}")
     tried = []
     for name in BUDGETS:
-        fit = _fit(name, footprint, work, min(BUDGETS[name].ceiling, free_bytes))
+        limit = min(BUDGETS[name].ceiling, free_bytes)
+        fit = _fit(name, footprint, work, limit)
         if fit.fits:
             needs = f"; {', '.join(tried)}" if tried else ""
-            return _budget(mode, fit, min(BUDGETS[name].ceiling, free_bytes), footprint, f"auto: {free}{needs}")
+            return _budget(mode, fit, limit, footprint, f"auto: {free}{needs}")
         tried.append(f"{name} needs about {fit.estimate / GIB:.1f} GiB")
     raise MemoryBudgetError(f"memory=auto: {free}, too little for {work.describe()}: {'; '.join(tried)}")
 
@@ -318,7 +324,8 @@ def free_gpu_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
-    fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.8 and later
+    fraction = get_fraction(device) if get_fraction is not None else 1.0
     return int(min(free, fraction * total - torch.cuda.memory_reserved(device)))
 
 
@@ -326,11 +333,13 @@ def free_gpu_bytes(device: torch.device) -> int | None:
 
 
 def apply_budget(bundle: ModelBundle, budget: MemoryBudget) -> None:
-    """Place the bundle's weights as `budget` says, through diffusers' and accelerate's offload hooks. Once per bundle."""
+    """Place the bundle's weights as `budget` says, with diffusers' and accelerate's offload hooks; once per bundle."""
     if bundle.memory is not None:
         if bundle.memory.budget == budget.budget:
             return
-        raise ValueError(f"bundle already runs under memory budget {bundle.memory.budget}; load it again for {budget.budget}")
+        raise ValueError(
+            f"bundle already runs under memory budget {bundle.memory.budget}; load it again for {budget.budget}"
+        )
     layout = budget.layout
     device = bundle.device
     if layout is not None:

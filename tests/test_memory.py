@@ -112,10 +112,8 @@ def test_the_memory_mode_is_a_runtime_choice_outside_the_run_key(tiny_bundle_pat
     with pytest.raises(ValidationError):
         ModelSpec(memory="32g")  # type: ignore[arg-type]
     clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1)
-    keys = {
-        prepare_run(clip, parse_params(scale=2), ModelSpec(model=str(tiny_bundle_path), memory=mode), tmp_path).run.run_key
-        for mode in ("auto", "fast", "24g", "16g")
-    }
+    specs = [ModelSpec(model=str(tiny_bundle_path), memory=mode) for mode in ("auto", "fast", "24g", "16g")]
+    keys = {prepare_run(clip, parse_params(scale=2), spec, tmp_path).run.run_key for spec in specs}
     assert len(keys) == 1
 
 
@@ -147,7 +145,8 @@ def _budget(bundle: ModelBundle, mode: str) -> MemoryBudget:
 def test_every_memory_mode_gives_the_same_bytes_on_the_cpu(
     tiny_bundle: ModelBundle, tiny_bundle_path: Path, clip_9f: Path, tmp_path: Path
 ) -> None:
-    chunks = {mode: (_budget(tiny_bundle, mode).encode_chunk, _budget(tiny_bundle, mode).decode_chunk) for mode in BUDGETS}
+    budgets = {mode: _budget(tiny_bundle, mode) for mode in BUDGETS}
+    chunks = {mode: (budget.encode_chunk, budget.decode_chunk) for mode, budget in budgets.items()}
     assert chunks == {"fast": (None, None), "24g": (None, 3), "16g": (1, 1)}  # the test covers every kind of split
     params = parse_params(scale=2)
     with fixed_cpu_kernels():
