@@ -159,7 +159,7 @@ def decode_tile(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
     chunk = _kvae_chunk(bundle, "decode", tile, frames)
     with bundle.turn():
         z = latent.unsqueeze(0).to(bundle.device) / vae.config.scaling_factor
-        # Each piece becomes uint8 on the CPU as it is decoded: the GPU never holds the whole decoded tile.
+        # In chunks, each piece becomes uint8 on the CPU as it is decoded: the GPU never holds the decoded tile.
         return kvae.decode(vae, z.to(vae.dtype), chunk, to_pixels)[0]
 
 
