@@ -17,7 +17,6 @@ so a run cut short keeps what it measured):
     density   NABLA's block density on W1 tile 0, exactly and eagerly, at P 0.8 and at the STA-only floor
     fast      compile_bundle; W2 first request (compile) and hot; W1 hot, per-stage split and peak memory; W3
     nabla     NABLA through compiled flex attention on W1 (block density counted) and at the STA-only floor
-    offload   compile_bundle(mode="low_memory") on W1: time and peak memory
     multi     one worker process per GPU through the store-backed stage functions, 1 worker vs all workers on W1,
               output bytes compared
     flexprobe does diffusers' own flex dispatch (its kernel options) compile for NABLA's 64-token blocks?
@@ -62,7 +61,7 @@ WORKLOADS_TINY = {"W1": (96, 64, 1, 2), "W2": (64, 64, 1, 2), "W3": (96, 64, 1, 
 COST = {
     "build": 150, "load": 40, "baseline-W2": 15, "baseline-W1": 80, "plain-W2": 15, "fast-W2-first": 240,
     "fast-W2-hot": 10, "fast-W1-warm": 120, "fast-W1-hot": 60, "fast-W3": 150, "nabla-warm": 120, "nabla-hot": 55,
-    "sta-warm": 100, "sta-hot": 45, "offload": 130, "multi": 250, "flexprobe": 60, "sdpa-probe": 5, "density": 60,
+    "sta-warm": 100, "sta-hot": 45, "multi": 250, "flexprobe": 60, "sdpa-probe": 5, "density": 60,
 }
 
 
@@ -499,15 +498,15 @@ def phase_plain(bench: Bench) -> None:
         bench.fail("ours-plain (eager, dense)", "W2", err)
 
 
-def make_fast(bench: Bench, mode: str = "fast") -> Any:
+def make_fast(bench: Bench) -> Any:
     from k6vsr_core.fast import compile_bundle
 
     bundle = bench.bundle()
     if not bench.fast_bundle:
         started = time.perf_counter()
-        path = compile_bundle(bundle, mode=mode)  # type: ignore[arg-type]
+        path = compile_bundle(bundle)
         bench.fast_bundle = True
-        bench.record("compile_bundle", None, time.perf_counter() - started, mode=mode, cache_dir=path.cache_dir,
+        bench.record("compile_bundle", None, time.perf_counter() - started, cache_dir=path.cache_dir,
                      compiled_dit=path.compiled_dit, compiled_decoder=path.compiled_decoder,
                      cache_files_before=count_files(path.cache_dir))
     return bundle
@@ -708,31 +707,6 @@ def phase_density(bench: Bench) -> None:
     for module in layers:
         module.set_processor(Kandinsky6SRAttnProcessor())
     set_attention(bundle.transformer, "dense")
-
-
-def phase_offload(bench: Bench) -> None:
-    from k6vsr_core.fast import compile_bundle
-
-    if not bench.fits("offload"):
-        bench.skip("ours-low-memory", "W1", "deadline")
-        return
-    bench.drop_bundle()
-    bench.fast_bundle = False
-    try:
-        bundle = bench.load(record=False)
-        compile_bundle(bundle, mode="low_memory")
-        workload = "W1"
-        warm = warm_shapes(bench, bundle, workload, "dense")
-        bench.record("ours-low-memory warm-up (shapes)", workload, warm)
-        info = run_ours(bench, bundle, workload, bench.work / "w1-lowmem.mp4", split=True)
-        extra = {"transfers": bundle.offload.transfers}
-        if (bench.work / "w1-fast.mp4").exists():
-            extra["vs_fast"] = frames_diff(bench.work / "w1-lowmem.mp4", bench.work / "w1-fast.mp4")
-        bench.record("ours-low-memory hot (dense)", workload, info.pop("seconds"), **info, **extra)
-    except Exception as err:  # noqa: BLE001
-        bench.fail("ours-low-memory", "W1", err)
-    finally:
-        bench.drop_bundle()
 
 
 def phase_flexprobe(bench: Bench) -> None:
@@ -959,7 +933,6 @@ PHASES: dict[str, Callable[[Bench], None]] = {
     "plain": phase_plain,
     "fast": phase_fast,
     "nabla": phase_nabla,
-    "offload": phase_offload,
     "multi": phase_multi,
     "density": phase_density,
     "flexprobe": phase_flexprobe,
@@ -974,7 +947,6 @@ TARGETS = {
     "W2 hot (s)": 1.2,
     "2 GPUs / 1 GPU": 0.55,
     "peak reserved per worker (GiB)": 32.0,
-    "low-memory peak reserved (GiB)": 24.0,
 }
 
 
@@ -1002,10 +974,10 @@ def render(payloads: list[dict[str, Any]]) -> str:
     lines.append("|---|---|---|---|---|---|---|")
     for r in records:
         notes = []
-        for key in ("skipped", "error", "block_density", "dit_calls", "tiles", "vs_plain", "vs_fast", "workers",
+        for key in ("skipped", "error", "block_density", "dit_calls", "tiles", "vs_plain", "workers",
                     "byte_identical_to_1_worker", "byte_identical_to_runner", "until_last_decode", "busy_per_worker", "peak_per_worker",
                     "per_worker", "runs", "default_choice_name", "density_min", "density_max", "cudnn_ms", "flash_ms", "compiles", "parameters",
-                    "gib", "transfers", "cache_files_before", "alloc_before_gib", "note"):
+                    "gib", "cache_files_before", "alloc_before_gib", "note"):
             if key in r and r[key] is not None:
                 notes.append(f"{key}={json.dumps(r[key], default=str)}")
         sec = f"{r['seconds']:.2f}" if isinstance(r.get("seconds"), (int, float)) else "—"
@@ -1035,8 +1007,6 @@ def render(payloads: list[dict[str, Any]]) -> str:
     ratio("W1 store flow 2 GPUs / 1 GPU", multi[-1] if multi else None, _find(records, "store flow, 1 worker", "W1"))
     ratio("W1 store flow 1 GPU / in-memory runner", _find(records, "store flow, 1 worker", "W1"),
           _find(records, "ours-fast hot (dense)", "W1"))
-    ratio("W1 low-memory / resident", _find(records, "ours-low-memory hot (dense)", "W1"),
-          _find(records, "ours-fast hot (dense)", "W1"))
     if ratio_rows:
         lines += ["| ratio | numerator s | denominator s | ratio |", "|---|---|---|---|", *ratio_rows, ""]
     # Per-stage split.
@@ -1056,7 +1026,7 @@ def render(payloads: list[dict[str, Any]]) -> str:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phases", default="setup,baseline,plain,density,fast,nabla,offload,multi",
+    parser.add_argument("--phases", default="setup,baseline,plain,density,fast,nabla,multi",
                         help="comma-separated, run in this order")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny bundle and clips")
     parser.add_argument("--work", default=os.environ.get("K6VSR_BENCH_WORK", "/tmp/k6vsr-bench"),

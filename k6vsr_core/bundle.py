@@ -18,6 +18,7 @@ import inspect
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -75,18 +76,38 @@ class BundleInfo(BaseModel):
 
 
 class ModelBundle:
-    """The loaded components. Holds no per-request state: schedulers are copied per use."""
+    """The loaded components. Holds no per-request state: schedulers are copied per use.
 
-    def __init__(self, transformer: Any, vae: Any, latent_upscaler: Any, scheduler: Any, info: BundleInfo) -> None:
+    `device` is where the stages compute, wherever a memory budget keeps some weights meanwhile; `memory` is that
+    budget (`k6vsr_core.memory.apply_budget`), None until one is applied.
+    """
+
+    def __init__(
+        self,
+        transformer: Any,
+        vae: Any,
+        latent_upscaler: Any,
+        scheduler: Any,
+        info: BundleInfo,
+        device: torch.device,
+    ) -> None:
         self.transformer = transformer
         self.vae = vae
         self.latent_upscaler = latent_upscaler
         self.scheduler = scheduler
         self.info = info
+        self.device = device
+        self.memory: Any = None  # the k6vsr_core.memory.MemoryBudget applied to this bundle, if any
+        self._turn = threading.Lock()
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold the device for one stage when the memory budget says stages take turns (else a no-op)."""
+        if self.memory is None or not self.memory.take_turns:
+            yield
+            return
+        with self._turn:
+            yield
 
     def new_scheduler(self) -> Any:
         """A fresh scheduler: they carry a step index, so concurrent tiles must not share one."""
@@ -424,6 +445,13 @@ def _quiet(logger_name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
+def compute_device(device: torch.device) -> torch.device:
+    """`cuda` as the GPU it means (`cuda:N`), so that device comparisons in offload hooks hold."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPUs, as the official pipeline runs; fp32 on CPUs, where bf16 convolutions are slow."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -461,7 +489,9 @@ def load_bundle(
             loaded[component] = module.to(device).eval().requires_grad_(False)
         scheduler_cls = PiflowScheduler if planned.info.scheduler == PIFLOW else FlowMatchEulerDiscreteScheduler
         scheduler = _scheduler_from_config(scheduler_cls, planned.scheduler_config)
-    return ModelBundle(loaded["transformer"], loaded["vae"], loaded["latent_upscaler"], scheduler, planned.info)
+    return ModelBundle(
+        loaded["transformer"], loaded["vae"], loaded["latent_upscaler"], scheduler, planned.info, compute_device(device)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- tiny bundles

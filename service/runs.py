@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core import media
+from k6vsr_core.memory import MemoryMode
 from k6vsr_core.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
 from k6vsr_core.params import ParameterError, UpscaleParams
 from k6vsr_core.plan import ClipPlan, make_plan
@@ -26,7 +27,11 @@ class RunRef(BaseModel):
 
 
 class ModelSpec(BaseModel):
-    """Which model a worker loads. `device` "auto" means the worker's first GPU if it has one, else the CPU."""
+    """Which model a worker loads, and how it runs it: none of these change a computed value, so none enter run keys.
+
+    `device` "auto" means the worker's first GPU if it has one, else the CPU. `memory` is the GPU memory budget
+    (`k6vsr_core.memory`); "auto" lets each worker choose from the free memory of its own GPU.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -35,6 +40,7 @@ class ModelSpec(BaseModel):
     model_id: str | None = None
     device: str = "auto"
     compile: bool = False
+    memory: MemoryMode = "auto"
 
 
 class PreparedRun(BaseModel):

@@ -27,7 +27,7 @@ from storage.manifest import library_versions
 from tasks.descriptors import StageResult
 from tasks.model_cache import get_bundle
 
-# Errors that another attempt cannot fix.
+# Errors that another attempt cannot fix (a MemoryBudgetError is a ValueError).
 PERMANENT_ERRORS = (UserFacingError, ValueError)
 
 
@@ -73,7 +73,7 @@ def encode(run: RunRef, model: ModelSpec, attempt: str) -> StageResult:
     started = time.perf_counter()
     plan = _plan(store)
     frames = _require(store.get("frames", stage="ingest"), run, "the decoded source")
-    latent = stages.encode_clip(get_bundle(model), stages.prepare_source(frames, plan))
+    latent = stages.encode_clip(get_bundle(model, plan), stages.prepare_source(frames, plan))
     seconds = time.perf_counter() - started
     store.put("latent", latent.numpy(), stage="encode", seconds=seconds, attempt=attempt)
     return StageResult(stage="encode", computed=True, seconds=seconds)
@@ -96,7 +96,7 @@ def denoise(run: RunRef, model: ModelSpec, chunk_index: int, attempt: str, tiles
         calls += 1
 
     lr_tiles = stages.cut_tiles(torch.from_numpy(latent), plan, chunk.tiles)
-    denoised = stages.denoise_chunk(get_bundle(model), lr_tiles, chunk, plan, count)
+    denoised = stages.denoise_chunk(get_bundle(model, plan), lr_tiles, chunk, plan, count)
     seconds = time.perf_counter() - started
     for index, tile in zip(chunk.tiles, denoised, strict=True):
         store.put_tile(
@@ -116,7 +116,7 @@ def decode(run: RunRef, model: ModelSpec, tile: int, attempt: str) -> StageResul
         return StageResult(stage="decode", item=str(tile), computed=False, tiles=(tile,))
     started = time.perf_counter()
     latent = _require(store.get_tile("tile_latents", tile, stage="denoise"), run, f"the denoised latent of tile {tile}")
-    pixels = stages.decode_tile(get_bundle(model), torch.from_numpy(latent))
+    pixels = stages.decode_tile(get_bundle(model, plan), torch.from_numpy(latent))
     seconds = time.perf_counter() - started
     store.put_tile("tiles", tile, plan.num_tiles, pixels.numpy(), stage="decode", seconds=seconds, attempt=attempt)
     return StageResult(stage="decode", item=str(tile), computed=True, seconds=seconds, tiles=(tile,))
