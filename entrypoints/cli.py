@@ -36,6 +36,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model-id", default=None,
                        help="identity of a local copy (e.g. the repo id it came from), so its runs are shared")
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    group.add_argument("--memory", default="auto", choices=("auto", "fast", "24g", "16g"),
+                       help="GPU memory budget: auto (default: from the GPU's free memory), fast, 24g or 16g")
 
 
 def _param_flags(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +164,7 @@ def model_from(args: argparse.Namespace) -> ModelSpec:
         model_id=args.model_id,
         device=getattr(args, "device", "auto"),
         compile=getattr(args, "compile", False),
+        memory=args.memory,
     )
 
 

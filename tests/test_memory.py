@@ -197,3 +197,14 @@ def test_stages_take_turns_only_when_the_budget_says_so(tiny_bundle_path: Path, 
     for thread in threads:
         thread.join()
     assert (most == 2) is overlap
+
+
+def test_memory_flag_reaches_the_model_spec_and_bad_values_are_refused(capsys) -> None:
+    from entrypoints.cli import build_parser, model_from
+
+    args = build_parser().parse_args(["plan", "clip.mp4", "--memory", "16g"])
+    assert model_from(args).memory == "16g"
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["plan", "clip.mp4", "--memory", "8g"])
+    assert refused.value.code == 2
+    assert "--memory" in capsys.readouterr().err
