@@ -36,9 +36,8 @@ for path in (ROOT, ROOT / "bench"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import torch  # noqa: E402
-
 import run_bench  # noqa: E402
+import torch  # noqa: E402
 
 GIB = run_bench.GIB
 MODES = ("default", "24g", "16g", "decode")
@@ -158,9 +157,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     """Eager KVAE on one denoised W1 tile: the KVAE's own call against chunks of 3, 2 and 1 latent frames."""
     from k6vsr_core import kvae, stages
-    from k6vsr_core.bundle import load_bundle
+    from k6vsr_core.bundle import load_bundle, model_traits
     from k6vsr_core.memory import frames_per_call
-    from k6vsr_core.bundle import model_traits
     from k6vsr_core.runner import read_source
 
     bench = bench_for(args, "decode")
@@ -200,8 +198,11 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
                 reference = tile
             else:
                 diff = (tile.int() - reference.int()).abs()
-                entry.update(max_abs_diff=int(diff.max()), values_differing=int((diff > 0).sum()),
-                             fraction_differing=float((diff > 0).float().mean()))
+                entry.update(
+                    max_abs_diff=int(diff.max()),
+                    values_differing=int((diff > 0).sum()),
+                    fraction_differing=float((diff > 0).float().mean()),
+                )
             record["decode"]["whole" if chunk is None else str(chunk)] = entry
     return record
 
@@ -214,17 +215,23 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
     checks: dict[str, Any] = {}
     default = modes.get("default", {})
     if "seconds" in default:
-        checks["default"] = {"reserved_gib": default.get("peak_reserved_gib"), "seconds": default["seconds"],
-                             "estimate_gib": gib(default["budget"]["estimate"] or 0),
-                             "vs_today": round(default["seconds"] / TODAY_W1_S, 3),
-                             "reserved_ok": (default.get("peak_reserved_gib") or 0) <= TARGETS["default_reserved_gib"]}
+        checks["default"] = {
+            "reserved_gib": default.get("peak_reserved_gib"),
+            "seconds": default["seconds"],
+            "estimate_gib": gib(default["budget"]["estimate"] or 0),
+            "vs_today": round(default["seconds"] / TODAY_W1_S, 3),
+            "reserved_ok": (default.get("peak_reserved_gib") or 0) <= TARGETS["default_reserved_gib"],
+        }
     for mode in CAPS:
         entry = modes.get(mode, {})
         if "seconds" not in entry:
             continue
-        check = {"reserved_gib": entry.get("peak_reserved_gib"), "seconds": entry["seconds"],
-                 "estimate_gib": gib(entry["budget"]["estimate"] or 0),
-                 "reserved_ok": (entry.get("peak_reserved_gib") or 0) <= TARGETS[f"{mode}_reserved_gib"]}
+        check = {
+            "reserved_gib": entry.get("peak_reserved_gib"),
+            "seconds": entry["seconds"],
+            "estimate_gib": gib(entry["budget"]["estimate"] or 0),
+            "reserved_ok": (entry.get("peak_reserved_gib") or 0) <= TARGETS[f"{mode}_reserved_gib"],
+        }
         if "seconds" in default:
             check["vs_default"] = round(entry["seconds"] / default["seconds"], 3)
             if mode == "24g":
@@ -299,8 +306,10 @@ def main(argv: list[str] | None = None) -> int:
             results["modes"][mode] = {"skipped": f"deadline: {left:.0f} s left, about {COST[mode]} s needed"}
         else:
             results["modes"][mode] = run_child(args, mode, left)
-        print(f"[{time.monotonic() - started:6.1f}s] {mode}: {json.dumps(results['modes'][mode], default=str)[:1500]}",
-              flush=True)
+        print(
+            f"[{time.monotonic() - started:6.1f}s] {mode}: {json.dumps(results['modes'][mode], default=str)[:1500]}",
+            flush=True,
+        )
         save()
     reference = results["modes"].get("default", {}).get("output")
     for mode in CAPS:

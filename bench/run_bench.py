@@ -59,9 +59,24 @@ WORKLOADS_TINY = {"W1": (96, 64, 1, 2), "W2": (64, 64, 1, 2), "W3": (96, 64, 1, 
 
 # Rough costs in seconds on one H200, used to skip what would not finish before --deadline.
 COST = {
-    "build": 150, "load": 40, "baseline-W2": 15, "baseline-W1": 80, "plain-W2": 15, "fast-W2-first": 240,
-    "fast-W2-hot": 10, "fast-W1-warm": 120, "fast-W1-hot": 60, "fast-W3": 150, "nabla-warm": 120, "nabla-hot": 55,
-    "sta-warm": 100, "sta-hot": 45, "multi": 250, "flexprobe": 60, "sdpa-probe": 5, "density": 60,
+    "build": 150,
+    "load": 40,
+    "baseline-W2": 15,
+    "baseline-W1": 80,
+    "plain-W2": 15,
+    "fast-W2-first": 240,
+    "fast-W2-hot": 10,
+    "fast-W1-warm": 120,
+    "fast-W1-hot": 60,
+    "fast-W3": 150,
+    "nabla-warm": 120,
+    "nabla-hot": 55,
+    "sta-warm": 100,
+    "sta-hot": 45,
+    "multi": 250,
+    "flexprobe": 60,
+    "sdpa-probe": 5,
+    "density": 60,
 }
 
 
@@ -100,16 +115,20 @@ class Bench:
         shown = f"{seconds:9.3f} s" if isinstance(seconds, (int, float)) else "    -    "
         detail = {k: v for k, v in extra.items() if k not in ("stages", "traceback")}
         clock = f"[{time.monotonic() - self.started:7.1f}s]"
-        print(f"{clock} {name:<28} {workload or '':<4} {shown}  {json.dumps(detail)[:300]}",
-              flush=True)
+        print(f"{clock} {name:<28} {workload or '':<4} {shown}  {json.dumps(detail)[:300]}", flush=True)
         return entry
 
     def skip(self, name: str, workload: str | None, why: str) -> None:
         self.record(name, workload, None, skipped=why)
 
     def fail(self, name: str, workload: str | None, err: BaseException) -> None:
-        self.record(name, workload, None, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:400],
-                    traceback=traceback.format_exc()[-3000:])
+        self.record(
+            name,
+            workload,
+            None,
+            error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:400],
+            traceback=traceback.format_exc()[-3000:],
+        )
 
     def save(self) -> None:
         text = json.dumps(self.results, indent=1, default=str)
@@ -211,44 +230,120 @@ def full_configs() -> dict[str, dict[str, Any]]:
     dit = {
         "_class_name": "Kandinsky6SRTransformer3DModel",
         "_diffusers_version": "0.41.0.dev0",
-        "in_visual_dim": 64, "out_visual_dim": 640, "time_dim": 512, "patch_size": [1, 1, 1], "model_dim": 1792,
-        "ff_dim": 7168, "num_visual_blocks": 32, "axes_dims": [16, 24, 24], "num_text_blocks": 2,
-        "in_text_dim": 3584, "in_text_dim2": 768, "use_text": False, "visual_cond": True,
-        "instruct_type": "hybrid_anchor", "attribute_overrides": {},
+        "in_visual_dim": 64,
+        "out_visual_dim": 640,
+        "time_dim": 512,
+        "patch_size": [1, 1, 1],
+        "model_dim": 1792,
+        "ff_dim": 7168,
+        "num_visual_blocks": 32,
+        "axes_dims": [16, 24, 24],
+        "num_text_blocks": 2,
+        "in_text_dim": 3584,
+        "in_text_dim2": 768,
+        "use_text": False,
+        "visual_cond": True,
+        "instruct_type": "hybrid_anchor",
+        "attribute_overrides": {},
         "attention_params": {
             "512": {"type": "nabla", "P": 0.8, "wT": 11, "wH": 7, "wW": 7, "add_sta": True, "method": "topcdf"},
             "1024": {"type": "flash"},
         },
         "sr_params": {
-            "visual_size": [512], "scale_factor": {"512": [1, 2, 2]}, "lq_noise_scale": 0.7, "lq_noise_type": "ddpm",
-            "lq_channel_noise_scale": 0.0, "cap_noise_timestep": False, "scheduler_scale": 3.5, "fps": 24,
+            "visual_size": [512],
+            "scale_factor": {"512": [1, 2, 2]},
+            "lq_noise_scale": 0.7,
+            "lq_noise_type": "ddpm",
+            "lq_channel_noise_scale": 0.0,
+            "cap_noise_timestep": False,
+            "scheduler_scale": 3.5,
+            "fps": 24,
         },
     }
-    enc = {"ch": 128, "ch_mult": [0.125, 1, 2, 4, 8], "num_res_blocks": 2, "z_channels": 64, "double_z": True,
-           "temporal_compress_times": 4, "temporal_compress_start_level": 1, "norm_type": "rms_norm",
-           "downsample_version": 2, "fix_pxs": True}
-    dec = {"ch": 256, "ch_mult": [0.0625, 1, 2, 4, 8], "num_res_blocks": 2, "z_channels": 64,
-           "temporal_compress_times": 4, "temporal_compress_start_level": 1, "norm_type": "rms_norm"}
-    vae = {"_class_name": "Kandinsky6SRVAE", "_diffusers_version": "0.41.0.dev0", "vae_type": "video-kvae",
-           "scaling_factor": 0.910344004631042, "spatial_factor": 16, "temporal_factor": 4,
-           "encoder_config": enc, "decoder_config": dec}
-    entry = {"multi_scale": True, "in_channels": 64, "hidden_channels": 2048, "stage_channels": [2048, 1024, 512],
-             "num_pre_blocks": 5, "num_mid_blocks": 3, "num_post_blocks": 3, "modulated_norm": True,
-             "modulated_output_proj": True, "bare_stem": True, "temporal_padding": "replicate",
-             "upsample_mode": "pxs_v2", "upsample_padding_mode": "zeros"}
-    lu = {"_class_name": "Kandinsky6SRLatentUpscalerBank", "_diffusers_version": "0.41.0.dev0",
-          "models": [{"target_scale": "4x", "model": dict(entry)},
-                     {"target_scale": "2x", "model": {**entry, "enable_x2_entry": True, "x2_adapter_blocks": 2,
-                                                      "x2_adapter_sources": [0, 4], "x2_finisher": "pxs_residual",
-                                                      "x2_tail_mode": "private_full"}}],
-          "scaling_factor": 0.910344004631042}
-    scheduler = {"_class_name": "PiflowScheduler", "_diffusers_version": "0.41.0.dev0", "num_train_timesteps": 1000,
-                 "shift": 3.5, "n_grid": 10, "nfe": 2, "eps": 1e-6, "final_step_size_scale": 0.5,
-                 "num_policy_substeps": 128}
-    index = {"_class_name": "Kandinsky6SRPipeline", "_diffusers_version": "0.41.0.dev0",
-             "transformer": ["diffusers", "Kandinsky6SRTransformer3DModel"], "vae": ["diffusers", "Kandinsky6SRVAE"],
-             "latent_upscaler": ["diffusers", "Kandinsky6SRLatentUpscalerBank"],
-             "scheduler": ["diffusers", "PiflowScheduler"]}
+    enc = {
+        "ch": 128,
+        "ch_mult": [0.125, 1, 2, 4, 8],
+        "num_res_blocks": 2,
+        "z_channels": 64,
+        "double_z": True,
+        "temporal_compress_times": 4,
+        "temporal_compress_start_level": 1,
+        "norm_type": "rms_norm",
+        "downsample_version": 2,
+        "fix_pxs": True,
+    }
+    dec = {
+        "ch": 256,
+        "ch_mult": [0.0625, 1, 2, 4, 8],
+        "num_res_blocks": 2,
+        "z_channels": 64,
+        "temporal_compress_times": 4,
+        "temporal_compress_start_level": 1,
+        "norm_type": "rms_norm",
+    }
+    vae = {
+        "_class_name": "Kandinsky6SRVAE",
+        "_diffusers_version": "0.41.0.dev0",
+        "vae_type": "video-kvae",
+        "scaling_factor": 0.910344004631042,
+        "spatial_factor": 16,
+        "temporal_factor": 4,
+        "encoder_config": enc,
+        "decoder_config": dec,
+    }
+    entry = {
+        "multi_scale": True,
+        "in_channels": 64,
+        "hidden_channels": 2048,
+        "stage_channels": [2048, 1024, 512],
+        "num_pre_blocks": 5,
+        "num_mid_blocks": 3,
+        "num_post_blocks": 3,
+        "modulated_norm": True,
+        "modulated_output_proj": True,
+        "bare_stem": True,
+        "temporal_padding": "replicate",
+        "upsample_mode": "pxs_v2",
+        "upsample_padding_mode": "zeros",
+    }
+    lu = {
+        "_class_name": "Kandinsky6SRLatentUpscalerBank",
+        "_diffusers_version": "0.41.0.dev0",
+        "models": [
+            {"target_scale": "4x", "model": dict(entry)},
+            {
+                "target_scale": "2x",
+                "model": {
+                    **entry,
+                    "enable_x2_entry": True,
+                    "x2_adapter_blocks": 2,
+                    "x2_adapter_sources": [0, 4],
+                    "x2_finisher": "pxs_residual",
+                    "x2_tail_mode": "private_full",
+                },
+            },
+        ],
+        "scaling_factor": 0.910344004631042,
+    }
+    scheduler = {
+        "_class_name": "PiflowScheduler",
+        "_diffusers_version": "0.41.0.dev0",
+        "num_train_timesteps": 1000,
+        "shift": 3.5,
+        "n_grid": 10,
+        "nfe": 2,
+        "eps": 1e-6,
+        "final_step_size_scale": 0.5,
+        "num_policy_substeps": 128,
+    }
+    index = {
+        "_class_name": "Kandinsky6SRPipeline",
+        "_diffusers_version": "0.41.0.dev0",
+        "transformer": ["diffusers", "Kandinsky6SRTransformer3DModel"],
+        "vae": ["diffusers", "Kandinsky6SRVAE"],
+        "latent_upscaler": ["diffusers", "Kandinsky6SRLatentUpscalerBank"],
+        "scheduler": ["diffusers", "PiflowScheduler"],
+    }
     return {"transformer": dit, "vae": vae, "latent_upscaler": lu, "scheduler": scheduler, "index": index}
 
 
@@ -319,8 +414,14 @@ def ensure_bundle(bench: Bench) -> None:
         bench.record("write_bundle", None, time.perf_counter() - started, kind="tiny")
         return
     info = write_full_bundle(bench.bundle_path, bench.device)
-    bench.record("write_bundle", None, time.perf_counter() - started, kind="full-size random bf16",
-                 parameters=info["parameters"], gib=round(info["bytes"] / GIB, 2))
+    bench.record(
+        "write_bundle",
+        None,
+        time.perf_counter() - started,
+        kind="full-size random bf16",
+        parameters=info["parameters"],
+        gib=round(info["bytes"] / GIB, 2),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
@@ -352,8 +453,9 @@ class StageClock:
             handle.remove()
 
 
-def run_ours(bench: Bench, bundle: Any, workload: str, output: Path, attention: str = "dense",
-             split: bool = False) -> dict[str, Any]:
+def run_ours(
+    bench: Bench, bundle: Any, workload: str, output: Path, attention: str = "dense", split: bool = False
+) -> dict[str, Any]:
     """One request through the in-memory runner, end to end (decode source ... MP4 written)."""
     from k6vsr_core.runner import upscale
 
@@ -368,9 +470,14 @@ def run_ours(bench: Bench, bundle: Any, workload: str, output: Path, attention: 
         if clock is not None:
             clock.remove()
     seconds = time.perf_counter() - started
-    info: dict[str, Any] = {"seconds": seconds, "timings": {k: round(v, 3) for k, v in result.timings.items()},
-                            "dit_calls": result.dit_calls, "tiles": result.plan.num_tiles, **peak(bench.device),
-                            "alloc_before_gib": before}
+    info: dict[str, Any] = {
+        "seconds": seconds,
+        "timings": {k: round(v, 3) for k, v in result.timings.items()},
+        "dit_calls": result.dit_calls,
+        "tiles": result.plan.num_tiles,
+        **peak(bench.device),
+        "alloc_before_gib": before,
+    }
     if clock is not None:
         dit, lu = clock.times["dit"], clock.times["upscaler"]
         denoise = result.timings["denoise"]
@@ -449,8 +556,12 @@ def phase_baseline(bench: Bench) -> None:
         return
     bundle = bench.bundle()
     set_attention(bundle.transformer, "dense")
-    pipe = Kandinsky6SRPipeline(transformer=bundle.transformer, vae=bundle.vae, scheduler=bundle.new_scheduler(),
-                                latent_upscaler=bundle.latent_upscaler)
+    pipe = Kandinsky6SRPipeline(
+        transformer=bundle.transformer,
+        vae=bundle.vae,
+        scheduler=bundle.new_scheduler(),
+        latent_upscaler=bundle.latent_upscaler,
+    )
     pipe.set_progress_bar_config(disable=True)
 
     def once(workload: str) -> tuple[float, dict[str, float]]:
@@ -460,8 +571,14 @@ def phase_baseline(bench: Bench) -> None:
         sync(bench.device)
         started = time.perf_counter()
         generator = torch.Generator(device=bench.device).manual_seed(42)
-        out = pipe(video=video, resolution_scale=bench.workloads[workload][3], num_inference_steps=2,
-                   generator=generator, output_type="pt", return_dict=False)[0]
+        out = pipe(
+            video=video,
+            resolution_scale=bench.workloads[workload][3],
+            num_inference_steps=2,
+            generator=generator,
+            output_type="pt",
+            return_dict=False,
+        )[0]
         sync(bench.device)
         seconds = time.perf_counter() - started
         del out
@@ -476,9 +593,14 @@ def phase_baseline(bench: Bench) -> None:
                 once("W2")  # warm-up: cuDNN plans, allocator pool
             times = [once(workload) for _ in range(runs)]
             best = min(times, key=lambda item: item[0])
-            bench.record("diffusers", workload, best[0], runs=[round(t[0], 3) for t in times],
-                         note="Kandinsky6SRPipeline, DenseSdpaProcessor, eager; decoded frames in, tensor out, no MP4",
-                         **best[1])
+            bench.record(
+                "diffusers",
+                workload,
+                best[0],
+                runs=[round(t[0], 3) for t in times],
+                note="Kandinsky6SRPipeline, DenseSdpaProcessor, eager; decoded frames in, tensor out, no MP4",
+                **best[1],
+            )
         except Exception as err:  # noqa: BLE001
             bench.fail("diffusers", workload, err)
     pipe = None  # free the pipeline's GPU memory for the next phase
@@ -506,9 +628,15 @@ def make_fast(bench: Bench) -> Any:
         started = time.perf_counter()
         path = compile_bundle(bundle)
         bench.fast_bundle = True
-        bench.record("compile_bundle", None, time.perf_counter() - started, cache_dir=path.cache_dir,
-                     compiled_dit=path.compiled_dit, compiled_decoder=path.compiled_decoder,
-                     cache_files_before=count_files(path.cache_dir))
+        bench.record(
+            "compile_bundle",
+            None,
+            time.perf_counter() - started,
+            cache_dir=path.cache_dir,
+            compiled_dit=path.compiled_dit,
+            compiled_decoder=path.compiled_decoder,
+            cache_files_before=count_files(path.cache_dir),
+        )
     return bundle
 
 
@@ -557,7 +685,9 @@ def phase_fast(bench: Bench) -> None:
         if bench.fits("fast-W2-first"):
             info = run_ours(bench, bundle, "W2", bench.work / "w2-fast-first.mp4")
             bench.record("ours-fast first request", "W2", info.pop("seconds"), **info)
-            runs = [run_ours(bench, bundle, "W2", bench.work / "w2-fast.mp4") for _ in range(2 if not bench.tiny else 1)]
+            runs = [
+                run_ours(bench, bundle, "W2", bench.work / "w2-fast.mp4") for _ in range(2 if not bench.tiny else 1)
+            ]
             times = [round(r["seconds"], 3) for r in runs]
             best = min(runs, key=lambda item: item["seconds"])
             extra: dict[str, Any] = {"runs": times}
@@ -592,8 +722,10 @@ def phase_nabla(bench: Bench) -> None:
     bundle = make_fast(bench)
     switch = getattr(bundle, "attention_hook", None)
     stats = torch.zeros(2, dtype=torch.float64, device=bench.device)
-    for threshold, label, warm_key, hot_key in ((None, "nabla", "nabla-warm", "nabla-hot"),
-                                                 (0.0, "nabla STA floor (thr 0)", "sta-warm", "sta-hot")):
+    for threshold, label, warm_key, hot_key in (
+        (None, "nabla", "nabla-warm", "nabla-hot"),
+        (0.0, "nabla STA floor (thr 0)", "sta-warm", "sta-hot"),
+    ):
         try:
             if not (bench.fits(warm_key) and bench.fits(hot_key)):
                 bench.skip(f"ours-fast {label}", "W1", "deadline")
@@ -602,8 +734,14 @@ def phase_nabla(bench: Bench) -> None:
             warm = warm_shapes(bench, bundle, "W1", "nabla")
             bench.record(f"ours-fast {label} warm-up (shapes)", "W1", warm)
             stats.zero_()
-            info = run_ours(bench, bundle, "W1", bench.work / f"w1-{label.split()[0]}-{threshold}.mp4",
-                            attention="nabla", split=True)
+            info = run_ours(
+                bench,
+                bundle,
+                "W1",
+                bench.work / f"w1-{label.split()[0]}-{threshold}.mp4",
+                attention="nabla",
+                split=True,
+            )
             kept, total = (float(x) for x in stats.tolist())
             density = round(kept / total, 4) if total else None
             bench.record(f"ours-fast hot ({label})", "W1", info.pop("seconds"), block_density=density, **info)
@@ -617,8 +755,10 @@ def dense_block_mask(block_mask: Any) -> torch.Tensor:
     """(B, heads, Q blocks, KV blocks) bool: the blocks a flex BlockMask lets each query block see."""
     kv_blocks = block_mask.kv_indices.shape[-1]
     dense = torch.zeros(block_mask.kv_indices.shape, dtype=torch.bool, device=block_mask.kv_indices.device)
-    for counts, indices in ((block_mask.kv_num_blocks, block_mask.kv_indices),
-                            (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
+    for counts, indices in (
+        (block_mask.kv_num_blocks, block_mask.kv_indices),
+        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices),
+    ):
         if counts is None:
             continue
         valid = torch.arange(kv_blocks, device=dense.device) < counts[..., None]
@@ -652,7 +792,9 @@ def phase_density(bench: Bench) -> None:
         def __init__(self, threshold: float | None, log: list) -> None:
             self.threshold, self.log = threshold, log
 
-        def __call__(self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any) -> torch.Tensor:
+        def __call__(
+            self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any
+        ) -> torch.Tensor:
             q = attn.to_query(hidden_states).unflatten(-1, (attn.num_heads, -1))
             k = attn.to_key(hidden_states).unflatten(-1, (attn.num_heads, -1))
             v = attn.to_value(hidden_states).unflatten(-1, (attn.num_heads, -1))
@@ -695,11 +837,17 @@ def phase_density(bench: Bench) -> None:
             stages.denoise_chunk(bundle, stages.cut_tiles(latent, plan, chunk.tiles), chunk, plan)
             sync(bench.device)
             per_call = [kept / total for kept, total in log]
-            bench.record(f"block density {label}", "W1", time.perf_counter() - started,
-                         block_density=round(sum(k for k, _ in log) / sum(t for _, t in log), 4),
-                         density_min=round(min(per_call), 4), density_max=round(max(per_call), 4),
-                         layer_calls=len(log), tile=chunk.tiles[0],
-                         note="exact NABLA (eager, per-head masked SDPA); seconds are not a speed figure")
+            bench.record(
+                f"block density {label}",
+                "W1",
+                time.perf_counter() - started,
+                block_density=round(sum(k for k, _ in log) / sum(t for _, t in log), 4),
+                density_min=round(min(per_call), 4),
+                density_max=round(max(per_call), 4),
+                layer_calls=len(log),
+                tile=chunk.tiles[0],
+                note="exact NABLA (eager, per-head masked SDPA); seconds are not a speed figure",
+            )
         except Exception as err:  # noqa: BLE001
             bench.fail(f"block density {label}", "W1", err)
     from k6vsr_core.attention import set_attention
@@ -732,8 +880,13 @@ def phase_flexprobe(bench: Bench) -> None:
         sync(bench.device)
         bench.record("flexprobe diffusers kernel options", None, time.perf_counter() - started, compiles=True)
     except Exception as err:  # noqa: BLE001
-        bench.record("flexprobe diffusers kernel options", None, time.perf_counter() - started, compiles=False,
-                     error=f"{type(err).__name__}: {str(err)}"[:600])
+        bench.record(
+            "flexprobe diffusers kernel options",
+            None,
+            time.perf_counter() - started,
+            compiles=False,
+            error=f"{type(err).__name__}: {str(err)}"[:600],
+        )
 
 
 # ---------------------------------------------------------------------------------------------------- multi-GPU
@@ -785,18 +938,31 @@ def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, ta
             from k6vsr_core.params import parse_params
             from k6vsr_core.plan import make_plan
 
-            plan = make_plan(tuple(warm["size"]), warm["frames"], 24, parse_params(**warm["params"]), model_traits(bundle.info))
+            plan = make_plan(
+                tuple(warm["size"]), warm["frames"], 24, parse_params(**warm["params"]), model_traits(bundle.info)
+            )
             chunk = plan.chunks[0]
             th, tw = plan.grid.latent_tile
-            lr = torch.randn((len(chunk.tiles), 64, plan.latent_frames, th, tw), generator=torch.Generator().manual_seed(1))
+            lr = torch.randn(
+                (len(chunk.tiles), 64, plan.latent_frames, th, tw), generator=torch.Generator().manual_seed(1)
+            )
             stages.decode_tile(bundle, stages.denoise_chunk(bundle, lr, chunk, plan)[0])
         if device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        results.put(("ready", rank, {"load_s": round(loaded, 2), "warm_s": round(time.perf_counter() - started, 2),
-                                     "cudnn_attention": getattr(fast_path, "cudnn_attention", None),
-                                     "deterministic": getattr(fast_path, "deterministic", None),
-                                     "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}))
+        results.put(
+            (
+                "ready",
+                rank,
+                {
+                    "load_s": round(loaded, 2),
+                    "warm_s": round(time.perf_counter() - started, 2),
+                    "cudnn_attention": getattr(fast_path, "cudnn_attention", None),
+                    "deterministic": getattr(fast_path, "deterministic", None),
+                    "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                },
+            )
+        )
         while True:
             task = tasks.get()
             if task is None:
@@ -811,8 +977,9 @@ def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, ta
         results.put(("error", rank, f"{type(err).__name__}: {err}\n{traceback.format_exc()[-2000:]}"))
 
 
-def _run_job(source: Path, root: Path, params: Any, info: Any, workers: list[int], queues: list[Any],
-             results: Any) -> dict[str, Any]:
+def _run_job(
+    source: Path, root: Path, params: Any, info: Any, workers: list[int], queues: list[Any], results: Any
+) -> dict[str, Any]:
     """Ingest -> encode -> denoise per chunk -> decode per tile (after its chunk) -> blend -> mux, like the flow."""
     import shutil
 
@@ -859,8 +1026,12 @@ def _run_job(source: Path, root: Path, params: Any, info: Any, workers: list[int
     stage_tasks.blend.fn(run, ATTEMPT)
     stage_tasks.mux.fn(run, ATTEMPT)
     seconds = time.perf_counter() - started
-    return {"seconds": seconds, "until_last_decode": round(gpu_done, 3), "busy_per_worker": per_worker,
-            "output": str(RunStore(root, "bench").output_path)}
+    return {
+        "seconds": seconds,
+        "until_last_decode": round(gpu_done, 3),
+        "busy_per_worker": per_worker,
+        "output": str(RunStore(root, "bench").output_path),
+    }
 
 
 def phase_multi(bench: Bench) -> None:
@@ -883,8 +1054,10 @@ def phase_multi(bench: Bench) -> None:
     results = ctx.Queue()
     queues = [ctx.Queue() for _ in devices]
     fast = bench.device.type == "cuda"
-    procs = [ctx.Process(target=_worker, args=(i, d, str(bench.bundle_path), fast, warm, queues[i], results), daemon=True)
-             for i, d in enumerate(devices)]
+    procs = [
+        ctx.Process(target=_worker, args=(i, d, str(bench.bundle_path), fast, warm, queues[i], results), daemon=True)
+        for i, d in enumerate(devices)
+    ]
     started = time.perf_counter()
     for proc in procs:
         proc.start()
@@ -895,8 +1068,14 @@ def phase_multi(bench: Bench) -> None:
             if kind == "error":
                 raise RuntimeError(f"worker {rank}: {payload}")
             ready[rank] = payload
-        bench.record("multi workers ready", workload, time.perf_counter() - started, workers=n, per_worker=ready,
-                     note="load + compile_bundle + one warm-up chunk and decode, in parallel")
+        bench.record(
+            "multi workers ready",
+            workload,
+            time.perf_counter() - started,
+            workers=n,
+            per_worker=ready,
+            note="load + compile_bundle + one warm-up chunk and decode, in parallel",
+        )
         info = inspect_bundle(bench.bundle_path).info
         source = bench.clip(workload)
         one = _run_job(source, bench.work / "store-1gpu", params, info, [0], queues, results)
@@ -914,8 +1093,15 @@ def phase_multi(bench: Bench) -> None:
                 kind, rank, payload = results.get(timeout=60)
                 if kind == "peak":
                     peaks[rank] = payload
-            bench.record(f"store flow, {n} workers", workload, many.pop("seconds"), workers=n,
-                         byte_identical_to_1_worker=same, peak_per_worker=peaks, **many)
+            bench.record(
+                f"store flow, {n} workers",
+                workload,
+                many.pop("seconds"),
+                workers=n,
+                byte_identical_to_1_worker=same,
+                peak_per_worker=peaks,
+                **many,
+            )
     except Exception as err:  # noqa: BLE001
         bench.fail("multi", workload, err)
     finally:
@@ -965,38 +1151,70 @@ def render(payloads: list[dict[str, Any]]) -> str:
     for p in payloads:
         e = p["env"]
         label = p["records"][0]["run"] if p["records"] else "?"
-        lines.append(f"- run `{label}`: {e.get('gpus', 0)}x {e.get('gpu')} ({e.get('gpu_memory_gib', '-')} GiB), "
-                     f"CUDA {e.get('cuda')}, cuDNN {e.get('cudnn')}, Python {e['python']}, torch {e['torch']}, "
-                     f"diffusers {e.get('diffusers')}, PyAV {e.get('av')}, zarr {e.get('zarr')}, "
-                     f"{e.get('cpus')} CPUs, PYTORCH_CUDA_ALLOC_CONF={e.get('alloc_conf')}; command: `{p['command']}`")
+        lines.append(
+            f"- run `{label}`: {e.get('gpus', 0)}x {e.get('gpu')} ({e.get('gpu_memory_gib', '-')} GiB), "
+            f"CUDA {e.get('cuda')}, cuDNN {e.get('cudnn')}, Python {e['python']}, torch {e['torch']}, "
+            f"diffusers {e.get('diffusers')}, PyAV {e.get('av')}, zarr {e.get('zarr')}, "
+            f"{e.get('cpus')} CPUs, PYTORCH_CUDA_ALLOC_CONF={e.get('alloc_conf')}; command: `{p['command']}`"
+        )
     lines.append("")
     lines.append("| run | measurement | workload | seconds | peak alloc GiB | peak reserved GiB | notes |")
     lines.append("|---|---|---|---|---|---|---|")
     for r in records:
         notes = []
-        for key in ("skipped", "error", "block_density", "dit_calls", "tiles", "vs_plain", "workers",
-                    "byte_identical_to_1_worker", "byte_identical_to_runner", "until_last_decode", "busy_per_worker", "peak_per_worker",
-                    "per_worker", "runs", "default_choice_name", "density_min", "density_max", "cudnn_ms", "flash_ms", "compiles", "parameters",
-                    "gib", "cache_files_before", "alloc_before_gib", "note"):
+        for key in (
+            "skipped",
+            "error",
+            "block_density",
+            "dit_calls",
+            "tiles",
+            "vs_plain",
+            "workers",
+            "byte_identical_to_1_worker",
+            "byte_identical_to_runner",
+            "until_last_decode",
+            "busy_per_worker",
+            "peak_per_worker",
+            "per_worker",
+            "runs",
+            "default_choice_name",
+            "density_min",
+            "density_max",
+            "cudnn_ms",
+            "flash_ms",
+            "compiles",
+            "parameters",
+            "gib",
+            "cache_files_before",
+            "alloc_before_gib",
+            "note",
+        ):
             if key in r and r[key] is not None:
                 notes.append(f"{key}={json.dumps(r[key], default=str)}")
         sec = f"{r['seconds']:.2f}" if isinstance(r.get("seconds"), (int, float)) else "—"
-        lines.append(f"| {r.get('run')} | {r['name']} | {r.get('workload') or ''} | {sec} | "
-                     f"{r.get('peak_alloc_gib', '')} | {r.get('peak_reserved_gib', '')} | "
-                     f"{'; '.join(notes).replace('|', '/')[:700]} |")
+        lines.append(
+            f"| {r.get('run')} | {r['name']} | {r.get('workload') or ''} | {sec} | "
+            f"{r.get('peak_alloc_gib', '')} | {r.get('peak_reserved_gib', '')} | "
+            f"{'; '.join(notes).replace('|', '/')[:700]} |"
+        )
     lines.append("")
     # Ratios.
     ratio_rows = []
 
     def ratio(label: str, num: dict | None, den: dict | None) -> None:
         if num and den and den["seconds"]:
-            ratio_rows.append(f"| {label} | {num['seconds']:.2f} | {den['seconds']:.2f} | {num['seconds'] / den['seconds']:.3f} |")
+            ratio_rows.append(
+                f"| {label} | {num['seconds']:.2f} | {den['seconds']:.2f} | {num['seconds'] / den['seconds']:.3f} |"
+            )
 
     base = {w: _find(records, "diffusers", w) for w in ("W1", "W2")}
     ratio("W1 ours dense hot / diffusers", _find(records, "ours-fast hot (dense)", "W1"), base["W1"])
     ratio("W1 ours NABLA hot / diffusers", _find(records, "ours-fast hot (nabla)", "W1"), base["W1"])
-    ratio("W1 ours NABLA STA floor hot / diffusers", _find(records, "ours-fast hot (nabla STA floor (thr 0))", "W1"),
-          base["W1"])
+    ratio(
+        "W1 ours NABLA STA floor hot / diffusers",
+        _find(records, "ours-fast hot (nabla STA floor (thr 0))", "W1"),
+        base["W1"],
+    )
     ours_w1 = _find(records, "ours-fast hot (dense)", "W1")
     if ours_w1 and ours_w1.get("stages") and base["W1"]:
         model_only = ours_w1["seconds"] - ours_w1["stages"]["ingest"] - ours_w1["stages"]["mux"]
@@ -1005,8 +1223,11 @@ def render(payloads: list[dict[str, Any]]) -> str:
     ratio("W2 ours plain (eager) / diffusers", _find(records, "ours-plain (eager, dense)", "W2"), base["W2"])
     multi = [r for r in records if r["name"].startswith("store flow,") and r.get("workers", 1) > 1 and r["seconds"]]
     ratio("W1 store flow 2 GPUs / 1 GPU", multi[-1] if multi else None, _find(records, "store flow, 1 worker", "W1"))
-    ratio("W1 store flow 1 GPU / in-memory runner", _find(records, "store flow, 1 worker", "W1"),
-          _find(records, "ours-fast hot (dense)", "W1"))
+    ratio(
+        "W1 store flow 1 GPU / in-memory runner",
+        _find(records, "store flow, 1 worker", "W1"),
+        _find(records, "ours-fast hot (dense)", "W1"),
+    )
     if ratio_rows:
         lines += ["| ratio | numerator s | denominator s | ratio |", "|---|---|---|---|", *ratio_rows, ""]
     # Per-stage split.
@@ -1016,7 +1237,9 @@ def render(payloads: list[dict[str, Any]]) -> str:
         lines.append("| per-stage split (s) | workload | " + " | ".join(keys) + " |")
         lines.append("|---|---|" + "---|" * len(keys))
         for r in split:
-            lines.append(f"| {r['name']} | {r['workload']} | " + " | ".join(str(r['stages'].get(k)) for k in keys) + " |")
+            lines.append(
+                f"| {r['name']} | {r['workload']} | " + " | ".join(str(r["stages"].get(k)) for k in keys) + " |"
+            )
         lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -1026,16 +1249,27 @@ def render(payloads: list[dict[str, Any]]) -> str:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phases", default="setup,baseline,plain,density,fast,nabla,multi",
-                        help="comma-separated, run in this order")
+    parser.add_argument(
+        "--phases", default="setup,baseline,plain,density,fast,nabla,multi", help="comma-separated, run in this order"
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny bundle and clips")
-    parser.add_argument("--work", default=os.environ.get("K6VSR_BENCH_WORK", "/tmp/k6vsr-bench"),
-                        help="bundle, clips, stores and outputs (kept between runs)")
-    parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "bench" / "out"),
-                        help="results.json and the markdown table")
+    parser.add_argument(
+        "--work",
+        default=os.environ.get("K6VSR_BENCH_WORK", "/tmp/k6vsr-bench"),
+        help="bundle, clips, stores and outputs (kept between runs)",
+    )
+    parser.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or str(ROOT / "bench" / "out"),
+        help="results.json and the markdown table",
+    )
     parser.add_argument("--deadline", type=float, default=1e9, help="seconds; skip what would not fit")
-    parser.add_argument("--warmup", choices=("request", "shapes"), default="request",
-                        help="W1 warm-up: a whole request, or one chunk and one decode at its shapes")
+    parser.add_argument(
+        "--warmup",
+        choices=("request", "shapes"),
+        default="request",
+        help="W1 warm-up: a whole request, or one chunk and one decode at its shapes",
+    )
     parser.add_argument("--w3", action="store_true", help="also measure W3 (25 tiles) in the fast phase")
     parser.add_argument("--gpus", type=int, default=0, help="workers for the multi phase (default: all GPUs)")
     parser.add_argument("--label", default=time.strftime("%H%M%S"), help="name of this run in the tables")
@@ -1044,7 +1278,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--command", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.command is None:
-        args.command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])])
+        args.command = "python " + " ".join(
+            shlex.quote(a) for a in [os.path.relpath(__file__, ROOT), *(argv or sys.argv[1:])]
+        )
     return args
 
 

@@ -30,32 +30,63 @@ EXIT_FAILED = 1
 
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
-    group.add_argument("--model", "--model-path", dest="model", default=os.environ.get("K6VSR_MODEL", DEFAULT_MODEL),
-                       help="Hugging Face repo id or local folder in the Diffusers layout (env K6VSR_MODEL)")
+    group.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default=os.environ.get("K6VSR_MODEL", DEFAULT_MODEL),
+        help="Hugging Face repo id or local folder in the Diffusers layout (env K6VSR_MODEL)",
+    )
     group.add_argument("--revision", default=None, help="hub revision (default: the pinned release revision)")
-    group.add_argument("--model-id", default=None,
-                       help="identity of a local copy (e.g. the repo id it came from), so its runs are shared")
+    group.add_argument(
+        "--model-id",
+        default=None,
+        help="identity of a local copy (e.g. the repo id it came from), so its runs are shared",
+    )
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    group.add_argument("--memory", default="auto", choices=("auto", "fast", "24g", "16g"),
-                       help="GPU memory budget: auto (default: from the GPU's free memory), fast, 24g or 16g")
+    group.add_argument(
+        "--memory",
+        default="auto",
+        choices=("auto", "fast", "24g", "16g"),
+        help="GPU memory budget: auto (default: from the GPU's free memory), fast, 24g or 16g",
+    )
 
 
 def _param_flags(parser: argparse.ArgumentParser) -> None:
     """The request flags. A flag not given is left out, so the request takes `UpscaleParams`' (official) default."""
     defaults = UpscaleParams()
     group = parser.add_argument_group("request", argument_default=argparse.SUPPRESS)
-    group.add_argument("--scale", "--sr-resolution-scale", dest="scale",
-                       help=f"2, 2.25 or 4 (default {defaults.scale_label})")
+    group.add_argument(
+        "--scale", "--sr-resolution-scale", dest="scale", help=f"2, 2.25 or 4 (default {defaults.scale_label})"
+    )
     group.add_argument("--num-inference-steps", type=int, help="DiT evaluations per tile (default: the checkpoint's)")
     group.add_argument("--seed", type=int, help=f"noise seed (default {defaults.seed})")
-    group.add_argument("--tiles-batch-size", "--sr-tiles-batch-size", dest="tiles_batch_size", type=int,
-                       help=f"tiles denoised together (default {defaults.tiles_batch_size})")
-    group.add_argument("--tile-min-overlap", "--sr-tile-min-overlap", dest="min_overlap", type=float,
-                       help=f"minimum tile overlap (default {defaults.min_overlap})")
-    group.add_argument("--target-resolution", "--sr-target-resolution", dest="target_resolution",
-                       help="none, hd, fullhd, 2k or WxH (default none)")
-    group.add_argument("--target-resize-mode", "--sr-target-resize-mode", dest="target_resize_mode",
-                       help=f"fit or exact (default {defaults.target_resize_mode})")
+    group.add_argument(
+        "--tiles-batch-size",
+        "--sr-tiles-batch-size",
+        dest="tiles_batch_size",
+        type=int,
+        help=f"tiles denoised together (default {defaults.tiles_batch_size})",
+    )
+    group.add_argument(
+        "--tile-min-overlap",
+        "--sr-tile-min-overlap",
+        dest="min_overlap",
+        type=float,
+        help=f"minimum tile overlap (default {defaults.min_overlap})",
+    )
+    group.add_argument(
+        "--target-resolution",
+        "--sr-target-resolution",
+        dest="target_resolution",
+        help="none, hd, fullhd, 2k or WxH (default none)",
+    )
+    group.add_argument(
+        "--target-resize-mode",
+        "--sr-target-resize-mode",
+        dest="target_resize_mode",
+        help=f"fit or exact (default {defaults.target_resize_mode})",
+    )
     group.add_argument("--attention", help=f"nabla or dense (default {defaults.attention}, as released)")
 
 
@@ -76,8 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("upscale", help="upscale one clip")
     up.add_argument("input")
-    up.add_argument("-o", "--output-dir", "--output-path", dest="output_dir", default=None,
-                    help="output folder (default: beside the input)")
+    up.add_argument(
+        "-o",
+        "--output-dir",
+        "--output-path",
+        dest="output_dir",
+        default=None,
+        help="output folder (default: beside the input)",
+    )
     up.add_argument("--output-file-name", default=None, help="default: <stem>_sr<scale>x_<timestamp>.mp4")
     _param_flags(up)
     _model_flags(up)
@@ -117,14 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--json", action="store_true")
     gc.add_argument("--debug", action="store_true")
 
-    serve = commands.add_parser("serve", help="SGLang-compatible HTTP job API (/v1/videos)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = commands.add_parser(
+        "serve",
+        help="SGLang-compatible HTTP job API (/v1/videos)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--allow-path", action="append", default=[], help="folder JSON video_path may point into")
     access = serve.add_argument_group("access")
-    access.add_argument("--api-key", action="append", default=None,
-                        help="a client key (repeatable; env K6VSR_API_KEY); each job belongs to the key that made it")
+    access.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="a client key (repeatable; env K6VSR_API_KEY); each job belongs to the key that made it",
+    )
     access.add_argument("--api-key-file", action="append", default=None, help="file of client keys, one a line")
     access.add_argument("--admin-key", action="append", default=None, help="a key that sees and deletes every job")
     access.add_argument("--list-jobs", action="store_true", help="without keys: let GET /v1/videos list the jobs")
@@ -132,15 +176,25 @@ def build_parser() -> argparse.ArgumentParser:
     limits = serve.add_argument_group("limits")
     limits.add_argument("--max-upload-mb", type=int, default=2048, help="size of one uploaded clip")
     limits.add_argument("--max-fields", type=int, default=32, help="fields of one request besides the clip")
-    limits.add_argument("--max-fields-kb", type=int, default=64,
-                        help="bytes of one request besides the clip: a JSON body, form fields")
+    limits.add_argument(
+        "--max-fields-kb", type=int, default=64, help="bytes of one request besides the clip: a JSON body, form fields"
+    )
     limits.add_argument("--max-queued", type=int, default=16, help="jobs waiting for a worker, then 429")
-    limits.add_argument("--input-quota-mb", type=int, default=10240,
-                        help="inputs on disk of queued and running jobs: uploads, copies of video_path files")
-    limits.add_argument("--max-output-mpx", type=float, default=2048,
-                        help="megapixels of one job's result: frames x width x height")
-    limits.add_argument("--retention-hours", type=float, default=24,
-                        help="finished jobs, their files and runs are deleted this long after they finished")
+    limits.add_argument(
+        "--input-quota-mb",
+        type=int,
+        default=10240,
+        help="inputs on disk of queued and running jobs: uploads, copies of video_path files",
+    )
+    limits.add_argument(
+        "--max-output-mpx", type=float, default=2048, help="megapixels of one job's result: frames x width x height"
+    )
+    limits.add_argument(
+        "--retention-hours",
+        type=float,
+        default=24,
+        help="finished jobs, their files and runs are deleted this long after they finished",
+    )
     serve.add_argument("--workers", type=int, default=1, help="jobs run at once (each loads the model once)")
     serve.add_argument("--store", default=None)
     _model_flags(serve)

@@ -45,12 +45,17 @@ def quote(text: str) -> str:
 def open_confined(raw: object, roots: tuple[Path, ...]) -> ConfinedFile:
     """Open the regular file `raw` names for reading, if it lies inside one of `roots` (resolved folders)."""
     if not isinstance(raw, str) or not raw:
-        raise PathRefused("missing_video_path", "video_path must be a non-empty string (or upload the clip as "
-                          "multipart field 'video_reference')")
+        raise PathRefused(
+            "missing_video_path",
+            "video_path must be a non-empty string (or upload the clip as multipart field 'video_reference')",
+        )
     if not roots:
-        raise PathRefused("paths_not_allowed", "video_path is not allowed on this server: start it with "
-                          "--allow-path DIR to accept clips under DIR, or upload the clip as 'video_reference'",
-                          forbidden=True)
+        raise PathRefused(
+            "paths_not_allowed",
+            "video_path is not allowed on this server: start it with "
+            "--allow-path DIR to accept clips under DIR, or upload the clip as 'video_reference'",
+            forbidden=True,
+        )
     try:
         resolved = Path(raw).resolve()
     except (OSError, RuntimeError, ValueError):  # a NUL byte, a loop of links, a name the system refuses
@@ -58,8 +63,7 @@ def open_confined(raw: object, roots: tuple[Path, ...]) -> ConfinedFile:
     root = next((root for root in roots if resolved.is_relative_to(root)), None)
     if root is None:
         # One answer for every path outside, whether or not it exists: nothing outside is ever looked at again.
-        raise PathRefused("path_not_allowed", "video_path is outside the folders this server allows",
-                          forbidden=True)
+        raise PathRefused("path_not_allowed", "video_path is outside the folders this server allows", forbidden=True)
     if resolved == root:
         raise PathRefused("path_not_a_file", "video_path names an allowed folder, not a video file")
     relative = resolved.relative_to(root).as_posix()
@@ -113,8 +117,11 @@ def _check_regular(mode: int, shown: str) -> None:
 
 
 def _changed(shown: str) -> PathRefused:
-    return PathRefused("path_changed", f"video_path {shown} changed while it was being opened (a symbolic link "
-                       "appeared on the way); send the request again")
+    return PathRefused(
+        "path_changed",
+        f"video_path {shown} changed while it was being opened (a symbolic link "
+        "appeared on the way); send the request again",
+    )
 
 
 def _refusal(err: OSError, shown: str) -> PathRefused:

@@ -115,7 +115,12 @@ class ServerConfig:
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, kind: str | None = None, param: str | None = None, code: str | None = None,
+        self,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -123,9 +128,18 @@ class ApiError(Exception):
         self.headers = headers
 
 
-_KIND = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-         405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-         415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+_KIND = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 _CODE = {404: "not_found", 405: "method_not_allowed"}
 
 # The errors a user can fix (k6vsr_core.errors) as HTTP answers: the first class that matches gives status and code.
@@ -145,11 +159,21 @@ def api_error(err: UserFacingError, param: str | None = None, message: str | Non
 
 
 def error_response(
-    status: int, message: str, kind: str | None = None, param: str | None = None, code: str | None = None,
+    status: int,
+    message: str,
+    kind: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = {"error": {"message": " ".join(message.split()), "type": kind or _KIND.get(status, "server_error"),
-                      "param": param, "code": code or _CODE.get(status, "http_error")}}
+    body = {
+        "error": {
+            "message": " ".join(message.split()),
+            "type": kind or _KIND.get(status, "server_error"),
+            "param": param,
+            "code": code or _CODE.get(status, "http_error"),
+        }
+    }
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -171,13 +195,22 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, err: QueueFull) -> JSONResponse:
-        return error_response(429, f"the queue is full ({err.limit} jobs waiting, --max-queued); retry later",
-                              code="queue_full", headers=retry)
+        return error_response(
+            429,
+            f"the queue is full ({err.limit} jobs waiting, --max-queued); retry later",
+            code="queue_full",
+            headers=retry,
+        )
 
     @app.exception_handler(InputQuotaFull)
     async def quota_full(_: Request, err: InputQuotaFull) -> JSONResponse:
-        return error_response(429, f"the inputs of queued and running jobs fill the input storage quota ({err.limit} "
-                              "bytes, --input-quota-mb); retry later", code="input_quota_full", headers=retry)
+        return error_response(
+            429,
+            f"the inputs of queued and running jobs fill the input storage quota ({err.limit} "
+            "bytes, --input-quota-mb); retry later",
+            code="input_quota_full",
+            headers=retry,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -185,8 +218,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientDisconnect)
     async def disconnected(_: Request, err: ClientDisconnect) -> JSONResponse:
-        return error_response(400, "the client disconnected before the request body was complete",
-                              code="client_disconnected")
+        return error_response(
+            400, "the client disconnected before the request body was complete", code="client_disconnected"
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
@@ -242,7 +276,9 @@ class KeyAuth:
             if found is None:
                 message = "missing API key" if not header else "invalid API key"
                 response = error_response(
-                    401, f"{message}: send the header 'Authorization: Bearer <key>'", code="invalid_api_key",
+                    401,
+                    f"{message}: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"},
                 )
                 await response(scope, receive, send)
@@ -273,7 +309,7 @@ def params_from_fields(fields: dict[str, Any]) -> UpscaleParams:
             parse_params(**{internal: value})
         except ParameterError as err:
             text = " ".join(str(err).split())
-            text = name + text[len(internal):] if text.startswith(internal) else f"{name}: {text}"
+            text = name + text[len(internal) :] if text.startswith(internal) else f"{name}: {text}"
             problems.append((name, text, "invalid_value"))
             continue
         values[internal] = value
@@ -296,13 +332,19 @@ def api_params(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def _too_many_fields(limits: Limits) -> ApiError:
-    return ApiError(413, f"the request has more than {limits.max_fields} fields besides the clip (--max-fields)",
-                    code="too_many_fields")
+    return ApiError(
+        413,
+        f"the request has more than {limits.max_fields} fields besides the clip (--max-fields)",
+        code="too_many_fields",
+    )
 
 
 def _fields_too_large(limits: Limits) -> ApiError:
-    return ApiError(413, f"the request takes more than {limits.max_fields_bytes} bytes besides the clip "
-                    "(--max-fields-kb)", code="fields_too_large")
+    return ApiError(
+        413,
+        f"the request takes more than {limits.max_fields_bytes} bytes besides the clip (--max-fields-kb)",
+        code="fields_too_large",
+    )
 
 
 def _declared_length(request: Request) -> int | None:
@@ -340,8 +382,12 @@ class FormError(ApiError):
 
 class UploadTooLarge(ApiError):
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"{FILE_FIELD} is larger than the upload limit of {limit} bytes (--max-upload-mb)",
-                         param=FILE_FIELD, code="file_too_large")
+        super().__init__(
+            413,
+            f"{FILE_FIELD} is larger than the upload limit of {limit} bytes (--max-upload-mb)",
+            param=FILE_FIELD,
+            code="file_too_large",
+        )
 
 
 class _FormReceiver:
@@ -397,8 +443,12 @@ class _FormReceiver:
         self._name = name
         if b"filename" in options or name == FILE_FIELD:
             if name != FILE_FIELD:
-                raise ApiError(400, f"unexpected file field {quote(name)}; send the clip as {FILE_FIELD!r}",
-                               param=name[:64], code="unexpected_file_field")
+                raise ApiError(
+                    400,
+                    f"unexpected file field {quote(name)}; send the clip as {FILE_FIELD!r}",
+                    param=name[:64],
+                    code="unexpected_file_field",
+                )
             if self._has_file:
                 raise ApiError(400, f"{FILE_FIELD} was sent twice", param=FILE_FIELD, code="duplicate_field")
             self._input = self.open_input()
@@ -421,13 +471,15 @@ class _FormReceiver:
             self._has_file = True
             return
         if self._name in self.fields:
-            raise ApiError(400, f"form field {quote(self._name)} was sent twice", param=self._name[:64],
-                           code="duplicate_field")
+            raise ApiError(
+                400, f"form field {quote(self._name)} was sent twice", param=self._name[:64], code="duplicate_field"
+            )
         try:
             self.fields[self._name] = self._value.decode("utf-8")
         except UnicodeDecodeError:
-            raise ApiError(400, f"form field {quote(self._name)} is not UTF-8 text", param=self._name[:64],
-                           code="invalid_value") from None
+            raise ApiError(
+                400, f"form field {quote(self._name)} is not UTF-8 text", param=self._name[:64], code="invalid_value"
+            ) from None
 
     def _end(self) -> None:
         self.ended = True
@@ -442,8 +494,11 @@ async def read_form(request: Request, open_input: Callable[[], InputFile], limit
     the clip's bytes (boundaries, part headers, fields) counts toward `max_fields_bytes`."""
     length = _declared_length(request)
     if length is not None and length > limits.max_request_bytes:
-        raise ApiError(413, f"the request is larger than {limits.max_request_bytes} bytes (--max-upload-mb plus "
-                       "--max-fields-kb)", code="request_too_large")
+        raise ApiError(
+            413,
+            f"the request is larger than {limits.max_request_bytes} bytes (--max-upload-mb plus --max-fields-kb)",
+            code="request_too_large",
+        )
     _, options = parse_options_header(request.headers["content-type"])
     boundary = options.get(b"boundary", b"")
     if not 1 <= len(boundary) <= 200:
@@ -467,8 +522,9 @@ async def read_form(request: Request, open_input: Callable[[], InputFile], limit
     if not receiver.ended:
         raise FormError("the body ended before the closing boundary")
     if not receiver.has_file:
-        raise ApiError(400, f"the clip is missing: send it as the file field {FILE_FIELD!r}", param=FILE_FIELD,
-                       code="missing_file")
+        raise ApiError(
+            400, f"the clip is missing: send it as the file field {FILE_FIELD!r}", param=FILE_FIELD, code="missing_file"
+        )
     return receiver.fields
 
 
@@ -479,18 +535,28 @@ def copy_path_source(raw: Any, roots: tuple[Path, ...], store: JobStore, job_id:
     try:
         limit = store.quota.limit
         if opened.size > limit:
-            raise ApiError(413, f"video_path {quote(opened.relative)} is larger than the input storage quota of "
-                           f"{limit} bytes (--input-quota-mb)", param="video_path", code="file_too_large")
+            raise ApiError(
+                413,
+                f"video_path {quote(opened.relative)} is larger than the input storage quota of "
+                f"{limit} bytes (--input-quota-mb)",
+                param="video_path",
+                code="file_too_large",
+            )
         too_large = lambda: ApiError(  # noqa: E731 - grown while being copied
-            413, f"video_path {quote(opened.relative)} grew past the input storage quota while being copied",
-            param="video_path", code="file_too_large")
+            413,
+            f"video_path {quote(opened.relative)} grew past the input storage quota while being copied",
+            param="video_path",
+            code="file_too_large",
+        )
         target = store.open_input(job_id, cap=limit, too_large=too_large)
         try:
             while data := os.read(opened.fd, 1 << 20):
                 target.write(data)
         except OSError as err:
-            raise PathRefused("path_unreadable", f"video_path {quote(opened.relative)} could not be read "
-                              f"({os.strerror(err.errno or 0)})") from None
+            raise PathRefused(
+                "path_unreadable",
+                f"video_path {quote(opened.relative)} could not be read ({os.strerror(err.errno or 0)})",
+            ) from None
         finally:
             target.close()
     finally:
@@ -540,18 +606,21 @@ def check_output_size(plan: Any, limits: Limits) -> None:
     pixels = plan.num_frames * height * width
     if pixels > limits.max_output_pixels:
         raise ApiError(
-            400, f"this job would make {plan.num_frames} frame(s) of {width}x{height} ({pixels / 1e6:.1f} "
+            400,
+            f"this job would make {plan.num_frames} frame(s) of {width}x{height} ({pixels / 1e6:.1f} "
             f"megapixels); this server makes at most {limits.max_output_pixels / 1e6:g} megapixels a job "
             "(--max-output-mpx): lower sr_resolution_scale or send a smaller clip",
-            param="sr_resolution_scale", code="output_too_large",
+            param="sr_resolution_scale",
+            code="output_too_large",
         )
 
 
 def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
     limits = config.limits
     store = JobStore(config.store_root, limits.input_quota_bytes)
-    runner = JobRunner(store, spec, workers=config.workers, max_queued=limits.max_queued,
-                       retention_s=limits.retention_s)
+    runner = JobRunner(
+        store, spec, workers=config.workers, max_queued=limits.max_queued, retention_s=limits.retention_s
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -584,7 +653,8 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
         if media_type == "multipart/form-data":
             too_large = lambda: UploadTooLarge(limits.max_upload_bytes)  # noqa: E731
             fields = await read_form(
-                request, lambda: store.open_input(job_id, limits.max_upload_bytes, too_large), limits)
+                request, lambda: store.open_input(job_id, limits.max_upload_bytes, too_large), limits
+            )
             return params_from_fields(fields), {"type": "upload"}, FILE_FIELD
         fields = await read_json(request, limits)
         raw_path = fields.pop("video_path", None)
@@ -598,11 +668,13 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
             return prepare_run(store.input_path(job_id), params, spec, config.store_root)
         except MediaError as err:
             param = FILE_FIELD if label == FILE_FIELD else "video_path"
-            raise ApiError(400, f"{label}: {scrub_paths(err.cause, known)}", param=param,
-                           code="invalid_video") from None
+            raise ApiError(
+                400, f"{label}: {scrub_paths(err.cause, known)}", param=param, code="invalid_video"
+            ) from None
         except ValueError as err:  # a plan these parameters cannot make (e.g. an `exact` target above the result)
-            raise ApiError(400, f"this request cannot be planned: {scrub_paths(str(err), known)}",
-                           code="cannot_plan") from None
+            raise ApiError(
+                400, f"this request cannot be planned: {scrub_paths(str(err), known)}", code="cannot_plan"
+            ) from None
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -613,8 +685,11 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
         caller = caller_of(request)
         media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if media_type not in ("multipart/form-data", "application/json", ""):
-            raise ApiError(415, "send JSON (application/json) with video_path, or multipart/form-data with the "
-                           f"clip as {FILE_FIELD!r}", code="unsupported_media_type")
+            raise ApiError(
+                415,
+                f"send JSON (application/json) with video_path, or multipart/form-data with the clip as {FILE_FIELD!r}",
+                code="unsupported_media_type",
+            )
         job_id = new_job_id()
         with runner.admission():
             try:
@@ -622,28 +697,35 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
                 prepared = await run_in_threadpool(prepare, job_id, params, label)
                 check_output_size(prepared.plan, limits)
                 plan = prepared.plan
-                job = await run_in_threadpool(store.put, {
-                    "id": job_id,
-                    "object": "video",
-                    "model": config.model_name,
-                    "owner": caller.owner,
-                    "status": "queued",
-                    "progress": 0,
-                    "created_at": int(time.time()),
-                    "created_ns": time.time_ns(),
-                    "started_at": None,
-                    "completed_at": None,
-                    "error": None,
-                    "run_key": prepared.run.run_key,
-                    "request": params.model_dump(mode="json"),
-                    "source": origin,
-                    "output": {
-                        "width": plan.delivery_size[1], "height": plan.delivery_size[0], "frames": plan.num_frames,
-                        "fps": plan.fps, "has_audio": prepared.probe.has_audio, "bytes": None,
+                job = await run_in_threadpool(
+                    store.put,
+                    {
+                        "id": job_id,
+                        "object": "video",
+                        "model": config.model_name,
+                        "owner": caller.owner,
+                        "status": "queued",
+                        "progress": 0,
+                        "created_at": int(time.time()),
+                        "created_ns": time.time_ns(),
+                        "started_at": None,
+                        "completed_at": None,
+                        "error": None,
+                        "run_key": prepared.run.run_key,
+                        "request": params.model_dump(mode="json"),
+                        "source": origin,
+                        "output": {
+                            "width": plan.delivery_size[1],
+                            "height": plan.delivery_size[0],
+                            "frames": plan.num_frames,
+                            "fps": plan.fps,
+                            "has_audio": prepared.probe.has_audio,
+                            "bytes": None,
+                        },
+                        "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},
+                        "prepared": prepared.model_dump(mode="json"),  # the plan the job's flow runs; never shown
                     },
-                    "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},
-                    "prepared": prepared.model_dump(mode="json"),  # the plan the job's flow runs; never shown
-                })
+                )
             except BaseException:
                 store.discard_dir(job_id)  # a partial or refused request leaves nothing behind
                 raise
@@ -656,9 +738,12 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
     def list_videos(request: Request) -> dict[str, Any]:
         caller = caller_of(request)
         if not callers and not config.list_jobs:
-            raise ApiError(403, "listing jobs is off on this server: a job is read by its id (start the server with "
-                           "--list-jobs, or with API keys so that each key lists its own jobs)",
-                           code="listing_disabled")
+            raise ApiError(
+                403,
+                "listing jobs is off on this server: a job is read by its id (start the server with "
+                "--list-jobs, or with API keys so that each key lists its own jobs)",
+                code="listing_disabled",
+            )
         return {"object": "list", "data": [view(job, caller) for job in store.all() if caller.sees(job)]}
 
     @app.get("/v1/videos/{video_id}")
@@ -686,8 +771,9 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
             if job["status"] == CANCELLED:
                 return view(job, caller)
         if runner.running(video_id):
-            raise ApiError(409, f"video job {video_id} is still stopping; delete it again in a few seconds",
-                           code="job_stopping")
+            raise ApiError(
+                409, f"video job {video_id} is still stopping; delete it again in a few seconds", code="job_stopping"
+            )
         runner.delete(video_id)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
@@ -739,8 +825,10 @@ def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
         max_fields=int(_at_least(args.max_fields, 1, "--max-fields")),
         max_fields_bytes=int(_at_least(args.max_fields_kb, 1, "--max-fields-kb")) << 10,
         max_queued=int(_at_least(args.max_queued, 1, "--max-queued")),
-        input_quota_bytes=int(_at_least(args.input_quota_mb, args.max_upload_mb, "--input-quota-mb (at least "
-                                        "--max-upload-mb)")) << 20,
+        input_quota_bytes=int(
+            _at_least(args.input_quota_mb, args.max_upload_mb, "--input-quota-mb (at least --max-upload-mb)")
+        )
+        << 20,
         max_output_pixels=int(_at_least(args.max_output_mpx, 0.001, "--max-output-mpx") * 10**6),
         retention_s=_at_least(args.retention_hours, 0, "--retention-hours") * 3600.0,
     )
@@ -791,6 +879,9 @@ def serve(args: Any, spec: ModelSpec, store_root: Path) -> None:
     # Job processes report to one Prefect API: the configured one, else a temporary server for our lifetime.
     with prefect_api():
         uvicorn.run(
-            create_app(config, spec), host=args.host, port=args.port, log_level="debug" if args.debug else "info",
+            create_app(config, spec),
+            host=args.host,
+            port=args.port,
+            log_level="debug" if args.debug else "info",
             server_header=False,
         )

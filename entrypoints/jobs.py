@@ -265,7 +265,10 @@ class WorkerSlot:
             except Exception:  # noqa: BLE001 - one bad job must not take the worker down
                 log.exception("job %s: unexpected error in the worker", job_id)
                 self.runner.store.update(
-                    job_id, only_if=ACTIVE, status=FAILED, completed_at=int(time.time()),
+                    job_id,
+                    only_if=ACTIVE,
+                    status=FAILED,
+                    completed_at=int(time.time()),
                     error={"message": "internal error in the job worker", "type": "server_error"},
                 )
             finally:
@@ -316,9 +319,15 @@ class WorkerSlot:
             if self.runner.stopping.is_set():
                 return  # stays in_progress, input kept: the next server start resumes it
             store.update(
-                job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now,
-                error={"message": f"the worker process exited (code {code}) during the job; resubmit the same "
-                       "request to resume from its finished tiles", "type": "server_error"},
+                job_id,
+                only_if=(IN_PROGRESS,),
+                status=FAILED,
+                completed_at=now,
+                error={
+                    "message": f"the worker process exited (code {code}) during the job; resubmit the same "
+                    "request to resume from its finished tiles",
+                    "type": "server_error",
+                },
             )
             self._spawn()  # warm up the next child while the queue is idle
         elif reply["event"] == "done":
@@ -326,14 +335,23 @@ class WorkerSlot:
             width, height = summary["size"]
             output = store.output_path(job_id)
             store.update(
-                job_id, only_if=(IN_PROGRESS,), status=COMPLETED, progress=100, completed_at=now,
+                job_id,
+                only_if=(IN_PROGRESS,),
+                status=COMPLETED,
+                progress=100,
+                completed_at=now,
                 run_key=summary["run_key"],
                 output={
-                    "width": width, "height": height, "frames": summary["frames"], "fps": summary["fps"],
-                    "has_audio": reply.get("has_audio"), "bytes": output.stat().st_size if output.is_file() else None,
+                    "width": width,
+                    "height": height,
+                    "frames": summary["frames"],
+                    "fps": summary["fps"],
+                    "has_audio": reply.get("has_audio"),
+                    "bytes": output.stat().st_size if output.is_file() else None,
                 },
                 tiles={
-                    "total": summary["tiles_total"], "computed": summary["tiles_computed"],
+                    "total": summary["tiles_total"],
+                    "computed": summary["tiles_computed"],
                     "reused": summary["tiles_reused"],
                 },
             )
@@ -488,7 +506,8 @@ class JobRunner:
         """Delete the finished jobs that finished `retention_s` ago or earlier."""
         deadline = time.time() - self.retention_s
         expired = [
-            job["id"] for job in self.store.all()
+            job["id"]
+            for job in self.store.all()
             if job["status"] in FINISHED and (job.get("completed_at") or 0) <= deadline and not self.running(job["id"])
         ]
         for job_id in expired:

@@ -15,7 +15,10 @@ def uses_processes(workers: int, gpus: bool, dask_address: str | None) -> bool:
 def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:
     """The local Dask cluster for tiles: one worker per GPU (dask-cuda pins each), or `workers` CPU processes."""
     if gpus:
-        return "dask_cuda.LocalCUDACluster", {"threads_per_worker": 1, **({"n_workers": workers} if workers > 1 else {})}
+        return "dask_cuda.LocalCUDACluster", {
+            "threads_per_worker": 1,
+            **({"n_workers": workers} if workers > 1 else {}),
+        }
     return "distributed.LocalCluster", {
         "n_workers": workers,
         "processes": True,

@@ -48,8 +48,24 @@ from storage import default_store_root
 from storage.records import atomic_write_bytes
 
 VIDEO_GLOBS = (
-    "*.mp4", "*.m4v", "*.mov", "*.mkv", "*.webm", "*.avi", "*.wmv", "*.flv", "*.mpg", "*.mpeg", "*.m2v",
-    "*.ts", "*.mts", "*.m2ts", "*.mxf", "*.3gp", "*.ogv", "*.y4m",
+    "*.mp4",
+    "*.m4v",
+    "*.mov",
+    "*.mkv",
+    "*.webm",
+    "*.avi",
+    "*.wmv",
+    "*.flv",
+    "*.mpg",
+    "*.mpeg",
+    "*.m2v",
+    "*.ts",
+    "*.mts",
+    "*.m2ts",
+    "*.mxf",
+    "*.3gp",
+    "*.ogv",
+    "*.y4m",
 )
 MANIFEST_NAME = "k6vsr-archive-manifest"
 STATUSES = ("done", "reused", "failed", "skipped", "planned")
@@ -178,8 +194,10 @@ def _sources(
     if not base.is_dir():
         raise UserFacingError(f"input folder {input_dir} does not exist")
     if output_dir == base:
-        raise UserFacingError(f"the output folder {output_dir} is the input folder: outputs would be read as inputs "
-                         "by the next run; choose another folder (a subfolder of the input is fine)")
+        raise UserFacingError(
+            f"the output folder {output_dir} is the input folder: outputs would be read as inputs "
+            "by the next run; choose another folder (a subfolder of the input is fine)"
+        )
     return base, scan_folder(base, include, exclude, skip=output_dir)
 
 
@@ -231,16 +249,23 @@ def plan_clips(
         try:
             relative = source.relative_to(base)
         except ValueError:
-            rows.append(ArchiveRow(source=str(source), relative_path=source.name, status="skipped",
-                                   reason=f"not inside the input folder {base}"))
+            rows.append(
+                ArchiveRow(
+                    source=str(source),
+                    relative_path=source.name,
+                    status="skipped",
+                    reason=f"not inside the input folder {base}",
+                )
+            )
             continue
         output = output_dir / relative.parent / output_name(relative, params)
         row = ArchiveRow(source=str(source), relative_path=relative.as_posix(), status="planned", output=str(output))
         if isinstance(result, BaseException):
             rows.append(row.model_copy(update={"status": "skipped", "reason": _describe(result), "output": ""}))
             continue
-        row = row.model_copy(update={"run_key": result.run.run_key, "frames": result.plan.num_frames,
-                                     "tiles": result.plan.num_tiles})
+        row = row.model_copy(
+            update={"run_key": result.run.run_key, "frames": result.plan.num_frames, "tiles": result.plan.num_tiles}
+        )
         if output in claimed:
             reason = f"its output {output} is already the output of {claimed[output]}"
             rows.append(row.model_copy(update={"status": "skipped", "output": "", "reason": reason}))
@@ -251,10 +276,21 @@ def plan_clips(
             earlier = previous.get(row.relative_path, row.run_key)
             reason = "output exists"
             if earlier != row.run_key:
-                reason = (f"output exists, made by run {earlier} but this request is run {row.run_key} (the source, "
-                          "parameters or model changed); overwrite replaces it")
-            rows.append(row.model_copy(update={"status": "reused", "reason": reason, "run_key": earlier,
-                                               "tiles_computed": 0, "tiles_reused": row.tiles}))
+                reason = (
+                    f"output exists, made by run {earlier} but this request is run {row.run_key} (the source, "
+                    "parameters or model changed); overwrite replaces it"
+                )
+            rows.append(
+                row.model_copy(
+                    update={
+                        "status": "reused",
+                        "reason": reason,
+                        "run_key": earlier,
+                        "tiles_computed": 0,
+                        "tiles_reused": row.tiles,
+                    }
+                )
+            )
         else:
             reason = "finished run in the store: only the output is written" if result.finished else ""
             rows.append(row.model_copy(update={"reason": reason}))
@@ -304,8 +340,10 @@ def write_manifest(output_dir: Path, header: dict[str, Any], rows: list[ArchiveR
 
 def _publish_table(slug: str, rows: list[ArchiveRow], description: str) -> None:
     try:
-        table = [{k: ("" if v is None else v) for k, v in row.model_dump(mode="json").items() if k != "source"}
-                 for row in rows]
+        table = [
+            {k: ("" if v is None else v) for k, v in row.model_dump(mode="json").items() if k != "source"}
+            for row in rows
+        ]
         create_table_artifact(table=table, key=f"archive-manifest-{slug}", description=description)
     except Exception as err:  # noqa: BLE001 - the UI is best effort; the manifest files are the record
         get_run_logger().warning("could not publish the manifest table artifact: %s", err)
@@ -408,9 +446,10 @@ def upscale_archive(
     )
     _publish_table(slug, rows, describe())
     last_table = time.monotonic()
-    with shared_tiles_cluster(workers, gpus, dask_address) as address, ThreadPoolExecutor(
-        max_workers=max(1, max_parallel), thread_name_prefix="archive-clip"
-    ) as pool:
+    with (
+        shared_tiles_cluster(workers, gpus, dask_address) as address,
+        ThreadPoolExecutor(max_workers=max(1, max_parallel), thread_name_prefix="archive-clip") as pool,
+    ):
 
         def run(index: int) -> tuple[int, float, Any]:
             row = rows[index]
@@ -430,8 +469,13 @@ def upscale_archive(
             if row.status == "failed":
                 logger.error("clip %s failed: %s", row.relative_path, row.reason)
             else:
-                logger.info("clip %s done in %.1f s (%s tiles computed, %s reused)",
-                            row.relative_path, seconds, row.tiles_computed, row.tiles_reused)
+                logger.info(
+                    "clip %s done in %.1f s (%s tiles computed, %s reused)",
+                    row.relative_path,
+                    seconds,
+                    row.tiles_computed,
+                    row.tiles_reused,
+                )
             write_manifest(out_dir, header, rows)
             if progress is not None:
                 update_progress_artifact(artifact_id=progress, progress=100.0 * finished / len(pending))
@@ -442,25 +486,29 @@ def upscale_archive(
     summary = _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
     logger.info("%s; manifest %s", summary.message, manifest_json)
     if summary.failed:
-        raise ArchiveFailed(f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
-                            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused")
+        raise ArchiveFailed(
+            f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
+            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused"
+        )
     return summary
 
 
 def _finished_row(row: ArchiveRow, seconds: float, outcome: Any) -> ArchiveRow:
     if isinstance(outcome, BaseException):
         return row.model_copy(update={"status": "failed", "reason": _describe(outcome), "seconds": round(seconds, 3)})
-    return row.model_copy(update={
-        "status": "done",
-        "reason": "published from the finished run in the store" if outcome.reused_output else "",
-        "run_key": outcome.run_key,
-        "frames": outcome.frames,
-        "tiles": outcome.tiles_total,
-        "tiles_computed": outcome.tiles_computed,
-        "tiles_reused": outcome.tiles_reused,
-        "seconds": round(seconds, 3),
-        "output": outcome.output,
-    })
+    return row.model_copy(
+        update={
+            "status": "done",
+            "reason": "published from the finished run in the store" if outcome.reused_output else "",
+            "run_key": outcome.run_key,
+            "frames": outcome.frames,
+            "tiles": outcome.tiles_total,
+            "tiles_computed": outcome.tiles_computed,
+            "tiles_reused": outcome.tiles_reused,
+            "seconds": round(seconds, 3),
+            "output": outcome.output,
+        }
+    )
 
 
 def _summary(

@@ -47,7 +47,9 @@ class DenseSdpaProcessor:
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return F.scaled_dot_product_attention(query, key, value)
 
-    def __call__(self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any) -> torch.Tensor:
+    def __call__(
+        self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: Any
+    ) -> torch.Tensor:
         out = self.attend(*project_qkv(attn, hidden_states, rotary_emb))
         return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
 

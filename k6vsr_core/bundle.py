@@ -294,7 +294,9 @@ def _check_tensors(component: str, model_cls: Any, kwargs: dict[str, Any], weigh
         if mismatched:
             name = mismatched[0]
             details.append(f"{len(mismatched)} of another shape (e.g. {name}: {found[name]} vs {expected[name]})")
-        raise BundleError(f"{component}: weights do not match the architecture in its config.json: {'; '.join(details)}")
+        raise BundleError(
+            f"{component}: weights do not match the architecture in its config.json: {'; '.join(details)}"
+        )
 
 
 def _check_head(out_visual_dim: int, in_visual_dim: int, scheduler: dict[str, Any]) -> None:
@@ -314,7 +316,9 @@ def _check_head(out_visual_dim: int, in_visual_dim: int, scheduler: dict[str, An
                 f"model ({DEFAULT_MODEL}) instead"
             )
     else:
-        raise BundleError(f"scheduler: unsupported scheduler class {scheduler_class!r}; expected {PIFLOW} or {FLOW_EULER}")
+        raise BundleError(
+            f"scheduler: unsupported scheduler class {scheduler_class!r}; expected {PIFLOW} or {FLOW_EULER}"
+        )
 
 
 FINGERPRINT_SAMPLES = 64
@@ -408,9 +412,10 @@ def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None
     is_piflow = scheduler["_class_name"] == PIFLOW
     # The released config has no `tile_sizes`: the class default is the release's (diffusers wraps `__init__`, so
     # its defaults are read through the signature, which follows the wrapper).
-    tile_sizes = dit.get("tile_sizes") or inspect.signature(Kandinsky6SRTransformer3DModel.__init__).parameters[
-        "tile_sizes"
-    ].default
+    tile_sizes = (
+        dit.get("tile_sizes")
+        or inspect.signature(Kandinsky6SRTransformer3DModel.__init__).parameters["tile_sizes"].default
+    )
     sr_params = raw["transformer"].get("sr_params") or {}
     print_fp = fingerprint(path)
     info = BundleInfo(

@@ -176,7 +176,6 @@ class FastNablaProcessor(Kandinsky6SRAttnProcessor):
         return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
 
 
-
 def _attention_modules(transformer: Any) -> list[Any]:
     from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttention
 

@@ -460,9 +460,7 @@ def _encoder_frames(frames: np.ndarray, fps: int) -> Iterator[av.VideoFrame]:
         # Convert explicitly so the matrix used matches the BT.709 tags on the
         # stream; left implicit, swscale would use BT.601 and tag nothing, and
         # players would guess (usually BT.709 for HD) and shift the colours.
-        frame = frame.reformat(
-            format=_VIDEO_PIX_FMT, dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
-        )
+        frame = frame.reformat(format=_VIDEO_PIX_FMT, dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG)
         frame.pts = index
         frame.time_base = time_base
         yield frame
@@ -509,9 +507,7 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def write_video(
-    path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray | None, rotation: int = 0
-) -> None:
+def write_video(path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray | None, rotation: int = 0) -> None:
     """Encode RGB frames (and optional mono audio) as an H.264/AAC MP4 at ``path``.
 
     - ``frames``: ``(T, H, W, 3)`` uint8 RGB; frame ``i`` gets pts ``i`` in a

@@ -22,14 +22,14 @@ reasons with are `RELEASED_FOOTPRINT`, the released model's, measured on an H200
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from k6vsr_core.plan import ClipPlan, TEMPORAL_FACTOR
+from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan
 from k6vsr_core.tiling import SPATIAL_FACTOR, Size
 
 if TYPE_CHECKING:

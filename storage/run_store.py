@@ -87,7 +87,9 @@ class RunStore:
                 pass
         array = group[name]
         if tuple(array.shape) != tuple(shape) or array.dtype != np.dtype(dtype):
-            raise StoreError(f"run {self.run_key}: stored {name} is {array.dtype}{array.shape}, expected {dtype}{shape}")
+            raise StoreError(
+                f"run {self.run_key}: stored {name} is {array.dtype}{array.shape}, expected {dtype}{shape}"
+            )
         return array
 
     def put(
@@ -176,11 +178,7 @@ class RunStore:
 
     def output_done(self) -> bool:
         record = self.records.read("mux", "all")
-        return (
-            record is not None
-            and self.output_path.is_file()
-            and file_checksum(self.output_path) == record.checksum
-        )
+        return record is not None and self.output_path.is_file() and file_checksum(self.output_path) == record.checksum
 
     # ------------------------------------------------------------------------------------------- progress
 
@@ -283,9 +281,7 @@ def publish(source: Path, destination: Path) -> Path:
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(destination.parent, f".{destination.name}.", ".partial")
-        fd, tmp = tempfile.mkstemp(
-            dir=destination.parent, prefix=f".{destination.name}.{_owner()}.", suffix=".partial"
-        )
+        fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.{_owner()}.", suffix=".partial")
         os.close(fd)
         os.chmod(tmp, 0o666 & ~_umask())
         shutil.copyfile(source, tmp)

@@ -65,7 +65,9 @@ class Fault:
         head, *options = spec.strip().split(":")
         action, sep, point = head.partition("@")
         if not sep or action not in ("kill", "raise", "nospace") or point not in POINTS:
-            raise ValueError(f"bad fault spec {spec!r}: want kill|raise|nospace@{'|'.join(POINTS)}[:nth=N][:times=N][:tile=I]")
+            raise ValueError(
+                f"bad fault spec {spec!r}: want kill|raise|nospace@{'|'.join(POINTS)}[:nth=N][:times=N][:tile=I]"
+            )
         fault = cls(action=action, point=point, text=spec.strip())
         for option in options:
             key, _, value = option.partition("=")

@@ -41,8 +41,21 @@ class Server:
 
     def start(self) -> Server:
         command = [
-            sys.executable, "-m", "entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-            "--store", str(self.store), "--model", str(self.bundle), "--device", "cpu", *self.args,
+            sys.executable,
+            "-m",
+            "entrypoints.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--store",
+            str(self.store),
+            "--model",
+            str(self.bundle),
+            "--device",
+            "cpu",
+            *self.args,
         ]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
@@ -124,9 +137,16 @@ class Server:
         Returns the status, the body, and how many body bytes were sent before the answer came.
         """
         sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
-        head = ["POST /v1/videos HTTP/1.1", "Host: 127.0.0.1", "Transfer-Encoding: chunked",
-                *(f"{name}: {value}" for name, value in {**self.client.headers, **headers}.items()
-                  if name.lower() in ("authorization", "content-type"))]
+        head = [
+            "POST /v1/videos HTTP/1.1",
+            "Host: 127.0.0.1",
+            "Transfer-Encoding: chunked",
+            *(
+                f"{name}: {value}"
+                for name, value in {**self.client.headers, **headers}.items()
+                if name.lower() in ("authorization", "content-type")
+            ),
+        ]
         sent = 0
         with sock:
             sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())

@@ -64,8 +64,14 @@ def test_archive_runs_reuses_and_reruns_nothing(
     finished.parent.mkdir(parents=True)
     finished.write_bytes(b"an output made earlier")
     before = finished.stat().st_mtime_ns
-    kwargs = dict(input_dir=str(folder), output_dir=str(out), params=PARAMS, model=_model(tiny_bundle_path),
-                  store_root=str(tmp_path / "store"), max_parallel=2)
+    kwargs = dict(
+        input_dir=str(folder),
+        output_dir=str(out),
+        params=PARAMS,
+        model=_model(tiny_bundle_path),
+        store_root=str(tmp_path / "store"),
+        max_parallel=2,
+    )
 
     state = upscale_archive(**kwargs, return_state=True)
     assert state.is_completed(), state.message
@@ -90,8 +96,19 @@ def test_archive_runs_reuses_and_reruns_nothing(
     with open(summary.manifest_csv, newline="") as handle:
         table = list(csv.DictReader(handle))
     assert {r["relative_path"]: r["status"] for r in table} == {k: v["status"] for k, v in rows.items()}
-    assert list(table[0]) == ["source", "relative_path", "status", "reason", "run_key", "frames", "tiles",
-                              "tiles_computed", "tiles_reused", "seconds", "output"]
+    assert list(table[0]) == [
+        "source",
+        "relative_path",
+        "status",
+        "reason",
+        "run_key",
+        "frames",
+        "tiles",
+        "tiles_computed",
+        "tiles_reused",
+        "seconds",
+        "output",
+    ]
 
     # The Prefect side: one clip flow run per pending clip, under the archive run, and the manifest table.
     with get_client(sync_client=True) as client:
@@ -100,16 +117,21 @@ def test_archive_runs_reuses_and_reruns_nothing(
         children = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[archive_run.id]))
         )
-        assert sorted(run.name for run in children) == ["upscale-a.mp4", "upscale-sub/b.mp4",
-                                                        "upscale-sub/deeper/c.mp4"]
+        assert sorted(run.name for run in children) == [
+            "upscale-a.mp4",
+            "upscale-sub/b.mp4",
+            "upscale-sub/deeper/c.mp4",
+        ]
         assert all(run.state.is_completed() for run in children)
         slug = archive_slug(folder)
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[archive_run.id])),
             sort=ArtifactSort.CREATED_DESC,
         )
-        assert {(a.key, a.type) for a in artifacts} == {(f"archive-manifest-{slug}", "table"),
-                                                        (f"archive-progress-{slug}", "progress")}
+        assert {(a.key, a.type) for a in artifacts} == {
+            (f"archive-manifest-{slug}", "table"),
+            (f"archive-progress-{slug}", "progress"),
+        }
         progress = next(a for a in artifacts if a.type == "progress")
         assert float(progress.data) == 100.0
         table = next(a for a in artifacts if a.type == "table")  # the latest version
@@ -155,8 +177,23 @@ def test_failed_clip_does_not_stop_the_others(
         return original.fn(source, run, *rest)
 
     monkeypatch.setattr(ingest_tasks, "ingest", failing_ingest)
-    argv = ["archive", str(folder), "-o", str(tmp_path / "out"), "--model", str(tiny_bundle_path), "--device", "cpu",
-            "--scale", "2", "--store", str(tmp_path / "store"), "--max-parallel", "2", "--json"]
+    argv = [
+        "archive",
+        str(folder),
+        "-o",
+        str(tmp_path / "out"),
+        "--model",
+        str(tiny_bundle_path),
+        "--device",
+        "cpu",
+        "--scale",
+        "2",
+        "--store",
+        str(tmp_path / "store"),
+        "--max-parallel",
+        "2",
+        "--json",
+    ]
     assert main(argv) == 1
     result = json.loads(capsys.readouterr().out)
     assert result["failed"] is True and result["counts"] == {"done": 1, "failed": 1}
@@ -178,16 +215,30 @@ def test_plan_writes_the_manifest_and_runs_nothing(
     (out / "old").mkdir(parents=True)
     (out / "old" / "d_sr2x.mp4").write_bytes(b"earlier")
     store = tmp_path / "store"
-    argv = ["archive", str(folder), "-o", str(out), "--model", str(tiny_bundle_path), "--device", "cpu",
-            "--scale", "2", "--store", str(store), "--plan", "--exclude", "sub/deeper/*"]
+    argv = [
+        "archive",
+        str(folder),
+        "-o",
+        str(out),
+        "--model",
+        str(tiny_bundle_path),
+        "--device",
+        "cpu",
+        "--scale",
+        "2",
+        "--store",
+        str(store),
+        "--plan",
+        "--exclude",
+        "sub/deeper/*",
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "planned: 2" in printed and "k6vsr-archive-manifest.json" in printed
     manifest = json.loads((out / "k6vsr-archive-manifest.json").read_text())
     assert manifest["plan_only"] is True
     statuses = {r["relative_path"]: r["status"] for r in manifest["rows"]}
-    assert statuses == {"a.mp4": "planned", "sub/b.mp4": "planned", "old/d.mp4": "reused",
-                        "sub/broken.mp4": "skipped"}
+    assert statuses == {"a.mp4": "planned", "sub/b.mp4": "planned", "old/d.mp4": "reused", "sub/broken.mp4": "skipped"}
     planned = _by_path(manifest["rows"])["sub/b.mp4"]
     assert planned["output"] == str(out / "sub" / "b_sr2x.mp4") and planned["tiles"] > 0 and planned["run_key"]
     assert (out / "k6vsr-archive-manifest.csv").is_file()
@@ -208,7 +259,9 @@ def test_path_list_and_name_collisions(tmp_path: Path, tiny_bundle_path: Path) -
     assert read_path_list(listing) == [str(tmp_path / "in/x.mp4"), str(tmp_path / "in/x.mov")]
     base, sources = _sources(str(listing), None, tmp_path / "out", ["*.mp4"], [])
     assert base == folder.resolve() and [s.name for s in sources] == ["x.mp4", "x.mov"]
-    rows, plans = plan_clips(base, sources, tmp_path / "out", PARAMS, _model(tiny_bundle_path), str(tmp_path / "s"), False)
+    rows, plans = plan_clips(
+        base, sources, tmp_path / "out", PARAMS, _model(tiny_bundle_path), str(tmp_path / "s"), False
+    )
     assert [r.status for r in rows] == ["planned", "skipped"]
     assert "already the output of x.mp4" in rows[1].reason
     assert list(plans) == ["x.mp4"] and plans["x.mp4"].run.run_key == rows[0].run_key
@@ -221,8 +274,16 @@ def test_scan_rules(tmp_path: Path, capsys) -> None:
     from flows.upscale_archive import VIDEO_GLOBS, scan_folder
 
     folder = tmp_path / "in"
-    for name in ("A.MP4", "b.mov", "notes.txt", ".hidden.mp4", ".cache/c.mp4", "sr/a_sr2x.mp4", "keep/d.mkv",
-                 "proxies/e.mp4"):
+    for name in (
+        "A.MP4",
+        "b.mov",
+        "notes.txt",
+        ".hidden.mp4",
+        ".cache/c.mp4",
+        "sr/a_sr2x.mp4",
+        "keep/d.mkv",
+        "proxies/e.mp4",
+    ):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(b"x")
     found = scan_folder(folder, VIDEO_GLOBS, ["proxies/*"], skip=folder / "sr")

@@ -116,7 +116,11 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # Nine all-intra frames, once with the index at the end (as recorders write) and once at the front.
     plain = _encode(root / "nine-plain.mp4", frames=9, options={"g": "1"})
     fast = _encode(root / "nine-fast.mp4", frames=9, options={"g": "1"}, container_options={"movflags": "+faststart"})
-    for name, source, cut in [("cut-plain-10", plain, 0.10), ("cut-plain-50", plain, 0.50), ("cut-plain-99", plain, 0.99)]:
+    for name, source, cut in [
+        ("cut-plain-10", plain, 0.10),
+        ("cut-plain-50", plain, 0.50),
+        ("cut-plain-99", plain, 0.99),
+    ]:
         data = source.read_bytes()
         files[name] = root / f"{name}.mp4"
         files[name].write_bytes(data[: int(len(data) * cut)])
@@ -225,7 +229,6 @@ def assert_refused(result: Result, *causes: str, names: Path | str | None = None
     assert result.model_loads == 0, "a model was loaded for a refused input"
     assert files_in(result.store / "runs") == [], "a run was started in the store"
     assert [p for p in files_in(result.out_dir) if p.is_file()] == [], "something was written to the output folder"
-
 
 
 def assert_runs(
@@ -395,7 +398,9 @@ def test_odd_size_plan(cli: Cli, corpus: dict[str, Path]) -> None:
 def rotated_run(corpus: dict[str, Path], tiny_bundle_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("rotated")
     argv = ["upscale", str(corpus["rotated"]), "--model", str(tiny_bundle_path), "--store", str(out / "store")]
-    assert main([*argv, "-o", str(out / "out"), "--output-file-name", "r.mp4", "--json", "--device", "cpu", *SCALE2]) == 0
+    assert (
+        main([*argv, "-o", str(out / "out"), "--output-file-name", "r.mp4", "--json", "--device", "cpu", *SCALE2]) == 0
+    )
     return out / "out" / "r.mp4"
 
 
@@ -521,9 +526,7 @@ def test_output_dir_on_full_disk_mount(cli: Cli, corpus: dict[str, Path], tmp_pa
         assert_refused(result, "is on a full disk", names=mount / "out")
 
 
-def test_output_dir_on_full_disk_emulated(
-    cli: Cli, corpus: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_output_dir_on_full_disk_emulated(cli: Cli, corpus: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
     real = shutil.disk_usage

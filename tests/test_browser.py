@@ -27,8 +27,15 @@ from service.runs import ModelSpec
 pytestmark = pytest.mark.slow
 
 CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync", "--window-size=1400,1250",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1400,1250",
 )
 WAIT_S = 60
 SCREENSHOT_DIR = os.environ.get("K6VSR_SCREENSHOT_DIR")
@@ -63,8 +70,9 @@ def _wait(driver, condition: Callable[[object], object], what: str):
         return WebDriverWait(driver, WAIT_S, poll_frequency=0.5).until(condition)
     except TimeoutException:
         body = driver.find_element("tag name", "body").text
-        raise AssertionError(f"the UI at {driver.current_url} did not show {what} in {WAIT_S} s; it shows:\n"
-                             f"{body[:3000]}") from None
+        raise AssertionError(
+            f"the UI at {driver.current_url} did not show {what} in {WAIT_S} s; it shows:\n{body[:3000]}"
+        ) from None
 
 
 def _wait_text(driver, *texts: str) -> None:
@@ -72,15 +80,19 @@ def _wait_text(driver, *texts: str) -> None:
 
 
 def _tab(driver, name: str) -> None:
-    tab = _wait(driver, lambda d: d.find_elements(
-        "xpath", f"//li[contains(@class, 'p-tab') and normalize-space(.)='{name}']"), f"the {name} tab")
+    tab = _wait(
+        driver,
+        lambda d: d.find_elements("xpath", f"//li[contains(@class, 'p-tab') and normalize-space(.)='{name}']"),
+        f"the {name} tab",
+    )
     tab[0].click()
 
 
 def _run_state(driver, run_name: str) -> str:
     """The state badge of the listed flow run named `run_name` (empty while it is not listed)."""
     rows = driver.find_elements(
-        "xpath", f"//a[normalize-space(.)='{run_name}']/ancestor::div[contains(@class, 'state-list-item ')][1]")
+        "xpath", f"//a[normalize-space(.)='{run_name}']/ancestor::div[contains(@class, 'state-list-item ')][1]"
+    )
     if not rows:
         return ""
     badges = rows[0].find_elements("css selector", ".state-badge")
@@ -114,9 +126,13 @@ def test_archive_in_the_prefect_ui(prefect_server: str, tiny_bundle_path: Path, 
     make_sample_clip(folder / "harbour" / "dusk.mp4", width=96, height=64, num_frames=1, tone_hz=620.0)
     (folder / "broken.mp4").write_bytes(b"\x00not a video\xff" * 300)
     state = upscale_archive(
-        input_dir=str(folder), output_dir=str(tmp_path / "out"), params=UpscaleParams(scale=2),
-        model=ModelSpec(model=str(tiny_bundle_path), device="cpu"), store_root=str(tmp_path / "store"),
-        max_parallel=2, return_state=True,
+        input_dir=str(folder),
+        output_dir=str(tmp_path / "out"),
+        params=UpscaleParams(scale=2),
+        model=ModelSpec(model=str(tiny_bundle_path), device="cpu"),
+        store_root=str(tmp_path / "store"),
+        max_parallel=2,
+        return_state=True,
     )
     assert state.is_completed(), state.message
     summary = state.result()
@@ -151,14 +167,31 @@ def test_archive_in_the_prefect_ui(prefect_server: str, tiny_bundle_path: Path, 
     _wait_text(browser, f"archive-manifest-{slug}", f"clip-report-{dawn.run_key[:12]}")
 
     browser.get(f"{ui}/artifacts/artifact/{_latest_artifact_id(f'archive-manifest-{slug}')}")
-    _wait_text(browser, "relative_path", "dawn.mp4", "harbour/dusk.mp4", "done", "broken.mp4", "skipped",
-               "not a readable media file", "harbour/dusk_sr2x.mp4")
+    _wait_text(
+        browser,
+        "relative_path",
+        "dawn.mp4",
+        "harbour/dusk.mp4",
+        "done",
+        "broken.mp4",
+        "skipped",
+        "not a readable media file",
+        "harbour/dusk_sr2x.mp4",
+    )
     browser.save_screenshot(str(tmp_path / "browser-manifest.png"))
 
     # A clip's report: the before/after preview images, decoded by the browser.
     browser.get(f"{ui}/artifacts/artifact/{_latest_artifact_id(f'clip-report-{dawn.run_key[:12]}')}")
     _wait_text(browser, "dawn.mp4", "before (64", "after (128")
-    _wait(browser, lambda d: d.execute_script(
-        "return [...document.images].filter(i => i.src.startsWith('data:image/') && i.complete"
-        " && i.naturalWidth > 0).length") >= 2, "the before/after preview images")
+    _wait(
+        browser,
+        lambda d: (
+            d.execute_script(
+                "return [...document.images].filter(i => i.src.startsWith('data:image/') && i.complete"
+                " && i.naturalWidth > 0).length"
+            )
+            >= 2
+        ),
+        "the before/after preview images",
+    )
     browser.save_screenshot(str(tmp_path / "browser-report.png"))

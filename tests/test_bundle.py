@@ -254,9 +254,7 @@ def test_missing_local_folder(tmp_path: Path) -> None:
         load_bundle(str(tmp_path / "nowhere"))
 
 
-def test_uncached_hub_id_offline_says_how_to_use_a_local_copy(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_uncached_hub_id_offline_says_how_to_use_a_local_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -316,8 +314,12 @@ def test_vae_kwargs_nested_released_form() -> None:
 
 
 def test_vae_kwargs_flat_and_diffusers_forms() -> None:
-    flat = {**RELEASED_VAE["encoder_config"], "decoder_ch": 256, "decoder_ch_mult": [0.0625, 1, 2, 4, 8],
-            "scaling_factor": 0.9}
+    flat = {
+        **RELEASED_VAE["encoder_config"],
+        "decoder_ch": 256,
+        "decoder_ch_mult": [0.0625, 1, 2, 4, 8],
+        "scaling_factor": 0.9,
+    }
     kwargs = vae_kwargs(flat)
     assert kwargs["encoder_block_out_channels"] == (16, 128, 256, 512, 1024)
     assert kwargs["decoder_block_out_channels"] == (16, 256, 512, 1024, 2048)
@@ -336,9 +338,17 @@ def test_bundle_with_nested_vae_config_loads(tiny_bundle_path: Path, tmp_path: P
         "_class_name": flat["_class_name"],
         "vae_type": "video-kvae",
         "scaling_factor": flat["scaling_factor"],
-        "encoder_config": {key: flat[key] for key in
-                           ("ch", "ch_mult", "num_res_blocks", "z_channels", "temporal_compress_times",
-                            "temporal_compress_start_level")},
+        "encoder_config": {
+            key: flat[key]
+            for key in (
+                "ch",
+                "ch_mult",
+                "num_res_blocks",
+                "z_channels",
+                "temporal_compress_times",
+                "temporal_compress_start_level",
+            )
+        },
         "decoder_config": {"ch": flat["decoder_ch"], "ch_mult": flat["decoder_ch_mult"]},
     }
     config_file.write_text(json.dumps(nested))

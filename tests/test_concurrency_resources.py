@@ -289,7 +289,9 @@ def test_run_waiting_on_gc_holds_the_store_it_ends_up_using(tmp_path: Path) -> N
     assert entered.wait(10)
     try:
         report = collect_garbage(tmp_path)
-        assert [(r["run_key"], r["deleted"], r["reason"]) for r in report] == [(store.run_key, False, "in use by a live run")]
+        assert [(r["run_key"], r["deleted"], r["reason"]) for r in report] == [
+            (store.run_key, False, "in use by a live run")
+        ]
         assert store.path.is_dir()
     finally:
         release.set()

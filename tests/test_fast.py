@@ -19,8 +19,6 @@ from k6vsr_core.attention import DenseSdpaProcessor
 from k6vsr_core.bundle import ModelBundle, load_bundle, model_traits
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ClipPlan, make_plan
-from k6vsr_core.runner import upscale
-from k6vsr_core.sample import make_sample_clip
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +70,9 @@ def test_attention_hook_installs_and_reuses_the_fast_processors(fresh_bundle: Mo
     assert all(isinstance(p, fast.FastNablaProcessor) for p in nabla)
     assert all(isinstance(p, Kandinsky6SRAttnProcessor) for p in nabla)  # so the plain set_attention keeps it
     stages.use_attention(fresh_bundle, "dense")
-    assert all(m.processor is p for m, p in zip(layers, dense, strict=True))  # the same objects: no recompile on a switch
+    assert all(
+        m.processor is p for m, p in zip(layers, dense, strict=True)
+    )  # the same objects: no recompile on a switch
     stages.use_attention(fresh_bundle, "nabla")
     assert all(m.processor is p for m, p in zip(layers, nabla, strict=True))
 
@@ -107,16 +107,36 @@ def test_bench_tiny_smoke(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(ROOT))
     out = tmp_path / "out"
-    code = run_bench.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--label", "smoke",
-                           "--phases", "setup,baseline,plain,fast"])
+    code = run_bench.main(
+        [
+            "--tiny",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+            "--label",
+            "smoke",
+            "--phases",
+            "setup,baseline,plain,fast",
+        ]
+    )
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     records = {(r["name"], r["workload"]): r for r in results["records"]}
-    assert not [r for r in results["records"] if r.get("error")], [r["error"] for r in results["records"] if r.get("error")]
+    assert not [r for r in results["records"] if r.get("error")], [
+        r["error"] for r in results["records"] if r.get("error")
+    ]
     assert records[("diffusers", "W1")]["seconds"] > 0
     hot = records[("ours-fast hot (dense)", "W2")]
     assert hot["vs_plain"]["same_bytes"]  # on a CPU the fast path is the plain path
-    assert set(records[("ours-fast hot (dense)", "W1")]["stages"]) >= {"encode", "upscaler", "dit", "decode", "blend", "mux"}
+    assert set(records[("ours-fast hot (dense)", "W1")]["stages"]) >= {
+        "encode",
+        "upscaler",
+        "dit",
+        "decode",
+        "blend",
+        "mux",
+    }
     table = (out / "RESULTS-fragment.md").read_text()
     assert "W1 ours dense hot / diffusers" in table
 
@@ -132,8 +152,24 @@ def test_bench_tiny_workers_give_identical_bytes(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(ROOT))
     out = tmp_path / "out"
-    assert run_bench.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--label", "workers",
-                           "--phases", "multi", "--gpus", "2"]) == 0
+    assert (
+        run_bench.main(
+            [
+                "--tiny",
+                "--work",
+                str(tmp_path / "work"),
+                "--out",
+                str(out),
+                "--label",
+                "workers",
+                "--phases",
+                "multi",
+                "--gpus",
+                "2",
+            ]
+        )
+        == 0
+    )
     records = json.loads((out / "results.json").read_text())["records"]
     two = [r for r in records if r["name"] == "store flow, 2 workers"]
     assert two and two[0]["byte_identical_to_1_worker"] is True, records
@@ -150,7 +186,9 @@ def test_memory_bench_tiny_smoke(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(ROOT))
     out = tmp_path / "out"
-    assert memory_bench.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--modes", "16g,decode"]) == 0
+    assert (
+        memory_bench.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--modes", "16g,decode"]) == 0
+    )
     results = json.loads((out / "memory-bench.json").read_text())
     assert not [m for m in results["modes"].values() if "error" in m], results["modes"]
     low = results["modes"]["16g"]

@@ -245,7 +245,10 @@ DAMAGE = {
     "garbage-tile-record": ("garbage JSON in done/decode/1.json", {"denoise_chunk": 0, "decode_tile": 1}),
     "garbage-chunk-record": ("garbage JSON in done/denoise/0.json", {"denoise_chunk": 1, "decode_tile": 0}),
     "garbage-manifest": ("garbage manifest.json", {"encode_clip": 0, "denoise_chunk": 0, "decode_tile": 0}),
-    "missing-latent-record": ("encode record deleted and tile 0 latent truncated", {"encode_clip": 1, "denoise_chunk": 1}),
+    "missing-latent-record": (
+        "encode record deleted and tile 0 latent truncated",
+        {"encode_clip": 1, "denoise_chunk": 1},
+    ),
 }
 
 

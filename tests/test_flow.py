@@ -88,7 +88,11 @@ def _no_second_plan(*args, **kwargs):
 
 
 def test_flow_output_equals_runner_and_reuses_everything(
-    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path,
+    prefect_server: str,
+    tiny_bundle_path: Path,
+    clip_1f: Path,
+    reference: bytes,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import flows.upscale_clip
@@ -111,8 +115,19 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
     """SIGKILL the command after two chunks are stored; the rerun reuses them and finishes the rest."""
     store, out = tmp_path / "store", tmp_path / "out"
     argv = [
-        "upscale", str(clip_1f), "-o", str(out), "--output-file-name", "x.mp4", "--scale", "2",
-        "--model", str(tiny_bundle_path), "--store", str(store), "--json",
+        "upscale",
+        str(clip_1f),
+        "-o",
+        str(out),
+        "--output-file-name",
+        "x.mp4",
+        "--scale",
+        "2",
+        "--model",
+        str(tiny_bundle_path),
+        "--store",
+        str(store),
+        "--json",
     ]
     killer = textwrap.dedent(
         f"""
@@ -138,7 +153,9 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
     from entrypoints.cli import main
 
     rerun = subprocess.run(
-        [sys.executable, "-m", "entrypoints.cli", *argv, "--verbose"], capture_output=True, text=True,
+        [sys.executable, "-m", "entrypoints.cli", *argv, "--verbose"],
+        capture_output=True,
+        text=True,
         env=os.environ.copy(),
     )
     assert rerun.returncode == 0, rerun.stderr[-2000:]
@@ -152,7 +169,11 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
 
 
 def test_tile_failing_once_is_retried(
-    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path,
+    prefect_server: str,
+    tiny_bundle_path: Path,
+    clip_1f: Path,
+    reference: bytes,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import tasks.stage_tasks as stage_tasks
@@ -201,7 +222,9 @@ def test_plan_command_loads_no_model(tiny_bundle_path: Path, clip_1f: Path, tmp_
     from tasks import model_cache
 
     model_cache.clear()
-    code = main(["plan", str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--store", str(tmp_path), "--json"])
+    code = main(
+        ["plan", str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--store", str(tmp_path), "--json"]
+    )
     plan = json.loads(capsys.readouterr().out)
     assert code == 0 and model_cache.loaded_count() == 0
     assert plan["tiles"] == 6 and plan["frames_kept"] == 1 and plan["fps"] == 24
@@ -216,8 +239,19 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
     """A worker that never runs a task (here: no time to start) ends the run with a clear error."""
     env = {**os.environ, "K6VSR_WORKERS_READY_TIMEOUT": "0.001"}
     argv = [
-        "upscale", str(clip_1f), "-o", str(tmp_path), "--scale", "2", "--model", str(tiny_bundle_path),
-        "--store", str(tmp_path / "store"), "--workers", "2", "--json",
+        "upscale",
+        str(clip_1f),
+        "-o",
+        str(tmp_path),
+        "--scale",
+        "2",
+        "--model",
+        str(tiny_bundle_path),
+        "--store",
+        str(tmp_path / "store"),
+        "--workers",
+        "2",
+        "--json",
     ]
     done = subprocess.run([sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=env)
     assert done.returncode == 1
@@ -234,8 +268,18 @@ def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: 
     clip = make_sample_clip(tmp_path / "slow.mp4", width=64, height=64, num_frames=1, fps=12)
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
-    argv = ["upscale", str(clip), "-o", str(tmp_path / "out"), "--scale", "2", "--model", str(tiny_bundle_path),
-            "--store", str(tmp_path / "store")]
+    argv = [
+        "upscale",
+        str(clip),
+        "-o",
+        str(tmp_path / "out"),
+        "--scale",
+        "2",
+        "--model",
+        str(tiny_bundle_path),
+        "--store",
+        str(tmp_path / "store"),
+    ]
     done = subprocess.run(
         [sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=env, timeout=600
     )
@@ -252,4 +296,6 @@ def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: 
     log = Path(lines[4].removeprefix("log: "))
     assert lines[3] == f"store: {log.parent}"
     logged = log.read_text()
-    assert "Task run 'decode-tile-0' - Finished in state Completed()" in logged and "Flow run 'upscale-slow.mp4'" in logged
+    assert (
+        "Task run 'decode-tile-0' - Finished in state Completed()" in logged and "Flow run 'upscale-slow.mp4'" in logged
+    )

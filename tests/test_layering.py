@@ -68,7 +68,9 @@ def test_room_imports_only_what_it_may(room: str) -> None:
 
 
 def test_no_import_cycles() -> None:
-    graph = {module: {name for name in names if name in MODULES and name != module} for module, names in IMPORTS.items()}
+    graph = {
+        module: {name for name in names if name in MODULES and name != module} for module, names in IMPORTS.items()
+    }
     state: dict[str, str] = {}
     cycles = []
 
@@ -76,7 +78,7 @@ def test_no_import_cycles() -> None:
         state[module] = "open"
         for name in sorted(graph[module]):
             if state.get(name) == "open":
-                cycles.append(" -> ".join([*path[path.index(name):], name]))
+                cycles.append(" -> ".join([*path[path.index(name) :], name]))
             elif name not in state:
                 visit(name, [*path, name])
         state[module] = "done"
@@ -89,6 +91,8 @@ def test_no_import_cycles() -> None:
 
 def test_the_rule_sees_imports_inside_functions(tmp_path: Path) -> None:
     source = tmp_path / "sample.py"
-    source.write_text("def f():\n    from flows.orchestrate import run_clip\n    import prefect.settings\n"
-                      "    from k6vsr_core import media\n")
+    source.write_text(
+        "def f():\n    from flows.orchestrate import run_clip\n    import prefect.settings\n"
+        "    from k6vsr_core import media\n"
+    )
     assert _imports(source) == {"flows.orchestrate", "prefect.settings", "k6vsr_core.media"}

@@ -83,9 +83,7 @@ def make_video(
 
 def make_lossless(path: Path, *, num_frames: int, fps: int = 24, width: int = 32, height: int = 16) -> Path:
     """FFV1 RGB in Matroska: exact grey levels, odd sizes allowed, no stored frame count."""
-    return make_video(
-        path, num_frames=num_frames, fps=fps, width=width, height=height, codec="ffv1", pix_fmt="bgr0"
-    )
+    return make_video(path, num_frames=num_frames, fps=fps, width=width, height=height, codec="ffv1", pix_fmt="bgr0")
 
 
 def make_audio_only(path: Path) -> Path:
@@ -196,9 +194,7 @@ def test_select_floors_to_one_plus_eight_k(num_frames: int, expected: list[int])
     assert select_frames(num_frames, 24.0) == (expected, 24)
 
 
-@pytest.mark.parametrize(
-    ("num_frames", "fps"), [(0, 24.0), (1, 60.0), (10, 0.0), (10, -5.0), (10, float("nan"))]
-)
+@pytest.mark.parametrize(("num_frames", "fps"), [(0, 24.0), (1, 60.0), (10, 0.0), (10, -5.0), (10, float("nan"))])
 def test_select_rejects_empty_or_invalid(num_frames: int, fps: float) -> None:
     with pytest.raises(ValueError):
         select_frames(num_frames, fps)
@@ -357,9 +353,7 @@ def test_decode_frames_odd_size(tmp_path: Path) -> None:
     ("name", "codec", "pix_fmt"),
     [("alpha.mov", "png", "rgba"), ("deep.mkv", "ffv1", "yuv420p10le")],
 )
-def test_decode_frames_converts_any_pix_fmt_to_rgb(
-    tmp_path: Path, name: str, codec: str, pix_fmt: str
-) -> None:
+def test_decode_frames_converts_any_pix_fmt_to_rgb(tmp_path: Path, name: str, codec: str, pix_fmt: str) -> None:
     clip = make_video(tmp_path / name, num_frames=9, codec=codec, pix_fmt=pix_fmt)
     assert probe(clip).pix_fmt == pix_fmt
     frames, _ = decode_frames(clip)

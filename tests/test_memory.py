@@ -11,7 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from k6vsr_core.bundle import ModelBundle, load_bundle
+from k6vsr_core.bundle import ModelBundle, load_bundle, model_traits
 from k6vsr_core.memory import (
     BUDGETS,
     GIB,
@@ -24,7 +24,6 @@ from k6vsr_core.memory import (
 )
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
-from k6vsr_core.bundle import model_traits
 from k6vsr_core.runner import upscale
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
@@ -49,9 +48,7 @@ def test_no_gpu_means_no_budget() -> None:
     assert "no GPU" in budget.reason
 
 
-@pytest.mark.parametrize(
-    ("free_gib", "expected"), [(139.0, "fast"), (40.0, "fast"), (23.0, "24g"), (15.0, "16g")]
-)
+@pytest.mark.parametrize(("free_gib", "expected"), [(139.0, "fast"), (40.0, "fast"), (23.0, "24g"), (15.0, "16g")])
 def test_auto_takes_the_fastest_budget_that_fits(free_gib: float, expected: str) -> None:
     budget = choose_budget("auto", int(free_gib * GIB), W1, device="cuda:0")
     assert budget.mode == "auto" and budget.budget == expected

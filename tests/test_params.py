@@ -37,8 +37,16 @@ def test_valid_scales(scale: object, tiling_scale: int, pre_upscale: bool, label
 
 @pytest.mark.parametrize(
     ("value", "stored"),
-    [(None, None), ("none", None), ("", None), (" HD ", "hd"), ("fullhd", "fullhd"), ("2K", "2k"),
-     ("1280X720", "1280x720"), (" 640 x 360 ", "640x360")],
+    [
+        (None, None),
+        ("none", None),
+        ("", None),
+        (" HD ", "hd"),
+        ("fullhd", "fullhd"),
+        ("2K", "2k"),
+        ("1280X720", "1280x720"),
+        (" 640 x 360 ", "640x360"),
+    ],
 )
 def test_target_resolution_is_normalised(value: object, stored: str | None) -> None:
     assert parse_params(target_resolution=value).target_resolution == stored

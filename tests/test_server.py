@@ -19,12 +19,12 @@ import av
 import httpx
 import numpy as np
 import pytest
+from http_harness import Server, completed, error_of, frames_of, has_audio_stream, modes_under
 
 from k6vsr_core import media
 from k6vsr_core.params import parse_params
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec, prepare_run
-from http_harness import Server, completed, error_of, frames_of, has_audio_stream, modes_under
 
 KEY = "test-key-0123456789"
 
@@ -144,8 +144,11 @@ def test_repeated_request_reuses_the_run_and_delete_removes_the_job(
     jobs = stack["store"] / "jobs"
     assert (jobs / again["id"] / "output.mp4").is_file()
     deleted = server.client.delete(f"/v1/videos/{again['id']}")
-    assert deleted.status_code == 200 and deleted.json() == {"id": again["id"], "object": "video.deleted",
-                                                              "deleted": True}
+    assert deleted.status_code == 200 and deleted.json() == {
+        "id": again["id"],
+        "object": "video.deleted",
+        "deleted": True,
+    }
     assert not (jobs / again["id"]).exists() and not (jobs / f"{again['id']}.json").exists()
     error_of(server.client.get(f"/v1/videos/{again['id']}"), 404)
     assert (stack["store"] / "runs" / first["run_key"] / "output.mp4").is_file()  # the shared run is kept
@@ -190,8 +193,12 @@ def test_refusals(server: Server, stack: dict[str, Path]) -> None:
         anonymous.close()
 
     # Paths outside the allowed folder, through `..`, or through a symbolic link.
-    for path in (outside / "secret.mp4", allowed / ".." / "outside" / "secret.mp4", allowed / "escape.mp4",
-                 Path("/etc/passwd")):
+    for path in (
+        outside / "secret.mp4",
+        allowed / ".." / "outside" / "secret.mp4",
+        allowed / "escape.mp4",
+        Path("/etc/passwd"),
+    ):
         error = error_of(server.post_json(video_path=str(path)), 403, secrets)
         assert error["param"] == "video_path" and error["type"] == "permission_error"
         assert error["code"] == "path_not_allowed"
@@ -200,19 +207,30 @@ def test_refusals(server: Server, stack: dict[str, Path]) -> None:
     big = os.urandom(3 << 19)
     error_of(server.client.post(url, files={"video_reference": ("a.mp4", big)}), 413)
     boundary = "k6vsr-test-boundary"
-    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="video_reference"; filename="a.mp4"\r\n\r\n'.encode()
-            + big + f"\r\n--{boundary}--\r\n".encode())
-    chunks = (body[i: i + 65536] for i in range(0, len(body), 65536))
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="video_reference"; filename="a.mp4"\r\n\r\n'.encode()
+        + big
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
+    chunks = (body[i : i + 65536] for i in range(0, len(body), 65536))
     form_type = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
     streamed = server.client.post(url, content=chunks, headers=form_type)  # chunked: no Content-Length
     assert error_of(streamed, 413)["param"] == "video_reference"
 
     # Bad parameters name their field.
     square = str(allowed / "square.mp4")
-    for field, value in [("sr_resolution_scale", 3), ("sr_resolution_scale", "x2"), ("sr_tiles_batch_size", 0),
-                         ("sr_tile_min_overlap", 1.5), ("sr_target_resolution", "8k"),
-                         ("sr_target_resize_mode", "zoom"), ("seed", -1), ("seed", "abc"),
-                         ("num_inference_steps", 0), ("sr_unknown", 1)]:
+    for field, value in [
+        ("sr_resolution_scale", 3),
+        ("sr_resolution_scale", "x2"),
+        ("sr_tiles_batch_size", 0),
+        ("sr_tile_min_overlap", 1.5),
+        ("sr_target_resolution", "8k"),
+        ("sr_target_resize_mode", "zoom"),
+        ("seed", -1),
+        ("seed", "abc"),
+        ("num_inference_steps", 0),
+        ("sr_unknown", 1),
+    ]:
         error = error_of(server.post_json(video_path=square, **{field: value}), 400, secrets)
         assert error["param"] == field and field in error["message"], error
     error = error_of(server.post_upload(allowed / "square.mp4", sr_resolution_scale="3"), 400)
@@ -240,8 +258,13 @@ def test_paths_outside_get_one_answer_whatever_they_name(server: Server, stack: 
     """Whether a path outside exists, is a video or is a folder changes nothing in the answer: nothing outside is
     looked at."""
     allowed, outside = stack["allowed"], stack["outside"]
-    targets = [outside / "secret.mp4", outside / "notes.txt", outside / "missing.mp4", outside,
-               Path("/proc/self/environ")]
+    targets = [
+        outside / "secret.mp4",
+        outside / "notes.txt",
+        outside / "missing.mp4",
+        outside,
+        Path("/proc/self/environ"),
+    ]
     answers = set()
     for index, target in enumerate(targets):
         link = allowed / f"to-outside-{index}.mp4"
@@ -444,24 +467,38 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
         + b'Content-Disposition: form-data; name="seed"\r\n\r\n7\r\n'
         + f"--{boundary}\r\n".encode()
         + b'Content-Disposition: form-data; name="video_reference"; filename="../../etc/x"\r\n'
-        + b"Content-Type: video/mp4\r\n\r\n" + payload + b"\r\n"
+        + b"Content-Type: video/mp4\r\n\r\n"
+        + payload
+        + b"\r\n"
         + f"--{boundary}\r\n".encode()
         + b'Content-Disposition: form-data; name="sr_target_resolution"\r\n\r\nhd\r\n'
         + f"--{boundary}--\r\nepilogue".encode()
     )
-    pieces = [body[i: i + chunk] for i in range(0, len(body), chunk)]
+    pieces = [body[i : i + chunk] for i in range(0, len(body), chunk)]
 
     async def receive() -> dict:
         return {"type": "http.request", "body": pieces.pop(0) if pieces else b"", "more_body": bool(pieces)}
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/videos",
-             "headers": [(b"content-type", f'multipart/form-data; boundary="{boundary}"'.encode())]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/videos",
+        "headers": [(b"content-type", f'multipart/form-data; boundary="{boundary}"'.encode())],
+    }
     store = JobStore(tmp_path, input_quota_bytes=len(payload))
-    limits = Limits(max_upload_bytes=len(payload), max_fields=2, max_fields_bytes=1024, max_queued=1,
-                    input_quota_bytes=len(payload), max_output_pixels=1, retention_s=1.0)
+    limits = Limits(
+        max_upload_bytes=len(payload),
+        max_fields=2,
+        max_fields_bytes=1024,
+        max_queued=1,
+        input_quota_bytes=len(payload),
+        max_output_pixels=1,
+        retention_s=1.0,
+    )
     job_id = "video_" + "a" * 24
-    fields = asyncio.run(read_form(
-        Request(scope, receive), lambda: store.open_input(job_id, len(payload), AssertionError), limits))
+    fields = asyncio.run(
+        read_form(Request(scope, receive), lambda: store.open_input(job_id, len(payload), AssertionError), limits)
+    )
     assert fields == {"seed": "7", "sr_target_resolution": "hd"}
     assert store.input_path(job_id).read_bytes() == payload and store.quota.used == len(payload)
     assert sorted(p.name for p in store.job_dir(job_id).iterdir()) == ["input"]
@@ -486,9 +523,14 @@ def test_video_path_is_opened_only_inside_the_allowed_folders(tmp_path: Path) ->
         assert opened.relative == "sub/a.mp4" and opened.size == clip.stat().st_size
         assert os.read(opened.fd, 64) == clip.read_bytes()[:64]
         os.close(opened.fd)
-    for raw, code in [("a\0b", "invalid_path"), (str(allowed / "none.mp4"), "path_not_found"),
-                      (str(allowed / ("n" * 300)), "invalid_path"), (str(allowed / "sub"), "path_not_a_file"),
-                      (str(allowed / "pipe.mp4"), "path_not_a_file"), (str(allowed), "path_not_a_file")]:
+    for raw, code in [
+        ("a\0b", "invalid_path"),
+        (str(allowed / "none.mp4"), "path_not_found"),
+        (str(allowed / ("n" * 300)), "invalid_path"),
+        (str(allowed / "sub"), "path_not_a_file"),
+        (str(allowed / "pipe.mp4"), "path_not_a_file"),
+        (str(allowed), "path_not_a_file"),
+    ]:
         with pytest.raises(PathRefused) as refused:
             open_confined(raw, roots)
         assert refused.value.code == code and not refused.value.forbidden, (raw, refused.value.message)

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
-
 from http_harness import Server, completed, error_of
+
 from k6vsr_core.sample import make_sample_clip
 
 KEY_A, KEY_B, ADMIN = "key-a-0123456789abcdef", "key-b-0123456789abcdef", "admin-0123456789abcdef"
@@ -48,10 +48,26 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_path: Path, pref
 @pytest.fixture(scope="module")
 def server(stack: dict[str, Path]):
     args = [
-        "--allow-path", str(stack["allowed"]), "--api-key-file", str(stack["root"] / "keys.txt"),
-        "--admin-key", ADMIN, "--max-upload-mb", "1", "--input-quota-mb", str(QUOTA >> 20),
-        "--max-queued", str(MAX_QUEUED), "--max-fields", "8", "--max-fields-kb", "8", "--max-output-mpx", "2",
-        "--retention-hours", str(RETENTION_S / 3600),
+        "--allow-path",
+        str(stack["allowed"]),
+        "--api-key-file",
+        str(stack["root"] / "keys.txt"),
+        "--admin-key",
+        ADMIN,
+        "--max-upload-mb",
+        "1",
+        "--input-quota-mb",
+        str(QUOTA >> 20),
+        "--max-queued",
+        str(MAX_QUEUED),
+        "--max-fields",
+        "8",
+        "--max-fields-kb",
+        "8",
+        "--max-output-mpx",
+        "2",
+        "--retention-hours",
+        str(RETENTION_S / 3600),
     ]
     running = Server(stack["root"], stack["store"], stack["bundle"], "limits", args, KEY_A).start()
     yield running
@@ -102,8 +118,11 @@ def test_each_job_belongs_to_its_key(server: Server, stack: dict[str, Path]) -> 
     # Another key neither lists, reads, downloads nor deletes them: to it they do not exist.
     assert not {by_path["id"], upload["id"]} & {job["id"] for job in b.get("/v1/videos").json()["data"]}
     for job_id in (by_path["id"], upload["id"]):
-        for response in (b.get(f"/v1/videos/{job_id}"), b.get(f"/v1/videos/{job_id}/content"),
-                         b.delete(f"/v1/videos/{job_id}")):
+        for response in (
+            b.get(f"/v1/videos/{job_id}"),
+            b.get(f"/v1/videos/{job_id}/content"),
+            b.delete(f"/v1/videos/{job_id}"),
+        ):
             assert error_of(response, 404)["code"] == "job_not_found"
         assert a.get(f"/v1/videos/{job_id}").json()["status"] != "cancelled"
     error_of(nobody.get("/v1/videos"), 401)
@@ -169,8 +188,15 @@ def test_listing_needs_keys_or_list_jobs(tmp_path: Path) -> None:
     from entrypoints.http_api import Limits, ServerConfig, create_app
     from service.runs import ModelSpec
 
-    limits = Limits(max_upload_bytes=1 << 20, max_fields=8, max_fields_bytes=8 << 10, max_queued=1,
-                    input_quota_bytes=1 << 20, max_output_pixels=10**6, retention_s=60.0)
+    limits = Limits(
+        max_upload_bytes=1 << 20,
+        max_fields=8,
+        max_fields_bytes=8 << 10,
+        max_queued=1,
+        input_quota_bytes=1 << 20,
+        max_output_pixels=10**6,
+        retention_s=60.0,
+    )
     config = ServerConfig(store_root=tmp_path, limits=limits)
     # No `with`: the job runner of the app's lifespan does not start; the routes answer all the same.
     closed = TestClient(create_app(config, ModelSpec(model="unused")))
@@ -182,9 +208,20 @@ def test_listing_needs_keys_or_list_jobs(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------- fuzz
 
 FUZZ_REQUESTS = 300
-FIELD_NAMES = ["sr_resolution_scale", "sr_tiles_batch_size", "sr_tile_min_overlap", "sr_target_resolution",
-               "sr_target_resize_mode", "seed", "num_inference_steps", "model", "prompt", "video_path",
-               "video_reference", "extra_body"]
+FIELD_NAMES = [
+    "sr_resolution_scale",
+    "sr_tiles_batch_size",
+    "sr_tile_min_overlap",
+    "sr_target_resolution",
+    "sr_target_resize_mode",
+    "seed",
+    "num_inference_steps",
+    "model",
+    "prompt",
+    "video_path",
+    "video_reference",
+    "extra_body",
+]
 
 
 def _text(rng: random.Random, size: int) -> str:
@@ -212,11 +249,27 @@ def _value(rng: random.Random, depth: int = 0) -> Any:
 def _paths(stack: dict[str, Path]) -> list[Any]:
     allowed, outside = stack["allowed"], stack["outside"]
     return [
-        str(allowed / "square.mp4"), str(allowed / "broken.mp4"), str(allowed / "escape.mp4"),
-        str(allowed / "pipe.mp4"), str(allowed), str(allowed / "sub" / ".." / "square.mp4"),
-        str(outside / "secret.mp4"), str(allowed / ".." / "outside" / "secret.mp4"), "/etc/passwd",
-        "/proc/self/environ", "/dev/zero", "", "square.mp4", "~", str(allowed / ("x" * 300)), "a" * 5000,
-        str(allowed) + "\x00/square.mp4", str(allowed / "\u00fc\u2202.mp4"), 7, None, [str(allowed / "square.mp4")],
+        str(allowed / "square.mp4"),
+        str(allowed / "broken.mp4"),
+        str(allowed / "escape.mp4"),
+        str(allowed / "pipe.mp4"),
+        str(allowed),
+        str(allowed / "sub" / ".." / "square.mp4"),
+        str(outside / "secret.mp4"),
+        str(allowed / ".." / "outside" / "secret.mp4"),
+        "/etc/passwd",
+        "/proc/self/environ",
+        "/dev/zero",
+        "",
+        "square.mp4",
+        "~",
+        str(allowed / ("x" * 300)),
+        "a" * 5000,
+        str(allowed) + "\x00/square.mp4",
+        str(allowed / "\u00fc\u2202.mp4"),
+        7,
+        None,
+        [str(allowed / "square.mp4")],
     ]
 
 
@@ -245,8 +298,13 @@ def _multipart(rng: random.Random, stack: dict[str, Path]) -> tuple[bytes, str]:
     return body, boundary
 
 
-VALID = {"sr_resolution_scale": [2, "4", 2.25], "seed": [0, 5, "7"], "sr_target_resolution": ["hd", "64x64"],
-         "sr_target_resize_mode": ["fit", "exact"], "sr_tiles_batch_size": [1, 2]}
+VALID = {
+    "sr_resolution_scale": [2, "4", 2.25],
+    "seed": [0, 5, "7"],
+    "sr_target_resolution": ["hd", "64x64"],
+    "sr_target_resize_mode": ["fit", "exact"],
+    "sr_tiles_batch_size": [1, 2],
+}
 
 
 def _valid_fields(rng: random.Random) -> dict[str, Any]:
@@ -264,33 +322,73 @@ def fuzz_requests(rng: random.Random, stack: dict[str, Path]) -> Iterator[tuple[
             body = {rng.choice(FIELD_NAMES + [_text(rng, 8)]): _value(rng) for _ in range(rng.randrange(12))}
             if rng.random() < 0.8:
                 body["video_path"] = rng.choice(paths)
-            yield "POST", "/v1/videos", {"content": json.dumps(body).encode(),
-                                         "headers": {"Content-Type": "application/json"}}
+            yield (
+                "POST",
+                "/v1/videos",
+                {"content": json.dumps(body).encode(), "headers": {"Content-Type": "application/json"}},
+            )
         elif kind == 1:
             yield "POST", "/v1/videos", {"json": {"video_path": rng.choice(paths), **_valid_fields(rng)}}
         elif kind == 2:
-            raw = rng.choice([rng.randbytes(rng.randrange(200)), b"[" * 50_000, b'{"seed": 1e99999}', b"null",
-                              b'{"video_path": "' + b"\\ud800" * 10 + b'"}', b"{" * 5000 + b"}" * 5000,
-                              json.dumps({"extra_body": {"seed": _value(rng)}}).encode()])
-            yield "POST", "/v1/videos", {"content": raw, "headers": {"Content-Type": rng.choice(
-                ["application/json", "", "text/plain", "multipart/form-data", "application/json; charset=latin-1"])}}
+            raw = rng.choice(
+                [
+                    rng.randbytes(rng.randrange(200)),
+                    b"[" * 50_000,
+                    b'{"seed": 1e99999}',
+                    b"null",
+                    b'{"video_path": "' + b"\\ud800" * 10 + b'"}',
+                    b"{" * 5000 + b"}" * 5000,
+                    json.dumps({"extra_body": {"seed": _value(rng)}}).encode(),
+                ]
+            )
+            yield (
+                "POST",
+                "/v1/videos",
+                {
+                    "content": raw,
+                    "headers": {
+                        "Content-Type": rng.choice(
+                            [
+                                "application/json",
+                                "",
+                                "text/plain",
+                                "multipart/form-data",
+                                "application/json; charset=latin-1",
+                            ]
+                        )
+                    },
+                },
+            )
         elif kind == 3:
             body, boundary = _multipart(rng, stack)
-            yield "POST", "/v1/videos", {"content": body,
-                                         "headers": {"Content-Type": f"multipart/form-data; boundary={boundary}"}}
+            yield (
+                "POST",
+                "/v1/videos",
+                {"content": body, "headers": {"Content-Type": f"multipart/form-data; boundary={boundary}"}},
+            )
         elif kind == 4:
             upload = clip + rng.randbytes(rng.choice([0, 0, 300_000, 900_000, 1_100_000]))
             fields = {name: str(value) for name, value in _valid_fields(rng).items()}
             yield "POST", "/v1/videos", {"files": {"video_reference": ("x.mp4", upload)}, "data": fields}
         elif kind == 5:
             unknown = "video_" + "".join(rng.choice(string.ascii_letters + string.digits + "-_") for _ in range(24))
-            job_id = rng.choice([unknown, _text(rng, rng.choice([1, 20, 3000])),
-                                 "..%2F..%2Fetc%2Fpasswd", "video_" + "A" * 64, "video_../../jobs"])
+            job_id = rng.choice(
+                [
+                    unknown,
+                    _text(rng, rng.choice([1, 20, 3000])),
+                    "..%2F..%2Fetc%2Fpasswd",
+                    "video_" + "A" * 64,
+                    "video_../../jobs",
+                ]
+            )
             route = "/v1/videos/" + urllib.parse.quote(job_id, safe="%") + rng.choice(["", "/content", "/x"])
             yield rng.choice(["GET", "DELETE"]), route, {}
         else:
-            yield rng.choice(["GET", "PUT", "PATCH", "POST", "OPTIONS"]), rng.choice(
-                ["/v1/videos", "/", "/v1", "/health", "/v1/videos/", "/docs"]), {}
+            yield (
+                rng.choice(["GET", "PUT", "PATCH", "POST", "OPTIONS"]),
+                rng.choice(["/v1/videos", "/", "/v1", "/health", "/v1/videos/", "/docs"]),
+                {},
+            )
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:

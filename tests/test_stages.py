@@ -197,8 +197,10 @@ def test_denoise_chunk_of_two_tiles_batches_the_noise(tiny_bundle: ModelBundle, 
     assert torch.equal(result, expected)
 
 
-@pytest.mark.parametrize(("batch", "tile", "seed", "position", "chunk_size"),
-                         [(4, 6, 46, 2, 4), (4, 8, 50, 0, 1), (2, 3, 44, 1, 2), (1, 5, 47, 0, 1)])
+@pytest.mark.parametrize(
+    ("batch", "tile", "seed", "position", "chunk_size"),
+    [(4, 6, 46, 2, 4), (4, 8, 50, 0, 1), (2, 3, 44, 1, 2), (1, 5, 47, 0, 1)],
+)
 def test_chunk_noise_seed_rule(batch: int, tile: int, seed: int, position: int, chunk_size: int) -> None:
     """Tile j's noise with batch B is slice (j mod B) of the draw seeded seed + B*floor(j/B)."""
     plan = make_plan((512, 768), 9, 24, parse_params(scale=2, tiles_batch_size=batch))
@@ -239,15 +241,17 @@ def test_flow_euler_sigmas_two_steps(flow_bundle: ModelBundle) -> None:
     scheduler = flow_bundle.new_scheduler()
     stages._timesteps(scheduler, plan, CPU)
     # (1, .5) -> (1, 2.5/3), then 0.
-    torch.testing.assert_close(scheduler.sigmas.double(), torch.tensor([1.0, 2.5 / 3, 0.0], dtype=torch.float64),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        scheduler.sigmas.double(), torch.tensor([1.0, 2.5 / 3, 0.0], dtype=torch.float64), rtol=0, atol=1e-6
+    )
 
 
 def test_piflow_timesteps(tiny_bundle: ModelBundle) -> None:
     plan = _plan(tiny_bundle)
     timesteps = stages._timesteps(tiny_bundle.new_scheduler(), plan, CPU)
-    torch.testing.assert_close(timesteps.double(), torch.tensor([1000.0, 7000 / 11], dtype=torch.float64),
-                               rtol=0, atol=1e-3)
+    torch.testing.assert_close(
+        timesteps.double(), torch.tensor([1000.0, 7000 / 11], dtype=torch.float64), rtol=0, atol=1e-3
+    )
 
 
 def test_flow_euler_denoise_is_the_official_euler_loop(flow_bundle: ModelBundle) -> None:
@@ -290,8 +294,10 @@ def test_decode_tile_equals_diffusers_vae(tiny_bundle: ModelBundle) -> None:
 def test_blend_and_deliver(tiny_bundle: ModelBundle) -> None:
     plan = _plan(tiny_bundle, target_resolution="96x64")
     assert plan.sr_size == (128, 192) and plan.delivery_size == (64, 96)
-    tiles = [(1, torch.full((3, 1, 128, 128), 128, dtype=torch.uint8)),
-             (0, torch.full((3, 1, 128, 128), 128, dtype=torch.uint8))]
+    tiles = [
+        (1, torch.full((3, 1, 128, 128), 128, dtype=torch.uint8)),
+        (0, torch.full((3, 1, 128, 128), 128, dtype=torch.uint8)),
+    ]
     video = stages.blend(plan, tiles)
     assert video.shape == (3, 1, 128, 192)
     assert bool((video == 128).all())  # corners included
@@ -304,9 +310,15 @@ def test_blend_and_deliver(tiny_bundle: ModelBundle) -> None:
 # Real plans with the released tile sizes: x2, x2.25 and x4; landscape, portrait, square and odd sizes; one to nine
 # tiles. The canvases stay under 2 megapixels and the tile sets are one frame.
 REAL_PLANS = [
-    ((512, 768), 2), ((360, 640), 2), ((600, 400), 2), ((301, 223), 2), ((250, 250), 2),
-    ((320, 480), 2.25), ((237, 411), 2.25),
-    ((256, 384), 4), ((131, 197), 4),
+    ((512, 768), 2),
+    ((360, 640), 2),
+    ((600, 400), 2),
+    ((301, 223), 2),
+    ((250, 250), 2),
+    ((320, 480), 2.25),
+    ((237, 411), 2.25),
+    ((256, 384), 4),
+    ((131, 197), 4),
 ]
 
 
@@ -352,14 +364,16 @@ def test_blend_of_constant_tiles_is_that_constant_at_the_corners_too(size: tuple
     plan = _real_plan(size, scale)
     for value in (1, 64, 128):
         # Scaling by a power of two is exact in float32, so acc = value * wsum exactly and the mean is exact.
-        video = stages.blend(plan, [(i, torch.full((3, 1, *plan.grid.base), value, dtype=torch.uint8))
-                                    for i in range(plan.num_tiles)])
+        video = stages.blend(
+            plan, [(i, torch.full((3, 1, *plan.grid.base), value, dtype=torch.uint8)) for i in range(plan.num_tiles)]
+        )
         assert video.shape == (3, 1, *plan.sr_size)
         assert bool((video == value).all()), value
     for value in (77, 200, 255):
         # Other values keep the float round trip and truncation of the official blend: at most 1 LSB darker.
-        video = stages.blend(plan, [(i, torch.full((3, 1, *plan.grid.base), value, dtype=torch.uint8))
-                                    for i in range(plan.num_tiles)])
+        video = stages.blend(
+            plan, [(i, torch.full((3, 1, *plan.grid.base), value, dtype=torch.uint8)) for i in range(plan.num_tiles)]
+        )
         assert int(video.min()) >= value - 1 and int(video.max()) <= value, value
 
 

@@ -362,8 +362,15 @@ def test_blender_two_constant_tiles() -> None:
 
 def test_blender_rejects_a_grid_that_leaves_pixels_uncovered() -> None:
     # Output columns 128..191 lie between the two tiles; tile_grid never builds such a grid.
-    grid = TileGrid(source_size=(64, 160), padded_size=(64, 160), base=(128, 128), tile=(64, 64), tiling_scale=2,
-                    tops=(0,), lefts=(0, 96))
+    grid = TileGrid(
+        source_size=(64, 160),
+        padded_size=(64, 160),
+        base=(128, 128),
+        tile=(64, 64),
+        tiling_scale=2,
+        tops=(0,),
+        lefts=(0, 96),
+    )
     blender = TileBlender(grid, num_frames=1)
     blender.add(0, torch.zeros((3, 1, 128, 128), dtype=torch.uint8))
     blender.add(1, torch.zeros((3, 1, 128, 128), dtype=torch.uint8))
