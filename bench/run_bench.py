@@ -17,7 +17,6 @@ so a run cut short keeps what it measured):
     density   NABLA's block density on W1 tile 0, exactly and eagerly, at P 0.8 and at the STA-only floor
     fast      compile_bundle; W2 first request (compile) and hot; W1 hot, per-stage split and peak memory; W3
     nabla     NABLA through compiled flex attention on W1 (block density counted) and at the STA-only floor
-    offload   compile_bundle(mode="low_memory") on W1: time and peak memory
     multi     one worker process per GPU through the store-backed stage functions, 1 worker vs all workers on W1,
               output bytes compared
     flexprobe does diffusers' own flex dispatch (its kernel options) compile for NABLA's 64-token blocks?
@@ -40,8 +39,9 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -73,7 +73,6 @@ COST = {
     "nabla-hot": 55,
     "sta-warm": 100,
     "sta-hot": 45,
-    "offload": 130,
     "multi": 250,
     "flexprobe": 60,
     "sdpa-probe": 5,
@@ -115,10 +114,8 @@ class Bench:
         self.save()
         shown = f"{seconds:9.3f} s" if isinstance(seconds, (int, float)) else "    -    "
         detail = {k: v for k, v in extra.items() if k not in ("stages", "traceback")}
-        print(
-            f"[{time.monotonic() - self.started:7.1f}s] {name:<28} {workload or '':<4} {shown}  {json.dumps(detail)[:300]}",
-            flush=True,
-        )
+        clock = f"[{time.monotonic() - self.started:7.1f}s]"
+        print(f"{clock} {name:<28} {workload or '':<4} {shown}  {json.dumps(detail)[:300]}", flush=True)
         return entry
 
     def skip(self, name: str, workload: str | None, why: str) -> None:
@@ -520,11 +517,11 @@ def frames_diff(a: Path, b: Path) -> dict[str, Any]:
 def warm_shapes(bench: Bench, bundle: Any, workload: str, attention: str) -> float:
     """Compile and warm at a workload's tile shapes: one chunk (upscaler + DiT steps) and one tile decode."""
     from k6vsr_core import stages
+    from k6vsr_core.bundle import model_traits
     from k6vsr_core.plan import make_plan
-    from k6vsr_core.runner import traits_of
 
     width, height, frames, _ = bench.workloads[workload]
-    plan = make_plan((height, width), frames, 24, bench.params(workload, attention), traits_of(bundle))
+    plan = make_plan((height, width), frames, 24, bench.params(workload, attention), model_traits(bundle.info))
     chunk = plan.chunks[0]
     th, tw = plan.grid.latent_tile
     generator = torch.Generator().manual_seed(1)
@@ -606,7 +603,7 @@ def phase_baseline(bench: Bench) -> None:
             )
         except Exception as err:  # noqa: BLE001
             bench.fail("diffusers", workload, err)
-    del pipe
+    pipe = None  # free the pipeline's GPU memory for the next phase
     gc.collect()
 
 
@@ -623,19 +620,18 @@ def phase_plain(bench: Bench) -> None:
         bench.fail("ours-plain (eager, dense)", "W2", err)
 
 
-def make_fast(bench: Bench, mode: str = "fast") -> Any:
+def make_fast(bench: Bench) -> Any:
     from k6vsr_core.fast import compile_bundle
 
     bundle = bench.bundle()
     if not bench.fast_bundle:
         started = time.perf_counter()
-        path = compile_bundle(bundle, mode=mode)  # type: ignore[arg-type]
+        path = compile_bundle(bundle)
         bench.fast_bundle = True
         bench.record(
             "compile_bundle",
             None,
             time.perf_counter() - started,
-            mode=mode,
             cache_dir=path.cache_dir,
             compiled_dit=path.compiled_dit,
             compiled_decoder=path.compiled_decoder,
@@ -784,8 +780,8 @@ def phase_density(bench: Bench) -> None:
     )
 
     from k6vsr_core import media, stages
+    from k6vsr_core.bundle import model_traits
     from k6vsr_core.plan import make_plan
-    from k6vsr_core.runner import traits_of
 
     if bench.fast_bundle:
         bench.skip("nabla density", "W1", "needs the plain bundle")
@@ -824,7 +820,7 @@ def phase_density(bench: Bench) -> None:
     layers = [m for m in bundle.transformer.modules() if isinstance(m, Kandinsky6SRAttention)]
     width, height, frames, _ = bench.workloads["W1"]
     params = bench.params("W1", "nabla")
-    plan = make_plan((height, width), frames, 24, params, traits_of(bundle))
+    plan = make_plan((height, width), frames, 24, params, model_traits(bundle.info))
     source_frames, _ = media.decode_frames(bench.clip("W1"))
     latent = stages.encode_clip(bundle, stages.prepare_source(source_frames, plan))
     chunk = plan.chunks[0]
@@ -859,31 +855,6 @@ def phase_density(bench: Bench) -> None:
     for module in layers:
         module.set_processor(Kandinsky6SRAttnProcessor())
     set_attention(bundle.transformer, "dense")
-
-
-def phase_offload(bench: Bench) -> None:
-    from k6vsr_core.fast import compile_bundle
-
-    if not bench.fits("offload"):
-        bench.skip("ours-low-memory", "W1", "deadline")
-        return
-    bench.drop_bundle()
-    bench.fast_bundle = False
-    try:
-        bundle = bench.load(record=False)
-        compile_bundle(bundle, mode="low_memory")
-        workload = "W1"
-        warm = warm_shapes(bench, bundle, workload, "dense")
-        bench.record("ours-low-memory warm-up (shapes)", workload, warm)
-        info = run_ours(bench, bundle, workload, bench.work / "w1-lowmem.mp4", split=True)
-        extra = {"transfers": bundle.offload.transfers}
-        if (bench.work / "w1-fast.mp4").exists():
-            extra["vs_fast"] = frames_diff(bench.work / "w1-lowmem.mp4", bench.work / "w1-fast.mp4")
-        bench.record("ours-low-memory hot (dense)", workload, info.pop("seconds"), **info, **extra)
-    except Exception as err:  # noqa: BLE001
-        bench.fail("ours-low-memory", "W1", err)
-    finally:
-        bench.drop_bundle()
 
 
 def phase_flexprobe(bench: Bench) -> None:
@@ -921,91 +892,55 @@ def phase_flexprobe(bench: Bench) -> None:
 # ---------------------------------------------------------------------------------------------------- multi-GPU
 
 
-def _store_ingest(store: Any, source: Path, params: Any, info: Any) -> Any:
-    """The flow's ingest task body: decode the kept frames and the audio into the store, write the manifest."""
-    from k6vsr_core.compute import default_profile
-    from k6vsr_core.plan import ModelTraits
-    from k6vsr_core.runner import read_source
-    from storage import RunManifest, source_info
-    from storage.manifest import library_versions
-
-    traits = ModelTraits(tile_sizes=info.tile_sizes, scheduler=info.scheduler, trained_steps=info.trained_steps)
-    decoded = read_source(source, params, traits)
-    manifest = RunManifest(
-        run_key=store.run_key,
-        source=source_info(source),
-        params=params,
-        model=info,
-        compute=default_profile(),
-        plan=decoded.plan,
-        seeds=[c.seed for c in decoded.plan.chunks],
-        has_audio=decoded.audio is not None and decoded.audio.size > 0,
-        versions=library_versions(),
-    )
-    store.write_manifest(manifest)
-    if manifest.has_audio:
-        store.put("audio", decoded.audio, stage="ingest", item="audio")
-    store.put("frames", decoded.frames, stage="ingest")
-    return decoded.plan
+# The store-backed phase runs the flow's own task bodies (`Task.fn`: the body without Prefect), so it measures exactly
+# what the flow computes; only the scheduling below is the benchmark's own (one process per GPU, no Prefect).
+ATTEMPT = "bench"
 
 
-def store_task(bundle: Any, kind: str, store_root: str, run_key: str, index: int) -> None:
-    """The body of the flow's stage tasks (tasks/stage_tasks.py), without Prefect: read the store, compute, write."""
-    from k6vsr_core import stages
-    from storage import RunStore
+def _run_ref(store_root: str | Path, run_key: str) -> Any:
+    from service.runs import RunRef
 
-    store = RunStore(store_root, run_key)
-    plan = store.read_manifest().plan
+    return RunRef(store_root=str(store_root), run_key=run_key)
+
+
+def store_task(spec: Any, kind: str, store_root: str, run_key: str, index: int) -> None:
+    """One tile stage of the flow (tasks/stage_tasks.py) in this worker process."""
+    from tasks import stage_tasks
+
+    run = _run_ref(store_root, run_key)
     if kind == "encode":
-        frames = store.get("frames", stage="ingest")
-        latent = stages.encode_clip(bundle, stages.prepare_source(frames, plan))
-        store.put("latent", latent.numpy(), stage="encode")
+        stage_tasks.encode.fn(run, spec, ATTEMPT)
     elif kind == "denoise":
-        chunk = plan.chunks[index]
-        latent = torch.from_numpy(store.get("latent", stage="encode"))
-        denoised = stages.denoise_chunk(bundle, stages.cut_tiles(latent, plan, chunk.tiles), chunk, plan)
-        for tile, value in zip(chunk.tiles, denoised):
-            store.put_tile("tile_latents", tile, plan.num_tiles, value.numpy(), stage="denoise")
+        stage_tasks.denoise.fn(run, spec, index, ATTEMPT)
     elif kind == "decode":
-        latent = store.get_tile("tile_latents", index, stage="denoise")
-        pixels = stages.decode_tile(bundle, torch.from_numpy(latent))
-        store.put_tile("tiles", index, plan.num_tiles, pixels.numpy(), stage="decode")
+        stage_tasks.decode.fn(run, spec, index, ATTEMPT)
     else:
         raise ValueError(kind)
 
 
-def _store_finish(store: Any) -> None:
-    from k6vsr_core import media, stages
-
-    plan = store.read_manifest().plan
-    tiles = [(i, torch.from_numpy(store.get_tile("tiles", i, stage="decode"))) for i in range(plan.num_tiles)]
-    video = stages.deliver(stages.blend(plan, tiles), plan)
-    store.put("video", stages.tensor_to_frames(video), stage="blend")
-    audio = store.get("audio", stage="ingest", item="audio") if store.read_manifest().has_audio else None
-    tmp = store.temp_output()
-    media.write_video(tmp, store.get("video", stage="blend"), plan.fps, audio)
-    store.commit_output(tmp)
-
-
 def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, tasks: Any, results: Any) -> None:
     try:
-        from k6vsr_core.bundle import load_bundle
-        from k6vsr_core.fast import compile_bundle
+        from service.runs import ModelSpec
+        from tasks.model_cache import get_bundle
 
         if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device))
+        # The tasks' own model cache: the stage bodies below find this bundle (compiled if `fast`) loaded.
+        spec = ModelSpec(model=bundle_path, device=device, compile=fast)
         started = time.perf_counter()
-        bundle = load_bundle(bundle_path, device=device)
+        bundle = get_bundle(spec)
         loaded = time.perf_counter() - started
-        fast_path = compile_bundle(bundle) if fast else None
+        fast_path = getattr(bundle, "fast_path", None)
         started = time.perf_counter()
         if warm:
             from k6vsr_core import stages
+            from k6vsr_core.bundle import model_traits
             from k6vsr_core.params import parse_params
             from k6vsr_core.plan import make_plan
-            from k6vsr_core.runner import traits_of
 
-            plan = make_plan(tuple(warm["size"]), warm["frames"], 24, parse_params(**warm["params"]), traits_of(bundle))
+            plan = make_plan(
+                tuple(warm["size"]), warm["frames"], 24, parse_params(**warm["params"]), model_traits(bundle.info)
+            )
             chunk = plan.chunks[0]
             th, tw = plan.grid.latent_tile
             lr = torch.randn(
@@ -1036,7 +971,7 @@ def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, ta
                 results.put(("peak", rank, peak(torch.device(device)) if device.startswith("cuda") else {}))
                 continue
             started = time.perf_counter()
-            store_task(bundle, *task)
+            store_task(spec, *task)
             results.put(("done", rank, (task, round(time.perf_counter() - started, 3))))
     except BaseException as err:  # noqa: BLE001 - report, then let the parent decide
         results.put(("error", rank, f"{type(err).__name__}: {err}\n{traceback.format_exc()[-2000:]}"))
@@ -1049,12 +984,14 @@ def _run_job(
     import shutil
 
     from storage import RunStore
+    from tasks import stage_tasks
+    from tasks.ingest import ingest
 
     if root.exists():
         shutil.rmtree(root)
-    store = RunStore(root, "bench")
+    run = _run_ref(root, "bench")
     started = time.perf_counter()
-    plan = _store_ingest(store, source, params, info)
+    plan = ingest.fn(str(source), run, params, info, ATTEMPT).plan
     pending: list[tuple[str, int]] = [("denoise", c.index) for c in plan.chunks]
     waiting = {t: plan.chunk_of(t).index for t in range(plan.num_tiles)}
     done_chunks: set[int] = set()
@@ -1086,13 +1023,14 @@ def _run_job(
             queues[rank_next].put((task_next[0], str(root), "bench", task_next[1]))
             busy[rank_next] = task_next
     gpu_done = time.perf_counter() - started
-    _store_finish(store)
+    stage_tasks.blend.fn(run, ATTEMPT)
+    stage_tasks.mux.fn(run, ATTEMPT)
     seconds = time.perf_counter() - started
     return {
         "seconds": seconds,
         "until_last_decode": round(gpu_done, 3),
         "busy_per_worker": per_worker,
-        "output": str(store.output_path),
+        "output": str(RunStore(root, "bench").output_path),
     }
 
 
@@ -1181,7 +1119,6 @@ PHASES: dict[str, Callable[[Bench], None]] = {
     "plain": phase_plain,
     "fast": phase_fast,
     "nabla": phase_nabla,
-    "offload": phase_offload,
     "multi": phase_multi,
     "density": phase_density,
     "flexprobe": phase_flexprobe,
@@ -1196,7 +1133,6 @@ TARGETS = {
     "W2 hot (s)": 1.2,
     "2 GPUs / 1 GPU": 0.55,
     "peak reserved per worker (GiB)": 32.0,
-    "low-memory peak reserved (GiB)": 24.0,
 }
 
 
@@ -1233,7 +1169,6 @@ def render(payloads: list[dict[str, Any]]) -> str:
             "dit_calls",
             "tiles",
             "vs_plain",
-            "vs_fast",
             "workers",
             "byte_identical_to_1_worker",
             "byte_identical_to_runner",
@@ -1250,7 +1185,6 @@ def render(payloads: list[dict[str, Any]]) -> str:
             "compiles",
             "parameters",
             "gib",
-            "transfers",
             "cache_files_before",
             "alloc_before_gib",
             "note",
@@ -1294,11 +1228,6 @@ def render(payloads: list[dict[str, Any]]) -> str:
         _find(records, "store flow, 1 worker", "W1"),
         _find(records, "ours-fast hot (dense)", "W1"),
     )
-    ratio(
-        "W1 low-memory / resident",
-        _find(records, "ours-low-memory hot (dense)", "W1"),
-        _find(records, "ours-fast hot (dense)", "W1"),
-    )
     if ratio_rows:
         lines += ["| ratio | numerator s | denominator s | ratio |", "|---|---|---|---|", *ratio_rows, ""]
     # Per-stage split.
@@ -1321,9 +1250,7 @@ def render(payloads: list[dict[str, Any]]) -> str:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--phases",
-        default="setup,baseline,plain,density,fast,nabla,offload,multi",
-        help="comma-separated, run in this order",
+        "--phases", default="setup,baseline,plain,density,fast,nabla,multi", help="comma-separated, run in this order"
     )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke mode: tiny bundle and clips")
     parser.add_argument(

@@ -1,1 +1,1 @@
-"""entrypoints: what users run (the `k6vsr` command, the HTTP API and its job runner, the demo); nothing imports them."""
+"""entrypoints: what users run (the `k6vsr` command, the HTTP API with its job runner, the demo); imported by none."""

@@ -2,32 +2,33 @@
 
 Flag names follow SGLang's where they overlap, so its users recognise them. Errors a user can fix (a bad file, a bad
 value, a missing model) are printed as one line naming the cause, with exit code 2 and no traceback (unless
-`--debug`); nothing half-written is left in the output directory.
+`--debug`); nothing half-written is left in the output directory. The commands that run flows import them (and
+Prefect, which takes seconds to import) when they run, so `plan`, `gc` and `--help` answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
 import sys
-import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+
+from entrypoints.console import configure_terminal, summary_lines, tile_progress
+from k6vsr_core.bundle import DEFAULT_MODEL
+from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
+from k6vsr_core.params import UpscaleParams, parse_params
+from service.runs import ModelSpec, model_info, prepare_run
+from storage import collect_garbage, default_store_root
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 
 
-class UserError(Exception):
-    """An error the user can fix; printed without a traceback."""
-
-
 def _model_flags(parser: argparse.ArgumentParser) -> None:
-    from k6vsr_core.bundle import DEFAULT_MODEL
-
     group = parser.add_argument_group("model")
     group.add_argument(
         "--model",
@@ -43,30 +44,50 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
         help="identity of a local copy (e.g. the repo id it came from), so its runs are shared",
     )
     group.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    group.add_argument(
+        "--memory",
+        default="auto",
+        choices=("auto", "fast", "24g", "16g"),
+        help="GPU memory budget: auto (default: from the GPU's free memory), fast, 24g or 16g",
+    )
 
 
 def _param_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("request")
-    group.add_argument("--scale", "--sr-resolution-scale", dest="scale", default="2.25", help="2, 2.25 (default) or 4")
-    group.add_argument("--num-inference-steps", type=int, default=None)
-    group.add_argument("--seed", type=int, default=42)
-    group.add_argument("--tiles-batch-size", "--sr-tiles-batch-size", dest="tiles_batch_size", type=int, default=1)
-    group.add_argument("--tile-min-overlap", "--sr-tile-min-overlap", dest="min_overlap", type=float, default=0.2)
+    """The request flags. A flag not given is left out, so the request takes `UpscaleParams`' (official) default."""
+    defaults = UpscaleParams()
+    group = parser.add_argument_group("request", argument_default=argparse.SUPPRESS)
+    group.add_argument(
+        "--scale", "--sr-resolution-scale", dest="scale", help=f"2, 2.25 or 4 (default {defaults.scale_label})"
+    )
+    group.add_argument("--num-inference-steps", type=int, help="DiT evaluations per tile (default: the checkpoint's)")
+    group.add_argument("--seed", type=int, help=f"noise seed (default {defaults.seed})")
+    group.add_argument(
+        "--tiles-batch-size",
+        "--sr-tiles-batch-size",
+        dest="tiles_batch_size",
+        type=int,
+        help=f"tiles denoised together (default {defaults.tiles_batch_size})",
+    )
+    group.add_argument(
+        "--tile-min-overlap",
+        "--sr-tile-min-overlap",
+        dest="min_overlap",
+        type=float,
+        help=f"minimum tile overlap (default {defaults.min_overlap})",
+    )
     group.add_argument(
         "--target-resolution",
         "--sr-target-resolution",
         dest="target_resolution",
-        default=None,
-        help="none, hd, fullhd, 2k or WxH",
+        help="none, hd, fullhd, 2k or WxH (default none)",
     )
     group.add_argument(
         "--target-resize-mode",
         "--sr-target-resize-mode",
         dest="target_resize_mode",
-        default="fit",
-        help="fit (default) or exact",
+        help=f"fit or exact (default {defaults.target_resize_mode})",
     )
-    group.add_argument("--attention", default="nabla", help="nabla (default, as released) or dense")
+    group.add_argument("--attention", help=f"nabla or dense (default {defaults.attention}, as released)")
 
 
 def _run_flags(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +97,8 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dask-address", default=None, help="run tiles on an existing Dask scheduler")
     parser.add_argument("--compile", action="store_true", help="compile the DiT and KVAE decoder (GPU fast path)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and verbose logs")
+    parser.add_argument("--verbose", action="store_true", help="show every task's log lines on the terminal")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and every log line")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("-o", "--output-dir", dest="output_dir", default="k6vsr-demo")
     demo.add_argument("--scale", default="2")
     demo.add_argument("--json", action="store_true")
+    demo.add_argument("--verbose", action="store_true")
     demo.add_argument("--debug", action="store_true")
 
     archive = commands.add_parser("archive", help="upscale every clip of a folder tree")
@@ -131,52 +154,75 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--json", action="store_true")
     gc.add_argument("--debug", action="store_true")
 
-    serve = commands.add_parser("serve", help="SGLang-compatible HTTP job API (/v1/videos)")
+    serve = commands.add_parser(
+        "serve",
+        help="SGLang-compatible HTTP job API (/v1/videos)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--allow-path", action="append", default=[], help="folder JSON video_path may point into")
-    serve.add_argument("--api-key", default=os.environ.get("K6VSR_API_KEY"))
-    serve.add_argument("--max-upload-mb", type=int, default=2048)
+    access = serve.add_argument_group("access")
+    access.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="a client key (repeatable; env K6VSR_API_KEY); each job belongs to the key that made it",
+    )
+    access.add_argument("--api-key-file", action="append", default=None, help="file of client keys, one a line")
+    access.add_argument("--admin-key", action="append", default=None, help="a key that sees and deletes every job")
+    access.add_argument("--list-jobs", action="store_true", help="without keys: let GET /v1/videos list the jobs")
+    access.add_argument("--umask", default="077", help="umask of the files and folders the server creates")
+    limits = serve.add_argument_group("limits")
+    limits.add_argument("--max-upload-mb", type=int, default=2048, help="size of one uploaded clip")
+    limits.add_argument("--max-fields", type=int, default=32, help="fields of one request besides the clip")
+    limits.add_argument(
+        "--max-fields-kb", type=int, default=64, help="bytes of one request besides the clip: a JSON body, form fields"
+    )
+    limits.add_argument("--max-queued", type=int, default=16, help="jobs waiting for a worker, then 429")
+    limits.add_argument(
+        "--input-quota-mb",
+        type=int,
+        default=10240,
+        help="inputs on disk of queued and running jobs: uploads, copies of video_path files",
+    )
+    limits.add_argument(
+        "--max-output-mpx", type=float, default=2048, help="megapixels of one job's result: frames x width x height"
+    )
+    limits.add_argument(
+        "--retention-hours",
+        type=float,
+        default=24,
+        help="finished jobs, their files and runs are deleted this long after they finished",
+    )
     serve.add_argument("--workers", type=int, default=1, help="jobs run at once (each loads the model once)")
     serve.add_argument("--store", default=None)
     _model_flags(serve)
+    serve.add_argument("--verbose", action="store_true")
     serve.add_argument("--debug", action="store_true")
     return parser
 
 
-def params_from(args: argparse.Namespace) -> Any:
-    from k6vsr_core.params import ParameterError, parse_params
-
+def params_from(args: argparse.Namespace) -> UpscaleParams:
+    given = {name: getattr(args, name) for name in UpscaleParams.model_fields if hasattr(args, name)}
     try:
-        return parse_params(
-            scale=args.scale,
-            num_inference_steps=getattr(args, "num_inference_steps", None),
-            seed=getattr(args, "seed", 42),
-            tiles_batch_size=getattr(args, "tiles_batch_size", 1),
-            min_overlap=getattr(args, "min_overlap", 0.2),
-            target_resolution=getattr(args, "target_resolution", None),
-            target_resize_mode=getattr(args, "target_resize_mode", "fit"),
-            attention=getattr(args, "attention", "nabla"),
-        )
+        return parse_params(**given)
     except ParameterError as err:
-        raise UserError(f"invalid request: {err}") from None
+        raise ParameterError(f"invalid request: {err}") from None
 
 
-def model_from(args: argparse.Namespace) -> Any:
-    from service.runs import ModelSpec
-
+def model_from(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(
         model=args.model,
         revision=args.revision,
         model_id=args.model_id,
         device=getattr(args, "device", "auto"),
         compile=getattr(args, "compile", False),
+        memory=args.memory,
     )
 
 
 def store_from(args: argparse.Namespace) -> Path:
-    from storage import default_store_root
-
     return Path(args.store).expanduser() if getattr(args, "store", None) else default_store_root()
 
 
@@ -186,19 +232,19 @@ MIN_FREE_BYTES = 1 << 20
 
 def _check_output_dir(path: Path, needed_bytes: int = 0) -> None:
     if path.exists() and not path.is_dir():
-        raise UserError(f"output directory {path} is a file")
+        raise UserFacingError(f"output directory {path} is a file")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UserError(f"output directory {path} cannot be created: {err.strerror}") from None
+        raise UserFacingError(f"output directory {path} cannot be created: {err.strerror}") from None
     if not os.access(path, os.W_OK):
-        raise UserError(f"output directory {path} is not writable")
+        raise UserFacingError(f"output directory {path} is not writable")
     try:
         free = shutil.disk_usage(path).free
     except OSError:
         return
     if free < needed_bytes + MIN_FREE_BYTES:
-        raise UserError(
+        raise UserFacingError(
             f"output directory {path} is on a full disk: {free} bytes free, about "
             f"{needed_bytes + MIN_FREE_BYTES} needed; free some space and rerun"
         )
@@ -206,9 +252,9 @@ def _check_output_dir(path: Path, needed_bytes: int = 0) -> None:
 
 def _check_output_file(destination: Path, source: Path) -> None:
     if destination.is_dir():
-        raise UserError(f"output file {destination} is a directory")
+        raise UserFacingError(f"output file {destination} is a directory")
     if destination.exists() and source.exists() and os.path.samefile(destination, source):
-        raise UserError(f"output file {destination} is the input file; pick another name or folder")
+        raise UserFacingError(f"output file {destination} is the input file; pick another name or folder")
 
 
 def _estimated_output_bytes(plan: Any) -> int:
@@ -224,22 +270,21 @@ def _check_device(device: str) -> None:
     try:
         parsed = torch.device(device) if device != "auto" else None
     except (RuntimeError, ValueError):
-        raise UserError(f"--device {device!r} is not a device; use cpu, cuda, cuda:N or auto") from None
+        raise UserFacingError(f"--device {device!r} is not a device; use cpu, cuda, cuda:N or auto") from None
     if parsed is None or parsed.type == "cpu":
         return
     if parsed.type != "cuda":
-        raise UserError(f"--device {device!r} is not supported; use cpu, cuda, cuda:N or auto")
+        raise UserFacingError(f"--device {device!r} is not supported; use cpu, cuda, cuda:N or auto")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        raise UserError(f"--device {device!r}: no CUDA GPU is available here; use cpu or auto")
+        raise UserFacingError(f"--device {device!r}: no CUDA GPU is available here; use cpu or auto")
     if parsed.index is not None and parsed.index >= count:
-        raise UserError(f"--device {device!r}: this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
+        raise UserFacingError(f"--device {device!r}: this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
 
 
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     from flows.orchestrate import run_clip
     from flows.upscale_clip import default_output_name
-    from service.runs import prepare_run
 
     params = params_from(args)
     spec = model_from(args)
@@ -255,23 +300,14 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     if not name.endswith(".mp4"):
         name += ".mp4"
     _check_output_file(out_dir / name, source)
-    summary = run_clip(
-        str(source),
-        str(out_dir / name),
-        params,
-        spec,
-        str(store),
-        workers=args.workers,
-        gpus=args.gpus,
-        dask_address=args.dask_address,
-        show_progress=not args.json,
-    )
+    with tile_progress(prepared, enabled=not args.json):
+        summary = run_clip(
+            prepared, str(out_dir / name), spec, workers=args.workers, gpus=args.gpus, dask_address=args.dask_address
+        )
     return summary.model_dump(mode="json")
 
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
-    from service.runs import prepare_run
-
     prepared = prepare_run(Path(args.input), params_from(args), model_from(args), store_from(args))
     plan = prepared.plan
     grid = plan.grid
@@ -302,8 +338,6 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
-    from storage import collect_garbage
-
     report = collect_garbage(store_from(args), args.keep_outputs, args.older_than_hours * 3600)
     return {"runs": report, "bytes_reclaimed": sum(r["bytes"] for r in report if r["deleted"])}
 
@@ -319,20 +353,19 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
         _summary,
         upscale_archive,
     )
-    from service.runs import model_info
 
     source = Path(args.input_dir).expanduser()
     if not source.exists():
-        raise UserError(f"input {args.input_dir} does not exist")
+        raise UserFacingError(f"input {args.input_dir} does not exist")
     if args.max_parallel < 1:
-        raise UserError(f"--max-parallel must be at least 1, not {args.max_parallel}")
+        raise UserFacingError(f"--max-parallel must be at least 1, not {args.max_parallel}")
     output_dir = Path(args.output_dir).expanduser()
     if output_dir.resolve() == source.resolve():
-        raise UserError(f"the output folder {args.output_dir} is the input folder; choose another one")
+        raise UserFacingError(f"the output folder {args.output_dir} is the input folder; choose another one")
     _check_output_dir(output_dir)
     model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
     # One API for every clip flow and worker (a configured server, else one temporary server for the command).
-    with prefect_api(True):
+    with prefect_api():
         state = upscale_archive(
             input_dir=str(source),
             output_dir=str(output_dir),
@@ -383,10 +416,7 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
         for key, value in result.items():
             print(f"{key:>22}: {value}")
     elif command in ("upscale", "demo"):
-        print(f"wrote {result['output']}")
-        print(f"  run {result['run_key']}: {result['tiles_computed']} tiles computed, {result['tiles_reused']} reused")
-        if result.get("note"):
-            print(f"  {result['note']}")
+        print("\n".join(summary_lines(result)))
     elif command == "gc":
         print(f"reclaimed {result['bytes_reclaimed']} bytes from {sum(r['deleted'] for r in result['runs'])} runs")
         for run in result["runs"]:
@@ -402,17 +432,10 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
         print(f"manifest: {result.get('manifest_json')}")
 
 
-def _quiet(debug: bool) -> None:
-    if not debug:
-        warnings.filterwarnings("ignore", message=".*flex attention.*")
-        warnings.filterwarnings("ignore", category=UserWarning, module="torch")
-        logging.getLogger("diffusers").setLevel(logging.ERROR)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _quiet(args.debug)
+    configure_terminal(verbose=args.debug or getattr(args, "verbose", False))
     handlers = {
         "upscale": cmd_upscale,
         "plan": cmd_plan,
@@ -439,22 +462,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         _print_human(args.command, result)
     return EXIT_FAILED if result.get("failed") else 0
-
-
-def describe_error(err: BaseException) -> str | None:
-    """One-line message for errors the user can act on; None for internal failures."""
-    from k6vsr_core.bundle import BundleError
-    from k6vsr_core.media import MediaError
-    from k6vsr_core.params import ParameterError
-    from storage import StoreError
-
-    if isinstance(err, (UserError, MediaError, BundleError, ParameterError, StoreError)):
-        return str(err)
-    if isinstance(err, ValueError):
-        return str(err)
-    if isinstance(err, OSError) and err.filename:
-        return f"{err.filename}: {err.strerror}"
-    return None
 
 
 if __name__ == "__main__":

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from entrypoints.console import tile_progress
+from flows.orchestrate import run_clip
 from k6vsr_core.bundle import make_tiny_bundle
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
-from service.runs import ModelSpec
+from service.runs import ModelSpec, prepare_run
 
 NOTE = (
     "The model weights are RANDOM (a tiny stand-in bundle): the output is noise-like. Every stage ran as it does "
@@ -17,8 +19,6 @@ NOTE = (
 
 
 def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[str, Any]:
-    from flows.orchestrate import run_clip
-
     out_dir.mkdir(parents=True, exist_ok=True)
     bundle = out_dir / "tiny-bundle"
     if not (bundle / "model_index.json").is_file():
@@ -29,12 +29,8 @@ def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[
         make_sample_clip(clip, width=128, height=96, num_frames=9, fps=24, audio=True)
     if not quiet:
         print(NOTE)
-    summary = run_clip(
-        str(clip),
-        str(out_dir / f"sample_sr{params.scale_label}x.mp4"),
-        params,
-        ModelSpec(model=str(bundle), device="cpu"),
-        str(out_dir / "store"),
-        show_progress=not quiet,
-    )
+    model = ModelSpec(model=str(bundle), device="cpu")
+    prepared = prepare_run(clip, params, model, out_dir / "store")
+    with tile_progress(prepared, enabled=not quiet):
+        summary = run_clip(prepared, str(out_dir / f"sample_sr{params.scale_label}x.mp4"), model)
     return {**summary.model_dump(mode="json"), "note": NOTE}

@@ -2,24 +2,27 @@
 
     POST   /v1/videos                JSON {"video_path": ..., "sr_resolution_scale": ..., ...}, or multipart form data
                                      with the clip as file field `video_reference` and the same fields; -> job, queued
-    GET    /v1/videos                every job, oldest first
+    GET    /v1/videos                the caller's jobs, oldest first
     GET    /v1/videos/{id}           the job: status queued | in_progress | completed | failed | cancelled, progress
     GET    /v1/videos/{id}/content   the MP4 once completed (409 before, 404 for an unknown id)
     DELETE /v1/videos/{id}           cancels a queued or running job; removes a finished one and its files
 
-Request fields and their defaults are SGLang's Kandinsky 6 SR sampling parameters. Safe by default: loopback bind,
-JSON `video_path` only inside `--allow-path` folders (resolved, so `..` and symbolic links cannot escape), uploads
-streamed to disk under a size cap and stored under the job id, a bearer key on every route with `--api-key`, random
-job ids, and errors as JSON `{"error": {"message", "type", "param", "code"}}`, never a stack trace. Jobs, their queue
-and their worker processes are in `entrypoints.jobs`.
+Request fields and their defaults are SGLang's Kandinsky 6 SR sampling parameters. Safe by default: loopback bind;
+a JSON `video_path` is opened only inside `--allow-path` folders, with no symbolic link followed, and copied into
+the job's folder, so the file checked is the file that runs (`entrypoints.confine`); uploads are streamed to disk
+under a size cap; every resource a client can spend is bounded (`Limits`); with API keys each job belongs to the key
+that made it; errors are JSON `{"error": {"message", "type", "param", "code"}}` with one line of message, never a
+stack trace or a path of the server. Jobs, their queue and their worker processes are in `entrypoints.jobs`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -37,8 +39,24 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from entrypoints.jobs import ACTIVE, CANCELLED, COMPLETED, IN_PROGRESS, JobRunner, JobStore, new_job_id
-from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
+from entrypoints.confine import PathRefused, open_confined, quote, scrub_paths
+from entrypoints.jobs import (
+    ACTIVE,
+    CANCELLED,
+    COMPLETED,
+    FINISHED,
+    IN_PROGRESS,
+    InputFile,
+    InputQuotaFull,
+    JobRunner,
+    JobStore,
+    QueueFull,
+    new_job_id,
+)
+from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
+from k6vsr_core.params import UpscaleParams, parse_params
+from service.runs import ModelSpec, model_info, prepare_run
+from storage import RunStore
 
 log = logging.getLogger("k6vsr.server")
 
@@ -55,18 +73,39 @@ FIELDS = {
 # Sent by OpenAI-style clients; meaningless for super-resolution, so accepted and ignored.
 IGNORED_FIELDS = ("model", "prompt")
 FILE_FIELD = "video_reference"
-MAX_JSON_BYTES = 1 << 20
-MAX_FORM_FIELD_BYTES = 64 << 10
 MAX_PART_HEADER_BYTES = 16 << 10
-FORM_OVERHEAD_BYTES = 1 << 20  # boundaries and small fields, on top of the file cap, for the Content-Length check
+RETRY_AFTER_S = 30
+# At most this many of a request's field problems are spelled out in one message.
+PROBLEMS_SHOWN = 3
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request, and all of them together, may make the server spend. Each is a `serve` option, whose
+    default is set there."""
+
+    max_upload_bytes: int  # --max-upload-mb: the clip of one upload
+    max_fields: int  # --max-fields: fields of one request besides the clip
+    max_fields_bytes: int  # --max-fields-kb: all of a request but the clip (a JSON body, form fields)
+    max_queued: int  # --max-queued: jobs waiting for a worker
+    input_quota_bytes: int  # --input-quota-mb: inputs on disk of queued and running jobs
+    max_output_pixels: int  # --max-output-mpx: frames x width x height of one job's result
+    retention_s: float  # --retention-hours: finished jobs are deleted this long after they finished
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.max_upload_bytes + self.max_fields_bytes
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     store_root: Path
+    limits: Limits
     allow_paths: tuple[Path, ...] = ()
-    api_key: str | None = None
-    max_upload_bytes: int = 2048 << 20
+    api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()  # keys that see, read and delete every job
+    list_jobs: bool = False  # without keys: whether GET /v1/videos lists the jobs
+    umask: int = 0o077
     workers: int = 1
     model_name: str = ""
 
@@ -76,10 +115,17 @@ class ServerConfig:
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, kind: str | None = None, param: str | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
 
 
 _KIND = {
@@ -92,7 +138,24 @@ _KIND = {
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
+    429: "rate_limit_error",
 }
+_CODE = {404: "not_found", 405: "method_not_allowed"}
+
+# The errors a user can fix (k6vsr_core.errors) as HTTP answers: the first class that matches gives status and code.
+USER_ERROR_STATUS: tuple[tuple[type[UserFacingError], int, str], ...] = (
+    (MediaError, 400, "invalid_video"),
+    (ParameterError, 400, "invalid_value"),
+    (BundleError, 503, "model_unavailable"),
+    (StoreError, 500, "store_unusable"),
+    (UserFacingError, 400, "invalid_request"),
+)
+
+
+def api_error(err: UserFacingError, param: str | None = None, message: str | None = None) -> ApiError:
+    """The HTTP answer to an error a user can fix: its status and code from `USER_ERROR_STATUS`."""
+    status, code = next((status, code) for kind, status, code in USER_ERROR_STATUS if isinstance(err, kind))
+    return ApiError(status, message or str(err), param=param, code=code)
 
 
 def error_response(
@@ -104,48 +167,113 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     body = {
-        "error": {"message": message, "type": kind or _KIND.get(status, "server_error"), "param": param, "code": code}
+        "error": {
+            "message": " ".join(message.split()),
+            "type": kind or _KIND.get(status, "server_error"),
+            "param": param,
+            "code": code or _CODE.get(status, "http_error"),
+        }
     }
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, err: ApiError) -> JSONResponse:
-        return error_response(err.status, err.message, err.kind, err.param, err.code)
+    async def api_error_handler(_: Request, err: ApiError) -> JSONResponse:
+        return error_response(err.status, err.message, err.kind, err.param, err.code, err.headers)
+
+    @app.exception_handler(UserFacingError)
+    async def user_error_handler(_: Request, err: UserFacingError) -> JSONResponse:
+        answer = api_error(err)
+        return error_response(answer.status, answer.message, param=answer.param, code=answer.code)
+
+    @app.exception_handler(PathRefused)
+    async def path_refused(_: Request, err: PathRefused) -> JSONResponse:
+        return error_response(403 if err.forbidden else 400, err.message, param="video_path", code=err.code)
+
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, err: QueueFull) -> JSONResponse:
+        return error_response(
+            429,
+            f"the queue is full ({err.limit} jobs waiting, --max-queued); retry later",
+            code="queue_full",
+            headers=retry,
+        )
+
+    @app.exception_handler(InputQuotaFull)
+    async def quota_full(_: Request, err: InputQuotaFull) -> JSONResponse:
+        return error_response(
+            429,
+            f"the inputs of queued and running jobs fill the input storage quota ({err.limit} "
+            "bytes, --input-quota-mb); retry later",
+            code="input_quota_full",
+            headers=retry,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
         return error_response(err.status_code, str(err.detail), headers=getattr(err, "headers", None))
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
-        first = err.errors()[0] if err.errors() else {}
-        where = ".".join(str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path"))
-        return error_response(422, f"{where or 'request'}: {first.get('msg', 'invalid value')}", param=where or None)
-
     @app.exception_handler(ClientDisconnect)
     async def disconnected(_: Request, err: ClientDisconnect) -> JSONResponse:
-        return error_response(400, "the client disconnected before the request body was complete")
+        return error_response(
+            400, "the client disconnected before the request body was complete", code="client_disconnected"
+        )
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         log.error("internal error: %s: %s", type(err).__name__, err, exc_info=err)
-        return error_response(500, "internal server error; see the server log", "server_error")
+        return error_response(500, "internal server error; see the server log", "server_error", code="internal_error")
 
 
-class BearerAuth:
-    """Every request needs `Authorization: Bearer <key>` (compared in constant time)."""
+# ----------------------------------------------------------------------------------------------- callers
 
-    def __init__(self, app: Any, key: str) -> None:
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: the id of its key (never the key), or None on a server without keys, where every client
+    is the same one. An admin sees every job."""
+
+    owner: str | None
+    admin: bool = False
+
+    def sees(self, job: dict[str, Any]) -> bool:
+        return self.admin or self.owns(job)
+
+    def owns(self, job: dict[str, Any]) -> bool:
+        return job.get("owner") == self.owner
+
+
+ANONYMOUS = Caller(owner=None)
+
+
+def key_owner(key: str) -> str:
+    return "key_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def caller_of(request: Request) -> Caller:
+    return getattr(request.state, "caller", ANONYMOUS)
+
+
+class KeyAuth:
+    """Every request needs `Authorization: Bearer <key>` with one of the keys (each compared in constant time); the
+    request then carries its `Caller`."""
+
+    def __init__(self, app: Any, callers: dict[str, Caller]) -> None:
         self.app = app
-        self.key = key.encode()
+        self.callers = [(key.encode(), caller) for key, caller in callers.items()]
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
+            found = None
+            for key, caller in self.callers:  # every key is compared: the time does not tell which one matched
+                if hmac.compare_digest(token.strip(), key) and scheme.lower() == b"bearer":
+                    found = caller
+            if found is None:
                 message = "missing API key" if not header else "invalid API key"
                 response = error_response(
                     401,
@@ -155,6 +283,7 @@ class BearerAuth:
                 )
                 await response(scope, receive, send)
                 return
+            scope.setdefault("state", {})["caller"] = found
         await self.app(scope, receive, send)
 
 
@@ -164,31 +293,34 @@ class BearerAuth:
 def params_from_fields(fields: dict[str, Any]) -> UpscaleParams:
     """SGLang fields -> UpscaleParams; every bad value is reported with its SGLang field name."""
     values: dict[str, Any] = {}
-    problems: list[tuple[str, str]] = []
+    problems: list[tuple[str, str, str]] = []  # (field, message, code)
     for name, value in fields.items():
         if name in IGNORED_FIELDS:
             continue
         internal = FIELDS.get(name)
         if internal is None:
             allowed = ", ".join(["video_path", FILE_FIELD, *FIELDS])
-            problems.append((name, f"unknown field {name!r}; allowed: {allowed}"))
+            problems.append((name, f"unknown field {quote(name)}; allowed: {allowed}", "unknown_field"))
             continue
         if isinstance(value, bool) or isinstance(value, (list, dict)):
-            problems.append((name, f"{name}={value!r} has the wrong type"))
+            problems.append((name, f"{name}={quote(str(value))} has the wrong type", "invalid_value"))
             continue
         try:
             parse_params(**{internal: value})
         except ParameterError as err:
-            text = str(err)
-            problems.append((name, name + text[len(internal) :] if text.startswith(internal) else f"{name}: {text}"))
+            text = " ".join(str(err).split())
+            text = name + text[len(internal) :] if text.startswith(internal) else f"{name}: {text}"
+            problems.append((name, text, "invalid_value"))
             continue
         values[internal] = value
     if problems:
-        raise ApiError(400, "; ".join(message for _, message in problems), param=problems[0][0])
+        shown = "; ".join(message for _, message, _ in problems[:PROBLEMS_SHOWN])
+        more = f" (and {len(problems) - PROBLEMS_SHOWN} more)" if len(problems) > PROBLEMS_SHOWN else ""
+        raise ApiError(400, shown + more, param=problems[0][0][:64], code=problems[0][2])
     try:
         return parse_params(**values)
     except ParameterError as err:
-        raise ApiError(400, str(err)) from None
+        raise ApiError(400, str(err), code="invalid_value") from None
 
 
 def api_params(params: dict[str, Any]) -> dict[str, Any]:
@@ -196,55 +328,56 @@ def api_params(params: dict[str, Any]) -> dict[str, Any]:
     return {api: params.get(internal) for api, internal in FIELDS.items()}
 
 
-def resolve_video_path(raw: Any, roots: tuple[Path, ...]) -> Path:
-    if not isinstance(raw, str) or not raw:
-        raise ApiError(
-            400,
-            f"video_path must be a non-empty string (or upload the clip as multipart field {FILE_FIELD!r})",
-            param="video_path",
-        )
-    if not roots:
-        raise ApiError(
-            403,
-            "video_path is not allowed on this server: start it with --allow-path DIR to accept "
-            f"clips under DIR, or upload the clip as {FILE_FIELD!r}",
-            param="video_path",
-        )
-    try:
-        resolved = Path(raw).resolve()
-    except (OSError, RuntimeError, ValueError):
-        raise ApiError(400, "video_path is not a valid path", param="video_path") from None
-    if not any(resolved.is_relative_to(root) for root in roots):
-        raise ApiError(403, f"video_path {raw!r} is outside the folders this server allows", param="video_path")
-    if not resolved.is_file():
-        raise ApiError(400, f"video_path {raw!r} does not exist or is not a file", param="video_path")
-    return resolved
-
-
 # ----------------------------------------------------------------------------------------------- request bodies
 
 
-async def read_json(request: Request) -> dict[str, Any]:
+def _too_many_fields(limits: Limits) -> ApiError:
+    return ApiError(
+        413,
+        f"the request has more than {limits.max_fields} fields besides the clip (--max-fields)",
+        code="too_many_fields",
+    )
+
+
+def _fields_too_large(limits: Limits) -> ApiError:
+    return ApiError(
+        413,
+        f"the request takes more than {limits.max_fields_bytes} bytes besides the clip (--max-fields-kb)",
+        code="fields_too_large",
+    )
+
+
+def _declared_length(request: Request) -> int | None:
+    length = request.headers.get("content-length", "")
+    return int(length) if length.isdigit() else None
+
+
+async def read_json(request: Request, limits: Limits) -> dict[str, Any]:
+    length = _declared_length(request)
+    if length is not None and length > limits.max_fields_bytes:
+        raise _fields_too_large(limits)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_JSON_BYTES:
-            raise ApiError(413, f"JSON body is larger than {MAX_JSON_BYTES} bytes", code="body_too_large")
+        if len(body) > limits.max_fields_bytes:
+            raise _fields_too_large(limits)
     try:
         data = json.loads(body)
-    except ValueError:
-        raise ApiError(400, "request body is not valid JSON") from None
+    except (ValueError, RecursionError):  # RecursionError: arrays nested deeper than the parser goes
+        raise ApiError(400, "request body is not valid JSON", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
     extra = data.pop("extra_body", None)  # as SGLang's server: OpenAI clients may nest fields here
     if isinstance(extra, dict):
         data.update(extra)
+    if len(data) > limits.max_fields + 1:  # + video_path
+        raise _too_many_fields(limits)
     return data
 
 
 class FormError(ApiError):
     def __init__(self, message: str) -> None:
-        super().__init__(400, f"malformed multipart body: {message}")
+        super().__init__(400, f"malformed multipart body: {message}", code="malformed_form")
 
 
 class UploadTooLarge(ApiError):
@@ -257,35 +390,27 @@ class UploadTooLarge(ApiError):
         )
 
 
-def _capped(limit: int, error: Callable[[], ApiError], write: Callable[[bytes], Any]) -> Callable[[bytes], None]:
-    seen = 0
-
-    def sink(data: bytes) -> None:
-        nonlocal seen
-        seen += len(data)
-        if seen > limit:
-            raise error()
-        write(data)
-
-    return sink
-
-
 class _FormReceiver:
-    """python-multipart's streaming callbacks: the `video_reference` file goes straight to disk (stopping as soon as
-    it passes the cap), other fields are kept as strings. The client's file name is never used."""
+    """python-multipart's streaming callbacks: the `video_reference` file goes straight to the job's input (stopping
+    as soon as it passes the cap or the quota), other fields are kept as strings, `max_fields` of them at most. The
+    client's file name is never used."""
 
-    def __init__(self, upload_to: Path, max_bytes: int) -> None:
-        self.upload_to = upload_to
-        self.max_bytes = max_bytes
+    def __init__(self, open_input: Callable[[], InputFile], limits: Limits) -> None:
+        self.open_input = open_input
+        self.limits = limits
         self.fields: dict[str, str] = {}
-        self.has_file = False
+        self.file_bytes = 0
         self.ended = False
         self._header: list[bytes] = [b"", b""]
         self._disposition = b""
         self._name = ""
         self._value = bytearray()
-        self._file: Any = None
-        self._sink: Callable[[bytes], None] = lambda _: None
+        self._input: InputFile | None = None
+        self._has_file = False
+
+    @property
+    def has_file(self) -> bool:
+        return self._has_file
 
     def callbacks(self) -> dict[str, Callable[..., None]]:
         return {
@@ -294,7 +419,7 @@ class _FormReceiver:
             "on_header_value": lambda data, start, end: self._add_header(1, data[start:end]),
             "on_header_end": self._header_end,
             "on_headers_finished": self._headers_finished,
-            "on_part_data": lambda data, start, end: self._sink(bytes(data[start:end])),
+            "on_part_data": lambda data, start, end: self._data(bytes(data[start:end])),
             "on_part_end": self._part_end,
             "on_end": self._end,
         }
@@ -318,78 +443,143 @@ class _FormReceiver:
         self._name = name
         if b"filename" in options or name == FILE_FIELD:
             if name != FILE_FIELD:
-                raise ApiError(400, f"unexpected file field {name!r}; send the clip as {FILE_FIELD!r}", param=name)
-            if self.has_file:
-                raise ApiError(400, f"{FILE_FIELD} was sent twice", param=FILE_FIELD)
-            self.upload_to.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.upload_to.open("wb")
-            self._sink = _capped(self.max_bytes, lambda: UploadTooLarge(self.max_bytes), self._file.write)
+                raise ApiError(
+                    400,
+                    f"unexpected file field {quote(name)}; send the clip as {FILE_FIELD!r}",
+                    param=name[:64],
+                    code="unexpected_file_field",
+                )
+            if self._has_file:
+                raise ApiError(400, f"{FILE_FIELD} was sent twice", param=FILE_FIELD, code="duplicate_field")
+            self._input = self.open_input()
+        elif len(self.fields) >= self.limits.max_fields:
+            raise _too_many_fields(self.limits)
+
+    def _data(self, data: bytes) -> None:
+        if self._input is not None:
+            self._input.write(data)
+            self.file_bytes += len(data)
         else:
-            self._sink = _capped(
-                MAX_FORM_FIELD_BYTES,
-                lambda: ApiError(413, f"form field {name!r} is too long", param=name),
-                self._value.extend,
-            )
+            self._value += data
+            if len(self._value) > self.limits.max_fields_bytes:
+                raise _fields_too_large(self.limits)
 
     def _part_end(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-            self.has_file = True
+        if self._input is not None:
+            self._input.close()
+            self._input = None
+            self._has_file = True
             return
         if self._name in self.fields:
-            raise ApiError(400, f"form field {self._name!r} was sent twice", param=self._name)
+            raise ApiError(
+                400, f"form field {quote(self._name)} was sent twice", param=self._name[:64], code="duplicate_field"
+            )
         try:
             self.fields[self._name] = self._value.decode("utf-8")
         except UnicodeDecodeError:
-            raise ApiError(400, f"form field {self._name!r} is not UTF-8 text", param=self._name) from None
+            raise ApiError(
+                400, f"form field {quote(self._name)} is not UTF-8 text", param=self._name[:64], code="invalid_value"
+            ) from None
 
     def _end(self) -> None:
         self.ended = True
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        if self._input is not None:
+            self._input.close()
 
 
-async def read_form(request: Request, upload_to: Path, max_bytes: int) -> dict[str, str]:
-    """Stream a multipart body: the clip to `upload_to`, the other fields returned as strings."""
+async def read_form(request: Request, open_input: Callable[[], InputFile], limits: Limits) -> dict[str, str]:
+    """Stream a multipart body: the clip into `open_input()`, the other fields returned as strings. Everything but
+    the clip's bytes (boundaries, part headers, fields) counts toward `max_fields_bytes`."""
+    length = _declared_length(request)
+    if length is not None and length > limits.max_request_bytes:
+        raise ApiError(
+            413,
+            f"the request is larger than {limits.max_request_bytes} bytes (--max-upload-mb plus --max-fields-kb)",
+            code="request_too_large",
+        )
     _, options = parse_options_header(request.headers["content-type"])
     boundary = options.get(b"boundary", b"")
     if not 1 <= len(boundary) <= 200:
         raise FormError("missing or invalid boundary in Content-Type")
-    receiver = _FormReceiver(upload_to, max_bytes)
+    receiver = _FormReceiver(open_input, limits)
     parser = MultipartParser(boundary, receiver.callbacks(), max_header_size=MAX_PART_HEADER_BYTES)
+    received = 0
     try:
         async for chunk in request.stream():
+            received += len(chunk)
             parser.write(chunk)
+            if received - receiver.file_bytes > limits.max_fields_bytes:
+                raise _fields_too_large(limits)
             if receiver.ended:
                 break  # the epilogue is not read
         parser.finalize()
     except MultipartParseError as err:
-        raise FormError(f"malformed multipart body ({err})") from None
+        raise FormError(f"{' '.join(str(err).split())[:200]}") from None
     finally:
         receiver.close()
     if not receiver.ended:
         raise FormError("the body ended before the closing boundary")
     if not receiver.has_file:
-        raise ApiError(400, f"the clip is missing: send it as the file field {FILE_FIELD!r}", param=FILE_FIELD)
+        raise ApiError(
+            400, f"the clip is missing: send it as the file field {FILE_FIELD!r}", param=FILE_FIELD, code="missing_file"
+        )
     return receiver.fields
+
+
+def copy_path_source(raw: Any, roots: tuple[Path, ...], store: JobStore, job_id: str) -> str:
+    """Copy the file `video_path` names, opened inside the allowed folders, into the job's input: the run reads that
+    copy, never the path again. Returns the path relative to its allowed folder."""
+    opened = open_confined(raw, roots)
+    try:
+        limit = store.quota.limit
+        if opened.size > limit:
+            raise ApiError(
+                413,
+                f"video_path {quote(opened.relative)} is larger than the input storage quota of "
+                f"{limit} bytes (--input-quota-mb)",
+                param="video_path",
+                code="file_too_large",
+            )
+        too_large = lambda: ApiError(  # noqa: E731 - grown while being copied
+            413,
+            f"video_path {quote(opened.relative)} grew past the input storage quota while being copied",
+            param="video_path",
+            code="file_too_large",
+        )
+        target = store.open_input(job_id, cap=limit, too_large=too_large)
+        try:
+            while data := os.read(opened.fd, 1 << 20):
+                target.write(data)
+        except OSError as err:
+            raise PathRefused(
+                "path_unreadable",
+                f"video_path {quote(opened.relative)} could not be read ({os.strerror(err.errno or 0)})",
+            ) from None
+        finally:
+            target.close()
+    finally:
+        os.close(opened.fd)
+    return opened.relative
 
 
 # ----------------------------------------------------------------------------------------------- the app
 
 
-def job_view(job: dict[str, Any], store_root: Path) -> dict[str, Any]:
-    """The job as clients see it: no server paths except the caller's own `video_path`."""
+def job_view(job: dict[str, Any], caller: Caller, store_root: Path, retention_s: float) -> dict[str, Any]:
+    """The job as `caller` sees it: no server paths; a `video_path`, relative to its allowed folder, only to its
+    owner."""
     progress = job.get("progress", 0)
     if job["status"] == IN_PROGRESS and job.get("tiles", {}).get("total"):
-        from storage import RunStore
-
-        decoded = len(RunStore(store_root, job["run_key"]).records.items("decode"))
+        decoded = RunStore(store_root, job["run_key"]).tiles_decoded()
         progress = min(99, int(100 * decoded / job["tiles"]["total"]))
     output = job["output"]
-    view = {
+    source = {"type": job["source"]["type"]}
+    if "video_path" in job["source"] and caller.owns(job):
+        source["video_path"] = job["source"]["video_path"]
+    finished_at = job.get("completed_at") if job["status"] in FINISHED else None
+    return {
         "id": job["id"],
         "object": "video",
         "model": job["model"],
@@ -398,6 +588,7 @@ def job_view(job: dict[str, Any], store_root: Path) -> dict[str, Any]:
         "created_at": job["created_at"],
         "started_at": job.get("started_at"),
         "completed_at": job.get("completed_at"),
+        "expires_at": int(finished_at + retention_s) if finished_at is not None else None,
         "error": job.get("error"),
         "run_key": job["run_key"],
         "params": api_params(job["request"]),
@@ -405,14 +596,31 @@ def job_view(job: dict[str, Any], store_root: Path) -> dict[str, Any]:
         "seconds": f"{output['frames'] / output['fps']:.3f}",
         "output": output,
         "tiles": job["tiles"],
-        "source": {key: value for key, value in job["source"].items() if key != "path"},
+        "source": source,
     }
-    return view
 
 
-def create_app(config: ServerConfig, spec: Any) -> FastAPI:
-    store = JobStore(config.store_root)
-    runner = JobRunner(store, spec, workers=config.workers)
+def check_output_size(plan: Any, limits: Limits) -> None:
+    """The work a job asks for, bounded before it is queued: frames x width x height of the model's result."""
+    height, width = plan.sr_size
+    pixels = plan.num_frames * height * width
+    if pixels > limits.max_output_pixels:
+        raise ApiError(
+            400,
+            f"this job would make {plan.num_frames} frame(s) of {width}x{height} ({pixels / 1e6:.1f} "
+            f"megapixels); this server makes at most {limits.max_output_pixels / 1e6:g} megapixels a job "
+            "(--max-output-mpx): lower sr_resolution_scale or send a smaller clip",
+            param="sr_resolution_scale",
+            code="output_too_large",
+        )
+
+
+def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
+    limits = config.limits
+    store = JobStore(config.store_root, limits.input_quota_bytes)
+    runner = JobRunner(
+        store, spec, workers=config.workers, max_queued=limits.max_queued, retention_s=limits.retention_s
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -425,30 +633,48 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
     app = FastAPI(title="k6vsr", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store, app.state.runner, app.state.config = store, runner, config
     _install_error_handlers(app)
-    if config.api_key:
-        app.add_middleware(BearerAuth, key=config.api_key)
+    callers = {key: Caller(key_owner(key)) for key in config.api_keys}
+    callers.update({key: Caller(key_owner(key), admin=True) for key in config.admin_keys})
+    if callers:
+        app.add_middleware(KeyAuth, callers=callers)
 
-    def find(job_id: str) -> dict[str, Any]:
+    def view(job: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        return job_view(job, caller, config.store_root, limits.retention_s)
+
+    def find(job_id: str, caller: Caller) -> dict[str, Any]:
         job = store.get(job_id)
-        if job is None:
-            raise ApiError(404, f"no video job {job_id!r}", param="video_id")
+        if job is None or not caller.sees(job):  # another key's job is as unknown as a missing one
+            raise ApiError(404, f"no video job {quote(job_id)}", param="video_id", code="job_not_found")
         return job
 
-    def prepare(source: Path, params: UpscaleParams, label: str) -> Any:
-        from k6vsr_core.media import MediaError
-        from service.runs import prepare_run
+    async def receive(request: Request, media_type: str, job_id: str) -> tuple[UpscaleParams, dict[str, str], str]:
+        """Read the request into the job's input (the streamed upload, or a copy of the confined `video_path`);
+        returns the parameters, the job's `source` and how messages name the clip."""
+        if media_type == "multipart/form-data":
+            too_large = lambda: UploadTooLarge(limits.max_upload_bytes)  # noqa: E731
+            fields = await read_form(
+                request, lambda: store.open_input(job_id, limits.max_upload_bytes, too_large), limits
+            )
+            return params_from_fields(fields), {"type": "upload"}, FILE_FIELD
+        fields = await read_json(request, limits)
+        raw_path = fields.pop("video_path", None)
+        params = params_from_fields(fields)  # a bad field is refused before anything is copied
+        relative = await run_in_threadpool(copy_path_source, raw_path, config.allow_paths, store, job_id)
+        return params, {"type": "path", "video_path": relative}, f"video_path {quote(relative)}"
 
+    def prepare(job_id: str, params: UpscaleParams, label: str) -> Any:
+        known = {str(store.input_path(job_id)): label, str(config.store_root): "<store>"}
         try:
-            return prepare_run(source, params, spec, config.store_root)
+            return prepare_run(store.input_path(job_id), params, spec, config.store_root)
         except MediaError as err:
+            param = FILE_FIELD if label == FILE_FIELD else "video_path"
             raise ApiError(
-                400,
-                f"{label}: {err.cause}",
-                param="video_path" if label != FILE_FIELD else FILE_FIELD,
-                code="invalid_video",
+                400, f"{label}: {scrub_paths(err.cause, known)}", param=param, code="invalid_video"
             ) from None
         except ValueError as err:  # a plan these parameters cannot make (e.g. an `exact` target above the result)
-            raise ApiError(400, f"this request cannot be planned: {err}") from None
+            raise ApiError(
+                400, f"this request cannot be planned: {scrub_paths(str(err), known)}", code="cannot_plan"
+            ) from None
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -456,97 +682,99 @@ def create_app(config: ServerConfig, spec: Any) -> FastAPI:
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> JSONResponse:
+        caller = caller_of(request)
         media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type not in ("multipart/form-data", "application/json", ""):
+            raise ApiError(
+                415,
+                f"send JSON (application/json) with video_path, or multipart/form-data with the clip as {FILE_FIELD!r}",
+                code="unsupported_media_type",
+            )
         job_id = new_job_id()
-        try:
-            if media_type == "multipart/form-data":
-                length = request.headers.get("content-length", "")
-                if length.isdigit() and int(length) > config.max_upload_bytes + FORM_OVERHEAD_BYTES:
-                    raise UploadTooLarge(config.max_upload_bytes)
-                fields: dict[str, Any] = await read_form(request, store.input_path(job_id), config.max_upload_bytes)
-                params = params_from_fields(fields)
-                source, label, origin = store.input_path(job_id), FILE_FIELD, {"type": "upload"}
-            elif media_type in ("application/json", ""):
-                fields = await read_json(request)
-                raw_path = fields.pop("video_path", None)
-                params = params_from_fields(fields)
-                source = resolve_video_path(raw_path, config.allow_paths)
-                label, origin = raw_path, {"type": "path", "video_path": raw_path}
-            else:
-                raise ApiError(
-                    415,
-                    "send JSON (application/json) with video_path, or multipart/form-data with the "
-                    f"clip as {FILE_FIELD!r}",
+        with runner.admission():
+            try:
+                params, origin, label = await receive(request, media_type, job_id)
+                prepared = await run_in_threadpool(prepare, job_id, params, label)
+                check_output_size(prepared.plan, limits)
+                plan = prepared.plan
+                job = await run_in_threadpool(
+                    store.put,
+                    {
+                        "id": job_id,
+                        "object": "video",
+                        "model": config.model_name,
+                        "owner": caller.owner,
+                        "status": "queued",
+                        "progress": 0,
+                        "created_at": int(time.time()),
+                        "created_ns": time.time_ns(),
+                        "started_at": None,
+                        "completed_at": None,
+                        "error": None,
+                        "run_key": prepared.run.run_key,
+                        "request": params.model_dump(mode="json"),
+                        "source": origin,
+                        "output": {
+                            "width": plan.delivery_size[1],
+                            "height": plan.delivery_size[0],
+                            "frames": plan.num_frames,
+                            "fps": plan.fps,
+                            "has_audio": prepared.probe.has_audio,
+                            "bytes": None,
+                        },
+                        "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},
+                        "prepared": prepared.model_dump(mode="json"),  # the plan the job's flow runs; never shown
+                    },
                 )
-            prepared = await run_in_threadpool(prepare, source, params, label)
-        except BaseException:
-            store.discard_dir(job_id)  # a partial or refused upload leaves nothing behind
-            raise
-        plan = prepared.plan
-        now = time.time()
-        job = await run_in_threadpool(
-            store.put,
-            {
-                "id": job_id,
-                "object": "video",
-                "model": config.model_name,
-                "status": "queued",
-                "progress": 0,
-                "created_at": int(now),
-                "created_ns": time.time_ns(),
-                "started_at": None,
-                "completed_at": None,
-                "error": None,
-                "run_key": prepared.run.run_key,
-                "request": params.model_dump(mode="json"),
-                "source": {**origin, "path": str(source)},
-                "output": {
-                    "width": plan.delivery_size[1],
-                    "height": plan.delivery_size[0],
-                    "frames": plan.num_frames,
-                    "fps": plan.fps,
-                    "has_audio": prepared.probe.has_audio,
-                    "bytes": None,
-                },
-                "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},
-            },
-        )
-        runner.submit(job_id)
+            except BaseException:
+                store.discard_dir(job_id)  # a partial or refused request leaves nothing behind
+                raise
+            runner.submit(job_id)
         log.info("job %s queued: run %s, %d tiles", job_id, prepared.run.run_key, plan.num_tiles)
-        return JSONResponse(job_view(job, config.store_root))
+        return JSONResponse(view(job, caller))
 
     # Plain functions: FastAPI runs them in its thread pool, so file reads and process signals never block the loop.
     @app.get("/v1/videos")
-    def list_videos() -> dict[str, Any]:
-        return {"object": "list", "data": [job_view(job, config.store_root) for job in store.all()]}
+    def list_videos(request: Request) -> dict[str, Any]:
+        caller = caller_of(request)
+        if not callers and not config.list_jobs:
+            raise ApiError(
+                403,
+                "listing jobs is off on this server: a job is read by its id (start the server with "
+                "--list-jobs, or with API keys so that each key lists its own jobs)",
+                code="listing_disabled",
+            )
+        return {"object": "list", "data": [view(job, caller) for job in store.all() if caller.sees(job)]}
 
     @app.get("/v1/videos/{video_id}")
-    def get_video(video_id: str) -> dict[str, Any]:
-        return job_view(find(video_id), config.store_root)
+    def get_video(request: Request, video_id: str) -> dict[str, Any]:
+        caller = caller_of(request)
+        return view(find(video_id, caller), caller)
 
     @app.get("/v1/videos/{video_id}/content")
-    def get_content(video_id: str) -> FileResponse:
-        job = find(video_id)
+    def get_content(request: Request, video_id: str) -> FileResponse:
+        job = find(video_id, caller_of(request))
         if job["status"] != COMPLETED:
             hint = "poll GET /v1/videos/{id} until it is completed" if job["status"] in ACTIVE else "it has no output"
             raise ApiError(409, f"video job {video_id} is {job['status']}; {hint}", code=f"job_{job['status']}")
         output = store.output_path(video_id)
         if not output.is_file():
-            raise ApiError(404, f"the output of video job {video_id} is gone from the store")
+            raise ApiError(404, f"the output of video job {video_id} is gone from the store", code="output_gone")
         return FileResponse(output, media_type="video/mp4", filename=f"{video_id}.mp4")
 
     @app.delete("/v1/videos/{video_id}")
-    def delete_video(video_id: str) -> dict[str, Any]:
-        job = find(video_id)
+    def delete_video(request: Request, video_id: str) -> dict[str, Any]:
+        caller = caller_of(request)
+        job = find(video_id, caller)
         if job["status"] in ACTIVE:
             job = runner.cancel(video_id) or job
             if job["status"] == CANCELLED:
-                return job_view(job, config.store_root)
+                return view(job, caller)
         if runner.running(video_id):
             raise ApiError(
                 409, f"video job {video_id} is still stopping; delete it again in a few seconds", code="job_stopping"
             )
-        store.remove(video_id)
+        runner.delete(video_id)
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     return app
@@ -564,6 +792,25 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _keys_in(files: list[str]) -> list[str]:
+    """The keys of `--api-key-file` files: one a line; blank lines and `#` comments are skipped."""
+    keys = []
+    for name in files:
+        try:
+            lines = Path(name).expanduser().read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = getattr(err, "strerror", None) or err
+            raise ValueError(f"--api-key-file {name}: cannot be read ({reason})") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    return keys
+
+
+def _at_least(value: float, minimum: float, flag: str) -> float:
+    if value < minimum:
+        raise ValueError(f"{flag} must be at least {minimum:g}, not {value:g}")
+    return value
+
+
 def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
     roots = []
     for raw in args.allow_path or []:
@@ -571,13 +818,34 @@ def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
         if not root.is_dir():
             raise ValueError(f"--allow-path {raw}: not a directory")
         roots.append(root)
-    if args.max_upload_mb < 1:
-        raise ValueError("--max-upload-mb must be at least 1")
+    env_key = os.environ.get("K6VSR_API_KEY")
+    api_keys = [*(args.api_key or ([env_key] if env_key else [])), *_keys_in(args.api_key_file or [])]
+    limits = Limits(
+        max_upload_bytes=int(_at_least(args.max_upload_mb, 1, "--max-upload-mb")) << 20,
+        max_fields=int(_at_least(args.max_fields, 1, "--max-fields")),
+        max_fields_bytes=int(_at_least(args.max_fields_kb, 1, "--max-fields-kb")) << 10,
+        max_queued=int(_at_least(args.max_queued, 1, "--max-queued")),
+        input_quota_bytes=int(
+            _at_least(args.input_quota_mb, args.max_upload_mb, "--input-quota-mb (at least --max-upload-mb)")
+        )
+        << 20,
+        max_output_pixels=int(_at_least(args.max_output_mpx, 0.001, "--max-output-mpx") * 10**6),
+        retention_s=_at_least(args.retention_hours, 0, "--retention-hours") * 3600.0,
+    )
+    try:
+        umask = int(args.umask, 8)
+    except ValueError:
+        raise ValueError(f"--umask {args.umask!r} is not an octal mask such as 077 or 027") from None
+    if not 0 <= umask <= 0o777:
+        raise ValueError(f"--umask {args.umask!r} is not an octal mask such as 077 or 027")
     return ServerConfig(
         store_root=Path(store_root),
         allow_paths=tuple(roots),
-        api_key=args.api_key or None,
-        max_upload_bytes=args.max_upload_mb << 20,
+        api_keys=tuple(key for key in api_keys if key),
+        admin_keys=tuple(args.admin_key or ()),
+        list_jobs=bool(args.list_jobs),
+        limits=limits,
+        umask=umask,
         workers=max(1, int(getattr(args, "workers", 1) or 1)),
         model_name=model_name,
     )
@@ -587,12 +855,11 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def serve(args: Any, spec: Any, store_root: Path) -> None:
+def serve(args: Any, spec: ModelSpec, store_root: Path) -> None:
     """Run the server until interrupted. The model is checked before the port opens."""
     import uvicorn
 
     from flows.orchestrate import prefect_api
-    from service.runs import model_info
 
     if not log.handlers:  # our own handler: Prefect's logging setup reconfigures the root logger
         handler = logging.StreamHandler()
@@ -602,13 +869,15 @@ def serve(args: Any, spec: Any, store_root: Path) -> None:
     log.setLevel(logging.DEBUG if args.debug else logging.INFO)
     info = model_info(spec)  # a missing or broken model fails here, with one clear line
     config = config_from(args, store_root, info.model_id)
-    if not _is_loopback(args.host) and not config.api_key:
+    # Every file and folder this process and its children create: owner-only unless --umask shares them.
+    os.umask(config.umask)
+    if not _is_loopback(args.host) and not (config.api_keys or config.admin_keys):
         log.warning("listening on %s without --api-key: anyone who can reach it can submit jobs", args.host)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process would die on the
     # spot, skipping the exit handlers that stop a temporary Prefect server. Exit through Python instead.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     # Job processes report to one Prefect API: the configured one, else a temporary server for our lifetime.
-    with prefect_api(for_processes=True):
+    with prefect_api():
         uvicorn.run(
             create_app(config, spec),
             host=args.host,

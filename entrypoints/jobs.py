@@ -5,12 +5,17 @@ under `<store>/jobs/<id>/` (`input` for an upload, `output.mp4` once finished), 
 killed finds its queued and running jobs again when it starts, and requeues them; since every job runs the resumable
 clip flow, the tiles a killed run had finished are reused.
 
-Each worker slot owns one long-lived child process (`python -m entrypoints.jobs`) that imports the pipeline and loads the
-model once, then runs jobs one at a time as the parent hands them over a pipe (one JSON line each way). Cancelling a
+Each worker slot owns one long-lived child process (`python -m entrypoints.jobs`) that imports the pipeline and loads
+the model once, then runs jobs one at a time as the parent hands them over a pipe (one JSON line each way). Cancelling a
 running job terminates that child: SIGTERM first, so Prefect marks the flow run as crashed, then SIGKILL after a
 grace period. Every tile the run had finished stays recorded in the run store. The slot then starts a fresh child.
 The child dies with its parent (Linux `PR_SET_PDEATHSIG`, and EOF on its pipe elsewhere), so a killed server leaves
 no orphan computing on its own.
+
+What jobs may hold is bounded: at most `max_queued` jobs wait; the inputs on disk (uploads, and the copies of path
+sources) are charged to a quota as they are written and freed as soon as a job no longer needs them (once it ran,
+or at once when it is cancelled); a cancelled or deleted job's run is reclaimed from the run store unless another
+job still refers to it; and finished jobs are deleted `retention_s` after they finished.
 """
 
 from __future__ import annotations
@@ -27,10 +32,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from storage.records import atomic_write_json
+# The child process runs this module: it imports only the standard library (and the standard-library-only
+# `confine`) at the top, so that it is bound to its parent before the pipeline's imports (seconds on a busy machine)
+# run. The pipeline is imported where it is used.
+from entrypoints.confine import scrub_paths
+
+if TYPE_CHECKING:
+    from service.runs import ModelSpec
 
 log = logging.getLogger("k6vsr.server")
 
@@ -45,6 +58,12 @@ FINISHED = (COMPLETED, FAILED, CANCELLED)
 TERMINATE_GRACE_S = 3.0
 
 
+def _write_record(path: Path, job: dict[str, Any]) -> None:
+    from storage.records import atomic_write_json
+
+    atomic_write_json(path, job)
+
+
 def new_job_id() -> str:
     return ID_PREFIX + secrets.token_urlsafe(18)
 
@@ -54,15 +73,79 @@ def valid_job_id(job_id: str) -> bool:
     return bool(_ID.match(job_id))
 
 
+class QueueFull(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"{limit} jobs are already queued")
+        self.limit = limit
+
+
+class InputQuotaFull(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the inputs of queued and running jobs already take the quota of {limit} bytes")
+        self.limit = limit
+
+
+class InputQuota:
+    """Bytes of job inputs on disk, charged per job before they are written, so their sum never passes `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._charges: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return sum(self._charges.values())
+
+    def charge(self, job_id: str, size: int) -> None:
+        with self._lock:
+            if sum(self._charges.values()) + size > self.limit:
+                raise InputQuotaFull(self.limit)
+            self._charges[job_id] = self._charges.get(job_id, 0) + size
+
+    def count(self, job_id: str, size: int) -> None:
+        """Count a file already on disk (found at start), whatever the limit."""
+        with self._lock:
+            self._charges[job_id] = size
+
+    def release(self, job_id: str) -> None:
+        with self._lock:
+            self._charges.pop(job_id, None)
+
+
+class InputFile:
+    """One job's input as it is written: at most `cap` bytes, each charged to the quota before it reaches the disk."""
+
+    def __init__(
+        self, path: Path, job_id: str, quota: InputQuota, cap: int, too_large: Callable[[], Exception]
+    ) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("xb")
+        self.job_id, self.quota, self.cap, self.too_large = job_id, quota, cap, too_large
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        if self.size + len(data) > self.cap:
+            raise self.too_large()
+        self.quota.charge(self.job_id, len(data))
+        self.size += len(data)
+        self._file.write(data)
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class JobStore:
     """The job records of one store root. Every read-modify-write holds one lock, so the HTTP handlers and the
     worker threads never lose each other's updates (one server per store)."""
 
-    def __init__(self, store_root: str | Path) -> None:
+    def __init__(self, store_root: str | Path, input_quota_bytes: int) -> None:
         self.store_root = Path(store_root)
         self.root = self.store_root / JOBS
         self.root.mkdir(parents=True, exist_ok=True)
         self.lock = threading.RLock()
+        self.quota = InputQuota(input_quota_bytes)
 
     def record_path(self, job_id: str) -> Path:
         return self.root / f"{job_id}.json"
@@ -86,7 +169,7 @@ class JobStore:
 
     def put(self, job: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            atomic_write_json(self.record_path(job["id"]), job)
+            _write_record(self.record_path(job["id"]), job)
         return job
 
     def update(self, job_id: str, only_if: tuple[str, ...] | None = None, **changes: Any) -> dict[str, Any] | None:
@@ -97,7 +180,7 @@ class JobStore:
                 return None
             if only_if is None or job["status"] in only_if:
                 job.update(changes)
-                atomic_write_json(self.record_path(job_id), job)
+                _write_record(self.record_path(job_id), job)
             return job
 
     def all(self) -> list[dict[str, Any]]:
@@ -111,11 +194,31 @@ class JobStore:
     def remove(self, job_id: str) -> None:
         """Delete the record and the job's own files (never the shared run store)."""
         with self.lock:
-            shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+            self.discard_dir(job_id)
             self.record_path(job_id).unlink(missing_ok=True)
 
+    def open_input(self, job_id: str, cap: int, too_large: Callable[[], Exception]) -> InputFile:
+        return InputFile(self.input_path(job_id), job_id, self.quota, cap, too_large)
+
+    def drop_input(self, job_id: str) -> None:
+        self.input_path(job_id).unlink(missing_ok=True)
+        self.quota.release(job_id)
+
     def discard_dir(self, job_id: str) -> None:
+        """Delete the job's own files (its input and output)."""
         shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+        self.quota.release(job_id)
+
+    def recount_inputs(self) -> None:
+        """Charge the inputs already on disk, and delete the folders of jobs that were never recorded (a server
+        killed during an upload)."""
+        for folder in self.root.iterdir():
+            if not (folder.is_dir() and valid_job_id(folder.name)):
+                continue
+            if not self.record_path(folder.name).exists():
+                self.discard_dir(folder.name)
+            elif self.input_path(folder.name).is_file():
+                self.quota.count(folder.name, self.input_path(folder.name).stat().st_size)
 
 
 # ----------------------------------------------------------------------------------------------- worker slots
@@ -174,6 +277,7 @@ class WorkerSlot:
     def _run(self, job_id: str) -> None:
         store = self.runner.store
         with store.lock:
+            self.runner.waiting.discard(job_id)
             job = store.get(job_id)
             if job is None or job["status"] != QUEUED:
                 return  # cancelled or deleted while it waited
@@ -184,10 +288,11 @@ class WorkerSlot:
         assert self.process is not None and self.process.stdin is not None and self.process.stdout is not None
         message = {
             "id": job_id,
-            "source": job["source"]["path"],
+            "source": str(store.input_path(job_id)),  # the job's own copy: nothing a client can swap
             "output": str(store.output_path(job_id)),
             "params": job["request"],
             "store_root": str(store.store_root),
+            "prepared": job.get("prepared"),
         }
         reply: dict[str, Any] | None = None
         try:
@@ -209,7 +314,23 @@ class WorkerSlot:
     def _finish(self, job_id: str, reply: dict[str, Any] | None) -> None:
         store = self.runner.store
         now = int(time.time())
-        if reply is not None and reply["event"] == "done":
+        if reply is None:  # the child died under this job: cancelled, stopping, or crashed
+            code = self._reap()
+            if self.runner.stopping.is_set():
+                return  # stays in_progress, input kept: the next server start resumes it
+            store.update(
+                job_id,
+                only_if=(IN_PROGRESS,),
+                status=FAILED,
+                completed_at=now,
+                error={
+                    "message": f"the worker process exited (code {code}) during the job; resubmit the same "
+                    "request to resume from its finished tiles",
+                    "type": "server_error",
+                },
+            )
+            self._spawn()  # warm up the next child while the queue is idle
+        elif reply["event"] == "done":
             summary = reply["summary"]
             width, height = summary["size"]
             output = store.output_path(job_id)
@@ -234,33 +355,12 @@ class WorkerSlot:
                     "reused": summary["tiles_reused"],
                 },
             )
-            store.input_path(job_id).unlink(missing_ok=True)  # the run store holds what a rerun needs
-            return
-        if reply is not None:  # failed, or the child could not start (fatal)
-            store.update(job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now, error=reply["error"])
-            store.input_path(job_id).unlink(missing_ok=True)
+        else:  # failed, or the child could not start (fatal)
+            error = {**reply["error"], "message": self.runner.scrub(job_id, reply["error"]["message"])}
+            store.update(job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now, error=error)
             if reply["event"] == "fatal":
                 self._reap()
-            return
-        # No reply: the child died under this job.
-        code = self._reap()
-        if self.runner.stopping.is_set():
-            return  # stays in_progress: the next server start resumes it
-        job = store.get(job_id)
-        if job is not None and job["status"] == IN_PROGRESS:
-            store.update(
-                job_id,
-                only_if=(IN_PROGRESS,),
-                status=FAILED,
-                completed_at=now,
-                error={
-                    "message": f"the worker process exited (code {code}) during the job; resubmit the same "
-                    "request to resume from its finished tiles",
-                    "type": "server_error",
-                },
-            )
-        if not self.runner.stopping.is_set():
-            self._spawn()  # warm up the next child while the queue is idle
+        self.runner.settle(job_id)
 
     def _reap(self) -> int | None:
         if self.process is None:
@@ -298,47 +398,141 @@ class WorkerSlot:
 
 
 class JobRunner:
-    """The queue and its worker slots (`workers` jobs run at once; default 1, so jobs run in order)."""
+    """The queue and its worker slots (`workers` jobs run at once; default 1, so jobs run in order), and the janitor
+    that deletes finished jobs `retention_s` after they finished."""
 
-    def __init__(self, store: JobStore, spec: Any, workers: int = 1) -> None:
+    def __init__(self, store: JobStore, spec: ModelSpec, workers: int, max_queued: int, retention_s: float) -> None:
         self.store = store
         self.spec = spec
+        self.max_queued = max_queued
+        self.retention_s = retention_s
         self.queue: queue.Queue[str | None] = queue.Queue()
+        self.waiting: set[str] = set()  # queued jobs no worker has taken yet (guarded by store.lock)
+        self._admitting = 0  # requests being read that will queue a job
         self.stopping = threading.Event()
         self.slots = [WorkerSlot(self, i) for i in range(max(1, workers))]
+        self.janitor = threading.Thread(target=self._janitor_loop, name="k6vsr-job-janitor", daemon=True)
 
     def start(self) -> list[str]:
         """Requeue the jobs a previous server left queued or running, oldest first, then start the workers."""
+        self.store.recount_inputs()
         resumed = []
         for job in self.store.all():
             if job["status"] in ACTIVE:
                 self.store.update(job["id"], status=QUEUED)
-                self.queue.put(job["id"])
+                self.submit(job["id"])
                 resumed.append(job["id"])
+            else:
+                self.store.drop_input(job["id"])
         for slot in self.slots:
             slot.thread.start()
+        self.janitor.start()
         if resumed:
             log.info("resuming %d job(s): %s", len(resumed), ", ".join(resumed))
         return resumed
 
+    @contextmanager
+    def admission(self) -> Iterator[None]:
+        """Hold a place in the queue while a request is read; `QueueFull` when `max_queued` jobs already wait."""
+        with self.store.lock:
+            if len(self.waiting) + self._admitting >= self.max_queued:
+                raise QueueFull(self.max_queued)
+            self._admitting += 1
+        try:
+            yield
+        finally:
+            with self.store.lock:
+                self._admitting -= 1
+
     def submit(self, job_id: str) -> None:
+        with self.store.lock:
+            self.waiting.add(job_id)
         self.queue.put(job_id)
 
     def cancel(self, job_id: str) -> dict[str, Any] | None:
-        """Mark a queued or running job cancelled; a running one's child process is terminated."""
-        job = self.store.update(
-            job_id,
-            only_if=ACTIVE,
-            status=CANCELLED,
-            completed_at=int(time.time()),
-        )
-        for slot in self.slots:
-            if slot.current == job_id:
-                slot.terminate()
+        """Mark a queued or running job cancelled; a running one's child process is terminated (and its slot
+        settles the job once the child is gone), a queued one's files and run are freed at once."""
+        with self.store.lock:
+            job = self.store.get(job_id)
+            if job is None or job["status"] not in ACTIVE:
+                return job
+            job = self.store.update(job_id, status=CANCELLED, completed_at=int(time.time()))
+            self.waiting.discard(job_id)
+            slot = next((slot for slot in self.slots if slot.current == job_id), None)
+        if slot is not None:
+            slot.terminate()
+        else:
+            self.settle(job_id)
         return job
 
     def running(self, job_id: str) -> bool:
         return any(slot.current == job_id for slot in self.slots)
+
+    def settle(self, job_id: str) -> None:
+        """Free what a job that no longer runs does not need: a completed job keeps only its output; a failed or
+        cancelled one keeps no file, and a cancelled one's run is reclaimed."""
+        job = self.store.get(job_id)
+        if job is None:
+            return
+        if job["status"] == COMPLETED:
+            self.store.drop_input(job_id)
+        else:
+            self.store.discard_dir(job_id)
+        if job["status"] == CANCELLED:
+            self.reclaim_run(job["run_key"])
+
+    def delete(self, job_id: str) -> None:
+        """Delete a job that no worker runs: its run unless another job refers to it, its files, and its record last
+        (so a job that is gone has nothing left)."""
+        job = self.store.get(job_id)
+        if job is not None:
+            self.reclaim_run(job["run_key"], leaving=job_id)
+        self.store.remove(job_id)
+
+    def reclaim_run(self, run_key: str, leaving: str | None = None) -> None:
+        """Delete the run from the run store unless a job (other than `leaving`) that is not cancelled refers to it;
+        as `k6vsr gc` does, never while a live run holds it."""
+        from storage import collect_garbage
+
+        with self.store.lock:
+            if any(
+                job["run_key"] == run_key and job["status"] != CANCELLED and job["id"] != leaving
+                for job in self.store.all()
+            ):
+                return
+        collect_garbage(self.store.store_root, run_keys=(run_key,))
+
+    def expire(self) -> list[str]:
+        """Delete the finished jobs that finished `retention_s` ago or earlier."""
+        deadline = time.time() - self.retention_s
+        expired = [
+            job["id"]
+            for job in self.store.all()
+            if job["status"] in FINISHED and (job.get("completed_at") or 0) <= deadline and not self.running(job["id"])
+        ]
+        for job_id in expired:
+            self.delete(job_id)
+        if expired:
+            log.info("deleted %d job(s) past the retention time", len(expired))
+        return expired
+
+    def _janitor_loop(self) -> None:
+        interval = min(60.0, max(0.5, self.retention_s / 4))
+        while not self.stopping.wait(interval):
+            try:
+                self.expire()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("could not delete the expired jobs")
+
+    def scrub(self, job_id: str, message: str) -> str:
+        """A job's error message without the server's paths."""
+        known = {
+            str(self.store.input_path(job_id)): "the clip",
+            str(self.store.output_path(job_id)): "the output",
+            str(self.store.store_root): "<store>",
+            str(self.store.store_root.resolve()): "<store>",
+        }
+        return scrub_paths(message, known)
 
     def stop(self) -> None:
         """Stop taking jobs and stop the children; running jobs stay `in_progress` and resume on the next start."""
@@ -354,6 +548,8 @@ class JobRunner:
                 slot._signal(signal.SIGKILL)
                 # The child may be warming up with no job, so nobody else waits on it.
                 slot.process.wait(timeout=TERMINATE_GRACE_S)
+        if self.janitor.is_alive():
+            self.janitor.join(timeout=TERMINATE_GRACE_S)
 
 
 # ----------------------------------------------------------------------------------------------- the child
@@ -373,7 +569,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _error_of(err: BaseException) -> dict[str, str]:
-    from entrypoints.cli import describe_error
+    from k6vsr_core.errors import describe_error
 
     message = describe_error(err)
     if message is not None:
@@ -391,14 +587,14 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         replies.write(json.dumps(event) + "\n")
         replies.flush()
 
-    from entrypoints.cli import _quiet
+    from entrypoints.console import CONSOLE_LEVEL_ENV, configure_terminal
 
-    _quiet(debug=False)
+    configure_terminal(verbose=os.environ.get(CONSOLE_LEVEL_ENV) == "INFO")  # as the server that started it
     try:
         from flows.runners import make_task_runner
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
-        from service.runs import ModelSpec
+        from service.runs import ModelSpec, PreparedRun
         from storage import RunStore
         from tasks.model_cache import get_bundle
 
@@ -421,6 +617,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
                 params=UpscaleParams(**job["params"]),
                 model=spec,
                 store_root=job["store_root"],
+                prepared=PreparedRun.model_validate(job["prepared"]) if job.get("prepared") else None,
             )
             has_audio = RunStore(job["store_root"], summary.run_key).read_manifest().has_audio
             reply(event="done", id=job["id"], summary=summary.model_dump(mode="json"), has_audio=has_audio)

@@ -216,18 +216,18 @@ def clip_report_markdown(report: ClipReport) -> str:
                 ),
                 "## Stages",
                 stages,
-                "Seconds on this run's clock, from its start. *span*: first start to last end of the stage's tasks; stages "
-                "overlap (a tile decodes while the next chunk denoises), so spans may add up to more than the run. *adds*: "
-                "from the end of the stage before to the end of this one, what the stage added to the run; these add up to "
-                "the run's time until this report.",
+                "Seconds on this run's clock, from its start. *span*: first start to last end of the stage's "
+                "tasks; stages overlap (a tile decodes while the next chunk denoises), so spans may add up to more "
+                "than the run. *adds*: from the end of the stage before to the end of this one, what the stage added "
+                "to the run; these add up to the run's time until this report.",
                 markdown_table(
                     ["tiles", "computed", "reused"],
                     [[report.tiles_total, report.tiles_computed, report.tiles_reused]],
                     align="rrr",
                 ),
                 f"**Output** `{report.output}` ({size_text(report.output_bytes)}){reused}",
-                f"**Run store** `{report.store}`: the manifest, the stored stages and their completion records; rerunning "
-                "the same command resumes from it.",
+                f"**Run store** `{report.store}`: the manifest, the stored stages and their completion records; "
+                "rerunning the same command resumes from it.",
             ]
         )
         + "\n"

@@ -1,8 +1,8 @@
-"""Running a flow from the command line: the Prefect API it reports to, the task runner, a terminal progress bar.
+"""Running a flow from an entry point: the Prefect API it reports to and the task runner.
 
-Without `PREFECT_API_URL`, Prefect starts a temporary local server in this process. Dask worker processes would
-each start their own (slow, and they can be orphaned when a worker dies), so for process-based runners we start the
-temporary server ourselves and hand its address to every worker through the environment.
+Without `PREFECT_API_URL`, we start one temporary local Prefect server for the process and hand its address to every
+process it starts through the environment: Dask workers would otherwise each start their own (slow, and orphaned
+when a worker dies). Its usage analytics are off: on an offline machine they would only log connection errors.
 """
 
 from __future__ import annotations
@@ -13,25 +13,23 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-from typing import Any
 
-from k6vsr_core.params import UpscaleParams
-from service.runs import ModelSpec
+from flows.runners import make_task_runner
+from flows.upscale_clip import ClipSummary, upscale_clip
+from service.runs import ModelSpec, PreparedRun
 
 
 @contextmanager
-def prefect_api(for_processes: bool) -> Iterator[None]:
+def prefect_api() -> Iterator[None]:
+    """The configured Prefect API, else a temporary server (analytics off) for as long as this process runs."""
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
 
-    if os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value() or not for_processes:
+    if os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value():
         yield
         return
     from prefect.server.api.server import SubprocessASGIServer
 
-    # Offline machines are common here: the server's usage telemetry would only log connection errors.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"  # the server process reads its settings from here
     server = SubprocessASGIServer()
     server.start()
     # Python's atexit (which stops the server) does not run on a default SIGTERM: exit through Python instead.
@@ -46,57 +44,22 @@ def prefect_api(for_processes: bool) -> Iterator[None]:
         os.environ.pop("PREFECT_API_URL", None)
 
 
-@contextmanager
-def tile_progress(store_root: str, run_key: str | None, total: int, enabled: bool) -> Iterator[None]:
-    """A progress bar over decoded tiles, read from the store so it works with any task runner."""
-    if not enabled or run_key is None or not sys.stderr.isatty():
-        yield
-        return
-    from tqdm import tqdm
-
-    from storage import RunStore
-
-    records = RunStore(store_root, run_key).records
-    stop = threading.Event()
-    bar = tqdm(total=total, desc="tiles", unit="tile", file=sys.stderr)
-
-    def poll() -> None:
-        while not stop.wait(0.5):
-            bar.n = min(total, len(records.items("decode")))
-            bar.refresh()
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        bar.n = min(total, len(records.items("decode")))
-        bar.close()
-
-
 def run_clip(
-    source: str,
+    prepared: PreparedRun,
     output: str,
-    params: UpscaleParams,
     model: ModelSpec,
-    store_root: str,
     workers: int = 1,
     gpus: bool = False,
     dask_address: str | None = None,
-    show_progress: bool = True,
-) -> Any:
-    from flows.runners import make_task_runner, uses_processes
-    from flows.upscale_clip import upscale_clip
-    from service.runs import prepare_run
-
-    prepared = prepare_run(source, params, model, store_root)
+) -> ClipSummary:
+    """Run the clip flow on the plan `prepared`, its tiles on threads or Dask workers, reporting to one Prefect API."""
     runner = make_task_runner(workers, dask_address, gpus)
-    with (
-        prefect_api(uses_processes(workers, gpus, dask_address)),
-        tile_progress(store_root, prepared.run.run_key, prepared.plan.num_tiles, show_progress),
-    ):
+    with prefect_api():
         return upscale_clip.with_options(task_runner=runner)(
-            source=str(Path(source)), output=output, params=params, model=model, store_root=store_root
+            source=prepared.source,
+            output=output,
+            params=prepared.plan.params,
+            model=model,
+            store_root=prepared.run.store_root,
+            prepared=prepared,
         )

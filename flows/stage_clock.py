@@ -48,11 +48,11 @@ class StageClock:
         return self._now() - self.started_at
 
     def task_seconds(self) -> dict[str, float]:
-        """Each stage's task times added up: the work done, not the wall time it took."""
+        """Each stage's task times added up, in pipeline order: the work done, not the wall time it took."""
         totals: dict[str, float] = {}
         for stage, seconds, _ in self._tasks:
             totals[stage] = totals.get(stage, 0.0) + seconds
-        return totals
+        return {stage: totals[stage] for stage in sorted(totals, key=_pipeline_position)}
 
     def spans(self) -> list[StageSpan]:
         """One span per stage that ran, in pipeline order (stages the pipeline does not name come last)."""

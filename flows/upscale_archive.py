@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 from uuid import UUID
@@ -41,8 +41,11 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
+from flows.runners import make_task_runner, start_cluster, uses_processes
+from flows.upscale_clip import ClipSummary, upscale_clip
+from k6vsr_core.errors import UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams
-from service.runs import ModelSpec
+from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
 from storage import default_store_root
 from storage.records import atomic_write_bytes
 
@@ -186,14 +189,14 @@ def _sources(
             base = Path(os.path.commonpath([str(s.parent) for s in sources]))
         return base, sources
     if not input_dir:
-        raise ValueError("give input_dir (a folder or a file listing paths) or paths")
+        raise UserFacingError("give input_dir (a folder or a file listing paths) or paths")
     base = Path(input_dir).expanduser().resolve()
     if base.is_file():
         return _sources(None, read_path_list(base), output_dir, include, exclude)
     if not base.is_dir():
-        raise ValueError(f"input folder {input_dir} does not exist")
+        raise UserFacingError(f"input folder {input_dir} does not exist")
     if output_dir == base:
-        raise ValueError(
+        raise UserFacingError(
             f"the output folder {output_dir} is the input folder: outputs would be read as inputs "
             "by the next run; choose another folder (a subfolder of the input is fine)"
         )
@@ -213,10 +216,8 @@ def _previous_run_keys(manifest_json: Path) -> dict[str, str]:
 
 
 def _describe(err: BaseException) -> str:
-    text = str(err) or type(err).__name__
-    if not isinstance(err, ValueError):  # MediaError, ParameterError and BundleError are ValueErrors and say it all
-        text = f"{type(err).__name__}: {text}"
-    return text[:REASON_LIMIT]
+    """A row's reason: the user's one line, or the internal error's type and message."""
+    return (describe_error(err) or f"{type(err).__name__}: {err}")[:REASON_LIMIT]
 
 
 def plan_clips(
@@ -227,10 +228,9 @@ def plan_clips(
     model: ModelSpec,
     store_root: str,
     overwrite: bool,
-) -> list[ArchiveRow]:
-    """One row per source: `planned`, `reused` (output exists) or `skipped` (with the reason). Loads no model."""
-    from service.runs import model_info, prepare_run
-
+) -> tuple[list[ArchiveRow], dict[str, PreparedRun]]:
+    """One row per source: `planned`, `reused` (output exists) or `skipped` (with the reason); and the plan of each
+    clip to run, by relative path, which its clip flow then runs. Loads no model."""
     # Once, first, in this thread: a broken model fails the archive rather than every clip, and diffusers' lazy
     # imports are done before the planning threads use them (concurrent first imports can fail).
     model_info(model)
@@ -246,7 +246,8 @@ def plan_clips(
     previous = _previous_run_keys(output_dir / f"{MANIFEST_NAME}.json")
     claimed: dict[Path, str] = {}
     rows = []
-    for source, result in zip(sources, prepared):
+    plans: dict[str, PreparedRun] = {}
+    for source, result in zip(sources, prepared, strict=True):
         try:
             relative = source.relative_to(base)
         except ValueError:
@@ -292,11 +293,11 @@ def plan_clips(
                     }
                 )
             )
-        elif result.finished:
-            rows.append(row.model_copy(update={"reason": "finished run in the store: only the output is written"}))
         else:
-            rows.append(row)
-    return rows
+            reason = "finished run in the store: only the output is written" if result.finished else ""
+            rows.append(row.model_copy(update={"reason": reason}))
+            plans[row.relative_path] = result
+    return rows, plans
 
 
 # ------------------------------------------------------------------------------------------------ manifest
@@ -325,7 +326,7 @@ def write_manifest(output_dir: Path, header: dict[str, Any], rows: list[ArchiveR
     csv_path = output_dir / f"{MANIFEST_NAME}.csv"
     payload = {
         **header,
-        "updated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "updated_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "counts": counts_of(rows),
         "rows": [row.model_dump(mode="json") for row in rows],
     }
@@ -378,7 +379,7 @@ def manifest_markdown(header: dict[str, Any], rows: list[ArchiveRow], clip_runs:
         ],
         align="llrrrr",
     )
-    updated = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    updated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     return (
         f"# Archive {Path(header['input']).name}\n\n"
         f"`{header['input']}` to `{out_dir}`: {message}. Updated {updated}; the manifest files are "
@@ -408,8 +409,6 @@ class ManifestArtifact:
 @contextlib.contextmanager
 def shared_tiles_cluster(workers: int, gpus: bool, dask_address: str | None) -> Iterator[str | None]:
     """The Dask scheduler every clip sends its tiles to: the given one, one started here, or None (threads)."""
-    from flows.runners import start_cluster, uses_processes
-
     if dask_address or not uses_processes(workers, gpus, None):
         yield dask_address
         return
@@ -419,27 +418,24 @@ def shared_tiles_cluster(workers: int, gpus: bool, dask_address: str | None) -> 
 
 
 def upscale_one(
-    relative_path: str,
-    source: str,
-    output: str,
-    params: UpscaleParams,
-    model: ModelSpec,
-    store_root: str,
-    dask_address: str | None = None,
-) -> tuple[str, Any]:
-    """Run the clip flow for one clip as a subflow of this flow run, named after the clip.
+    relative_path: str, output: str, prepared: PreparedRun, model: ModelSpec, dask_address: str | None = None
+) -> tuple[str, ClipSummary | Exception]:
+    """Run the clip flow on the clip's plan, as a subflow of this flow run, named after the clip.
 
     Returns the clip's flow run id and its summary, or the error it failed with. Called straight from the archive
     flow, not from a task: the clip run's artifacts then belong to the clip run alone.
     """
-    from flows.runners import make_task_runner
-    from flows.upscale_clip import upscale_clip
-
     clip_flow = upscale_clip.with_options(
         flow_run_name=f"upscale-{relative_path}", task_runner=make_task_runner(1, dask_address, False)
     )
     state = clip_flow(
-        source=source, output=output, params=params, model=model, store_root=store_root, return_state=True
+        source=prepared.source,
+        output=output,
+        params=prepared.plan.params,
+        model=model,
+        store_root=prepared.run.store_root,
+        prepared=prepared,
+        return_state=True,
     )
     try:
         return str(state.state_details.flow_run_id), state.result()
@@ -481,7 +477,7 @@ def upscale_archive(
     # 1-2. Scan and plan every clip.
     base, sources = _sources(input_dir, paths, out_dir, include_globs, exclude_globs)
     logger.info("planning %d clips of %s", len(sources), base)
-    rows = plan_clips(base, sources, out_dir, params, model, root, overwrite)
+    rows, plans = plan_clips(base, sources, out_dir, params, model, root, overwrite)
     slug = archive_slug(input_dir, paths)
     header = {
         "input": str(base),
@@ -490,7 +486,7 @@ def upscale_archive(
         "params": params.model_dump(mode="json"),
         "model": model.model_dump(mode="json"),
         "plan_only": plan_only,
-        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
     manifest_json, manifest_csv = write_manifest(out_dir, header, rows)
     for row in rows:
@@ -520,7 +516,7 @@ def upscale_archive(
             progress.started(row.relative_path)
             started = time.perf_counter()
             try:
-                clip_run, outcome = upscale_one(row.relative_path, row.source, row.output, params, model, root, address)
+                clip_run, outcome = upscale_one(row.relative_path, row.output, plans[row.relative_path], model, address)
             except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
                 return index, time.perf_counter() - started, None, err
             return index, time.perf_counter() - started, clip_run, outcome

@@ -7,7 +7,8 @@ work: the next run of the same clip and parameters finds the finished stages by 
 from __future__ import annotations
 
 import os
-import time
+import uuid
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -17,10 +18,12 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
+from flows.run_log import run_log
 from flows.stage_clock import StageClock
 from k6vsr_core.params import UpscaleParams
-from service.runs import ModelSpec, prepare_run
-from storage import RunStore, default_store_root, publish
+from k6vsr_core.plan import ClipPlan
+from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
+from storage import RunStore, default_store_root
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
 from tasks.descriptors import StageResult
@@ -31,6 +34,7 @@ class ClipSummary(BaseModel):
     output: str
     run_key: str
     store: str
+    log: str
     frames: int
     fps: int
     size: tuple[int, int]  # (width, height) of the written video
@@ -78,6 +82,11 @@ def default_output_name(source: str | Path, params: UpscaleParams, now: datetime
     return f"{Path(source).stem}_sr{params.scale_label}x_{stamp}.mp4"
 
 
+def _attempt_id() -> str:
+    """The name this attempt writes into every record it makes: its flow-run id, else a fresh one."""
+    return flow_run.id or uuid.uuid4().hex
+
+
 def _flow_run_name() -> str:
     source = flow_run.parameters.get("source", "clip")
     return f"upscale-{Path(str(source)).name}"
@@ -90,50 +99,51 @@ def upscale_clip(
     params: UpscaleParams = UpscaleParams(),
     model: ModelSpec = ModelSpec(),
     store_root: str | None = None,
+    prepared: PreparedRun | None = None,
 ) -> ClipSummary:
-    """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it)."""
+    """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it).
+
+    `prepared` is the plan its caller made of this clip with these arguments (`service.runs.prepare_run`); without
+    it, the flow plans the clip itself. From ingest on, the flow runs the plan that ingest recorded in the manifest.
+    """
     clock = StageClock()
     logger = get_run_logger()
-    root = Path(store_root) if store_root else default_store_root()
-    prepared = prepare_run(source, params, model, root)
-    run = prepared.run
-    store = RunStore(root, run.run_key)
+    if prepared is None:
+        prepared = prepare_run(source, params, model, store_root or default_store_root())
+    run, params = prepared.run, prepared.plan.params
+    store = RunStore(run.store_root, run.run_key)
     destination = Path(output) if output else Path(source).parent / default_output_name(source, params)
-    logger.info("run %s: %d tiles, store %s", run.run_key, prepared.plan.num_tiles, store.path)
 
     def record(result: StageResult) -> StageResult:
         clock.finished(result.stage, result.seconds)
         return result
 
-    started_at = time.time()
-    with store.in_use():
-        record(ingest_tasks.ingest(prepared.source, run, params, prepared.model_info))
-        plan = store.read_manifest().plan
+    attempt = _attempt_id()
+    with store.in_use(), run_log(store.log_path, attempt):
+        logger.info("run %s: %d tiles, store %s", run.run_key, prepared.plan.num_tiles, store.path)
+        ingested = ingest_tasks.ingest(prepared.source, run, params, prepared.model_info, attempt)
+        record(ingested)
+        plan = ingested.plan
         progress = artifacts.TileProgress(prepared.source, run.run_key, flow_run.id, plan.num_tiles)
+        denoised: list[StageResult] = []
         if store.output_done():
-            denoised = [StageResult(stage="denoise", computed=False, tiles=chunk.tiles) for chunk in plan.chunks]
             progress.update(plan.num_tiles)
         else:
-            record(stage_tasks.encode(run, model))
-            denoised = _tiles(run, model, plan, record, progress)
-            record(stage_tasks.blend(run))
-            record(stage_tasks.mux(run))
-        started = time.perf_counter()
-        publish(store.output_path, destination)
-        clock.finished("publish", time.perf_counter() - started)
+            record(stage_tasks.encode(run, model, attempt))
+            denoised = _tiles(run, model, plan, record, attempt, progress)
+            record(stage_tasks.blend(run, attempt))
+            record(stage_tasks.mux(run, attempt))
+        record(stage_tasks.publish(run, str(destination)))
 
-    # Counted from the records, not from task results: a result Dask recomputes after a worker died reads as reused.
-    computed = sum(
-        1
-        for tile in range(plan.num_tiles)
-        if (entry := store.records.read("denoise", str(tile))) is not None and entry.written_at >= started_at
-    )
+    # The store says what this attempt computed: a tile Dask recomputed after a worker died is counted, once.
+    computed = store.tiles_computed(attempt)
     timings = clock.task_seconds()
     summary = ClipSummary(
         source=prepared.source,
         output=str(destination),
         run_key=run.run_key,
         store=str(store.path),
+        log=str(store.log_path),
         frames=plan.num_frames,
         fps=plan.fps,
         size=(plan.delivery_size[1], plan.delivery_size[0]),
@@ -142,22 +152,29 @@ def upscale_clip(
         tiles_reused=plan.num_tiles - computed,
         dit_calls=sum(result.dit_calls for result in denoised),
         timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
-        reused_output=all(not result.computed for result in denoised) and "mux" not in timings,
+        reused_output=store.attempt_of("mux") != attempt,
     )
     _report(store, summary, clock)
     return summary
 
 
-def _tiles(run, model: ModelSpec, plan, record, progress: artifacts.TileProgress) -> list[StageResult]:
+def _tiles(
+    run: RunRef,
+    model: ModelSpec,
+    plan: ClipPlan,
+    record: Callable[[StageResult], StageResult],
+    attempt: str,
+    progress: artifacts.TileProgress,
+) -> list[StageResult]:
     """Denoise every chunk and decode every tile concurrently; a decode waits only for its own chunk."""
     _check_workers()
     chunk_futures = {
-        stage_tasks.denoise.submit(run, model, chunk.index, "-".join(map(str, chunk.tiles))): chunk
+        stage_tasks.denoise.submit(run, model, chunk.index, attempt, "-".join(map(str, chunk.tiles))): chunk
         for chunk in plan.chunks
     }
     by_chunk = {chunk.index: future for future, chunk in chunk_futures.items()}
     decode_futures = {
-        stage_tasks.decode.submit(run, model, tile, wait_for=[by_chunk[plan.chunk_of(tile).index]]): tile
+        stage_tasks.decode.submit(run, model, tile, attempt, wait_for=[by_chunk[plan.chunk_of(tile).index]]): tile
         for tile in range(plan.num_tiles)
     }
     denoised, failures, decode_errors = [], {}, {}

@@ -18,9 +18,11 @@ import inspect
 import json
 import logging
 import os
+import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -37,6 +39,9 @@ from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from k6vsr_core.errors import BundleError
+from k6vsr_core.plan import ModelTraits
+
 DEFAULT_MODEL = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 DEFAULT_REVISION = "3e3e10bcd23659eeeb23cac740258ee4fc14aa7d"
 
@@ -48,10 +53,6 @@ PIFLOW = "PiflowScheduler"
 FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
 # Settings of the released DiT (`transformer/config.json` `sr_params`), used when a bundle omits them.
 DEFAULT_LQ_NOISE_SCALE = 0.7
-
-
-class BundleError(RuntimeError):
-    """A model bundle that cannot be used; the message names the component and the cause."""
 
 
 class BundleInfo(BaseModel):
@@ -75,18 +76,38 @@ class BundleInfo(BaseModel):
 
 
 class ModelBundle:
-    """The loaded components. Holds no per-request state: schedulers are copied per use."""
+    """The loaded components. Holds no per-request state: schedulers are copied per use.
 
-    def __init__(self, transformer: Any, vae: Any, latent_upscaler: Any, scheduler: Any, info: BundleInfo) -> None:
+    `device` is where the stages compute, wherever a memory budget keeps some weights meanwhile; `memory` is that
+    budget (`k6vsr_core.memory.apply_budget`), None until one is applied.
+    """
+
+    def __init__(
+        self,
+        transformer: Any,
+        vae: Any,
+        latent_upscaler: Any,
+        scheduler: Any,
+        info: BundleInfo,
+        device: torch.device,
+    ) -> None:
         self.transformer = transformer
         self.vae = vae
         self.latent_upscaler = latent_upscaler
         self.scheduler = scheduler
         self.info = info
+        self.device = device
+        self.memory: Any = None  # the k6vsr_core.memory.MemoryBudget applied to this bundle, if any
+        self._turn = threading.Lock()
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.transformer.parameters()).device
+    @contextmanager
+    def turn(self) -> Iterator[None]:
+        """Hold the device for one stage when the memory budget says stages take turns (else a no-op)."""
+        if self.memory is None or not self.memory.take_turns:
+            yield
+            return
+        with self._turn:
+            yield
 
     def new_scheduler(self) -> Any:
         """A fresh scheduler: they carry a step index, so concurrent tiles must not share one."""
@@ -96,10 +117,15 @@ class ModelBundle:
 # ---------------------------------------------------------------------------------------------------- resolving
 
 
+def is_local(model: str) -> bool:
+    """Whether `model` names a local folder (an existing path, or one written as a path) rather than a hub repo."""
+    return Path(model).expanduser().exists() or model.startswith((".", "/", "~"))
+
+
 def resolve_bundle_path(model: str, revision: str | None = None) -> Path:
     """A local folder as is; otherwise a Hugging Face repo id, from the local cache or downloaded."""
     path = Path(model).expanduser()
-    if path.exists() or model.startswith((".", "/", "~")):
+    if is_local(model):
         if not path.is_dir():
             raise BundleError(f"model folder {path} does not exist or is not a directory")
         return path.resolve()
@@ -336,6 +362,24 @@ class _PlannedBundle(BaseModel):
     info: BundleInfo
 
 
+def locate_bundle(model: str, revision: str | None = None, model_id: str | None = None) -> _PlannedBundle:
+    """Find and validate a bundle by repo id or folder, without reading any weight data.
+
+    The released repo defaults to its pinned revision. A repo keeps its id as identity; a local copy is identified by
+    its content fingerprint unless `model_id` gives it the identity of its origin.
+    """
+    local = is_local(model)
+    if revision is None and not local and model == DEFAULT_MODEL:
+        revision = DEFAULT_REVISION
+    path = resolve_bundle_path(model, revision)
+    return inspect_bundle(path, model_id=model_id or (None if local else model), revision=revision)
+
+
+def model_traits(info: BundleInfo) -> ModelTraits:
+    """What planning needs to know of the model."""
+    return ModelTraits(tile_sizes=info.tile_sizes, scheduler=info.scheduler, trained_steps=info.trained_steps)
+
+
 def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None = None) -> _PlannedBundle:
     """Validate a bundle folder without reading any weight data."""
     index = _read_json(path / MODEL_INDEX, "model_index")
@@ -406,6 +450,13 @@ def _quiet(logger_name: str) -> Iterator[None]:
         logger.setLevel(level)
 
 
+def compute_device(device: torch.device) -> torch.device:
+    """`cuda` as the GPU it means (`cuda:N`), so that device comparisons in offload hooks hold."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPUs, as the official pipeline runs; fp32 on CPUs, where bf16 convolutions are slow."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -420,11 +471,8 @@ def load_bundle(
     dtype: torch.dtype | None = None,
 ) -> ModelBundle:
     """Load and validate a bundle from a Hugging Face repo id (with revision) or a local folder."""
-    is_local = Path(model).expanduser().exists() or model.startswith((".", "/", "~"))
-    if revision is None and not is_local and model == DEFAULT_MODEL:
-        revision = DEFAULT_REVISION
-    path = resolve_bundle_path(model, revision)
-    planned = inspect_bundle(path, model_id=model_id or (None if is_local else model), revision=revision)
+    planned = locate_bundle(model, revision, model_id)
+    path = planned.path
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     classes = {
@@ -446,7 +494,9 @@ def load_bundle(
             loaded[component] = module.to(device).eval().requires_grad_(False)
         scheduler_cls = PiflowScheduler if planned.info.scheduler == PIFLOW else FlowMatchEulerDiscreteScheduler
         scheduler = _scheduler_from_config(scheduler_cls, planned.scheduler_config)
-    return ModelBundle(loaded["transformer"], loaded["vae"], loaded["latent_upscaler"], scheduler, planned.info)
+    return ModelBundle(
+        loaded["transformer"], loaded["vae"], loaded["latent_upscaler"], scheduler, planned.info, compute_device(device)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- tiny bundles

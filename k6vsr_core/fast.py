@@ -1,4 +1,4 @@
-"""The GPU fast path: compiled DiT blocks, the fastest attention kernels, a compiled KVAE decoder, optional offload.
+"""The GPU fast path: compiled DiT blocks, the fastest attention kernels, a compiled KVAE decoder.
 
 `compile_bundle(bundle)` prepares a loaded bundle in place; every stage function then runs faster with the same
 contract. What it changes, on a CUDA device:
@@ -12,10 +12,9 @@ contract. What it changes, on a CUDA device:
   pixels were not (tiles decoded in another process differed by up to 13 levels); still open.
 - KVAE decoder: `torch.compile(dynamic=False)`, with Inductor's caches (FX graph, AOT autograd, Triton kernels) kept
   in a per-user folder, so the long first compile is paid once per machine rather than once per process.
-- `mode="low_memory"`: component offload; only the component in use (KVAE, latent upscaler or DiT) is on the GPU,
-  the others wait in pinned host memory. Weights never change, so leaving the GPU is free: only loading copies.
 
-Models already run in bf16 on CUDA (`load_bundle`), and the denoise state stays fp32 as the contract asks.
+Models already run in bf16 on CUDA (`load_bundle`), and the denoise state stays fp32 as the contract asks. Where
+the weights live is the memory budget's business (`k6vsr_core.memory`), which works with or without this.
 
 On a CPU nothing is compiled and the attention processors fall back to the plain ones, so outputs are bit-identical
 to the plain path. On a GPU, compiled kernels round differently from eager ones, so the fast path's frames are not
@@ -28,7 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttnProcessor, nabla_block_mask
@@ -37,7 +36,6 @@ from torch.nn.attention.flex_attention import flex_attention
 from k6vsr_core.attention import AttentionMode, DenseSdpaProcessor, project_qkv
 from k6vsr_core.bundle import ModelBundle
 
-FastMode = Literal["fast", "low_memory"]
 CACHE_ENV = "K6VSR_COMPILE_CACHE"
 # Flex attention tile sizes must divide NABLA's 64-token blocks; 4 warps and 3 stages were the fastest measured on
 # an H200 at the STA-floor density (performance-baseline.md).
@@ -202,7 +200,7 @@ class AttentionSwitch:
         }
 
     def __call__(self, mode: AttentionMode) -> None:
-        for module, processor in zip(_attention_modules(self.transformer), self.processors[mode]):
+        for module, processor in zip(_attention_modules(self.transformer), self.processors[mode], strict=True):
             if module.processor is not processor:
                 module.set_processor(processor)
 
@@ -213,87 +211,6 @@ class AttentionSwitch:
             processor.stats = stats
 
 
-# ---------------------------------------------------------------------------------------------------- offload
-
-
-class ComponentOffload:
-    """Keep only the component in use on the compute device; the others wait in (pinned) host memory.
-
-    The host copies are made once; leaving the GPU drops the device copy, entering copies host -> device. The
-    KVAE enters on `encode`/`decode`, the latent upscaler and the DiT on `forward`.
-    """
-
-    def __init__(self, bundle: ModelBundle, device: torch.device) -> None:
-        self.device = device
-        self.components: dict[str, torch.nn.Module] = {
-            "vae": bundle.vae,
-            "latent_upscaler": bundle.latent_upscaler,
-            "transformer": bundle.transformer,
-        }
-        pin = device.type == "cuda"
-        self.host: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for name, module in self.components.items():
-            pairs = []
-            for tensor in [*module.parameters(), *module.buffers()]:
-                if tensor.device.type == "cpu" and device.type == "cpu":
-                    # Nothing to move. Not even a copy: CPU matmuls round differently on differently aligned
-                    # weights (safetensors maps them at any 8-byte offset), and outputs must not change.
-                    pairs.append((tensor, tensor.data))
-                    continue
-                host = tensor.data.to("cpu", copy=True)
-                pairs.append((tensor, host.pin_memory() if pin else host))
-            self.host[name] = pairs
-        self.resident: str | None = None
-        for name in self.components:
-            self._leave(name)
-        self.transfers = 0
-
-    def _leave(self, name: str) -> None:
-        for tensor, host in self.host[name]:
-            tensor.data = host
-
-    def _enter(self, name: str) -> None:
-        non_blocking = self.device.type == "cuda"
-        for tensor, host in self.host[name]:
-            tensor.data = host.to(self.device, non_blocking=non_blocking)  # no copy when already there
-
-    def use(self, name: str) -> None:
-        if self.resident == name:
-            return
-        if self.resident is not None:
-            self._leave(self.resident)
-        self._enter(name)
-        self.resident = name
-        self.transfers += 1
-
-    def install(self) -> None:
-        def pre_hook(name: str) -> Any:
-            return lambda module, args, kwargs=None: self.use(name)
-
-        self.components["transformer"].register_forward_pre_hook(pre_hook("transformer"))
-        self.components["latent_upscaler"].register_forward_pre_hook(pre_hook("latent_upscaler"))
-        vae = self.components["vae"]
-        for method in ("encode", "decode"):
-            original = getattr(vae, method)
-
-            def entered(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
-                self.use("vae")
-                return _original(*args, **kwargs)
-
-            # An instance attribute shadows the class method: only this bundle's KVAE is affected.
-            object.__setattr__(vae, method, entered)
-
-
-class _OffloadedBundle(ModelBundle):
-    """A bundle whose `device` is the compute device, wherever the DiT's weights are at the moment."""
-
-    _compute_device: torch.device
-
-    @property
-    def device(self) -> torch.device:  # type: ignore[override]
-        return self._compute_device
-
-
 # ---------------------------------------------------------------------------------------------------- entry point
 
 
@@ -302,10 +219,8 @@ class FastPath:
     """What `compile_bundle` did to a bundle (kept on it as `bundle.fast_path`)."""
 
     device: str
-    mode: str
     compiled_dit: bool = False
     compiled_decoder: bool = False
-    offload: bool = False
     cache_dir: str | None = None
     cudnn_attention: bool = False
     deterministic: bool = False
@@ -315,7 +230,6 @@ class FastPath:
 
 def compile_bundle(
     bundle: ModelBundle,
-    mode: FastMode = "fast",
     *,
     compile_dit: bool = True,
     compile_decoder: bool = True,
@@ -325,20 +239,16 @@ def compile_bundle(
 ) -> FastPath:
     """Prepare `bundle` in place for fast inference; returns what was done. Idempotent.
 
-    `mode="low_memory"` adds component offload. `deterministic` keeps Inductor from choosing kernels by timing
-    them, so every process (every worker of a clip) compiles the same kernels. On a CPU this compiles nothing
-    (unless `on_cpu`, for experiments) and leaves the arithmetic untouched, so outputs stay bit-identical.
+    `deterministic` keeps Inductor from choosing kernels by timing them, so every process (every worker of a clip)
+    compiles the same kernels. On a CPU this compiles nothing (unless `on_cpu`, for experiments) and leaves the
+    arithmetic untouched, so outputs stay bit-identical.
     """
-    if mode not in ("fast", "low_memory"):
-        raise ValueError(f"mode={mode!r} is not known; allowed: fast or low_memory")
     existing = getattr(bundle, "fast_path", None)
     if existing is not None:
-        if existing.mode != mode:
-            raise ValueError(f"bundle already prepared with mode={existing.mode!r}; load it again for {mode!r}")
         return existing
     device = bundle.device
     cuda = device.type == "cuda"
-    path = FastPath(device=str(device), mode=mode)
+    path = FastPath(device=str(device))
     compiling = (cuda or on_cpu) and (compile_dit or compile_decoder)
     if compiling:
         path.cache_dir = str(enable_compile_cache(cache_dir))
@@ -355,15 +265,6 @@ def compile_bundle(
         # Graph breaks are allowed: the decoder's Python-side segment bookkeeping stays eager where it must.
         bundle.vae.decoder.compile(dynamic=False)
         path.compiled_decoder = True
-    if mode == "low_memory":
-        offload = ComponentOffload(bundle, device)
-        offload.install()
-        bundle.__class__ = _OffloadedBundle
-        bundle._compute_device = device  # type: ignore[attr-defined]
-        bundle.offload = offload  # type: ignore[attr-defined]
-        path.offload = True
-        if cuda:
-            torch.cuda.empty_cache()
     if not cuda:
         path.notes.append("CPU: nothing compiled; processors fall back to the plain arithmetic")
     bundle.fast_path = path  # type: ignore[attr-defined]

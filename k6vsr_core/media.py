@@ -24,6 +24,8 @@ import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 from pydantic import BaseModel, ConfigDict
 
+from k6vsr_core.errors import MediaError
+
 __all__ = [
     "AUDIO_SAMPLE_RATE",
     "MAX_NUM_FRAMES",
@@ -65,24 +67,6 @@ _AUDIO_BIT_RATE = 192_000
 _BT709 = 1
 
 PathLike = str | os.PathLike[str]
-
-
-class MediaError(ValueError):
-    """Raised for any unusable input or output file.
-
-    ``str(err)`` names the file path and the specific cause; both are also kept
-    as the ``path`` and ``cause`` attributes.
-    """
-
-    def __init__(self, path: PathLike, cause: str) -> None:
-        self.path = os.fspath(path)
-        self.cause = cause
-        super().__init__(f"{self.path}: {cause}")
-
-    def __reduce__(self) -> tuple[type[MediaError], tuple[str, str]]:
-        # Errors cross process boundaries in the orchestrator; the default
-        # reduction would call __init__ with the formatted message only.
-        return (type(self), (self.path, self.cause))
 
 
 class VideoProbe(BaseModel):

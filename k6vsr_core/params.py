@@ -11,15 +11,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from k6vsr_core.errors import ParameterError
+
 SCALES = (2.0, 2.25, 4.0)
 TARGET_TIERS = ("hd", "fullhd", "2k")
 _WXH = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 # A larger delivery size is certainly a typo: the biggest tier is 2560 px and the model output tops out near 8K.
 MAX_TARGET_SIDE = 16384
-
-
-class ParameterError(ValueError):
-    """A request value outside what the model contract allows."""
 
 
 class UpscaleParams(BaseModel):

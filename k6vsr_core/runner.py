@@ -14,7 +14,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from k6vsr_core import media, stages
-from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
@@ -36,14 +36,6 @@ class UpscaleResult(BaseModel):
     plan: ClipPlan
     timings: dict[str, float]
     dit_calls: int
-
-
-def traits_of(bundle: ModelBundle) -> ModelTraits:
-    return ModelTraits(
-        tile_sizes=bundle.info.tile_sizes,
-        scheduler=bundle.info.scheduler,
-        trained_steps=bundle.info.trained_steps,
-    )
 
 
 def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) -> Decoded:
@@ -83,7 +75,7 @@ def upscale(
         timings[stage] = timings.get(stage, 0.0) + now - clock
         clock = now
 
-    decoded = read_source(source, params, traits_of(bundle))
+    decoded = read_source(source, params, model_traits(bundle.info))
     plan = decoded.plan
     lap("ingest")
     latent = stages.encode_clip(bundle, stages.prepare_source(decoded.frames, plan))
@@ -91,7 +83,7 @@ def upscale(
     denoised = {}
     for chunk in plan.chunks:
         result = stages.denoise_chunk(bundle, stages.cut_tiles(latent, plan, chunk.tiles), chunk, plan, count)
-        denoised.update(zip(chunk.tiles, result))
+        denoised.update(zip(chunk.tiles, result, strict=True))
     lap("denoise")
     tiles = [(index, stages.decode_tile(bundle, denoised[index])) for index in range(plan.num_tiles)]
     lap("decode")

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 import torch
 
+from k6vsr_core import kvae
 from k6vsr_core.attention import AttentionMode, set_attention
 from k6vsr_core.bundle import ModelBundle
-from k6vsr_core.plan import ClipPlan, TileChunk
-from k6vsr_core.tiling import TileBlender, pad_video, pre_upscale_video, resize_video
+from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan, TileChunk
+from k6vsr_core.tiling import SPATIAL_FACTOR, Size, TileBlender, pad_video, pre_upscale_video, resize_video
 
 # Called after every DiT evaluation, e.g. to count them or to report progress.
 StepHook = Callable[[int], None]
@@ -47,15 +49,21 @@ def prepare_source(frames: np.ndarray, plan: ClipPlan) -> torch.Tensor:
     return pad_video(video, plan.grid.padded_size)
 
 
+def _kvae_chunk(bundle: ModelBundle, stage: Literal["encode", "decode"], size: Size, frames: int) -> int | None:
+    """Latent frames per KVAE call under the bundle's memory budget; None (the KVAE's own call) without one."""
+    return None if bundle.memory is None else bundle.memory.kvae_chunk(stage, size, frames)
+
+
 @torch.no_grad()
 def encode_clip(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
     """KVAE latent of the whole clip, scaled for the upscaler: (1, 64, t, H/16, W/16) float32 on the CPU."""
     vae = bundle.vae
-    device = bundle.device
-    # The KVAE was trained on pixels / 128 - 1, not the usual / 127.5 - 1.
-    pixels = video.to(device).permute(1, 0, 2, 3).unsqueeze(0).float() / 128.0 - 1.0
-    latent = vae.encode(pixels.to(vae.dtype), return_dict=False)[0].mode()
-    return (latent * vae.config.scaling_factor).float().cpu()
+    chunk = _kvae_chunk(bundle, "encode", (video.shape[-2], video.shape[-1]), video.shape[0])
+    with bundle.turn():
+        # The KVAE was trained on pixels / 128 - 1, not the usual / 127.5 - 1.
+        pixels = video.to(bundle.device).permute(1, 0, 2, 3).unsqueeze(0).float() / 128.0 - 1.0
+        latent = kvae.encode(vae, pixels.to(vae.dtype), chunk)
+        return (latent * vae.config.scaling_factor).float().cpu()
 
 
 def cut_tiles(latent: torch.Tensor, plan: ClipPlan, tiles: tuple[int, ...]) -> torch.Tensor:
@@ -106,6 +114,13 @@ def denoise_chunk(
     on_step: StepHook | None = None,
 ) -> torch.Tensor:
     """Upscale, noise and refine one chunk of LR tiles; returns denoised latents (n, 64, t, H, W) fp32 on the CPU."""
+    with bundle.turn():
+        return _denoise(bundle, lr_tiles, chunk, plan, on_step)
+
+
+def _denoise(
+    bundle: ModelBundle, lr_tiles: torch.Tensor, chunk: TileChunk, plan: ClipPlan, on_step: StepHook | None
+) -> torch.Tensor:
     device = bundle.device
     dit = bundle.transformer
     dtype = dit.dtype
@@ -130,14 +145,22 @@ def denoise_chunk(
     return latents.permute(0, 4, 1, 2, 3).contiguous().cpu()
 
 
+def to_pixels(decoded: torch.Tensor) -> torch.Tensor:
+    """(y + 1) * 128 back to pixels, truncated to uint8 as the official pipeline does, on the CPU."""
+    return (((decoded.float() + 1.0) * 128.0 / 255.0).clamp(0.0, 1.0) * 255.0).to(torch.uint8).cpu()
+
+
 @torch.no_grad()
 def decode_tile(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
     """KVAE decode of one denoised tile latent (64, t, H, W) to uint8 pixels (3, T, 16H, 16W), truncated."""
     vae = bundle.vae
-    z = latent.unsqueeze(0).to(bundle.device) / vae.config.scaling_factor
-    decoded = vae.decode(z.to(vae.dtype), return_dict=False)[0][0].float()
-    # (y + 1) * 128 back to pixels, truncated to uint8 as the official pipeline does.
-    return (((decoded + 1.0) * 128.0 / 255.0).clamp(0.0, 1.0) * 255.0).to(torch.uint8).cpu()
+    frames = 1 + (latent.shape[1] - 1) * TEMPORAL_FACTOR
+    tile = (latent.shape[2] * SPATIAL_FACTOR, latent.shape[3] * SPATIAL_FACTOR)
+    chunk = _kvae_chunk(bundle, "decode", tile, frames)
+    with bundle.turn():
+        z = latent.unsqueeze(0).to(bundle.device) / vae.config.scaling_factor
+        # In chunks, each piece becomes uint8 on the CPU as it is decoded: the GPU never holds the decoded tile.
+        return kvae.decode(vae, z.to(vae.dtype), chunk, to_pixels)[0]
 
 
 def blend(plan: ClipPlan, tiles: list[tuple[int, torch.Tensor]]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -240,41 +240,44 @@ class TileBlender:
         self.added.add(index)
 
     def result(self) -> torch.Tensor:
-        """The blended canvas, cropped to source x scale, as uint8 `(C, T, H, W)` (truncated, as the official)."""
+        """The blended canvas, cropped to source x scale, as uint8 `(C, T, H, W)` (truncated, as the official).
+
+        Every pixel is the weighted mean of the tiles covering it. The official code divides by `max(weight, 1e-6)`
+        instead; near the frame corners, where one tile's outermost Hann weights multiply to less than 1e-6, that
+        floor darkens the pixels, so k6vsr divides by the weight itself, as SGLang does.
+        """
         missing = set(range(self.grid.num_tiles)) - self.added
         if missing:
             raise ValueError(f"cannot blend: tiles {sorted(missing)} are missing")
-        blended = self.acc / self.weight.clamp(min=1e-6)
+        uncovered = (self.weight <= 0).nonzero()
+        if len(uncovered):
+            row, column = uncovered[0].tolist()
+            raise ValueError(
+                f"cannot blend: {len(uncovered)} canvas pixels are covered by no tile (first at row {row}, column "
+                f"{column}); the tile grid must cover the canvas"
+            )
+        blended = self.acc / self.weight
         return crop_output(blended.clamp(0, 255).to(torch.uint8), self.grid)
-
-
-def blend_tiles(grid: TileGrid, tiles: Iterable[tuple[int, torch.Tensor]], num_frames: int) -> torch.Tensor:
-    blender = TileBlender(grid, num_frames)
-    for index, tile in tiles:
-        blender.add(index, tile)
-    return blender.result()
 
 
 def _bucket(spec: str, sr_height: int, sr_width: int) -> Size:
     if spec in TARGET_RESOLUTIONS:
         ratio = sr_width / sr_height
         return min(TARGET_RESOLUTIONS[spec], key=lambda hw: abs(hw[1] / hw[0] - ratio))
-    width, height = (int(part) for part in spec.lower().split("x"))
+    width, height = (int(part) for part in spec.split("x"))
     return height, width
 
 
 def target_size(sr_height: int, sr_width: int, spec: str | None, mode: str = "fit") -> Size | None:
     """The delivery (H, W) for a tier or `WxH` spec, or None when the SR result is kept as is (contract §F).
 
-    `fit` shrinks isotropically into the bucket (even sizes, never upscales); `exact` returns the bucket itself
-    and refuses one larger than the SR result on either axis.
+    `spec` and `mode` are as `UpscaleParams` validated them (a tier name or `WxH`; `fit` or `exact`). `fit` shrinks
+    isotropically into the bucket (even sizes, never upscales); `exact` returns the bucket itself and refuses one
+    larger than the SR result on either axis.
     """
-    if spec is None or spec.lower() == "none":
+    if spec is None:
         return None
-    key = spec.lower()
-    if key not in TARGET_RESOLUTIONS and "x" not in key:
-        raise ValueError(f"target_resolution={spec!r} is not known; allowed: none, hd, fullhd, 2k or WxH")
-    bucket = _bucket(key, sr_height, sr_width)
+    bucket = _bucket(spec, sr_height, sr_width)
     if mode == "exact":
         if bucket[0] > sr_height or bucket[1] > sr_width:
             raise ValueError(
@@ -289,8 +292,6 @@ def target_size(sr_height: int, sr_width: int, spec: str | None, mode: str = "fi
                 stacklevel=2,
             )
         return None if bucket == (sr_height, sr_width) else bucket
-    if mode != "fit":
-        raise ValueError(f"target_resize_mode={mode!r} is not known; allowed: fit or exact")
     factor = min(bucket[0] / sr_height, bucket[1] / sr_width)
     if factor >= 1.0:
         warnings.warn(

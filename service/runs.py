@@ -12,9 +12,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core import media
-from k6vsr_core.bundle import DEFAULT_MODEL, DEFAULT_REVISION, BundleInfo, inspect_bundle, resolve_bundle_path
+from k6vsr_core.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
+from k6vsr_core.memory import MemoryMode
 from k6vsr_core.params import ParameterError, UpscaleParams
-from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
+from k6vsr_core.plan import ClipPlan, make_plan
 from storage import RunStore, run_key, source_info
 
 
@@ -26,7 +27,11 @@ class RunRef(BaseModel):
 
 
 class ModelSpec(BaseModel):
-    """Which model a worker loads. `device` "auto" means the worker's first GPU if it has one, else the CPU."""
+    """Which model a worker loads, and how it runs it: none of these change a computed value, so none enter run keys.
+
+    `device` "auto" means the worker's first GPU if it has one, else the CPU. `memory` is the GPU memory budget
+    (`k6vsr_core.memory`); "auto" lets each worker choose from the free memory of its own GPU.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -35,6 +40,7 @@ class ModelSpec(BaseModel):
     model_id: str | None = None
     device: str = "auto"
     compile: bool = False
+    memory: MemoryMode = "auto"
 
 
 class PreparedRun(BaseModel):
@@ -48,18 +54,7 @@ class PreparedRun(BaseModel):
 
 def model_info(spec: ModelSpec) -> BundleInfo:
     """The model's identity and traits, from its configs and weight headers only."""
-    revision = spec.revision
-    if revision is None and spec.model == DEFAULT_MODEL:
-        revision = DEFAULT_REVISION
-    path = resolve_bundle_path(spec.model, revision)
-    is_local = Path(spec.model).expanduser().exists()
-    # A local copy keeps the identity of its origin when given `--model-id` (and `--revision`).
-    model_id = spec.model_id or (None if is_local else spec.model)
-    return inspect_bundle(path, model_id=model_id, revision=revision).info
-
-
-def traits(info: BundleInfo) -> ModelTraits:
-    return ModelTraits(tile_sizes=info.tile_sizes, scheduler=info.scheduler, trained_steps=info.trained_steps)
+    return locate_bundle(spec.model, spec.revision, spec.model_id).info
 
 
 def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, store_root: str | Path) -> PreparedRun:
@@ -71,11 +66,11 @@ def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, stor
         raise media.MediaError(source, str(err)) from None
     info = model_info(spec)
     try:
-        plan = make_plan((probe.height, probe.width), len(indices), fps, params, traits(info))
+        plan = make_plan((probe.height, probe.width), len(indices), fps, params, model_traits(info))
     except ParameterError:
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file
-        raise ValueError(f"{source}: {err}") from None
+        raise ParameterError(f"{source}: {err}") from None
     key = run_key(source_info(source).sha256, params, info.identity)
     run = RunRef(store_root=str(store_root), run_key=key)
     return PreparedRun(

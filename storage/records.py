@@ -60,7 +60,7 @@ class CompletionRecord(BaseModel):
     checksum: str
     seconds: float = 0.0
     written_at: float
-    extra: dict[str, Any] = {}
+    attempt: str = ""  # the run attempt that wrote it (a flow-run id): what this attempt computed, not reused
 
 
 class RecordBook:
@@ -72,9 +72,9 @@ class RecordBook:
     def path(self, stage: str, item: str) -> Path:
         return self.root / stage / f"{item}.json"
 
-    def write(self, stage: str, item: str, checksum: str, seconds: float = 0.0, **extra: Any) -> CompletionRecord:
+    def write(self, stage: str, item: str, checksum: str, seconds: float = 0.0, attempt: str = "") -> CompletionRecord:
         record = CompletionRecord(
-            stage=stage, item=item, checksum=checksum, seconds=seconds, written_at=time.time(), extra=extra
+            stage=stage, item=item, checksum=checksum, seconds=seconds, written_at=time.time(), attempt=attempt
         )
         atomic_write_json(self.path(stage, item), record.model_dump())
         return record

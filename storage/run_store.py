@@ -6,6 +6,7 @@ Layout of one run, under `<root>/runs/<run key>/`:
     data.zarr/             frames, audio, latent, tile_latents, tiles, video (Zarr v3, one chunk per writer unit)
     done/<stage>/<item>    completion records with checksums (see `records`)
     output.mp4             the muxed result, published atomically
+    run.log                what the flow runs of this run and their tasks logged
     .lock                  held (shared) by every live run, so `gc` never deletes a store in use
 
 Arrays written by concurrent tasks have exactly one chunk per tile and no sharding: Zarr supports concurrent writes
@@ -20,7 +21,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,15 +30,13 @@ import numpy as np
 import zarr
 from zarr.errors import ContainsArrayError
 
+from k6vsr_core.errors import StoreError
 from storage.manifest import RunManifest
 from storage.records import RecordBook, array_checksum, atomic_write_json, file_checksum
 
 RUNS = "runs"
 OUTPUT = "output.mp4"
-
-
-class StoreError(RuntimeError):
-    """The store is unusable (unwritable root, foreign data under a run key)."""
+LOG = "run.log"
 
 
 def default_store_root() -> Path:
@@ -63,9 +62,6 @@ class RunStore:
     @property
     def manifest_path(self) -> Path:
         return self.path / "manifest.json"
-
-    def exists(self) -> bool:
-        return self.manifest_path.is_file()
 
     def write_manifest(self, manifest: RunManifest) -> None:
         if manifest.run_key != self.run_key:
@@ -96,11 +92,13 @@ class RunStore:
             )
         return array
 
-    def put(self, name: str, value: np.ndarray, *, stage: str, item: str = "all", seconds: float = 0.0) -> None:
-        """Store a whole array (one writer), then its record."""
+    def put(
+        self, name: str, value: np.ndarray, *, stage: str, item: str = "all", seconds: float = 0.0, attempt: str = ""
+    ) -> None:
+        """Store a whole array (one writer), then its record, naming the run attempt that computed it."""
         array = self._array(name, value.shape, value.shape if value.ndim else (1,), value.dtype.str)
         array[...] = value
-        self.records.write(stage, item, array_checksum(value), seconds)
+        self.records.write(stage, item, array_checksum(value), seconds, attempt)
 
     def get(self, name: str, *, stage: str, item: str = "all") -> np.ndarray | None:
         """The stored array if its record exists and its checksum matches, else None (recompute it)."""
@@ -123,12 +121,20 @@ class RunStore:
             return None
 
     def put_tile(
-        self, name: str, index: int, num_tiles: int, value: np.ndarray, *, stage: str, seconds: float = 0.0
+        self,
+        name: str,
+        index: int,
+        num_tiles: int,
+        value: np.ndarray,
+        *,
+        stage: str,
+        seconds: float = 0.0,
+        attempt: str = "",
     ) -> None:
         """Store tile `index` of a per-tile array (its own chunk), then the tile's record."""
         array = self._array(name, (num_tiles, *value.shape), (1, *value.shape), value.dtype.str)
         array[index] = value
-        self.records.write(stage, str(index), array_checksum(value), seconds)
+        self.records.write(stage, str(index), array_checksum(value), seconds, attempt)
 
     def get_tile(self, name: str, index: int, *, stage: str) -> np.ndarray | None:
         record = self.records.read(stage, str(index))
@@ -149,6 +155,11 @@ class RunStore:
     def output_path(self) -> Path:
         return self.path / OUTPUT
 
+    @property
+    def log_path(self) -> Path:
+        """The run's log: what its flow runs and their tasks logged, appended run after run."""
+        return self.path / LOG
+
     def temp_output(self) -> Path:
         """A private temporary name for the muxer, beside the output so the rename is atomic.
 
@@ -161,13 +172,28 @@ class RunStore:
         os.close(fd)
         return Path(tmp)
 
-    def commit_output(self, tmp: Path, seconds: float = 0.0) -> None:
+    def commit_output(self, tmp: Path, seconds: float = 0.0, attempt: str = "") -> None:
         os.replace(tmp, self.output_path)
-        self.records.write("mux", "all", file_checksum(self.output_path), seconds)
+        self.records.write("mux", "all", file_checksum(self.output_path), seconds, attempt)
 
     def output_done(self) -> bool:
         record = self.records.read("mux", "all")
         return record is not None and self.output_path.is_file() and file_checksum(self.output_path) == record.checksum
+
+    # ------------------------------------------------------------------------------------------- progress
+
+    def attempt_of(self, stage: str, item: str = "all") -> str | None:
+        """The run attempt whose record says `stage` (`item`) is done; None while it is not recorded."""
+        record = self.records.read(stage, item)
+        return None if record is None else record.attempt
+
+    def tiles_computed(self, attempt: str) -> int:
+        """Tiles whose denoised latent `attempt` computed (the others it found stored, or has not reached)."""
+        return sum(self.attempt_of("denoise", item) == attempt for item in self.records.items("denoise"))
+
+    def tiles_decoded(self) -> int:
+        """Tiles decoded so far, by any attempt: the progress of a run, cheap enough to poll."""
+        return len(self.records.items("decode"))
 
     # ------------------------------------------------------------------------------------------- liveness
 
@@ -195,15 +221,6 @@ class RunStore:
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "run_key": self.run_key,
-            "path": str(self.path),
-            "denoised": len(self.records.items("denoise")),
-            "decoded": len(self.records.items("decode")),
-            "finished": self.output_done(),
-        }
 
 
 def _owner() -> str:
@@ -286,13 +303,20 @@ def run_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def collect_garbage(root: str | Path, keep_finished_outputs: bool = False, older_than_s: float = 0.0) -> list[dict]:
-    """Delete run folders that no live run holds. Returns what was (or was not) reclaimed, per run."""
+def collect_garbage(
+    root: str | Path,
+    keep_finished_outputs: bool = False,
+    older_than_s: float = 0.0,
+    run_keys: Collection[str] | None = None,
+) -> list[dict]:
+    """Delete run folders (all, or those of `run_keys`) that no live run holds. Returns what was (or was not)
+    reclaimed, per run."""
     report = []
     runs = Path(root) / RUNS
     if not runs.is_dir():
         return report
-    for path in sorted(p for p in runs.iterdir() if p.is_dir()):
+    candidates = runs.iterdir() if run_keys is None else (runs / key for key in run_keys)
+    for path in sorted(p for p in candidates if p.is_dir()):
         lock = path / ".lock"
         entry: dict[str, Any] = {"run_key": path.name, "bytes": run_size(path)}
         if time.time() - path.stat().st_mtime < older_than_s:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from k6vsr_core.plan import ClipPlan
+
 
 class StageResult(BaseModel):
     stage: str
@@ -12,3 +14,7 @@ class StageResult(BaseModel):
     seconds: float = 0.0
     dit_calls: int = 0
     tiles: tuple[int, ...] = ()
+
+
+class IngestResult(StageResult):
+    plan: ClipPlan  # as recorded in the manifest: planned on the frames that were actually decoded

@@ -7,7 +7,9 @@ the store, not from Prefect's cache, whose default policy is per flow run and ca
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,17 +17,18 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from k6vsr_core import media, stages
-from k6vsr_core.bundle import BundleError
 from k6vsr_core.compute import apply_profile
-from k6vsr_core.params import ParameterError
+from k6vsr_core.errors import UserFacingError
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, RunRef
 from storage import RunStore
+from storage import publish as publish_file
+from storage.manifest import library_versions
 from tasks.descriptors import StageResult
 from tasks.model_cache import get_bundle
 
-# Errors that another attempt cannot fix.
-PERMANENT_ERRORS = (media.MediaError, ParameterError, BundleError, ValueError)
+# Errors that another attempt cannot fix (a MemoryBudgetError is a ValueError).
+PERMANENT_ERRORS = (UserFacingError, ValueError)
 
 
 def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -63,21 +66,21 @@ def _require(value: Any, run: RunRef, what: str) -> Any:
 
 
 @task(name="encode", task_run_name="encode-{run.run_key}", **STAGE_TASK)
-def encode(run: RunRef, model: ModelSpec) -> StageResult:
+def encode(run: RunRef, model: ModelSpec, attempt: str) -> StageResult:
     store = _store(run)
     if store.get("latent", stage="encode") is not None:
         return StageResult(stage="encode", computed=False)
     started = time.perf_counter()
     plan = _plan(store)
     frames = _require(store.get("frames", stage="ingest"), run, "the decoded source")
-    latent = stages.encode_clip(get_bundle(model), stages.prepare_source(frames, plan))
+    latent = stages.encode_clip(get_bundle(model, plan), stages.prepare_source(frames, plan))
     seconds = time.perf_counter() - started
-    store.put("latent", latent.numpy(), stage="encode", seconds=seconds)
+    store.put("latent", latent.numpy(), stage="encode", seconds=seconds, attempt=attempt)
     return StageResult(stage="encode", computed=True, seconds=seconds)
 
 
 @task(name="denoise", task_run_name="denoise-chunk-{chunk_index}-tiles-{tiles_label}", **STAGE_TASK)
-def denoise(run: RunRef, model: ModelSpec, chunk_index: int, tiles_label: str = "") -> StageResult:
+def denoise(run: RunRef, model: ModelSpec, chunk_index: int, attempt: str, tiles_label: str = "") -> StageResult:
     """Latent upscaler, seeded noise and DiT steps for one chunk of tiles (the seeding unit)."""
     store = _store(run)
     plan = _plan(store)
@@ -93,17 +96,19 @@ def denoise(run: RunRef, model: ModelSpec, chunk_index: int, tiles_label: str = 
         calls += 1
 
     lr_tiles = stages.cut_tiles(torch.from_numpy(latent), plan, chunk.tiles)
-    denoised = stages.denoise_chunk(get_bundle(model), lr_tiles, chunk, plan, count)
+    denoised = stages.denoise_chunk(get_bundle(model, plan), lr_tiles, chunk, plan, count)
     seconds = time.perf_counter() - started
-    for index, tile in zip(chunk.tiles, denoised):
-        store.put_tile("tile_latents", index, plan.num_tiles, tile.numpy(), stage="denoise", seconds=seconds)
+    for index, tile in zip(chunk.tiles, denoised, strict=True):
+        store.put_tile(
+            "tile_latents", index, plan.num_tiles, tile.numpy(), stage="denoise", seconds=seconds, attempt=attempt
+        )
     return StageResult(
         stage="denoise", item=str(chunk_index), computed=True, seconds=seconds, dit_calls=calls, tiles=chunk.tiles
     )
 
 
 @task(name="decode", task_run_name="decode-tile-{tile}", **STAGE_TASK)
-def decode(run: RunRef, model: ModelSpec, tile: int) -> StageResult:
+def decode(run: RunRef, model: ModelSpec, tile: int, attempt: str) -> StageResult:
     """KVAE decode of one tile to uint8 pixels; never recomputes the denoised latent it reads."""
     store = _store(run)
     plan = _plan(store)
@@ -111,14 +116,14 @@ def decode(run: RunRef, model: ModelSpec, tile: int) -> StageResult:
         return StageResult(stage="decode", item=str(tile), computed=False, tiles=(tile,))
     started = time.perf_counter()
     latent = _require(store.get_tile("tile_latents", tile, stage="denoise"), run, f"the denoised latent of tile {tile}")
-    pixels = stages.decode_tile(get_bundle(model), torch.from_numpy(latent))
+    pixels = stages.decode_tile(get_bundle(model, plan), torch.from_numpy(latent))
     seconds = time.perf_counter() - started
-    store.put_tile("tiles", tile, plan.num_tiles, pixels.numpy(), stage="decode", seconds=seconds)
+    store.put_tile("tiles", tile, plan.num_tiles, pixels.numpy(), stage="decode", seconds=seconds, attempt=attempt)
     return StageResult(stage="decode", item=str(tile), computed=True, seconds=seconds, tiles=(tile,))
 
 
 @task(name="blend", task_run_name="blend-{run.run_key}", **STAGE_TASK)
-def blend(run: RunRef) -> StageResult:
+def blend(run: RunRef, attempt: str) -> StageResult:
     """Hann-blend the stored tiles, crop, and downscale to the delivery tier."""
     store = _store(run)
     if store.get("video", stage="blend") is not None:
@@ -131,12 +136,12 @@ def blend(run: RunRef) -> StageResult:
         tiles.append((index, torch.from_numpy(pixels)))
     video = stages.deliver(stages.blend(plan, tiles), plan)
     seconds = time.perf_counter() - started
-    store.put("video", stages.tensor_to_frames(video), stage="blend", seconds=seconds)
+    store.put("video", stages.tensor_to_frames(video), stage="blend", seconds=seconds, attempt=attempt)
     return StageResult(stage="blend", computed=True, seconds=seconds)
 
 
 @task(name="mux", task_run_name="mux-{run.run_key}", **STAGE_TASK)
-def mux(run: RunRef) -> StageResult:
+def mux(run: RunRef, attempt: str) -> StageResult:
     """H.264 + AAC into the store's output file, written under a temporary name and renamed."""
     store = _store(run)
     if store.output_done():
@@ -150,17 +155,21 @@ def mux(run: RunRef) -> StageResult:
     tmp = store.temp_output()
     try:
         media.write_video(tmp, video, plan.fps, audio, manifest.rotation)
-        store.commit_output(tmp, time.perf_counter() - started)
+        store.commit_output(tmp, time.perf_counter() - started, attempt)
     finally:
         tmp.unlink(missing_ok=True)
     return StageResult(stage="mux", computed=True, seconds=time.perf_counter() - started)
 
 
+@task(name="publish", task_run_name="publish-{run.run_key}", **STAGE_TASK)
+def publish(run: RunRef, destination: str) -> StageResult:
+    """Copy the run's output to `destination` under a temporary name, then rename: no reader sees half a file."""
+    started = time.perf_counter()
+    publish_file(_store(run).output_path, Path(destination))
+    return StageResult(stage="publish", computed=True, seconds=time.perf_counter() - started)
+
+
 @task(name="workers-ready", cache_policy=NO_CACHE)
 def workers_ready() -> dict[str, str]:
     """Runs on a worker: proves it can import and run k6vsr's tasks before any tile is sent to it."""
-    import os
-
-    from storage.manifest import library_versions
-
     return {"pid": str(os.getpid()), **library_versions()}

@@ -1,4 +1,4 @@
-"""Fault injection for the reliability tests: run the `k6vsr` command with one point of the pipeline made to die or fail.
+"""Fault injection for the reliability tests: the `k6vsr` command with one point of the pipeline made to die or fail.
 
     python tests/fault_harness.py [--state DIR] SPEC [SPEC ...] -- upscale clip.mp4 --model ... --json
 

@@ -39,7 +39,9 @@ def _model(bundle: Path) -> ModelSpec:
     return ModelSpec(model=str(bundle), device="cpu")
 
 
-def test_archive_runs_reuses_and_reruns_nothing(prefect_server: str, tiny_bundle_path: Path, tmp_path: Path) -> None:
+def test_archive_runs_reuses_and_reruns_nothing(
+    prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -49,8 +51,13 @@ def test_archive_runs_reuses_and_reruns_nothing(prefect_server: str, tiny_bundle
     )
     from prefect.client.schemas.sorting import ArtifactSort
 
+    import flows.upscale_clip
     from flows.upscale_archive import archive_slug, upscale_archive
 
+    def no_second_plan(*args, **kwargs):
+        raise AssertionError("a clip flow planned its clip again instead of running the archive's plan")
+
+    monkeypatch.setattr(flows.upscale_clip, "prepare_run", no_second_plan)
     folder = _tree(tmp_path)
     out = tmp_path / "out"
     finished = out / "old" / "d_sr2x.mp4"
@@ -176,10 +183,10 @@ def test_failed_clip_does_not_stop_the_others(
     original = ingest_tasks.ingest
 
     @task(name="ingest")
-    def failing_ingest(source, run, params, info):
+    def failing_ingest(source, run, *rest):
         if Path(source).name == "doomed.mp4":
             raise RuntimeError("disk on fire")
-        return original.fn(source, run, params, info)
+        return original.fn(source, run, *rest)
 
     monkeypatch.setattr(ingest_tasks, "ingest", failing_ingest)
     argv = [
@@ -264,9 +271,12 @@ def test_path_list_and_name_collisions(tmp_path: Path, tiny_bundle_path: Path) -
     assert read_path_list(listing) == [str(tmp_path / "in/x.mp4"), str(tmp_path / "in/x.mov")]
     base, sources = _sources(str(listing), None, tmp_path / "out", ["*.mp4"], [])
     assert base == folder.resolve() and [s.name for s in sources] == ["x.mp4", "x.mov"]
-    rows = plan_clips(base, sources, tmp_path / "out", PARAMS, _model(tiny_bundle_path), str(tmp_path / "s"), False)
+    rows, plans = plan_clips(
+        base, sources, tmp_path / "out", PARAMS, _model(tiny_bundle_path), str(tmp_path / "s"), False
+    )
     assert [r.status for r in rows] == ["planned", "skipped"]
     assert "already the output of x.mp4" in rows[1].reason
+    assert list(plans) == ["x.mp4"] and plans["x.mp4"].run.run_key == rows[0].run_key
 
 
 def test_scan_rules(tmp_path: Path, capsys) -> None:

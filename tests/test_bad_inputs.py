@@ -206,9 +206,9 @@ def cli(tmp_path: Path, tiny_bundle_path: Path, capsys: pytest.CaptureFixture, m
     loads = [0]
     original = stage_tasks.get_bundle
 
-    def counting(spec: Any) -> Any:
+    def counting(spec: Any, plan: Any = None) -> Any:
         loads[0] += 1
-        return original(spec)
+        return original(spec, plan)
 
     monkeypatch.setattr(stage_tasks, "get_bundle", counting)
     return Cli(tmp_path, tiny_bundle_path, capsys, loads)

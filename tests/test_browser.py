@@ -220,6 +220,7 @@ def _check_clip_run(
 def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, browser) -> None:
     from flows.orchestrate import run_clip
     from flows.upscale_archive import archive_slug, upscale_archive
+    from service.runs import prepare_run
 
     ui = prefect_server.removesuffix("/api")
     with urllib.request.urlopen(ui, timeout=10) as response:
@@ -230,7 +231,7 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
 
     # A clip on its own (2 tiles), then an archive with a copy of it, another clip and a broken file.
     clip = make_sample_clip(tmp_path / "harbour.mp4", width=96, height=64, num_frames=1, tone_hz=590.0)
-    alone = run_clip(str(clip), str(tmp_path / "harbour_sr2x.mp4"), PARAMS, model, store, show_progress=False)
+    alone = run_clip(prepare_run(clip, PARAMS, model, store), str(tmp_path / "harbour_sr2x.mp4"), model)
     folder = tmp_path / "nightly"
     (folder / "copies").mkdir(parents=True)
     shutil.copyfile(clip, folder / "copies" / "harbour.mp4")

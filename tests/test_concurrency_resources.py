@@ -85,7 +85,7 @@ def parallel_runs(clips, tiny_bundle_path: Path, tmp_path_factory: pytest.TempPa
     }
     started = time.monotonic()
     done = fault_harness.run_all([fault_harness.command(*c) for c in commands.values()], parallel=3)
-    results = dict(zip(commands, done))
+    results = dict(zip(commands, done, strict=True))
     return {"results": results, "store": store, "out": out, "seconds": time.monotonic() - started}
 
 

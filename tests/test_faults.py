@@ -88,7 +88,7 @@ def killed(argv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str
         fault_harness.command(*argv(case["store"], case["out"]), specs=(f"kill@{point}",))
         for point, case in cases.items()
     ]
-    for case, done in zip(cases.values(), fault_harness.run_all(commands, parallel=3)):
+    for case, done in zip(cases.values(), fault_harness.run_all(commands, parallel=3), strict=True):
         case["process"] = done
     return cases
 
@@ -157,7 +157,7 @@ def test_dask_worker_killed_while_holding_a_tile(
     assert fault_harness.leftovers(tmp_path / "store", tmp_path / "out") == []
 
 
-# ------------------------------------------------------------------------------------------------ a tile that always fails
+# -------------------------------------------------------------------------------------------- a tile that always fails
 
 
 @pytest.fixture(scope="module")

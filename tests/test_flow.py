@@ -15,7 +15,7 @@ import pytest
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.compute import default_profile
-from service.runs import ModelSpec
+from service.runs import ModelSpec, prepare_run
 from storage import RunStore, run_key
 from storage.records import RecordBook, array_checksum
 
@@ -33,15 +33,8 @@ def reference(tiny_bundle: ModelBundle, clip_1f: Path, tmp_path_factory: pytest.
 def _run(clip: Path, out: Path, bundle_path: Path, store: Path, **kwargs):
     from flows.orchestrate import run_clip
 
-    return run_clip(
-        str(clip),
-        str(out),
-        PARAMS,
-        ModelSpec(model=str(bundle_path), device="cpu"),
-        str(store),
-        show_progress=False,
-        **kwargs,
-    )
+    model = ModelSpec(model=str(bundle_path), device="cpu")
+    return run_clip(prepare_run(clip, PARAMS, model, store), str(out), model, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------------- store
@@ -69,6 +62,17 @@ def test_damaged_record_or_chunk_reads_as_not_done(tmp_path: Path) -> None:
     assert store.get_tile("tile_latents", 1, stage="denoise") is None
 
 
+def test_store_answers_what_an_attempt_computed(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, "k")
+    value = np.zeros((2, 3), dtype=np.float32)
+    for tile, attempt in ((0, "first"), (1, "second"), (2, "first")):
+        store.put_tile("tile_latents", tile, 3, value, stage="denoise", attempt=attempt)
+    store.put_tile("tiles", 2, 3, value, stage="decode", attempt="second")
+    assert (store.tiles_computed("first"), store.tiles_computed("second"), store.tiles_computed("third")) == (2, 1, 0)
+    assert store.attempt_of("denoise", "1") == "second" and store.attempt_of("mux") is None
+    assert store.tiles_decoded() == 1
+
+
 def test_records_are_written_atomically(tmp_path: Path) -> None:
     book = RecordBook(tmp_path)
     book.write("decode", "3", array_checksum(np.zeros(3)))
@@ -79,9 +83,21 @@ def test_records_are_written_atomically(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------- flow
 
 
+def _no_second_plan(*args, **kwargs):
+    raise AssertionError("the clip flow planned the clip again instead of running the plan it was given")
+
+
 def test_flow_output_equals_runner_and_reuses_everything(
-    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+    prefect_server: str,
+    tiny_bundle_path: Path,
+    clip_1f: Path,
+    reference: bytes,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import flows.upscale_clip
+
+    monkeypatch.setattr(flows.upscale_clip, "prepare_run", _no_second_plan)
     first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
     assert (tmp_path / "a.mp4").read_bytes() == reference
     assert (first.tiles_computed, first.tiles_reused) == (first.tiles_total, 0)
@@ -137,9 +153,13 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
     from entrypoints.cli import main
 
     rerun = subprocess.run(
-        [sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=os.environ.copy()
+        [sys.executable, "-m", "entrypoints.cli", *argv, "--verbose"],
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
     )
     assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert "Task run 'decode-tile-5' - Finished in state Completed()" in rerun.stderr  # --verbose: every task line
     summary = json.loads(rerun.stdout)
     assert summary["tiles_reused"] == 2
     assert summary["tiles_computed"] == summary["tiles_total"] - 2
@@ -237,3 +257,45 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
     assert done.returncode == 1
     assert "no Dask worker ran a trivial k6vsr task" in done.stderr
     assert not list(tmp_path.glob("*.mp4"))
+
+
+@pytest.mark.slow
+def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: Path, tmp_path: Path) -> None:
+    """The real command without a configured Prefect API: it starts its own server (analytics off, so no telemetry
+    errors offline), and prints warnings, one line each, and a five-line summary; the task lines go to the run's log."""
+    from k6vsr_core.sample import make_sample_clip
+
+    clip = make_sample_clip(tmp_path / "slow.mp4", width=64, height=64, num_frames=1, fps=12)
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
+    argv = [
+        "upscale",
+        str(clip),
+        "-o",
+        str(tmp_path / "out"),
+        "--scale",
+        "2",
+        "--model",
+        str(tiny_bundle_path),
+        "--store",
+        str(tmp_path / "store"),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.splitlines() == [
+        "k6vsr: warning: source frame rate 12 fps is below 24 fps; keeping every frame at 12 fps (no motion "
+        "interpolation is done)"
+    ]
+    lines = done.stdout.splitlines()
+    assert len(lines) == 5, done.stdout
+    assert lines[0].startswith(f"wrote {tmp_path / 'out'}") and lines[0].endswith("(128x128, 1 frame at 12 fps)")
+    assert lines[1].endswith("1 of 1 tiles computed, 0 reused, 2 DiT calls")
+    assert lines[2].startswith("seconds by stage: ingest ")
+    log = Path(lines[4].removeprefix("log: "))
+    assert lines[3] == f"store: {log.parent}"
+    logged = log.read_text()
+    assert (
+        "Task run 'decode-tile-0' - Finished in state Completed()" in logged and "Flow run 'upscale-slow.mp4'" in logged
+    )

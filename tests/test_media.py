@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import av
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from k6vsr_core import media
 from k6vsr_core.media import (
@@ -216,8 +217,8 @@ def test_probe_reads_av_clip(av_clip: Path) -> None:
     assert info.pix_fmt == "yuv420p"
     assert info.rotation == 0
     assert info.duration_s == pytest.approx(9 / 24, abs=0.05)
-    with pytest.raises(Exception):
-        info.width = 1  # frozen
+    with pytest.raises(ValidationError, match="frozen"):
+        info.width = 1
 
 
 def test_probe_counts_frames_when_container_has_no_count(tmp_path: Path) -> None:

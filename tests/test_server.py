@@ -1,25 +1,25 @@
 """The HTTP job API (`k6vsr serve`), driven over real HTTP on loopback with the tiny random bundle.
 
-One server runs for the module (a real `python -m entrypoints.cli serve` process with an API key, one allowed folder and a
-1 MB upload cap) on one store; the restart test kills a first server mid-job and that module server resumes the job.
-Clips are 1-frame and 64 px, so every job has 1 tile (x2, x2.25) or 9 (x4).
+One server runs for the module (a real `python -m entrypoints.cli serve` process with an API key, one allowed folder, a
+1 MB upload cap and the default limits otherwise) on one store; the restart test kills a first server mid-job and that
+module server resumes the job. Clips are 1-frame and 64 px, so every job has 1 tile (x2, x2.25) or 9 (x4). The
+limits that need small values, keys and the fuzz test are in `test_server_limits.py`.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import signal
-import socket
-import subprocess
+import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import av
 import httpx
 import numpy as np
 import pytest
+from http_harness import Server, completed, error_of, frames_of, has_audio_stream, modes_under
 
 from k6vsr_core import media
 from k6vsr_core.params import parse_params
@@ -27,135 +27,6 @@ from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec, prepare_run
 
 KEY = "test-key-0123456789"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-JOB_TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """A `k6vsr serve` process on a free loopback port."""
-
-    def __init__(self, stack: dict[str, Path], name: str) -> None:
-        self.stack = stack
-        self.port = _free_port()
-        self.log_path = stack["root"] / f"{name}.log"
-        self.process: subprocess.Popen | None = None
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", headers=AUTH, timeout=30)
-
-    def start(self) -> Server:
-        command = [
-            sys.executable,
-            "-m",
-            "entrypoints.cli",
-            "serve",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--store",
-            str(self.stack["store"]),
-            "--model",
-            str(self.stack["bundle"]),
-            "--device",
-            "cpu",
-            "--allow-path",
-            str(self.stack["allowed"]),
-            "--api-key",
-            KEY,
-            "--max-upload-mb",
-            "1",
-        ]
-        with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"server exited:\n{self.log()}"
-            try:
-                if self.client.get("/health").status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"server did not answer in 120 s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.kill()
-        self.process.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        self.client.close()
-
-    # ------------------------------------------------------------------------------------------ requests
-
-    def post_json(self, **body: Any) -> httpx.Response:
-        return self.client.post("/v1/videos", json=body)
-
-    def post_upload(self, clip: Path, **fields: Any) -> httpx.Response:
-        files = {"video_reference": ("any name/../x.mp4", clip.read_bytes(), "video/mp4")}
-        return self.client.post("/v1/videos", files=files, data={k: str(v) for k, v in fields.items()})
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        response = self.client.get(f"/v1/videos/{job_id}")
-        assert response.status_code == 200, response.text
-        return response.json()
-
-    def wait(self, job_id: str, until: tuple[str, ...] = ("completed", "failed", "cancelled")) -> dict[str, Any]:
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        while time.monotonic() < deadline:
-            job = self.job(job_id)
-            if job["status"] in until:
-                return job
-            time.sleep(0.1)
-        raise AssertionError(f"job {job_id} still {job['status']} after {JOB_TIMEOUT_S} s:\n{self.log()}")
-
-    def content(self, job_id: str, to: Path) -> Path:
-        response = self.client.get(f"/v1/videos/{job_id}/content")
-        assert response.status_code == 200, response.text
-        assert response.headers["content-type"] == "video/mp4"
-        to.write_bytes(response.content)
-        return to
-
-
-def completed(server: Server, response: httpx.Response) -> dict[str, Any]:
-    assert response.status_code == 200, response.text
-    job = response.json()
-    assert job["object"] == "video" and job["id"].startswith("video_") and job["status"] in ("queued", "in_progress")
-    done = server.wait(job["id"])
-    assert done["status"] == "completed", done
-    assert done["progress"] == 100 and done["error"] is None and done["completed_at"] >= done["created_at"]
-    return done
-
-
-def frames_of(path: Path) -> np.ndarray:
-    return media.decode_frames(path)[0]
-
-
-def has_audio_stream(path: Path) -> bool:
-    with av.open(str(path)) as container:
-        return len(container.streams.audio) > 0
-
-
-def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and body["error"]["message"] and body["error"]["type"], body
-    assert "Traceback" not in response.text
-    return body["error"]
 
 
 @pytest.fixture(scope="module")
@@ -167,17 +38,28 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_path: Path, pref
     make_sample_clip(allowed / "square.mp4", width=64, height=64, num_frames=1)
     make_sample_clip(allowed / "wide.mp4", width=96, height=64, num_frames=1)
     make_sample_clip(allowed / "silent.mp4", width=64, height=64, num_frames=1, audio=False)
-    make_sample_clip(outside / "secret.mp4", width=64, height=64, num_frames=1)
+    make_sample_clip(outside / "secret.mp4", width=112, height=64, num_frames=1)  # like no clip inside
+    (outside / "notes.txt").write_text("not a video")
     (allowed / "escape.mp4").symlink_to(outside / "secret.mp4")
     (allowed / "broken.mp4").write_bytes(b"this is not a video" * 100)
     return {"root": root, "allowed": allowed, "outside": outside, "store": root / "store", "bundle": tiny_bundle_path}
 
 
+def start_server(stack: dict[str, Path], name: str) -> Server:
+    args = ["--allow-path", str(stack["allowed"]), "--api-key", KEY, "--max-upload-mb", "1"]
+    return Server(stack["root"], stack["store"], stack["bundle"], name, args, KEY).start()
+
+
 @pytest.fixture(scope="module")
 def server(stack: dict[str, Path]):
-    running = Server(stack, "server").start()
+    running = start_server(stack, "server")
     yield running
     running.stop()
+
+
+def server_paths(stack: dict[str, Path]) -> list[str]:
+    """What no response may contain: where the server keeps its files and the folders it reads."""
+    return [str(stack["root"]), str(stack["root"].resolve()), "/proc/", os.path.expanduser("~")]
 
 
 def _worker_children_of(pid: int) -> list[int]:
@@ -196,7 +78,7 @@ def _worker_children_of(pid: int) -> list[int]:
 
 # Runs first: a server killed with a job in progress, then the module server on the same store, which resumes it.
 def test_server_restart_mid_job_resumes_it(stack: dict[str, Path], request: pytest.FixtureRequest) -> None:
-    first = Server(stack, "first").start()
+    first = start_server(stack, "first")
     try:
         posted = first.post_json(video_path=str(stack["allowed"] / "square.mp4"), sr_resolution_scale=2)
         assert posted.status_code == 200, posted.text
@@ -208,7 +90,7 @@ def test_server_restart_mid_job_resumes_it(stack: dict[str, Path], request: pyte
     record = (stack["store"] / "jobs" / f"{job_id}.json").read_text()
     assert '"status": "in_progress"' in record
     if sys.platform.startswith("linux"):
-        deadline = time.monotonic() + 10  # the worker dies with its server
+        deadline = time.monotonic() + 30  # the worker dies with its server (once started: slow on a busy machine)
         while _worker_children_of(first.process.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _worker_children_of(first.process.pid)
@@ -230,7 +112,8 @@ def test_json_and_upload_give_the_same_frames(
     by_path = completed(server, server.post_json(video_path=str(source), sr_resolution_scale=float(scale)))
     by_upload = completed(server, server.post_upload(source, sr_resolution_scale=scale))
     assert by_upload["run_key"] == by_path["run_key"]
-    assert by_upload["source"] == {"type": "upload"} and by_path["source"]["video_path"] == str(source)
+    # The owner sees its path relative to the allowed folder, never where the server keeps anything.
+    assert by_upload["source"] == {"type": "upload"} and by_path["source"] == {"type": "path", "video_path": clip}
     assert by_path["params"]["sr_resolution_scale"] == float(scale)
     assert by_path["size"] == f"{size[0]}x{size[1]}"
 
@@ -295,6 +178,7 @@ def test_tile_batch_2_is_its_own_run(server: Server, stack: dict[str, Path], tmp
 
 def test_refusals(server: Server, stack: dict[str, Path]) -> None:
     allowed, outside = stack["allowed"], stack["outside"]
+    secrets = server_paths(stack)
     jobs = stack["store"] / "jobs"
     before = sorted(p.name for p in jobs.iterdir())
     url = "/v1/videos"
@@ -315,8 +199,9 @@ def test_refusals(server: Server, stack: dict[str, Path]) -> None:
         allowed / "escape.mp4",
         Path("/etc/passwd"),
     ):
-        error = error_of(server.post_json(video_path=str(path)), 403)
+        error = error_of(server.post_json(video_path=str(path)), 403, secrets)
         assert error["param"] == "video_path" and error["type"] == "permission_error"
+        assert error["code"] == "path_not_allowed"
 
     # Uploads beyond the 1 MB cap, with a Content-Length and streamed without one.
     big = os.urandom(3 << 19)
@@ -346,15 +231,17 @@ def test_refusals(server: Server, stack: dict[str, Path]) -> None:
         ("num_inference_steps", 0),
         ("sr_unknown", 1),
     ]:
-        error = error_of(server.post_json(video_path=square, **{field: value}), 400)
+        error = error_of(server.post_json(video_path=square, **{field: value}), 400, secrets)
         assert error["param"] == field and field in error["message"], error
     error = error_of(server.post_upload(allowed / "square.mp4", sr_resolution_scale="3"), 400)
     assert error["param"] == "sr_resolution_scale"
 
-    # Broken clips, missing fields, wrong bodies.
-    assert "broken.mp4" in error_of(server.post_json(video_path=str(allowed / "broken.mp4")), 400)["message"]
-    assert error_of(server.post_upload(allowed / "broken.mp4"), 400)["param"] == "video_reference"
-    error_of(server.post_json(video_path=str(allowed / "missing.mp4")), 400)
+    # Broken clips, missing fields, wrong bodies: the decoder's reason, with no path of the server.
+    broken = error_of(server.post_json(video_path=str(allowed / "broken.mp4")), 400, secrets)
+    assert broken["code"] == "invalid_video" and "'broken.mp4'" in broken["message"]
+    broken = error_of(server.post_upload(allowed / "broken.mp4"), 400, secrets)
+    assert broken["param"] == "video_reference" and broken["code"] == "invalid_video"
+    assert error_of(server.post_json(video_path=str(allowed / "missing.mp4")), 400, secrets)["code"] == "path_not_found"
     error_of(server.post_json(sr_resolution_scale=2), 400)
     error_of(server.client.post(url, content=b"{not json", headers={"Content-Type": "application/json"}), 400)
     error_of(server.client.post(url, files={"other": ("a.mp4", b"x")}), 400)
@@ -362,13 +249,172 @@ def test_refusals(server: Server, stack: dict[str, Path]) -> None:
     error_of(server.client.get(f"{url}/video_doesnotexist_0123456789"), 404)
     error_of(server.client.get(f"{url}/..%2F..%2Fetc%2Fpasswd"), 404)
     error_of(server.client.get("/nowhere"), 404)
+    error_of(server.client.put(url), 405)
 
     assert sorted(p.name for p in jobs.iterdir()) == before  # refused requests leave nothing in the store
+
+
+def test_paths_outside_get_one_answer_whatever_they_name(server: Server, stack: dict[str, Path]) -> None:
+    """Whether a path outside exists, is a video or is a folder changes nothing in the answer: nothing outside is
+    looked at."""
+    allowed, outside = stack["allowed"], stack["outside"]
+    targets = [
+        outside / "secret.mp4",
+        outside / "notes.txt",
+        outside / "missing.mp4",
+        outside,
+        Path("/proc/self/environ"),
+    ]
+    answers = set()
+    for index, target in enumerate(targets):
+        link = allowed / f"to-outside-{index}.mp4"
+        link.symlink_to(target)
+        try:
+            for path in (link, target, allowed / ".." / "outside" / target.name):
+                error = error_of(server.post_json(video_path=str(path)), 403, server_paths(stack))
+                answers.add(json.dumps(error, sort_keys=True))
+        finally:
+            link.unlink()
+    assert len(answers) == 1, answers
+
+
+def test_the_file_checked_is_the_file_that_runs(server: Server, stack: dict[str, Path], tmp_path: Path) -> None:
+    """A path job runs the file as it was when submitted: swapping it for a link to a file outside while the job
+    waits behind another changes nothing, and nothing is ever made from the file outside."""
+    from storage import source_info
+
+    allowed, outside = stack["allowed"], stack["outside"]
+    swapped = allowed / "swapped.mp4"
+    shutil.copyfile(allowed / "square.mp4", swapped)
+    ahead = server.post_json(video_path=str(allowed / "square.mp4"), sr_resolution_scale=4, seed=31)
+    posted = server.post_json(video_path=str(swapped), sr_resolution_scale=2, seed=32)
+    assert posted.status_code == 200 and posted.json()["status"] == "queued", posted.text
+    swapped.unlink()
+    swapped.symlink_to(outside / "secret.mp4")  # a 112x64 clip, where the one submitted was 64x64
+    try:
+        completed(server, ahead)
+        done = completed(server, posted)
+    finally:
+        swapped.unlink()
+    assert done["size"] == "128x128" and done["source"] == {"type": "path", "video_path": "swapped.mp4"}
+    spec = ModelSpec(model=str(stack["bundle"]), device="cpu")
+    expected = prepare_run(allowed / "square.mp4", parse_params(scale=2, seed=32), spec, stack["store"])
+    assert done["run_key"] == expected.run.run_key
+    assert frames_of(server.content(done["id"], tmp_path / "out.mp4")).shape == (1, 128, 128, 3)
+    secret = source_info(outside / "secret.mp4").sha256
+    for manifest in (stack["store"] / "runs").glob("*/manifest.json"):
+        assert json.loads(manifest.read_text())["source"]["sha256"] != secret
+    # The Prefect API, which the server does not guard, names only the job's own copy, never the client's path.
+    api = os.environ["PREFECT_API_URL"]
+    runs = httpx.post(f"{api}/flow_runs/filter", json={"flow_runs": {"name": {"any_": [done["id"]]}}}).json()
+    assert runs and all(str(allowed) not in json.dumps(run["parameters"]) for run in runs)
+
+
+def test_form_totals_are_bounded(server: Server, stack: dict[str, Path]) -> None:
+    """3000 fields of 60 KiB in one chunked request: refused after the first 64 KiB of fields, with a short answer,
+    without the server reading the rest or holding it."""
+    import psutil
+
+    boundary = "k6vsr-fields"
+    value = b"x" * (60 << 10)
+
+    def parts():
+        for index in range(3000):
+            yield f'--{boundary}\r\nContent-Disposition: form-data; name="f{index}"\r\n\r\n'.encode() + value + b"\r\n"
+        yield f"--{boundary}--\r\n".encode()
+
+    process = psutil.Process(server.process.pid)
+    rss_before = process.memory_info().rss
+    status, body, sent = server.post_chunked({"Content-Type": f"multipart/form-data; boundary={boundary}"}, parts())
+    assert status == 413 and json.loads(body)["error"]["code"] == "fields_too_large", body
+    assert len(body) < 1000
+    assert sent < 32 << 20, sent  # what the socket buffers took, not the 184 MB
+    assert process.memory_info().rss - rss_before < 32 << 20
+
+    many = {f"f{index}": "1" for index in range(40)}
+    files = {"video_reference": ("a.mp4", (stack["allowed"] / "square.mp4").read_bytes())}
+    assert error_of(server.client.post("/v1/videos", files=files, data=many), 413)["code"] == "too_many_fields"
+    many_json = {"video_path": str(stack["allowed"] / "square.mp4"), **many}
+    assert error_of(server.client.post("/v1/videos", json=many_json), 413)["code"] == "too_many_fields"
+
+
+def test_malformed_input_gets_a_400_not_a_500(server: Server, stack: dict[str, Path]) -> None:
+    allowed = stack["allowed"]
+    secrets = server_paths(stack)
+    too_long = error_of(server.post_json(video_path=str(allowed / ("a" * 5000))), 400, secrets)
+    assert too_long["code"] == "invalid_path"
+    deep = str(allowed) + "/b" * 3000 + "/c.mp4"
+    assert error_of(server.post_json(video_path=deep), 400, secrets)["code"] == "path_not_found"
+    for depth, status in ((30_000, 400), (100_000, 413)):
+        nested = b'{"video_path": ' + b"[" * depth + b"]" * depth + b"}"
+        response = server.client.post("/v1/videos", content=nested, headers={"Content-Type": "application/json"})
+        error_of(response, status)
+    assert "Traceback" not in server.log_path.read_text(errors="replace")
+
+
+def test_output_pixels_are_bounded_at_submit(server: Server, stack: dict[str, Path], tmp_path: Path) -> None:
+    """121 black frames of 1280x864 (a few KB) at x4 would be 121 frames of 5120x3456: over the default 2048 MP."""
+    clip = tmp_path / "long.mp4"
+    with av.open(str(clip), "w") as container:
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = 1280, 864, "yuv420p"
+        stream.options = {"preset": "ultrafast", "crf": "51"}
+        black = av.VideoFrame.from_ndarray(np.zeros((864, 1280, 3), np.uint8), format="rgb24")
+        for index in range(121):
+            black.pts = index
+            for packet in stream.encode(black):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    jobs = stack["store"] / "jobs"
+    before = sorted(p.name for p in jobs.iterdir())
+    error = error_of(server.post_upload(clip, sr_resolution_scale=4), 400, server_paths(stack))
+    assert error["code"] == "output_too_large" and "121 frame(s) of 5120x3456" in error["message"], error
+    assert sorted(p.name for p in jobs.iterdir()) == before
+
+
+def test_files_are_owner_only(server: Server, stack: dict[str, Path]) -> None:
+    """Uploads, outputs, records and runs are created 0600 (folders 0700) under the default --umask 077."""
+    completed(server, server.post_upload(stack["allowed"] / "wide.mp4", sr_resolution_scale=2, seed=51))
+    loose = {path: oct(mode) for path, mode in modes_under(stack["store"]).items() if mode & 0o077}
+    assert not loose
+
+
+def test_queue_is_bounded(server: Server, stack: dict[str, Path]) -> None:
+    """At most 16 jobs wait (the default); the next one gets 429 with Retry-After. Cancelling a queued job frees its
+    input at once."""
+    square = str(stack["allowed"] / "square.mp4")
+    jobs = stack["store"] / "jobs"
+    ahead = server.post_json(video_path=square, sr_resolution_scale=4, seed=41).json()
+    posted, refused = [], None
+    for seed in range(100, 140):
+        response = server.post_json(video_path=square, sr_resolution_scale=2, seed=seed)
+        if response.status_code == 429:
+            refused = response
+            break
+        assert response.status_code == 200, response.text
+        posted.append(response.json()["id"])
+    assert refused is not None, "the queue took 40 jobs"
+    waiting = [job for job in server.client.get("/v1/videos").json()["data"] if job["status"] == "queued"]
+    assert len(waiting) <= 16 <= len(posted)
+    assert error_of(refused, 429)["code"] == "queue_full" and refused.headers["Retry-After"].isdigit()
+
+    for job_id in posted:
+        response = server.client.delete(f"/v1/videos/{job_id}")
+        assert response.status_code == 200, response.text
+        if response.json().get("started_at") is None:  # cancelled while queued
+            assert not (jobs / job_id / "input").exists()  # freed at once, not at the second DELETE
+    for job_id in [ahead["id"], *posted]:
+        server.delete_until_gone(job_id)
+    again = server.post_json(video_path=square, sr_resolution_scale=2, seed=100)
+    assert again.status_code == 200, again.text
+    server.delete_until_gone(again.json()["id"])
 
 
 # Runs last: cancelling a running job restarts its worker process, which the tests after it would wait for.
 def test_cancel_and_delete(server: Server, stack: dict[str, Path]) -> None:
     square = str(stack["allowed"] / "square.mp4")
+    store = stack["store"]
     running = server.post_json(video_path=square, sr_resolution_scale=4, seed=7).json()
     waiting = server.post_json(video_path=square, sr_resolution_scale=4, seed=8).json()
     assert server.wait(running["id"], until=("in_progress", "completed"))["status"] == "in_progress"
@@ -377,12 +423,20 @@ def test_cancel_and_delete(server: Server, stack: dict[str, Path]) -> None:
 
     cancelled = server.client.delete(f"/v1/videos/{waiting['id']}")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert not (store / "jobs" / waiting["id"]).exists()  # its input is freed at once
     cancelled = server.client.delete(f"/v1/videos/{running['id']}")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
     time.sleep(0.5)
     for job_id in (running["id"], waiting["id"]):
         assert server.job(job_id)["status"] == "cancelled"
         assert error_of(server.client.get(f"/v1/videos/{job_id}/content"), 409)["code"] == "job_cancelled"
+
+    # The cancelled run is reclaimed from the run store once its worker has stopped.
+    deadline = time.monotonic() + 30
+    while (store / "runs" / running["run_key"]).exists():
+        assert time.monotonic() < deadline, "the cancelled job's run is still in the store"
+        time.sleep(0.2)
+    assert not (store / "jobs" / running["id"]).exists()
 
     # A second DELETE removes the cancelled job (once its worker has stopped).
     deadline = time.monotonic() + 30
@@ -393,7 +447,7 @@ def test_cancel_and_delete(server: Server, stack: dict[str, Path]) -> None:
     assert server.client.delete(f"/v1/videos/{waiting['id']}").json()["deleted"] is True
     for job_id in (running["id"], waiting["id"]):
         error_of(server.client.get(f"/v1/videos/{job_id}"), 404)
-        assert not (stack["store"] / "jobs" / f"{job_id}.json").exists()
+        assert not (store / "jobs" / f"{job_id}.json").exists()
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 70, 65536])
@@ -403,7 +457,8 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
 
     from starlette.requests import Request
 
-    from entrypoints.http_api import read_form
+    from entrypoints.http_api import Limits, read_form
+    from entrypoints.jobs import JobStore
 
     boundary = "b0undary"
     payload = b"x--b0undary\r\n--b0undar\r\n-b0undary\r\n\r\n" * 40 + bytes(range(256))  # near misses only
@@ -430,21 +485,78 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
         "path": "/v1/videos",
         "headers": [(b"content-type", f'multipart/form-data; boundary="{boundary}"'.encode())],
     }
-    target = tmp_path / "input"
-    fields = asyncio.run(read_form(Request(scope, receive), target, max_bytes=len(payload)))
+    store = JobStore(tmp_path, input_quota_bytes=len(payload))
+    limits = Limits(
+        max_upload_bytes=len(payload),
+        max_fields=2,
+        max_fields_bytes=1024,
+        max_queued=1,
+        input_quota_bytes=len(payload),
+        max_output_pixels=1,
+        retention_s=1.0,
+    )
+    job_id = "video_" + "a" * 24
+    fields = asyncio.run(
+        read_form(Request(scope, receive), lambda: store.open_input(job_id, len(payload), AssertionError), limits)
+    )
     assert fields == {"seed": "7", "sr_target_resolution": "hd"}
-    assert target.read_bytes() == payload
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["input"]
+    assert store.input_path(job_id).read_bytes() == payload and store.quota.used == len(payload)
+    assert sorted(p.name for p in store.job_dir(job_id).iterdir()) == ["input"]
 
 
-def test_video_path_needs_an_allowed_folder(tmp_path: Path) -> None:
-    from entrypoints.http_api import ApiError, resolve_video_path
+def test_video_path_is_opened_only_inside_the_allowed_folders(tmp_path: Path) -> None:
+    from entrypoints.confine import PathRefused, _open_without_links, open_confined
 
-    clip = make_sample_clip(tmp_path / "a.mp4", width=64, height=64, num_frames=1)
-    with pytest.raises(ApiError) as refused:
-        resolve_video_path(str(clip), ())
-    assert refused.value.status == 403 and "--allow-path" in refused.value.message
-    assert resolve_video_path(str(tmp_path / "x" / ".." / "a.mp4"), (tmp_path.resolve(),)) == clip.resolve()
-    with pytest.raises(ApiError) as refused:
-        resolve_video_path("a\0b", (tmp_path.resolve(),))
-    assert refused.value.status == 400
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    (allowed / "sub").mkdir(parents=True)
+    outside.mkdir()
+    clip = make_sample_clip(allowed / "sub" / "a.mp4", width=64, height=64, num_frames=1)
+    (allowed / "link.mp4").symlink_to(clip)  # a link that stays inside is followed when resolving
+    os.mkfifo(allowed / "pipe.mp4")
+    roots = (allowed.resolve(),)
+
+    with pytest.raises(PathRefused) as refused:
+        open_confined(str(clip), ())
+    assert refused.value.forbidden and "--allow-path" in refused.value.message
+    for raw in (str(allowed / "x" / ".." / "sub" / "a.mp4"), str(allowed / "link.mp4")):
+        opened = open_confined(raw, roots)
+        assert opened.relative == "sub/a.mp4" and opened.size == clip.stat().st_size
+        assert os.read(opened.fd, 64) == clip.read_bytes()[:64]
+        os.close(opened.fd)
+    for raw, code in [
+        ("a\0b", "invalid_path"),
+        (str(allowed / "none.mp4"), "path_not_found"),
+        (str(allowed / ("n" * 300)), "invalid_path"),
+        (str(allowed / "sub"), "path_not_a_file"),
+        (str(allowed / "pipe.mp4"), "path_not_a_file"),
+        (str(allowed), "path_not_a_file"),
+    ]:
+        with pytest.raises(PathRefused) as refused:
+            open_confined(raw, roots)
+        assert refused.value.code == code and not refused.value.forbidden, (raw, refused.value.message)
+
+    # The race: the path is resolved and checked, then a folder on it, or the file itself, becomes a link to a file
+    # outside before the open. The open follows no link, so it fails instead of reading outside.
+    resolved = clip.resolve()
+    shutil.copytree(allowed / "sub", outside / "sub")
+    shutil.rmtree(allowed / "sub")
+    (allowed / "sub").symlink_to(outside / "sub")
+    with pytest.raises(PathRefused) as refused:
+        _open_without_links(resolved, "'sub/a.mp4'")
+    assert refused.value.code == "path_changed"
+    (allowed / "sub").unlink()
+    (allowed / "sub").mkdir()
+    (allowed / "sub" / "a.mp4").symlink_to(outside / "sub" / "a.mp4")
+    with pytest.raises(PathRefused) as refused:
+        _open_without_links(resolved, "'sub/a.mp4'")
+    assert refused.value.code == "path_changed"
+
+
+def test_messages_from_libraries_lose_the_server_paths() -> None:
+    from entrypoints.confine import scrub_paths
+
+    known = {"/srv/k6vsr/store/jobs/video_x/input": "the clip", "/srv/k6vsr/store": "<store>"}
+    message = "[Errno 1094995529] Invalid data found when processing input: '/srv/k6vsr/store/jobs/video_x/input'"
+    assert scrub_paths(message, known) == "[Errno 1094995529] Invalid data found when processing input: 'the clip'"
+    assert scrub_paths("/srv/k6vsr/store/runs/abc: disk full", known) == "<store>/runs/abc: disk full"
+    assert scrub_paths("no /etc/shadow: denied; 1/2 of x2/x4", {}) == "no <path>: denied; 1/2 of x2/x4"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -14,16 +15,16 @@ import torch.nn.functional as F
 
 from k6vsr_core import stages
 from k6vsr_core.attention import DenseSdpaProcessor, attention_mode, set_attention
-from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ClipPlan, make_plan
-from k6vsr_core.runner import traits_of
+from k6vsr_core.tiling import crop_output, hann_window_2d
 
 CPU = torch.device("cpu")
 
 
 def _plan(bundle: ModelBundle, size: tuple[int, int] = (64, 96), frames: int = 1, **params: object) -> ClipPlan:
-    return make_plan(size, frames, 24, parse_params(**{"scale": 2, **params}), traits_of(bundle))
+    return make_plan(size, frames, 24, parse_params(**{"scale": 2, **params}), model_traits(bundle.info))
 
 
 def _random(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -266,7 +267,7 @@ def test_flow_euler_denoise_is_the_official_euler_loop(flow_bundle: ModelBundle)
         noise = torch.randn(lq.shape, generator=torch.Generator().manual_seed(42))
         x = math.sqrt(0.51) * lq + 0.7 * noise
         zeros = torch.zeros((*x.shape[:-1], 65))
-        for sigma, sigma_next in zip(sigmas, sigmas[1:]):
+        for sigma, sigma_next in pairwise(sigmas):
             v = flow_bundle.transformer(
                 hidden_states=torch.cat([x, zeros], dim=-1), timestep=torch.tensor([1000 * sigma]), return_dict=False
             )[0]
@@ -294,13 +295,108 @@ def test_blend_and_deliver(tiny_bundle: ModelBundle) -> None:
     plan = _plan(tiny_bundle, target_resolution="96x64")
     assert plan.sr_size == (128, 192) and plan.delivery_size == (64, 96)
     tiles = [
-        (1, torch.full((3, 1, 128, 128), 200, dtype=torch.uint8)),
-        (0, torch.full((3, 1, 128, 128), 200, dtype=torch.uint8)),
+        (1, torch.full((3, 1, 128, 128), 128, dtype=torch.uint8)),
+        (0, torch.full((3, 1, 128, 128), 128, dtype=torch.uint8)),
     ]
     video = stages.blend(plan, tiles)
     assert video.shape == (3, 1, 128, 192)
-    assert int((video < 199).sum()) <= 3  # only the floored top-left corner pixel, one per channel
+    assert bool((video == 128).all())  # corners included
     delivered = stages.deliver(video, plan)
     assert delivered.shape == (3, 1, 64, 96) and delivered.dtype == torch.uint8
     same = _plan(tiny_bundle)
     assert stages.deliver(video, same) is video
+
+
+# Real plans with the released tile sizes: x2, x2.25 and x4; landscape, portrait, square and odd sizes; one to nine
+# tiles. The canvases stay under 2 megapixels and the tile sets are one frame.
+REAL_PLANS = [
+    ((512, 768), 2),
+    ((360, 640), 2),
+    ((600, 400), 2),
+    ((301, 223), 2),
+    ((250, 250), 2),
+    ((320, 480), 2.25),
+    ((237, 411), 2.25),
+    ((256, 384), 4),
+    ((131, 197), 4),
+]
+
+
+def _real_plan(size: tuple[int, int], scale: float) -> ClipPlan:
+    return make_plan(size, 1, 24, parse_params(scale=scale))
+
+
+def _random_tiles(plan: ClipPlan, seed: int) -> list[tuple[int, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (3, plan.num_frames, *plan.grid.base)
+    return [(i, torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)) for i in range(plan.num_tiles)]
+
+
+def _official_blend(plan: ClipPlan, tiles: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official arithmetic, trunc(clamp(acc / max(wsum, 1e-6))), and the summed weights, both cropped."""
+    grid = plan.grid
+    window = hann_window_2d(*grid.base)
+    acc = torch.zeros((3, plan.num_frames, *grid.canvas_size), dtype=torch.float32)
+    weight = torch.zeros(grid.canvas_size, dtype=torch.float32)
+    for index, tile in tiles:
+        top, left = grid.output_origin(index)
+        acc[:, :, top : top + grid.base[0], left : left + grid.base[1]] += tile.float() * window
+        weight[top : top + grid.base[0], left : left + grid.base[1]] += window
+    blended = (acc / weight.clamp(min=1e-6)).clamp(0, 255).to(torch.uint8)
+    return crop_output(blended, grid), crop_output(weight, grid)
+
+
+def _covering_range(plan: ClipPlan, tiles: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output pixel, the darkest and brightest value among the tiles covering it."""
+    grid = plan.grid
+    low = torch.full((3, plan.num_frames, *grid.canvas_size), 255, dtype=torch.uint8)
+    high = torch.zeros_like(low)
+    for index, tile in tiles:
+        top, left = grid.output_origin(index)
+        region = (..., slice(top, top + grid.base[0]), slice(left, left + grid.base[1]))
+        low[region] = torch.minimum(low[region], tile)
+        high[region] = torch.maximum(high[region], tile)
+    return crop_output(low, grid), crop_output(high, grid)
+
+
+@pytest.mark.parametrize(("size", "scale"), REAL_PLANS)
+def test_blend_of_constant_tiles_is_that_constant_at_the_corners_too(size: tuple[int, int], scale: float) -> None:
+    plan = _real_plan(size, scale)
+    for value in (1, 64, 128):
+        # Scaling by a power of two is exact in float32, so acc = value * wsum exactly and the mean is exact.
+        video = stages.blend(
+            plan, [(i, torch.full((3, 1, *plan.grid.base), value, dtype=torch.uint8)) for i in range(plan.num_tiles)]
+        )
+        assert video.shape == (3, 1, *plan.sr_size)
+        assert bool((video == value).all()), value
+    for value in (77, 200, 255):
+        # Other values keep the float round trip and truncation of the official blend: at most 1 LSB darker.
+        video = stages.blend(
+            plan, [(i, torch.full((3, 1, *plan.grid.base), value, dtype=torch.uint8)) for i in range(plan.num_tiles)]
+        )
+        assert int(video.min()) >= value - 1 and int(video.max()) <= value, value
+
+
+@pytest.mark.parametrize(("size", "scale"), REAL_PLANS)
+def test_blend_stays_within_the_tiles_covering_each_pixel(size: tuple[int, int], scale: float) -> None:
+    plan = _real_plan(size, scale)
+    tiles = _random_tiles(plan, seed=size[0] + size[1])
+    video = stages.blend(plan, tiles)
+    low, high = _covering_range(plan, tiles)
+    # A weighted mean lies between the values it averages, up to the 1-LSB truncation of the float result.
+    assert bool((video.int() >= low.int() - 1).all())
+    assert bool((video <= high).all())
+
+
+@pytest.mark.parametrize(("size", "scale"), REAL_PLANS)
+def test_blend_changes_only_pixels_below_the_official_floor(size: tuple[int, int], scale: float) -> None:
+    plan = _real_plan(size, scale)
+    tiles = _random_tiles(plan, seed=size[0] * size[1])
+    video = stages.blend(plan, tiles)
+    official, weight = _official_blend(plan, tiles)
+    floored = weight < 1e-6
+    assert bool(floored[0, 0])  # the top-left corner is always kept and always below the floor
+    assert torch.equal(video[..., ~floored], official[..., ~floored])
+    # Below the floor the official blend divides by more than the weight: it is darker, never brighter.
+    assert bool((official[..., floored] <= video[..., floored]).all())
+    assert bool((official[..., floored] < video[..., floored]).any())

@@ -217,6 +217,7 @@ def test_each_clip_run_owns_its_artifacts(
 
     from flows.orchestrate import run_clip
     from k6vsr_core.params import UpscaleParams
+    from service.runs import prepare_run
 
     updates: list[tuple[object, str]] = []
     real_update = artifacts.update
@@ -235,12 +236,7 @@ def test_each_clip_run_owns_its_artifacts(
     model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
     summaries = [
         run_clip(
-            str(source),
-            str(tmp_path / f"out-{n}.mp4"),
-            UpscaleParams(scale=2),
-            model,
-            str(tmp_path / "s"),
-            show_progress=False,
+            prepare_run(source, UpscaleParams(scale=2), model, tmp_path / "s"), str(tmp_path / f"out-{n}.mp4"), model
         )
         for n, source in enumerate((clip_1f, copy))
     ]
@@ -252,7 +248,7 @@ def test_each_clip_run_owns_its_artifacts(
 
     keys = set()
     with get_client(sync_client=True) as client:
-        for run_id, source in zip(run_ids, (clip_1f, copy)):
+        for run_id, source in zip(run_ids, (clip_1f, copy), strict=True):
             found = client.read_artifacts(
                 artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
             )

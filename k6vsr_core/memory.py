@@ -1,0 +1,367 @@
+"""GPU memory budgets: how much of the card a run may use, and how the stages keep within it.
+
+A budget settles three things, none of which changes a computed value:
+
+- where each component's weights live: resident on the GPU; streamed in block by block from pinned host memory
+  while it runs (diffusers' group offloading); or swapped whole with its partner so that only one of the two is on
+  the GPU at a time (accelerate's `cpu_offload_with_hook`);
+- how many latent frames the KVAE encodes or decodes per call through its causal cache (`k6vsr_core.kvae`), the
+  largest that keeps the stage within the budget: activation memory follows that chunk, not the clip;
+- whether the stages of one process take turns on the GPU (a decode then no longer overlaps the next denoise).
+
+| budget | ceiling | latent upscaler | DiT and KVAE | stages |
+|---|---|---|---|---|
+| `fast` | 32 GiB | resident | resident | overlap |
+| `24g` | 24 GiB | streamed | resident | take turns |
+| `16g` | 16 GiB | streamed | swapped | take turns |
+
+`choose_budget` is a pure function of the asked mode, the free memory of the GPU and the clip's plan: `auto` takes
+the first of these that fits the free memory, an explicit budget must fit it, and the answer says why. The sizes it
+reasons with are `RELEASED_FOOTPRINT`, the released model's, measured on an H200 where noted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan
+from k6vsr_core.tiling import SPATIAL_FACTOR, Size
+
+if TYPE_CHECKING:
+    from k6vsr_core.bundle import ModelBundle
+
+MemoryMode = Literal["auto", "fast", "24g", "16g"]
+BudgetName = Literal["fast", "24g", "16g"]
+MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)
+GIB = 1 << 30
+# Latent frames per KVAE call, largest first; None is the KVAE's own segmentation (1 + 16 pixel frames a call).
+CHUNKS: tuple[int | None, ...] = (None, 3, 2, 1)
+KVAE_SEGMENT_FRAMES = 17
+
+
+class MemoryBudgetError(ValueError):
+    """No budget fits: the message says how much memory is free and how much the smallest budget needs."""
+
+
+class Footprint(BaseModel):
+    """What a model needs on a GPU, in bytes. Activations are per pixel, frame or token of the work in flight."""
+
+    model_config = ConfigDict(frozen=True)
+
+    weights: dict[str, int]  # per component, as loaded on a GPU
+    streamed_group: int  # the largest block a streamed latent upscaler brings in at once
+    encode_per_pixel_frame: float  # per source pixel and pixel frame of one KVAE encode call
+    decode_per_pixel_frame: float  # per output pixel and pixel frame of one KVAE decode call
+    denoise_per_token: float  # per latent token of a denoise chunk (upscaler or DiT, whichever needs more)
+    runtime: int  # workspaces of cuBLAS, cuDNN and the compiled kernels
+    reserved_factor: float  # what the caching allocator reserves over the allocated peak
+
+
+BF16 = 2
+# The released model in bf16. Decode: the compiled KVAE decode of a 512x768 tile in the KVAE's own 17-frame
+# segments took 27.0 GiB of activations on an H200 (bench/RESULTS.md), counted as 17 frames plus one frame's worth
+# of causal caches. Encode: the eager encoder needs 0.18 of the eager decoder's bytes per pixel-frame (measured on
+# a CPU), scaled like the decode. Denoise: an estimate from the DiT's widths. bench/memory_bench.py measures all
+# three per stage. The reserved factor is the largest seen (36.9 GiB reserved over 30.3 GiB allocated).
+RELEASED_FOOTPRINT = Footprint(
+    weights={"transformer": 1_414_263_936 * BF16, "vae": 1_738_878_243 * BF16, "latent_upscaler": 3_654_021_952 * BF16},
+    streamed_group=2_208_391_360 * BF16,  # the x2 model of the upscaler bank
+    encode_per_pixel_frame=768.0,
+    decode_per_pixel_frame=27.03 * GIB / (18 * 512 * 768),
+    denoise_per_token=64 * 1024.0,
+    runtime=GIB // 2,
+    reserved_factor=1.2,
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    ceiling: int
+    streamed: tuple[str, ...]  # group-offloaded, block by block, from pinned host memory
+    swapped: tuple[str, ...]  # one of them on the GPU at a time, moved whole
+    take_turns: bool
+    summary: str
+
+
+BUDGETS: dict[BudgetName, Layout] = {
+    "fast": Layout(32 * GIB, (), (), False, "everything resident"),
+    "24g": Layout(24 * GIB, ("latent_upscaler",), (), True, "latent upscaler streamed from host memory"),
+    "16g": Layout(
+        16 * GIB,
+        ("latent_upscaler",),
+        ("transformer", "vae"),
+        True,
+        "latent upscaler streamed from host memory, DiT and KVAE swapped",
+    ),
+}
+
+
+class Workload(BaseModel):
+    """What one clip asks of the GPU: the source the KVAE encodes, the tiles it decodes, the chunks it denoises."""
+
+    model_config = ConfigDict(frozen=True)
+
+    source: Size  # (H, W) of the padded encoder input
+    tile: Size  # (H, W) of one decoded tile, in output pixels
+    frames: int  # pixel frames
+    tiles_per_chunk: int
+
+    @property
+    def tokens(self) -> int:
+        latent_frames = 1 + (self.frames - 1) // TEMPORAL_FACTOR
+        per_frame = (self.tile[0] // SPATIAL_FACTOR) * (self.tile[1] // SPATIAL_FACTOR)
+        return per_frame * latent_frames * self.tiles_per_chunk
+
+    def describe(self) -> str:
+        return f"{self.tile[1]}x{self.tile[0]} tiles of {self.frames} frames"
+
+
+def workload_of(plan: ClipPlan) -> Workload:
+    return Workload(
+        source=plan.grid.padded_size,
+        tile=plan.grid.base,
+        frames=plan.num_frames,
+        tiles_per_chunk=max(len(chunk.tiles) for chunk in plan.chunks),
+    )
+
+
+def frames_per_call(chunk: int | None, frames: int) -> int:
+    """Pixel frames in one KVAE call: the first frame goes alone, then `chunk` latent frames (4 pixel frames each)."""
+    if chunk is None:
+        return min(KVAE_SEGMENT_FRAMES, frames)
+    return max(1, min(TEMPORAL_FACTOR * chunk, frames - 1))
+
+
+class MemoryBudget(BaseModel):
+    """The budget a worker runs under, what it estimates for the clip it was chosen for, and why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    mode: MemoryMode  # what was asked
+    budget: BudgetName | None  # None: no GPU, nothing to budget
+    limit: int | None = None  # bytes the run stays under: the ceiling, or the free memory when that is less
+    encode_chunk: int | None = None
+    decode_chunk: int | None = None
+    estimate: int | None = None  # reserved bytes at the peak, for the clip it was chosen for
+    reason: str
+    footprint: Footprint = RELEASED_FOOTPRINT
+
+    @property
+    def layout(self) -> Layout | None:
+        return BUDGETS[self.budget] if self.budget is not None else None
+
+    @property
+    def take_turns(self) -> bool:
+        return self.layout is not None and self.layout.take_turns
+
+    def kvae_chunk(self, stage: Literal["encode", "decode"], size: Size, frames: int) -> int | None:
+        """Latent frames per KVAE call for an encode of a `size` source or a decode of a `size` tile."""
+        if self.layout is None or self.limit is None:
+            return None
+        peak = _encode_peak if stage == "encode" else _decode_peak
+        return _largest_chunk(self.layout, self.footprint, peak, size, frames, self.limit)[0]
+
+    def summary(self) -> str:
+        """One line for plans and logs."""
+        if self.layout is None or self.estimate is None:
+            return self.reason
+        return (
+            f"{self.budget} ({self.layout.summary}; KVAE {_chunk_words(self.encode_chunk)} to encode, "
+            f"{_chunk_words(self.decode_chunk)} to decode; about {self.estimate / GIB:.1f} GiB): {self.reason}"
+        )
+
+
+def _chunk_words(chunk: int | None) -> str:
+    if chunk is None:
+        return "whole"
+    return f"{chunk} latent frame{'s' if chunk > 1 else ''} a call"
+
+
+# ---------------------------------------------------------------------------------------------------- estimates
+
+# Allocated bytes at a KVAE stage's peak: (layout, footprint, source or tile size, pixel frames, chunk).
+Peak = Callable[[Layout, Footprint, Size, int, "int | None"], float]
+
+
+def _resident(layout: Layout, footprint: Footprint) -> int:
+    fixed = sum(size for name, size in footprint.weights.items() if name not in (*layout.streamed, *layout.swapped))
+    return fixed + max((footprint.weights[name] for name in layout.swapped), default=0)
+
+
+def _streamed(layout: Layout, footprint: Footprint) -> int:
+    return footprint.streamed_group if layout.streamed else 0
+
+
+def _encode_peak(layout: Layout, footprint: Footprint, source: Size, frames: int, chunk: int | None) -> float:
+    pixels = source[0] * source[1]
+    # The causal caches count as one more frame.
+    activations = footprint.encode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
+    return _resident(layout, footprint) + activations
+
+
+def _denoise_activations(layout: Layout, footprint: Footprint, tokens: int) -> float:
+    return _streamed(layout, footprint) + footprint.denoise_per_token * tokens
+
+
+def _decode_peak(layout: Layout, footprint: Footprint, tile: Size, frames: int, chunk: int | None) -> float:
+    pixels = tile[0] * tile[1]
+    activations = footprint.decode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
+    peak = _resident(layout, footprint) + activations
+    if not layout.take_turns:
+        # A decode may overlap the next chunk's denoise in the same process; budget for both. The chunk's tokens
+        # are not known here, so this assumes a chunk of one tile of the same size.
+        latent_frames = 1 + (frames - 1) // TEMPORAL_FACTOR
+        peak += _denoise_activations(
+            layout, footprint, (tile[0] // SPATIAL_FACTOR) * (tile[1] // SPATIAL_FACTOR) * latent_frames
+        )
+    return peak
+
+
+def _reserved(footprint: Footprint, allocated: float) -> int:
+    return int((allocated + footprint.runtime) * footprint.reserved_factor)
+
+
+@dataclass(frozen=True)
+class _Fit:
+    budget: BudgetName
+    encode_chunk: int | None
+    decode_chunk: int | None
+    estimate: int  # reserved bytes at the peak
+    fits: bool
+
+
+def _largest_chunk(
+    layout: Layout, footprint: Footprint, peak: Peak, size: Size, frames: int, limit: int
+) -> tuple[int | None, int]:
+    """The largest KVAE chunk whose stage stays under `limit` (else the smallest), with its reserved estimate."""
+    estimates = [(chunk, _reserved(footprint, peak(layout, footprint, size, frames, chunk))) for chunk in CHUNKS]
+    return next(((chunk, estimate) for chunk, estimate in estimates if estimate <= limit), estimates[-1])
+
+
+def _fit(budget: BudgetName, footprint: Footprint, work: Workload, limit: int) -> _Fit:
+    """The largest KVAE chunks that keep each stage under `limit`, and the resulting peak."""
+    layout = BUDGETS[budget]
+    encode_chunk, encode = _largest_chunk(layout, footprint, _encode_peak, work.source, work.frames, limit)
+    decode_chunk, decode = _largest_chunk(layout, footprint, _decode_peak, work.tile, work.frames, limit)
+    denoise = _reserved(footprint, _resident(layout, footprint) + _denoise_activations(layout, footprint, work.tokens))
+    estimate = max(encode, decode, denoise)
+    return _Fit(budget, encode_chunk, decode_chunk, estimate, estimate <= limit)
+
+
+# ---------------------------------------------------------------------------------------------------- the choice
+
+
+def choose_budget(
+    mode: MemoryMode,
+    free_bytes: int | None,
+    plan: ClipPlan,
+    footprint: Footprint = RELEASED_FOOTPRINT,
+    device: str = "the GPU",
+) -> MemoryBudget:
+    """The budget a worker with `free_bytes` of free GPU memory (None: no GPU) runs `plan` under, with its reason.
+
+    Raises `MemoryBudgetError` when the asked budget, or for `auto` every budget, needs more than is free: a run
+    refuses to start rather than run out of memory halfway.
+    """
+    if mode not in MEMORY_MODES:
+        raise MemoryBudgetError(f"memory={mode!r} is not a memory mode; allowed: {', '.join(MEMORY_MODES)}")
+    if free_bytes is None:
+        return MemoryBudget(mode=mode, budget=None, reason="no GPU: the memory mode applies to GPU runs only")
+    work = workload_of(plan)
+    free = f"{free_bytes / GIB:.1f} GiB free on {device}"
+    if mode != "auto":
+        limit = min(BUDGETS[mode].ceiling, free_bytes)
+        fit = _fit(mode, footprint, work, limit)
+        if not fit.fits:
+            raise MemoryBudgetError(
+                f"memory={mode}: {work.describe()} need about {fit.estimate / GIB:.1f} GiB, {free}; "
+                + ("use a smaller budget or auto" if mode != "16g" else "free memory on the GPU or use another one")
+            )
+        return _budget(mode, fit, limit, footprint, f"asked for; {free}")
+    tried = []
+    for name in BUDGETS:
+        limit = min(BUDGETS[name].ceiling, free_bytes)
+        fit = _fit(name, footprint, work, limit)
+        if fit.fits:
+            needs = f"; {', '.join(tried)}" if tried else ""
+            return _budget(mode, fit, limit, footprint, f"auto: {free}{needs}")
+        tried.append(f"{name} needs about {fit.estimate / GIB:.1f} GiB")
+    raise MemoryBudgetError(f"memory=auto: {free}, too little for {work.describe()}: {'; '.join(tried)}")
+
+
+def _budget(mode: MemoryMode, fit: _Fit, limit: int, footprint: Footprint, reason: str) -> MemoryBudget:
+    return MemoryBudget(
+        mode=mode,
+        budget=fit.budget,
+        limit=limit,
+        encode_chunk=fit.encode_chunk,
+        decode_chunk=fit.decode_chunk,
+        estimate=fit.estimate,
+        reason=reason,
+        footprint=footprint,
+    )
+
+
+def check_budget(budget: MemoryBudget, plan: ClipPlan) -> None:
+    """A worker keeps the budget it chose for its first clip; a later clip must fit it too."""
+    if budget.budget is None or budget.limit is None:
+        return
+    fit = _fit(budget.budget, budget.footprint, workload_of(plan), budget.limit)
+    if not fit.fits:
+        raise MemoryBudgetError(
+            f"memory budget {budget.budget}: {workload_of(plan).describe()} need about {fit.estimate / GIB:.1f} GiB, "
+            f"over the {budget.limit / GIB:.1f} GiB this worker keeps to"
+        )
+
+
+def free_gpu_bytes(device: torch.device) -> int | None:
+    """Free memory this process may still take on `device`: the driver's figure, capped by a per-process fraction."""
+    if device.type != "cuda":
+        return None
+    # torch 2.11's per-process fraction calls want an index: a bare "cuda" device is refused.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.8 and later
+    fraction = get_fraction(index) if get_fraction is not None else 1.0
+    return int(min(free, fraction * total - torch.cuda.memory_reserved(index)))
+
+
+# ---------------------------------------------------------------------------------------------------- applying
+
+
+def apply_budget(bundle: ModelBundle, budget: MemoryBudget) -> None:
+    """Place the bundle's weights as `budget` says, with diffusers' and accelerate's offload hooks; once per bundle."""
+    if bundle.memory is not None:
+        if bundle.memory.budget == budget.budget:
+            return
+        raise ValueError(
+            f"bundle already runs under memory budget {bundle.memory.budget}; load it again for {budget.budget}"
+        )
+    layout = budget.layout
+    device = bundle.device
+    if layout is not None:
+        components = {"transformer": bundle.transformer, "vae": bundle.vae, "latent_upscaler": bundle.latent_upscaler}
+        for name in layout.streamed:
+            # One block group at a time (for the upscaler bank: one scale's model), prefetched on a side stream.
+            components[name].enable_group_offload(
+                onload_device=device,
+                offload_type="block_level",
+                num_blocks_per_group=1,
+                use_stream=device.type == "cuda",
+            )
+        if layout.swapped:
+            from accelerate import cpu_offload_with_hook
+
+            first, second = (components[name] for name in layout.swapped)
+            _, first_hook = cpu_offload_with_hook(first, device)
+            _, second_hook = cpu_offload_with_hook(second, device, prev_module_hook=first_hook)
+            # Close the ring: each moves the other out before it runs (accelerate chains hooks one way only).
+            first_hook.hook.prev_module_hook = second_hook
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bundle.memory = budget

@@ -1,0 +1,98 @@
+"""The rooms and their one-way imports, read from the source with `ast` (nothing is imported, so nothing is hidden).
+
+    entrypoints -> flows -> tasks -> service -> {k6vsr_core, storage};  storage -> k6vsr_core
+
+k6vsr_core is the model contract (no Prefect, Zarr or Dask); storage knows where bytes live (no Prefect, diffusers or
+Dask); service is what the entry points share (no Prefect); only the entry points see argparse. No module imports
+itself back through others, whether the import is at the top or inside a function.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ROOMS = ("k6vsr_core", "storage", "service", "tasks", "flows", "entrypoints")
+ORCHESTRATION = {"prefect", "prefect_dask", "dask", "distributed", "dask_cuda"}
+FORBIDDEN = {
+    "k6vsr_core": ORCHESTRATION | {"zarr", "storage", "service", "tasks", "flows", "entrypoints", "argparse"},
+    "storage": ORCHESTRATION | {"diffusers", "service", "tasks", "flows", "entrypoints", "argparse"},
+    "service": ORCHESTRATION | {"tasks", "flows", "entrypoints", "argparse"},
+    "tasks": {"flows", "entrypoints", "argparse"},
+    "flows": {"entrypoints", "argparse"},
+    "entrypoints": set(),
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for room in ROOMS:
+        for path in sorted((ROOT / room).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports, anywhere in it; `from package import module` names the module."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                names.add(submodule if submodule in MODULES else node.module)
+    return names
+
+
+IMPORTS = {module: _imports(path) for module, path in MODULES.items()}
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_room_imports_only_what_it_may(room: str) -> None:
+    bad = sorted(
+        f"{module} imports {name}"
+        for module, names in IMPORTS.items()
+        if module.split(".")[0] == room
+        for name in names
+        if name.split(".")[0] in FORBIDDEN[room]
+    )
+    assert bad == []
+
+
+def test_no_import_cycles() -> None:
+    graph = {
+        module: {name for name in names if name in MODULES and name != module} for module, names in IMPORTS.items()
+    }
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for name in sorted(graph[module]):
+            if state.get(name) == "open":
+                cycles.append(" -> ".join([*path[path.index(name) :], name]))
+            elif name not in state:
+                visit(name, [*path, name])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_rule_sees_imports_inside_functions(tmp_path: Path) -> None:
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "def f():\n    from flows.orchestrate import run_clip\n    import prefect.settings\n"
+        "    from k6vsr_core import media\n"
+    )
+    assert _imports(source) == {"flows.orchestrate", "prefect.settings", "k6vsr_core.media"}

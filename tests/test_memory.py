@@ -1,0 +1,207 @@
+"""Memory budgets (k6vsr_core.memory): the choice from synthetic free-memory figures, and that no budget changes a
+byte of the output on the CPU, where the offload hooks and the chunked KVAE run exactly as on a GPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from k6vsr_core.bundle import ModelBundle, load_bundle, model_traits
+from k6vsr_core.memory import (
+    BUDGETS,
+    GIB,
+    Footprint,
+    MemoryBudget,
+    MemoryBudgetError,
+    apply_budget,
+    check_budget,
+    choose_budget,
+)
+from k6vsr_core.params import parse_params
+from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
+from k6vsr_core.runner import upscale
+from k6vsr_core.sample import make_sample_clip
+from service.runs import ModelSpec
+from tests.test_kvae import fixed_cpu_kernels
+
+RELEASED = ModelTraits(tile_sizes=((512, 512), (512, 768), (768, 512)))
+
+
+def _plan(size: tuple[int, int] = (512, 768), frames: int = 121, scale: float = 2, batch: int = 1) -> ClipPlan:
+    return make_plan(size, frames, 24, parse_params(scale=scale, tiles_batch_size=batch), RELEASED)
+
+
+W1 = _plan()
+
+
+# --------------------------------------------------------------------------------------------------- the choice
+
+
+def test_no_gpu_means_no_budget() -> None:
+    budget = choose_budget("16g", None, W1)
+    assert budget.budget is None and budget.decode_chunk is None and not budget.take_turns
+    assert "no GPU" in budget.reason
+
+
+@pytest.mark.parametrize(("free_gib", "expected"), [(139.0, "fast"), (40.0, "fast"), (23.0, "24g"), (15.0, "16g")])
+def test_auto_takes_the_fastest_budget_that_fits(free_gib: float, expected: str) -> None:
+    budget = choose_budget("auto", int(free_gib * GIB), W1, device="cuda:0")
+    assert budget.mode == "auto" and budget.budget == expected
+    assert budget.estimate is not None and budget.estimate <= min(free_gib * GIB, BUDGETS[expected].ceiling)
+    assert f"{free_gib:.1f} GiB free on cuda:0" in budget.reason
+    skipped = list(BUDGETS)[: list(BUDGETS).index(expected)]
+    assert all(f"{name} needs about" in budget.reason for name in skipped)
+
+
+def test_auto_refuses_when_nothing_fits() -> None:
+    with pytest.raises(MemoryBudgetError, match=r"8\.0 GiB free.*16g needs about"):
+        choose_budget("auto", 8 * GIB, W1)
+
+
+def test_an_explicit_budget_must_fit_the_free_memory() -> None:
+    budget = choose_budget("24g", 20 * GIB, W1)
+    assert budget.budget == "24g" and budget.limit == 20 * GIB and budget.estimate <= 20 * GIB  # type: ignore[operator]
+    with pytest.raises(MemoryBudgetError, match="memory=16g: 768x512 tiles of 121 frames need about"):
+        choose_budget("16g", 10 * GIB, W1)
+    with pytest.raises(MemoryBudgetError, match="not a memory mode"):
+        choose_budget("12g", 10 * GIB, W1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("plan", [W1, _plan(frames=33), _plan(scale=4), _plan((512, 512), 9), _plan((1080, 1920))])
+@pytest.mark.parametrize("name", list(BUDGETS))
+def test_every_budget_keeps_its_estimate_under_its_ceiling(plan: ClipPlan, name: str) -> None:
+    budget = choose_budget(name, 139 * GIB, plan)  # type: ignore[arg-type]
+    assert budget.estimate is not None and budget.estimate <= BUDGETS[name].ceiling  # type: ignore[index]
+
+
+def test_the_kvae_chunk_shrinks_with_the_budget() -> None:
+    chunks = {name: choose_budget(name, 139 * GIB, W1).decode_chunk for name in BUDGETS}  # type: ignore[arg-type]
+    order = [chunk or 32 for chunk in chunks.values()]
+    assert chunks["16g"] == 1 and order[0] >= order[2] and order[1] >= order[2]
+    # A short clip of small tiles decodes whole under the fast budget: nothing to save.
+    small = make_plan((64, 96), 9, 24, parse_params(scale=2), ModelTraits(tile_sizes=((128, 128),)))
+    assert choose_budget("fast", 139 * GIB, small).decode_chunk is None
+
+
+def test_the_chunk_follows_each_tile_within_the_budget() -> None:
+    budget = choose_budget("16g", 15 * GIB, W1)
+    assert budget.kvae_chunk("decode", (512, 768), 121) == budget.decode_chunk == 1
+    assert budget.kvae_chunk("decode", (128, 128), 121) is None
+    assert budget.kvae_chunk("encode", W1.grid.padded_size, 121) == budget.encode_chunk
+
+
+def test_a_later_clip_must_fit_the_budget_a_worker_chose() -> None:
+    budget = choose_budget("auto", 15 * GIB, W1)
+    check_budget(budget, _plan(frames=33))
+    with pytest.warns(UserWarning, match="not lossless"):
+        batched = _plan((1080, 1920), batch=4)
+    with pytest.raises(MemoryBudgetError, match="over the 15.0 GiB this worker keeps to"):
+        check_budget(budget, batched)
+
+
+def test_the_memory_mode_is_a_runtime_choice_outside_the_run_key(tiny_bundle_path: Path, tmp_path: Path) -> None:
+    from service.runs import prepare_run
+
+    with pytest.raises(ValidationError):
+        ModelSpec(memory="32g")  # type: ignore[arg-type]
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1)
+    specs = [ModelSpec(model=str(tiny_bundle_path), memory=mode) for mode in ("auto", "fast", "24g", "16g")]
+    keys = {prepare_run(clip, parse_params(scale=2), spec, tmp_path).run.run_key for spec in specs}
+    assert len(keys) == 1
+
+
+# --------------------------------------------------------------------------------------------------- on the CPU
+
+# Sizes for the tiny model that make every budget split differently at 9 frames of 64x64 (x2, one 128x128 tile):
+# 2.5 GiB per decoded tile frame and 2 GiB per encoded source frame, nothing else.
+TINY_FOOTPRINT = Footprint(
+    weights={"transformer": 0, "vae": 0, "latent_upscaler": 0},
+    streamed_group=0,
+    encode_per_pixel_frame=2 * GIB / (64 * 64),
+    decode_per_pixel_frame=2.5 * GIB / (128 * 128),
+    denoise_per_token=0,
+    runtime=0,
+    reserved_factor=1.0,
+)
+
+
+@pytest.fixture(scope="module")
+def clip_9f(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_sample_clip(tmp_path_factory.mktemp("memory") / "nine.mp4", width=64, height=64, num_frames=9)
+
+
+def _budget(bundle: ModelBundle, mode: str) -> MemoryBudget:
+    plan = make_plan((64, 64), 9, 24, parse_params(scale=2), model_traits(bundle.info))
+    return choose_budget(mode, 30 * GIB, plan, footprint=TINY_FOOTPRINT)  # type: ignore[arg-type]
+
+
+def test_every_memory_mode_gives_the_same_bytes_on_the_cpu(
+    tiny_bundle: ModelBundle, tiny_bundle_path: Path, clip_9f: Path, tmp_path: Path
+) -> None:
+    budgets = {mode: _budget(tiny_bundle, mode) for mode in BUDGETS}
+    chunks = {mode: (budget.encode_chunk, budget.decode_chunk) for mode, budget in budgets.items()}
+    assert chunks == {"fast": (None, None), "24g": (None, 3), "16g": (1, 1)}  # the test covers every kind of split
+    params = parse_params(scale=2)
+    with fixed_cpu_kernels():
+        reference = Path(upscale(clip_9f, tmp_path / "plain.mp4", tiny_bundle, params).output).read_bytes()
+        for mode in ("auto", *BUDGETS):
+            bundle = load_bundle(str(tiny_bundle_path))
+            apply_budget(bundle, _budget(bundle, mode))
+            output = upscale(clip_9f, tmp_path / f"{mode}.mp4", bundle, params).output
+            assert Path(output).read_bytes() == reference, mode
+
+
+def test_apply_budget_installs_library_hooks_once(tiny_bundle_path: Path) -> None:
+    from diffusers.hooks import HookRegistry
+
+    bundle = load_bundle(str(tiny_bundle_path))
+    budget = _budget(bundle, "16g")
+    apply_budget(bundle, budget)
+    assert type(bundle) is ModelBundle and bundle.device == torch.device("cpu") and bundle.memory is budget
+    assert HookRegistry.check_if_exists_or_initialize(bundle.latent_upscaler._models[0]).hooks  # group offload
+    assert bundle.transformer._hf_hook.prev_module_hook.model is bundle.vae  # accelerate: each swaps the other out
+    assert bundle.vae._hf_hook.prev_module_hook.model is bundle.transformer
+    apply_budget(bundle, budget)  # the same budget again: nothing to do
+    with pytest.raises(ValueError, match="already runs under memory budget 16g"):
+        apply_budget(bundle, _budget(bundle, "fast"))
+
+
+@pytest.mark.parametrize(("mode", "overlap"), [("fast", True), ("16g", False)])
+def test_stages_take_turns_only_when_the_budget_says_so(tiny_bundle_path: Path, mode: str, overlap: bool) -> None:
+    bundle = load_bundle(str(tiny_bundle_path))
+    apply_budget(bundle, _budget(bundle, mode))
+    inside, most = 0, 0
+    lock = threading.Lock()
+
+    def stage() -> None:
+        nonlocal inside, most
+        with bundle.turn():
+            with lock:
+                inside += 1
+                most = max(most, inside)
+            time.sleep(0.05)
+            with lock:
+                inside -= 1
+
+    threads = [threading.Thread(target=stage) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert (most == 2) is overlap
+
+
+def test_memory_flag_reaches_the_model_spec_and_bad_values_are_refused(capsys) -> None:
+    from entrypoints.cli import build_parser, model_from
+
+    args = build_parser().parse_args(["plan", "clip.mp4", "--memory", "16g"])
+    assert model_from(args).memory == "16g"
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["plan", "clip.mp4", "--memory", "8g"])
+    assert refused.value.code == 2
+    assert "--memory" in capsys.readouterr().err
