@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-PIPELINE = ("ingest", "encode", "denoise", "decode", "blend", "mux", "publish")
+PIPELINE = ("ingest", "encode", "denoise", "decode", "blend", "segment", "mux", "publish")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
-"""The clip flow: ingest -> encode -> denoise per tile chunk -> decode per tile -> blend -> mux -> publish.
+"""The clip flow: ingest, then per window: encode -> denoise per tile chunk -> decode per tile -> blend -> segment;
+then mux (join the segments) -> publish.
 
-Every stage is persisted in the run store, so a crash, a killed worker or a bad tile costs only the unfinished
-work: the next run of the same clip and parameters finds the finished stages by their records and skips them.
+Every stage is persisted in the run store per (window, tile), so a crash, a killed worker or a bad tile costs only
+the unfinished work: the next run of the same clip and parameters finds the finished items by their records and
+skips them. Windows flow through the store one after another: a window's segment is written (and its intermediates
+deleted) while later windows are on the GPU.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
@@ -20,6 +24,7 @@ from pydantic import BaseModel
 from flows import artifacts
 from flows.run_log import run_log
 from flows.stage_clock import StageClock
+from k6vsr_core import media
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
@@ -37,6 +42,7 @@ class ClipSummary(BaseModel):
     log: str
     frames: int
     fps: int
+    windows: int
     size: tuple[int, int]  # (width, height) of the written video
     tiles_total: int
     tiles_computed: int
@@ -120,18 +126,24 @@ def upscale_clip(
 
     attempt = _attempt_id()
     with store.in_use(), run_log(store.log_path, attempt):
-        logger.info("run %s: %d tiles, store %s", run.run_key, prepared.plan.num_tiles, store.path)
+        logger.info(
+            "run %s: %d frames in %d windows of %d tiles, store %s",
+            run.run_key,
+            prepared.plan.num_frames,
+            prepared.plan.num_windows,
+            prepared.plan.num_tiles,
+            store.path,
+        )
         ingested = ingest_tasks.ingest(prepared.source, run, params, prepared.model_info, attempt)
         record(ingested)
         plan = ingested.plan
-        progress = artifacts.TileProgress(prepared.source, run.run_key, flow_run.id, plan.num_tiles)
+        total = plan.num_tiles * plan.num_windows
+        progress = artifacts.TileProgress(prepared.source, run.run_key, flow_run.id, total)
         denoised: list[StageResult] = []
         if store.output_done():
-            progress.update(plan.num_tiles)
+            progress.update(total)
         else:
-            record(stage_tasks.encode(run, model, attempt))
-            denoised = _tiles(run, model, plan, record, attempt, progress)
-            record(stage_tasks.blend(run, attempt))
+            denoised = _windows(run, model, plan, record, attempt, progress, store)
             record(stage_tasks.mux(run, attempt))
         record(stage_tasks.publish(run, str(destination)))
 
@@ -146,77 +158,103 @@ def upscale_clip(
         log=str(store.log_path),
         frames=plan.num_frames,
         fps=plan.fps,
+        windows=plan.num_windows,
         size=(plan.delivery_size[1], plan.delivery_size[0]),
-        tiles_total=plan.num_tiles,
+        tiles_total=total,
         tiles_computed=computed,
-        tiles_reused=plan.num_tiles - computed,
+        tiles_reused=total - computed,
         dit_calls=sum(result.dit_calls for result in denoised),
         timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
         reused_output=store.attempt_of("mux") != attempt,
     )
-    _report(store, summary, clock)
+    _report(store, summary, clock, plan)
     return summary
 
 
-def _tiles(
+def _windows(
     run: RunRef,
     model: ModelSpec,
     plan: ClipPlan,
     record: Callable[[StageResult], StageResult],
     attempt: str,
     progress: artifacts.TileProgress,
+    store: RunStore,
 ) -> list[StageResult]:
-    """Denoise every chunk and decode every tile concurrently; a decode waits only for its own chunk."""
+    """Every window's tasks, submitted in pipeline order: a decode waits only for its own chunk, a blend for its
+    window's tiles, a segment for its window and the one before. Workers take them in that order, so windows
+    stream through the store one after another while decodes overlap the next chunk's denoising."""
     _check_workers()
-    chunk_futures = {
-        stage_tasks.denoise.submit(run, model, chunk.index, attempt, "-".join(map(str, chunk.tiles))): chunk
-        for chunk in plan.chunks
-    }
-    by_chunk = {chunk.index: future for future, chunk in chunk_futures.items()}
-    decode_futures = {
-        stage_tasks.decode.submit(run, model, tile, attempt, wait_for=[by_chunk[plan.chunk_of(tile).index]]): tile
-        for tile in range(plan.num_tiles)
-    }
-    denoised, failures, decode_errors = [], {}, {}
-    decoded = 0
+    what: dict[Any, tuple[str, int, tuple[int, ...]]] = {}  # future -> (stage, window, tiles)
+    blends: list[Any] = []
+    for window in plan.windows:
+        w = window.index
+        encoded = stage_tasks.encode.submit(run, model, w, attempt)
+        what[encoded] = ("encode", w, tuple(range(plan.num_tiles)))
+        chunks = {}
+        for chunk in plan.chunks:
+            label = "-".join(map(str, chunk.tiles))
+            future = stage_tasks.denoise.submit(run, model, w, chunk.index, attempt, label, wait_for=[encoded])
+            what[future] = ("denoise", w, chunk.tiles)
+            chunks[chunk.index] = future
+        decodes = []
+        for tile in range(plan.num_tiles):
+            future = stage_tasks.decode.submit(
+                run, model, w, tile, attempt, wait_for=[chunks[plan.chunk_of(tile).index]]
+            )
+            what[future] = ("decode", w, (tile,))
+            decodes.append(future)
+        blends.append(stage_tasks.blend.submit(run, w, attempt, wait_for=decodes))
+        what[blends[-1]] = ("blend", w, ())
+        segment = stage_tasks.segment.submit(run, w, attempt, wait_for=blends[-2:])
+        what[segment] = ("segment", w, ())
+
+    denoised: list[StageResult] = []
+    failures: dict[tuple[int, int], str] = {}
+    causes: dict[tuple[int, int], str] = {}  # a failed upstream task is the cause of what it never ran
+    decoded = store.decoded_per_window(plan.num_windows)
     # Every task is recorded as it ends, so the stage clock sees when each one finished.
-    for future in as_completed([*chunk_futures, *decode_futures]):
+    for future in as_completed(list(what)):
+        stage, window, tiles = what[future]
         try:
             result = record(future.result())
-        except Exception as err:  # noqa: BLE001 - collected and reported per tile below
-            message = f"{type(err).__name__}: {err}"
-            if future in decode_futures:
-                decode_errors[decode_futures[future]] = message
-            else:
-                # A failed chunk's decodes only report that they never ran; the chunk's error is the cause.
-                failures.update({tile: message for tile in chunk_futures[future].tiles})
+        except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
+            message = f"{stage}: {type(err).__name__}: {err}"
+            keys = [(window, tile) for tile in tiles] or [(window, -1)]
+            target = causes if stage in ("encode", "denoise") else failures
+            target.update({key: message for key in keys})
             continue
-        if future in decode_futures:
-            decoded += 1
-            progress.update(decoded)
-        else:
+        if stage == "decode":
+            decoded = store.decoded_per_window(plan.num_windows)
+            progress.update(sum(decoded), [(done, plan.num_tiles) for done in decoded])
+        elif stage == "denoise":
             denoised.append(result)
-    for tile, message in decode_errors.items():
-        failures.setdefault(tile, message)
+    failures = {**failures, **causes}
     if failures:
-        detail = "; ".join(f"tile {tile}: {message}" for tile, message in sorted(failures.items()))
+        detail = "; ".join(
+            f"window {w}" + (f" tile {t}" if t >= 0 else "") + f": {message}"
+            for (w, t), message in sorted(failures.items())
+        )
         raise TileFailure(
-            f"run {run.run_key}: {len(failures)} of {plan.num_tiles} tiles failed after retries ({detail}); "
-            "finished tiles are kept, rerun the same command to resume"
+            f"run {run.run_key}: {len(failures)} item(s) of {plan.num_windows} window(s) x {plan.num_tiles} tiles "
+            f"failed after retries ({detail}); finished items are kept, rerun the same command to resume"
         )
     return denoised
 
 
-def _report(store: RunStore, summary: ClipSummary, clock: StageClock) -> None:
+# The still compares a frame of the first window: reaching it decodes at most this many frames of the output.
+PREVIEW_FRAME = 60
+
+
+def _report(store: RunStore, summary: ClipSummary, clock: StageClock, plan: ClipPlan) -> None:
     """The run's report artifact: before/after still, stage spans, tiles, workers, output; never fails a run."""
     try:
-        # Only the middle frame of each is read: verifying the whole clip again would cost seconds per run.
-        middle = summary.frames // 2
-        before = store.preview("frames", middle, stage="ingest")
-        after = store.preview("video", middle, stage="blend")
-        if before is None or after is None:
-            return
+        frame = min(summary.frames // 2, PREVIEW_FRAME)
         output = Path(summary.output).resolve()
+        pts = store.get("frame_pts", stage="ingest")
+        before = media.read_frames(
+            summary.source, [plan.source_indices()[frame]], pts if pts is not None and len(pts) else None
+        )[0]
+        after = media.read_frames(output, [frame])[0]
         report = artifacts.ClipReport(
             source=summary.source,
             run_key=summary.run_key,

@@ -39,6 +39,7 @@ __all__ = [
     "decode_audio",
     "decode_frames",
     "probe",
+    "select_all_frames",
     "select_frames",
     "trim_audio",
     "write_video",
@@ -104,8 +105,43 @@ def aligned_frame_count(num_frames: int) -> int:
     return 1 + _FRAME_GROUP * ((num_frames - 1) // _FRAME_GROUP)
 
 
+def _kept_indices(num_frames: int, source_fps: float, cap: int | None) -> tuple[list[int], int]:
+    """The 24-fps selection rule over the first `cap` kept frames (all of them when `cap` is None)."""
+    if num_frames < 1:
+        raise ValueError(f"need at least one frame, got {num_frames}")
+    if not math.isfinite(source_fps) or source_fps <= 0:
+        raise ValueError(f"source frame rate must be positive, got {source_fps}")
+    limit = num_frames if cap is None else min(num_frames, cap)
+
+    if abs(source_fps - TARGET_FPS) < RESAMPLE_FPS_TOLERANCE:
+        indices = list(range(limit))
+        fps = round(source_fps)
+    elif source_fps > TARGET_FPS:
+        step = source_fps / TARGET_FPS
+        # Indices grow with i, so capping the loop first keeps the same prefix.
+        count = int(num_frames / step) if cap is None else min(int(num_frames / step), cap)
+        indices = [k for k in (round(i * step) for i in range(count)) if k < num_frames]
+        fps = TARGET_FPS
+    else:
+        # max(1, ...) keeps sub-0.5 fps slideshows writable as a valid stream rate.
+        fps = max(1, round(source_fps))
+        warnings.warn(
+            f"source frame rate {source_fps:g} fps is below {TARGET_FPS} fps; keeping "
+            f"every frame at {fps} fps (no motion interpolation is done)",
+            stacklevel=3,
+        )
+        indices = list(range(limit))
+
+    if not indices:
+        raise ValueError(
+            f"no frames kept: {num_frames} frame(s) at {source_fps:g} fps is shorter "
+            f"than one {TARGET_FPS} fps output frame"
+        )
+    return indices, fps
+
+
 def select_frames(num_frames: int, source_fps: float) -> tuple[list[int], int]:
-    """Choose which source frames to keep and the frame rate they play at.
+    """Choose which source frames to keep and the frame rate they play at (the contract's rule).
 
     - Within ``RESAMPLE_FPS_TOLERANCE`` of 24 fps: keep every frame and play at
       the rounded source rate (23.976 -> 24, 25 -> 25), since dropping frames to
@@ -118,36 +154,14 @@ def select_frames(num_frames: int, source_fps: float) -> tuple[list[int], int]:
     The kept list is then cut to ``MAX_NUM_FRAMES`` and floored to ``1 + 8k``.
     Raises ``ValueError`` when nothing would be kept.
     """
-    if num_frames < 1:
-        raise ValueError(f"need at least one frame, got {num_frames}")
-    if not math.isfinite(source_fps) or source_fps <= 0:
-        raise ValueError(f"source frame rate must be positive, got {source_fps}")
-
-    if abs(source_fps - TARGET_FPS) < RESAMPLE_FPS_TOLERANCE:
-        indices = list(range(min(num_frames, MAX_NUM_FRAMES)))
-        fps = round(source_fps)
-    elif source_fps > TARGET_FPS:
-        step = source_fps / TARGET_FPS
-        # Indices grow with i, so capping the loop first keeps the same prefix.
-        count = min(int(num_frames / step), MAX_NUM_FRAMES)
-        indices = [k for k in (round(i * step) for i in range(count)) if k < num_frames]
-        fps = TARGET_FPS
-    else:
-        # max(1, ...) keeps sub-0.5 fps slideshows writable as a valid stream rate.
-        fps = max(1, round(source_fps))
-        warnings.warn(
-            f"source frame rate {source_fps:g} fps is below {TARGET_FPS} fps; keeping "
-            f"every frame at {fps} fps (no motion interpolation is done)",
-            stacklevel=2,
-        )
-        indices = list(range(min(num_frames, MAX_NUM_FRAMES)))
-
-    if not indices:
-        raise ValueError(
-            f"no frames kept: {num_frames} frame(s) at {source_fps:g} fps is shorter "
-            f"than one {TARGET_FPS} fps output frame"
-        )
+    indices, fps = _kept_indices(num_frames, source_fps, MAX_NUM_FRAMES)
     return indices[: aligned_frame_count(len(indices))], fps
+
+
+def select_all_frames(num_frames: int, source_fps: float, max_frames: int | None = None) -> tuple[list[int], int]:
+    """Every frame the 24-fps rule of :func:`select_frames` keeps, whatever the length (or the first
+    ``max_frames``), with no ``1 + 8k`` flooring: the whole-video selection."""
+    return _kept_indices(num_frames, source_fps, max_frames)
 
 
 # --------------------------------------------------------------------------- #
@@ -378,36 +392,126 @@ def decode_frames(path: PathLike, probe: VideoProbe | None = None) -> tuple[np.n
     return _stack_frames(path, indices, kept), fps
 
 
+def scan_frames(path: PathLike) -> tuple[int, np.ndarray | None]:
+    """Decode every frame once (no colour conversion): how many there are, and their timestamps in order.
+
+    The count is the stream's true length, whatever the header says; the timestamps let :func:`read_frames` seek
+    straight to a window. They are ``None`` when the frames carry no usable ones (missing or not increasing):
+    windows are then read by decoding from the start.
+    """
+    path = os.fspath(path)
+    stamps: list[int] = []
+    usable = True
+    with _open_input(path) as container:
+        stream = _video_stream(container, path)
+        stream.thread_type = "AUTO"
+        try:
+            for frame in container.decode(stream):
+                if frame.pts is None:
+                    usable = False
+                stamps.append(-1 if frame.pts is None else int(frame.pts))
+        except av.error.FFmpegError as exc:
+            if not stamps:
+                raise MediaError(path, f"decoding failed ({exc})") from exc
+            # A damaged tail: the frames before it are the video.
+            warnings.warn(f"{path}: decoding stopped after {len(stamps)} frame(s) ({exc})", stacklevel=2)
+    if not stamps:
+        raise MediaError(path, "video stream has no decodable frames")
+    pts = np.asarray(stamps, dtype=np.int64)
+    if not usable or np.any(np.diff(pts) <= 0):
+        return len(stamps), None
+    return len(stamps), pts
+
+
+def read_frames(path: PathLike, indices: list[int], frame_pts: np.ndarray | None = None) -> np.ndarray:
+    """Decode the source frames at ``indices`` (ascending) as ``(T, H, W, 3)`` RGB.
+
+    With the timestamps of :func:`scan_frames`, decoding starts at the key frame before the first wanted frame;
+    without them, at the start of the stream.
+    """
+    path = os.fspath(path)
+    if not indices:
+        raise ValueError("no frames asked for")
+    if frame_pts is not None and indices[-1] < len(frame_pts):
+        kept = _decode_by_pts(path, indices, frame_pts)
+        if kept is not None:
+            return _stack_frames(path, indices, kept)
+    kept, decoded = _decode_indices(path, indices)
+    if len(kept) < len(indices):
+        raise MediaError(path, f"only {decoded} frame(s) could be decoded, frame {indices[-1]} was asked for")
+    return _stack_frames(path, indices, kept)
+
+
+def _decode_by_pts(path: str, indices: list[int], frame_pts: np.ndarray) -> dict[int, np.ndarray] | None:
+    """Frames at ``indices`` found by timestamp after one seek; None when the stream does not match the scan."""
+    wanted = {int(frame_pts[index]): index for index in indices}
+    last = int(frame_pts[indices[-1]])
+    kept: dict[int, np.ndarray] = {}
+    with _open_input(path) as container:
+        stream = _video_stream(container, path)
+        stream.thread_type = "AUTO"
+        try:
+            container.seek(int(frame_pts[indices[0]]), stream=stream, backward=True, any_frame=False)
+            for frame in container.decode(stream):
+                if frame.pts is None:
+                    return None
+                index = wanted.get(int(frame.pts))
+                if index is not None:
+                    kept[index] = frame.to_ndarray(format="rgb24")
+                if frame.pts >= last:
+                    break
+        except av.error.FFmpegError:
+            return None
+    return kept if len(kept) == len(indices) else None
+
+
+def _audio_chunks(path: str) -> Iterator[np.ndarray]:
+    """The first audio stream as mono float32 pieces at ``AUDIO_SAMPLE_RATE``, clipped to [-1, 1]."""
+    with _open_input(path) as container:
+        if not container.streams.audio:
+            return
+        stream = container.streams.audio[0]
+        resampler = av.AudioResampler(format="fltp", layout="mono", rate=AUDIO_SAMPLE_RATE)
+        fed = False
+        try:
+            for frame in container.decode(stream):
+                fed = True
+                for out in resampler.resample(frame):
+                    # Resampling and integer-to-float conversion can overshoot full scale slightly.
+                    yield np.clip(out.to_ndarray()[0], -1.0, 1.0).astype(np.float32, copy=False)
+            if fed:
+                # The resampler holds back its filter delay until flushed.
+                for out in resampler.resample(None):
+                    yield np.clip(out.to_ndarray()[0], -1.0, 1.0).astype(np.float32, copy=False)
+        except (av.error.FFmpegError, ValueError) as exc:
+            raise MediaError(path, f"could not decode the audio stream ({exc})") from exc
+
+
 def decode_audio(path: PathLike) -> np.ndarray | None:
     """Decode the first audio stream as mono float32 at ``AUDIO_SAMPLE_RATE``.
 
     Returns a 1-D array clipped to [-1, 1], or ``None`` when the file has no
     audio stream or the stream yields no samples.
     """
-    path = os.fspath(path)
-    with _open_input(path) as container:
-        if not container.streams.audio:
-            return None
-        stream = container.streams.audio[0]
-        resampler = av.AudioResampler(format="fltp", layout="mono", rate=AUDIO_SAMPLE_RATE)
-        chunks: list[np.ndarray] = []
-        fed = False
-        try:
-            for frame in container.decode(stream):
-                fed = True
-                chunks.extend(out.to_ndarray()[0] for out in resampler.resample(frame))
-            if fed:
-                # The resampler holds back its filter delay until flushed.
-                chunks.extend(out.to_ndarray()[0] for out in resampler.resample(None))
-        except (av.error.FFmpegError, ValueError) as exc:
-            raise MediaError(path, f"could not decode the audio stream ({exc})") from exc
-    if not chunks:
-        return None
-    audio = np.concatenate(chunks).astype(np.float32, copy=False)
-    if audio.size == 0:
-        return None
-    # Resampling and integer-to-float conversion can overshoot full scale slightly.
-    return np.clip(audio, -1.0, 1.0, out=audio)
+    chunks = list(_audio_chunks(os.fspath(path)))
+    audio = np.concatenate(chunks).astype(np.float32, copy=False) if chunks else None
+    return audio if audio is not None and audio.size else None
+
+
+def write_audio_track(path: PathLike, destination: PathLike, num_frames: int, fps: int) -> int:
+    """Stream the audio of ``path`` as raw mono float32 samples into ``destination``, cut to ``num_frames`` video
+    frames at ``fps`` (as :func:`trim_audio`): memory stays one decoded packet whatever the length. Returns the
+    number of samples written (0: no audio)."""
+    limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
+    written = 0
+    with open(destination, "wb") as handle:
+        for chunk in _audio_chunks(os.fspath(path)):
+            piece = chunk[: limit - written]
+            handle.write(piece.tobytes())
+            written += piece.size
+            if written >= limit:
+                break
+    return written
 
 
 def trim_audio(audio: np.ndarray, num_frames: int, fps: int) -> np.ndarray:
@@ -552,3 +656,90 @@ def write_video(path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray 
     except BaseException:
         _remove_quietly(path)
         raise
+
+
+def write_segment(path: PathLike, frames: np.ndarray, fps: int) -> None:
+    """One window's frames as a video-only MP4 that starts on a key frame, for :func:`concat_segments`."""
+    write_video(path, frames, fps, None)
+
+
+def concat_segments(
+    segments: list[str], path: PathLike, fps: int, audio: np.ndarray | None, num_frames: int, rotation: int = 0
+) -> None:
+    """Join video-only segments by stream copy and add the audio, as :func:`write_video` would have written them.
+
+    Each segment's packets are copied, shifted by the frames before it; the audio (1-D float at
+    ``AUDIO_SAMPLE_RATE``, e.g. a memory map: it is read a segment's span at a time) is trimmed to ``num_frames``
+    and encoded as :func:`write_video` does, interleaved segment by segment. Nothing is decoded or re-encoded, so
+    memory stays one segment's packets, whatever the length. On failure the file is removed.
+    """
+    if not segments:
+        raise ValueError("no segments to join")
+    path = os.fspath(path)
+    limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
+    frame_base = Fraction(1, fps)
+    try:
+        with av.open(path, mode="w", format="mp4", options={"fflags": "+bitexact", "movflags": "+faststart"}) as out:
+            with av.open(segments[0]) as first:
+                video = out.add_stream_from_template(first.streams.video[0])
+            video.codec_context.bit_rate = 0
+            if rotation:
+                video.set_display_rotation(int(rotation))
+            sound = None
+            if audio is not None and min(limit, len(audio)) > 0:
+                sound = out.add_stream(_AUDIO_CODEC, rate=AUDIO_SAMPLE_RATE, layout="mono")
+                sound.bit_rate = _AUDIO_BIT_RATE
+            offset = 0
+            sent = 0
+            for segment in segments:
+                offset += _copy_segment(out, video, segment, offset, frame_base)
+                if sound is not None and audio is not None:
+                    upto = min(limit, len(audio), round(offset / fps * AUDIO_SAMPLE_RATE))
+                    sent = _encode_audio(out, sound, audio, sent, upto)
+            if sound is not None:
+                out.mux(sound.encode(None))
+    except Exception as exc:
+        _remove_quietly(path)
+        raise MediaError(path, f"could not join the segments ({exc})") from exc
+    except BaseException:
+        _remove_quietly(path)
+        raise
+    if offset != num_frames:
+        _remove_quietly(path)
+        raise MediaError(path, f"the segments hold {offset} frames, expected {num_frames}")
+
+
+def _copy_segment(
+    out: av.container.OutputContainer, video: av.VideoStream, segment: str, offset: int, frame_base: Fraction
+) -> int:
+    """Mux one segment's packets, shifted by `offset` frames; returns its frame count."""
+    frames = 0
+    with av.open(segment) as source:
+        stream = source.streams.video[0]
+        for packet in source.demux(stream):
+            if packet.size == 0 or packet.pts is None or packet.dts is None:
+                continue
+            # In frames: each segment starts at 0 (its B-frame delay makes the first dts negative).
+            packet.pts = round(packet.pts * stream.time_base / frame_base) + offset
+            packet.dts = round(packet.dts * stream.time_base / frame_base) + offset
+            packet.duration = 1
+            packet.time_base = frame_base
+            packet.stream = video
+            out.mux(packet)
+            frames += 1
+    return frames
+
+
+def _encode_audio(
+    out: av.container.OutputContainer, sound: av.AudioStream, audio: np.ndarray, start: int, stop: int
+) -> int:
+    if stop <= start:
+        return start
+    samples = av.AudioFrame.from_ndarray(
+        np.ascontiguousarray(audio[start:stop], dtype=np.float32)[np.newaxis, :], format="fltp", layout="mono"
+    )
+    samples.sample_rate = AUDIO_SAMPLE_RATE
+    samples.time_base = Fraction(1, AUDIO_SAMPLE_RATE)
+    samples.pts = start
+    out.mux(sound.encode(samples))
+    return stop

@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from k6vsr_core.errors import ParameterError
+from k6vsr_core.windows import MAX_OVERLAP
 
 SCALES = (2.0, 2.25, 4.0)
 TARGET_TIERS = ("hd", "fullhd", "2k")
@@ -34,6 +35,10 @@ class UpscaleParams(BaseModel):
     target_resolution: str | None = None
     target_resize_mode: Literal["fit", "exact"] = "fit"
     attention: Literal["nabla", "dense"] = "nabla"
+    # `all`: every kept frame, in overlapping windows; `contract`: the official first 121 frames (k6vsr_core.windows).
+    frames: Literal["all", "contract"] = "all"
+    max_frames: int | None = None  # caps `all` (a preview of the first N kept frames)
+    window_overlap: int = 16  # at least this many frames shared by neighbouring windows
 
     @field_validator("scale", mode="before")
     @classmethod
@@ -67,6 +72,20 @@ class UpscaleParams(BaseModel):
             raise ValueError(f"min_overlap={value} is out of range; allowed: 0 <= min_overlap < 1")
         return value
 
+    @field_validator("max_frames")
+    @classmethod
+    def _max_frames(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_frames={value} is out of range; allowed: 1 or more (or unset for every frame)")
+        return value
+
+    @field_validator("window_overlap")
+    @classmethod
+    def _window_overlap(cls, value: int) -> int:
+        if not 0 <= value <= MAX_OVERLAP:
+            raise ValueError(f"window_overlap={value} is out of range; allowed: 0 to {MAX_OVERLAP} frames")
+        return value
+
     @field_validator("seed")
     @classmethod
     def _seed(cls, value: int) -> int:
@@ -95,6 +114,15 @@ class UpscaleParams(BaseModel):
                 f"target_resolution={value!r} is out of range; allowed: each side 2 to {MAX_TARGET_SIDE} pixels"
             )
         return f"{width}x{height}"
+
+    @model_validator(mode="after")
+    def _contract_has_no_cap(self) -> UpscaleParams:
+        if self.frames == "contract" and self.max_frames is not None:
+            raise ValueError(
+                f"max_frames={self.max_frames} applies to frames='all' only; frames='contract' keeps the first "
+                "121 frames, floored to 1 + 8k"
+            )
+        return self
 
     @property
     def tiling_scale(self) -> int:

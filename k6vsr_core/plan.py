@@ -1,8 +1,9 @@
 """The plan of one clip: everything a run will do, decided before any model work.
 
 A plan is pure data computed from the source's size, frame count and rate, the request and the model's trained
-tile sizes and sampler. The in-memory runner, the orchestrated flow, `k6vsr plan` and the run manifest all use the
-same plan, which is what makes their outputs comparable byte for byte.
+tile sizes and sampler: which frames are kept (the 24-fps rule), the time windows they are computed in, the tile
+grid every window shares and the seeds. The in-memory runner, the orchestrated flow, `k6vsr plan` and the run
+manifest all use the same plan, which is what makes their outputs comparable byte for byte.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import warnings
 
 from pydantic import BaseModel, ConfigDict
 
+from k6vsr_core import media
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.tiling import (
     RESOLUTIONS,
@@ -21,6 +23,7 @@ from k6vsr_core.tiling import (
     tile_chunks,
     tile_grid,
 )
+from k6vsr_core.windows import Window, plan_windows, segment_range
 
 TEMPORAL_FACTOR = 4
 
@@ -40,16 +43,20 @@ class TileChunk(BaseModel):
 
     index: int
     tiles: tuple[int, ...]
-    seed: int  # request seed + the chunk's first tile index (official seeding)
+    seed: int  # request seed + the chunk's first tile index (official seeding), in every window
 
 
 class ClipPlan(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     source_size: Size  # (H, W) of the decoded source frames
-    num_frames: int  # kept frames, 1 + 8k
+    source_frames: int  # frames in the source
+    source_fps: float
+    num_frames: int  # kept frames: the output's length
     fps: int
-    latent_frames: int
+    windows: tuple[Window, ...]
+    window_frames: int  # frames each window computes (1 + 8k; the one window of a short clip is padded to it)
+    latent_frames: int  # latent frames of one window
     params: UpscaleParams
     steps: int
     grid: TileGrid
@@ -61,8 +68,27 @@ class ClipPlan(BaseModel):
     def num_tiles(self) -> int:
         return self.grid.num_tiles
 
+    @property
+    def num_windows(self) -> int:
+        return len(self.windows)
+
     def chunk_of(self, tile: int) -> TileChunk:
         return next(chunk for chunk in self.chunks if tile in chunk.tiles)
+
+    def source_indices(self, window: Window | None = None) -> list[int]:
+        """The source frames kept (those of `window` only, if given), recomputed from the rule: a plan stays small."""
+        indices = select_kept_frames(self.source_frames, self.source_fps, self.params)[0]
+        return indices if window is None else indices[window.start : window.stop]
+
+    def segment_range(self, window: int) -> tuple[int, int]:
+        return segment_range(self.windows, window)
+
+
+def select_kept_frames(source_frames: int, source_fps: float, params: UpscaleParams) -> tuple[list[int], int]:
+    """The source frames a request keeps and their rate: every one (`all`, up to `max_frames`) or the contract's."""
+    if params.frames == "contract":
+        return media.select_frames(source_frames, source_fps)
+    return media.select_all_frames(source_frames, source_fps, params.max_frames)
 
 
 def resolve_steps(params: UpscaleParams, traits: ModelTraits) -> int:
@@ -80,15 +106,18 @@ def resolve_steps(params: UpscaleParams, traits: ModelTraits) -> int:
 
 def make_plan(
     source_size: Size,
-    num_frames: int,
-    fps: int,
+    source_frames: int,
+    source_fps: float,
     params: UpscaleParams,
     traits: ModelTraits | None = None,
 ) -> ClipPlan:
-    """Plan a clip of `num_frames` kept frames (already 1 + 8k) of `source_size` at `fps`."""
+    """Plan a source of `source_frames` frames of `source_size` at `source_fps`.
+
+    Raises ValueError when the selection keeps no frame, or the request does not fit this clip.
+    """
     traits = traits or ModelTraits()
-    if num_frames < 1 or (num_frames - 1) % 8:
-        raise ValueError(f"a clip needs 1 + 8k frames, got {num_frames}")
+    indices, fps = select_kept_frames(source_frames, source_fps, params)
+    windows = plan_windows(len(indices), params.window_overlap)
     height, width = source_size
     if params.pre_upscale:
         height, width = pre_upscale_size(height, width)
@@ -107,9 +136,13 @@ def make_plan(
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
     return ClipPlan(
         source_size=source_size,
-        num_frames=num_frames,
+        source_frames=source_frames,
+        source_fps=source_fps,
+        num_frames=len(indices),
         fps=fps,
-        latent_frames=1 + (num_frames - 1) // TEMPORAL_FACTOR,
+        windows=windows,
+        window_frames=windows[0].padded,
+        latent_frames=1 + (windows[0].padded - 1) // TEMPORAL_FACTOR,
         params=params,
         steps=resolve_steps(params, traits),
         grid=grid,

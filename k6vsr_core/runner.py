@@ -1,12 +1,14 @@
 """The in-memory runner: every stage of one clip chained without any storage.
 
 It is the reference the orchestrated pipeline must match byte for byte, and the simplest way to use the model from
-Python. It keeps the whole clip in memory and cannot resume.
+Python. It computes window after window as the flow does, holding two windows' frames at most, and cannot resume.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,15 +20,16 @@ from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
+from k6vsr_core.windows import Window, segment_frames
 
 
-class Decoded(BaseModel):
-    """A source read and planned: what the first stage hands on."""
+class SourceClip(BaseModel):
+    """A source probed, scanned and planned: what the first stage hands on (no frames: windows read their own)."""
 
     model_config = {"arbitrary_types_allowed": True}
 
-    frames: np.ndarray
-    audio: np.ndarray | None
+    path: str
+    frame_pts: np.ndarray | None  # timestamps of every frame, to seek to a window (media.scan_frames)
     rotation: int  # display rotation of the source, carried to the output
     plan: ClipPlan
 
@@ -38,13 +41,25 @@ class UpscaleResult(BaseModel):
     dit_calls: int
 
 
-def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) -> Decoded:
-    """Decode the kept frames and the audio of a source, and plan the clip on what was actually decoded."""
+def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) -> SourceClip:
+    """Probe and scan a source, and plan it on the frames that can actually be decoded."""
     probe = media.probe(path)
-    frames, fps = media.decode_frames(path, probe)
-    audio = media.decode_audio(path)
-    plan = make_plan((frames.shape[1], frames.shape[2]), frames.shape[0], fps, params, traits)
-    return Decoded(frames=frames, audio=audio, rotation=probe.rotation, plan=plan)
+    count, frame_pts = media.scan_frames(path)
+    if count < probe.num_frames:
+        warnings.warn(
+            f"{path}: only {count} of {probe.num_frames} frame(s) could be decoded (truncated or damaged file?)",
+            stacklevel=2,
+        )
+    try:
+        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits)
+    except ValueError as err:
+        raise media.MediaError(str(path), str(err)) from None
+    return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)
+
+
+def read_window(source: SourceClip, window: Window) -> np.ndarray:
+    """The source frames of one window, decoded from the file."""
+    return media.read_frames(source.path, source.plan.source_indices(window), source.frame_pts)
 
 
 def upscale(
@@ -75,20 +90,32 @@ def upscale(
         timings[stage] = timings.get(stage, 0.0) + now - clock
         clock = now
 
-    decoded = read_source(source, params, model_traits(bundle.info))
-    plan = decoded.plan
+    clip = read_source(source, params, model_traits(bundle.info))
+    plan = clip.plan
+    audio = media.decode_audio(source)
     lap("ingest")
-    latent = stages.encode_clip(bundle, stages.prepare_source(decoded.frames, plan))
-    lap("encode")
-    denoised = {}
-    for chunk in plan.chunks:
-        result = stages.denoise_chunk(bundle, stages.cut_tiles(latent, plan, chunk.tiles), chunk, plan, count)
-        denoised.update(zip(chunk.tiles, result, strict=True))
-    lap("denoise")
-    tiles = [(index, stages.decode_tile(bundle, denoised[index])) for index in range(plan.num_tiles)]
-    lap("decode")
-    video = stages.deliver(stages.blend(plan, tiles), plan)
-    lap("blend")
-    media.write_video(output, stages.tensor_to_frames(video), plan.fps, decoded.audio, decoded.rotation)
+    with tempfile.TemporaryDirectory(prefix=".k6vsr-segments-", dir=Path(output).parent) as folder:
+        segments, previous = [], None
+        for window in plan.windows:
+            latent = stages.encode_clip(bundle, stages.prepare_window(read_window(clip, window), plan, window))
+            lap("encode")
+            denoised = {}
+            for chunk in plan.chunks:
+                lr_tiles = stages.cut_tiles(latent, plan, chunk.tiles)
+                denoised.update(
+                    zip(chunk.tiles, stages.denoise_chunk(bundle, lr_tiles, chunk, plan, count), strict=True)
+                )
+            lap("denoise")
+            tiles = [(index, stages.decode_tile(bundle, denoised[index])) for index in range(plan.num_tiles)]
+            lap("decode")
+            frames = stages.tensor_to_frames(stages.deliver(stages.blend(plan, tiles, window), plan))
+            lap("blend")
+            segment = str(Path(folder) / f"{window.index:06d}.mp4")
+            joined = segment_frames(plan.windows, window.index, frames, previous)
+            stages.write_segment(segment, joined, plan, audio, clip.rotation)
+            segments.append(segment)
+            previous = frames
+            lap("segment")
+        stages.join_segments(segments, output, plan, audio, clip.rotation)
     lap("mux")
     return UpscaleResult(output=str(output), plan=plan, timings=timings, dit_calls=calls)

@@ -1,8 +1,10 @@
 """The model stages of one clip, each a function with tensors in and out (contract §A.3, §C, §D, §E).
 
-    frames --prepare--> padded uint8 clip --encode--> LR latent --cut--> LR tiles
+    frames of a window --prepare--> padded uint8 clip --encode--> LR latent --cut--> LR tiles
     LR tiles of a chunk --denoise (upscaler, seeded noise, DiT steps)--> denoised latents (fp32)
-    denoised latent of a tile --decode--> uint8 tile --blend--> SR clip --resize--> delivery clip
+    denoised latent of a tile --decode--> uint8 tile --blend--> SR window --resize--> delivery window
+
+A clip is computed window by window (`k6vsr_core.windows`); every stage here sees one window.
 
 Stages hold no state of their own, so any worker can run any tile; the orchestrated pipeline persists what passes
 between them and must get exactly what the in-memory runner gets.
@@ -11,17 +13,20 @@ between them and must get exactly what the in-memory runner gets.
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
 
-from k6vsr_core import kvae
+from k6vsr_core import kvae, media
 from k6vsr_core.attention import AttentionMode, set_attention
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan, TileChunk
 from k6vsr_core.tiling import SPATIAL_FACTOR, Size, TileBlender, pad_video, pre_upscale_video, resize_video
+from k6vsr_core.windows import Window
 
 # Called after every DiT evaluation, e.g. to count them or to report progress.
 StepHook = Callable[[int], None]
@@ -39,11 +44,17 @@ def tensor_to_frames(video: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(video.permute(1, 2, 3, 0).numpy())
 
 
-def prepare_source(frames: np.ndarray, plan: ClipPlan) -> torch.Tensor:
-    """The clip the KVAE encodes: pre-upscaled for x2.25, padded onto the stride and one tile (T, 3, H, W)."""
+def prepare_window(frames: np.ndarray, plan: ClipPlan, window: Window) -> torch.Tensor:
+    """The clip the KVAE encodes for `window`: its frames padded to 1 + 8k by repeating the last one, pre-upscaled
+    for x2.25, padded onto the stride and one tile (T, 3, H, W)."""
     video = frames_to_tensor(frames)
-    if video.shape[0] != plan.num_frames or tuple(video.shape[-2:]) != plan.source_size:
-        raise ValueError(f"frames {tuple(video.shape)} do not match the plan {plan.num_frames}x{plan.source_size}")
+    if video.shape[0] != window.frames or tuple(video.shape[-2:]) != plan.source_size:
+        raise ValueError(
+            f"frames {tuple(video.shape)} do not match window {window.index} of the plan "
+            f"({window.frames}x{plan.source_size})"
+        )
+    if window.padded > window.frames:
+        video = torch.cat([video, video[-1:].expand(window.padded - window.frames, -1, -1, -1)])
     if plan.params.pre_upscale:
         video = pre_upscale_video(video)
     return pad_video(video, plan.grid.padded_size)
@@ -163,12 +174,13 @@ def decode_tile(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
         return kvae.decode(vae, z.to(vae.dtype), chunk, to_pixels)[0]
 
 
-def blend(plan: ClipPlan, tiles: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """Hann-blend decoded tiles (in tile order) and crop: uint8 (3, T, H, W) at source x scale."""
-    blender = TileBlender(plan.grid, plan.num_frames)
+def blend(plan: ClipPlan, tiles: list[tuple[int, torch.Tensor]], window: Window) -> torch.Tensor:
+    """Hann-blend a window's decoded tiles (in tile order) and crop space and time: uint8 (3, T, H, W) at source x
+    scale, the window's own frames only."""
+    blender = TileBlender(plan.grid, window.padded)
     for index, tile in sorted(tiles, key=lambda item: item[0]):
         blender.add(index, tile)
-    return blender.result()
+    return blender.result()[:, : window.frames]
 
 
 def deliver(video: torch.Tensor, plan: ClipPlan) -> torch.Tensor:
@@ -176,3 +188,24 @@ def deliver(video: torch.Tensor, plan: ClipPlan) -> torch.Tensor:
     if tuple(video.shape[-2:]) == plan.delivery_size:
         return video
     return resize_video(video, plan.delivery_size)
+
+
+def write_segment(
+    path: str | Path, frames: np.ndarray, plan: ClipPlan, audio: np.ndarray | None, rotation: int
+) -> None:
+    """A window's segment. A one-window plan's only segment is the finished file, written as the contract writes
+    it (video, audio, rotation); otherwise it is video only, for `join_segments`."""
+    if plan.num_windows == 1:
+        media.write_video(path, frames, plan.fps, audio, rotation)
+    else:
+        media.write_segment(path, frames, plan.fps)
+
+
+def join_segments(
+    segments: list[str], path: str | Path, plan: ClipPlan, audio: np.ndarray | None, rotation: int
+) -> None:
+    """The output from the segments in window order, by stream copy, with the audio."""
+    if plan.num_windows == 1:
+        shutil.copyfile(segments[0], path)
+    else:
+        media.concat_segments(segments, path, plan.fps, audio, plan.num_frames, rotation)

@@ -15,7 +15,7 @@ from k6vsr_core import media
 from k6vsr_core.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
 from k6vsr_core.memory import MemoryMode
 from k6vsr_core.params import ParameterError, UpscaleParams
-from k6vsr_core.plan import ClipPlan, make_plan
+from k6vsr_core.plan import ClipPlan, make_plan, select_kept_frames
 from storage import RunStore, run_key, source_info
 
 
@@ -61,12 +61,12 @@ def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, stor
     """Everything `k6vsr plan` prints, and the run key: no model is loaded and nothing is written."""
     probe = media.probe(source)
     try:
-        indices, fps = media.select_frames(probe.num_frames, probe.fps)
+        select_kept_frames(probe.num_frames, probe.fps, params)
     except ValueError as err:  # too few frames for the rate: a property of the file
         raise media.MediaError(source, str(err)) from None
     info = model_info(spec)
     try:
-        plan = make_plan((probe.height, probe.width), len(indices), fps, params, model_traits(info))
+        plan = make_plan((probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info))
     except ParameterError:
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file

@@ -23,7 +23,7 @@ from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 
 # Bump whenever what a stage stores, or how, changes: old runs then stop matching instead of being misread.
-STAGE_FORMAT_VERSION = 3
+STAGE_FORMAT_VERSION = 4
 
 
 class SourceInfo(BaseModel):

@@ -3,14 +3,20 @@
 Layout of one run, under `<root>/runs/<run key>/`:
 
     manifest.json          what the run is (source, parameters, plan, seeds, versions); written once, atomically
-    data.zarr/             frames, audio, latent, tile_latents, tiles, video (Zarr v3, one chunk per writer unit)
-    done/<stage>/<item>    completion records with checksums (see `records`)
+    audio.f32              the source's audio as mono float32 samples, trimmed to the output's span
+    data.zarr/             per (window, tile): latent, tile_latents, tiles; per window: video (Zarr v3, one chunk
+                           per writer unit); frame_pts (where each source frame is, to seek to a window)
+    segments/<window>.mp4  each window's encoded frames, joined into the output by stream copy
+    done/<stage>/<item>    completion records with checksums (see `records`); items are `<window>` or
+                           `<window>-<tile>`
     output.mp4             the muxed result, published atomically
     run.log                what the flow runs of this run and their tasks logged
     .lock                  held (shared) by every live run, so `gc` never deletes a store in use
 
-Arrays written by concurrent tasks have exactly one chunk per tile and no sharding: Zarr supports concurrent writes
-to distinct chunks only. Latents are stored as float32, so a decode reads back exactly what the denoise produced.
+Arrays written by concurrent tasks have exactly one chunk per (window, tile) and no sharding: Zarr supports
+concurrent writes to distinct chunks only. Latents are stored as float32, so a decode reads back exactly what the
+denoise produced. A window's intermediates are deleted once nothing will read them again (see `drop_window`), so the
+store holds a few windows at a time, whatever the length of the video.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from storage.records import RecordBook, array_checksum, atomic_write_json, file_
 RUNS = "runs"
 OUTPUT = "output.mp4"
 LOG = "run.log"
+AUDIO = "audio.f32"
+SEGMENTS = "segments"
 
 
 def default_store_root() -> Path:
@@ -111,43 +119,80 @@ class RunStore:
             return None
         return value if array_checksum(value) == record.checksum else None
 
-    def preview(self, name: str, index: int, *, stage: str, item: str = "all") -> np.ndarray | None:
-        """One slice of a finished array, unverified: for thumbnails, not for computing."""
-        if self.records.read(stage, item) is None:
-            return None
-        try:
-            return np.asarray(self._group()[name][index])
-        except Exception:  # noqa: BLE001 - a preview is best effort
-            return None
-
     def put_tile(
         self,
         name: str,
-        index: int,
-        num_tiles: int,
+        key: tuple[int, ...],
+        counts: tuple[int, ...],
         value: np.ndarray,
         *,
         stage: str,
         seconds: float = 0.0,
         attempt: str = "",
     ) -> None:
-        """Store tile `index` of a per-tile array (its own chunk), then the tile's record."""
-        array = self._array(name, (num_tiles, *value.shape), (1, *value.shape), value.dtype.str)
-        array[index] = value
-        self.records.write(stage, str(index), array_checksum(value), seconds, attempt)
+        """Store part `key` (e.g. (window, tile)) of an array of `counts` parts, each its own chunk, then its
+        record (item `<window>-<tile>`)."""
+        array = self._array(name, (*counts, *value.shape), (*(1 for _ in counts), *value.shape), value.dtype.str)
+        array[key] = value
+        self.records.write(stage, item_name(key), array_checksum(value), seconds, attempt)
 
-    def get_tile(self, name: str, index: int, *, stage: str) -> np.ndarray | None:
-        record = self.records.read(stage, str(index))
+    def get_tile(self, name: str, key: tuple[int, ...], *, stage: str) -> np.ndarray | None:
+        """Part `key`, verified against its record; None when it is not done, damaged or deleted."""
+        record = self.records.read(stage, item_name(key))
         if record is None:
             return None
         try:
-            value = np.asarray(self._group()[name][index])
+            value = np.asarray(self._group()[name][key])
         except Exception:  # noqa: BLE001 - see get()
             return None
         return value if array_checksum(value) == record.checksum else None
 
-    def tile_done(self, name: str, index: int, *, stage: str) -> bool:
-        return self.get_tile(name, index, stage=stage) is not None
+    def tile_done(self, name: str, key: tuple[int, ...], *, stage: str) -> bool:
+        """Recorded and still stored: cheap (no read). A part damaged on disk is caught by its reader's checksum."""
+        return self.records.read(stage, item_name(key)) is not None and self._chunk_folder(name, key).exists()
+
+    def _chunk_folder(self, name: str, key: tuple[int, ...]) -> Path:
+        # Zarr v3's default chunk keys: c/<i>/<j>/... under the array's folder.
+        return self.path / "data.zarr" / name / "c" / Path(*(str(part) for part in key))
+
+    def drop_window(self, names: Collection[str], window: int) -> None:
+        """Delete window `window`'s chunks of the arrays `names` (records stay: they say the work was done)."""
+        for name in names:
+            shutil.rmtree(self._chunk_folder(name, (window,)), ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------- files
+
+    @property
+    def audio_path(self) -> Path:
+        return self.path / AUDIO
+
+    def segment_path(self, window: int) -> Path:
+        return self.path / SEGMENTS / f"{window:06d}.mp4"
+
+    def temp_file(self, folder: Path, suffix: str) -> Path:
+        """A private temporary name in `folder`, so that the rename into place is atomic; the next writer removes
+        those of dead processes (the name carries host and pid)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(folder, ".part.", suffix)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".part.{_owner()}.", suffix=suffix)
+        os.close(fd)
+        return Path(tmp)
+
+    def commit_file(
+        self, tmp: Path, destination: Path, stage: str, item: str, seconds: float = 0.0, attempt: str = ""
+    ) -> None:
+        os.replace(tmp, destination)
+        self.records.write(stage, item, file_checksum(destination), seconds, attempt)
+
+    def file_done(self, path: Path, stage: str, item: str, *, verify: bool = True) -> bool:
+        """Recorded and present (and, with `verify`, its bytes match the record)."""
+        record = self.records.read(stage, item)
+        if record is None or not path.is_file():
+            return False
+        return not verify or file_checksum(path) == record.checksum
+
+    def segment_done(self, window: int, *, verify: bool = False) -> bool:
+        return self.file_done(self.segment_path(window), "segment", str(window), verify=verify)
 
     # ------------------------------------------------------------------------------------------- output
 
@@ -160,25 +205,8 @@ class RunStore:
         """The run's log: what its flow runs and their tasks logged, appended run after run."""
         return self.path / LOG
 
-    def temp_output(self) -> Path:
-        """A private temporary name for the muxer, beside the output so the rename is atomic.
-
-        The name carries the host and process id, so the temporary file of a killed muxer is removed by the
-        next one (a live twin's is left alone).
-        """
-        self.path.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(self.path, ".output.", ".mp4")
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".output.{_owner()}.", suffix=".mp4")
-        os.close(fd)
-        return Path(tmp)
-
-    def commit_output(self, tmp: Path, seconds: float = 0.0, attempt: str = "") -> None:
-        os.replace(tmp, self.output_path)
-        self.records.write("mux", "all", file_checksum(self.output_path), seconds, attempt)
-
     def output_done(self) -> bool:
-        record = self.records.read("mux", "all")
-        return record is not None and self.output_path.is_file() and file_checksum(self.output_path) == record.checksum
+        return self.file_done(self.output_path, "mux", "all")
 
     # ------------------------------------------------------------------------------------------- progress
 
@@ -192,8 +220,17 @@ class RunStore:
         return sum(self.attempt_of("denoise", item) == attempt for item in self.records.items("denoise"))
 
     def tiles_decoded(self) -> int:
-        """Tiles decoded so far, by any attempt: the progress of a run, cheap enough to poll."""
+        """(Window, tile) items decoded so far, by any attempt: the progress of a run, cheap enough to poll."""
         return len(self.records.items("decode"))
+
+    def decoded_per_window(self, num_windows: int) -> list[int]:
+        """Tiles decoded so far in each window."""
+        counts = [0] * num_windows
+        for item in self.records.items("decode"):
+            window = int(item.split("-", 1)[0])
+            if window < num_windows:
+                counts[window] += 1
+        return counts
 
     # ------------------------------------------------------------------------------------------- liveness
 
@@ -215,12 +252,19 @@ class RunStore:
                 break
             handle.close()
         try:
-            # A killed muxer's temporary file is left behind; the next run of the same clip removes it.
-            remove_stale_temps(self.path, ".output.", ".mp4")
+            # A killed writer's temporary file is left behind; the next run of the same clip removes it.
+            for folder in (self.path, self.path / SEGMENTS):
+                remove_stale_temps(folder, ".part.", ".mp4")
+            remove_stale_temps(self.path, ".part.", ".f32")
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
+
+
+def item_name(key: tuple[int, ...]) -> str:
+    """The record item of a part: `3` for window 3, `3-7` for tile 7 of window 3."""
+    return "-".join(str(part) for part in key)
 
 
 def _owner() -> str:
@@ -330,7 +374,7 @@ def collect_garbage(
                 continue
             if keep_finished_outputs and (path / OUTPUT).is_file():
                 for child in path.iterdir():
-                    if child.name not in (OUTPUT, "manifest.json", "done", ".lock"):
+                    if child.name not in (OUTPUT, "manifest.json", "done", ".lock", LOG):
                         shutil.rmtree(child) if child.is_dir() else child.unlink()
                 report.append({**entry, "deleted": True, "reason": "intermediates reclaimed, output kept"})
             else:

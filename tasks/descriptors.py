@@ -14,6 +14,7 @@ class StageResult(BaseModel):
     seconds: float = 0.0
     dit_calls: int = 0
     tiles: tuple[int, ...] = ()
+    window: int = 0
 
 
 class IngestResult(StageResult):

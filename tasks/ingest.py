@@ -1,15 +1,18 @@
-"""Ingest: decode the source once and record what the run is.
+"""Ingest: look at the source once and record what the run is.
 
-Ingest decodes the kept frames and the audio into the store and writes the manifest; from then on every stage reads
-its input from the store.
+Ingest scans the source's frames (their true count and where each one is), streams the audio into the store and
+writes the manifest with the plan; from then on every stage reads its input from the store, or, for a window's
+frames, from the source itself.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 from prefect import task
 
+from k6vsr_core import media
 from k6vsr_core.bundle import BundleInfo, model_traits
 from k6vsr_core.compute import apply_profile, default_profile
 from k6vsr_core.params import UpscaleParams
@@ -31,32 +34,40 @@ def _readable_manifest(store: RunStore) -> RunManifest | None:
 
 @task(name="ingest", task_run_name="ingest-{run.run_key}", **STAGE_TASK)
 def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo, attempt: str) -> IngestResult:
-    """Decode the kept frames and the mono 44.1 kHz audio into the store, and write the manifest."""
+    """Scan the source's frames, stream its audio into the store and write the manifest: no frame is kept, each
+    window reads its own from the source."""
     store = RunStore(run.store_root, run.run_key)
     manifest = _readable_manifest(store)
-    if manifest is not None and store.get("frames", stage="ingest") is not None:
+    if manifest is not None and store.get("frame_pts", stage="ingest") is not None:
         return IngestResult(stage="ingest", computed=False, plan=manifest.plan)
     started = time.perf_counter()
     # Chosen here, once per run: every later stage, in any process, computes as this records.
     compute = default_profile()
     apply_profile(compute)
-    decoded = read_source(source, params, model_traits(info))
+    clip = read_source(source, params, model_traits(info))
+    plan = clip.plan
+    tmp = store.temp_file(store.path, ".f32")
+    try:
+        samples = media.write_audio_track(source, tmp, plan.num_frames, plan.fps)
+        if samples:
+            store.commit_file(tmp, store.audio_path, "ingest", "audio", attempt=attempt)
+    finally:
+        tmp.unlink(missing_ok=True)
     manifest = RunManifest(
         run_key=run.run_key,
         source=source_info(source),
         params=params,
         model=info,
-        plan=decoded.plan,
-        seeds=[chunk.seed for chunk in decoded.plan.chunks],
-        has_audio=decoded.audio is not None and decoded.audio.size > 0,
-        rotation=decoded.rotation,
+        plan=plan,
+        seeds=[chunk.seed for chunk in plan.chunks],
+        has_audio=samples > 0,
+        rotation=clip.rotation,
         versions=library_versions(),
         compute=compute,
     )
     store.write_manifest(manifest)
-    if manifest.has_audio:
-        store.put("audio", decoded.audio, stage="ingest", item="audio", attempt=attempt)
     seconds = time.perf_counter() - started
-    # The frames record is the ingest record: written last, after the manifest and the audio.
-    store.put("frames", decoded.frames, stage="ingest", seconds=seconds, attempt=attempt)
-    return IngestResult(stage="ingest", computed=True, seconds=seconds, plan=decoded.plan)
+    # The frame index is the ingest record: written last, after the manifest and the audio. Empty: not seekable.
+    pts = clip.frame_pts if clip.frame_pts is not None else np.zeros(0, dtype=np.int64)
+    store.put("frame_pts", pts, stage="ingest", seconds=seconds, attempt=attempt)
+    return IngestResult(stage="ingest", computed=True, seconds=seconds, plan=plan)

@@ -8,10 +8,12 @@ the store, not from Prefect's cache, whose default policy is per flow run and ca
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -20,6 +22,7 @@ from k6vsr_core import media, stages
 from k6vsr_core.compute import apply_profile
 from k6vsr_core.errors import UserFacingError
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.windows import segment_frames
 from service.runs import ModelSpec, RunRef
 from storage import RunStore
 from storage import publish as publish_file
@@ -65,30 +68,58 @@ def _require(value: Any, run: RunRef, what: str) -> Any:
     return value
 
 
-@task(name="encode", task_run_name="encode-{run.run_key}", **STAGE_TASK)
-def encode(run: RunRef, model: ModelSpec, attempt: str) -> StageResult:
+def _window_finished(store: RunStore, plan: ClipPlan, window: int) -> bool:
+    """Its segment and the next one are written: nothing will read the window's frames again."""
+    following = [window + 1] if window + 1 < plan.num_windows else []
+    return all(store.segment_done(w) for w in (window, *following))
+
+
+def _window_blended(store: RunStore, plan: ClipPlan, window: int) -> bool:
+    """The window's frames are stored (or no longer needed): its tiles and latents are not needed either."""
+    return store.tile_done("video", (window,), stage="blend") or _window_finished(store, plan, window)
+
+
+# Deleted as soon as the window is blended; its frames once the segments that read them are written.
+WINDOW_INTERMEDIATES = ("latent", "tile_latents", "tiles")
+
+
+@task(name="encode", task_run_name="encode-window-{window}", **STAGE_TASK)
+def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageResult:
+    """KVAE encode of one window's frames, read from the source."""
     store = _store(run)
-    if store.get("latent", stage="encode") is not None:
-        return StageResult(stage="encode", computed=False)
-    started = time.perf_counter()
     plan = _plan(store)
-    frames = _require(store.get("frames", stage="ingest"), run, "the decoded source")
-    latent = stages.encode_clip(get_bundle(model, plan), stages.prepare_source(frames, plan))
+    if _window_blended(store, plan, window) or store.get_tile("latent", (window,), stage="encode") is not None:
+        return StageResult(stage="encode", item=str(window), computed=False, window=window)
+    started = time.perf_counter()
+    manifest = store.read_manifest()
+    pts = _require(store.get("frame_pts", stage="ingest"), run, "the source's frame index")
+    span = plan.windows[window]
+    frames = media.read_frames(manifest.source.path, plan.source_indices(span), pts if len(pts) else None)
+    latent = stages.encode_clip(get_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started
-    store.put("latent", latent.numpy(), stage="encode", seconds=seconds, attempt=attempt)
-    return StageResult(stage="encode", computed=True, seconds=seconds)
+    store.put_tile(
+        "latent", (window,), (plan.num_windows,), latent.numpy(), stage="encode", seconds=seconds, attempt=attempt
+    )
+    return StageResult(stage="encode", item=str(window), computed=True, seconds=seconds, window=window)
 
 
-@task(name="denoise", task_run_name="denoise-chunk-{chunk_index}-tiles-{tiles_label}", **STAGE_TASK)
-def denoise(run: RunRef, model: ModelSpec, chunk_index: int, attempt: str, tiles_label: str = "") -> StageResult:
-    """Latent upscaler, seeded noise and DiT steps for one chunk of tiles (the seeding unit)."""
+@task(name="denoise", task_run_name="denoise-window-{window}-tiles-{tiles_label}", **STAGE_TASK)
+def denoise(
+    run: RunRef, model: ModelSpec, window: int, chunk_index: int, attempt: str, tiles_label: str = ""
+) -> StageResult:
+    """Latent upscaler, seeded noise and DiT steps for one chunk of tiles (the seeding unit) of one window."""
     store = _store(run)
     plan = _plan(store)
     chunk = plan.chunks[chunk_index]
-    if all(store.tile_done("tile_latents", i, stage="denoise") for i in chunk.tiles):
-        return StageResult(stage="denoise", item=str(chunk_index), computed=False, tiles=chunk.tiles)
+    counts = (plan.num_windows, plan.num_tiles)
+    # Latents are small: verified in full, so a torn one is recomputed here rather than failing its decode.
+    done = _window_blended(store, plan, window) or all(
+        store.get_tile("tile_latents", (window, i), stage="denoise") is not None for i in chunk.tiles
+    )
+    if done:
+        return StageResult(stage="denoise", item=str(chunk_index), computed=False, tiles=chunk.tiles, window=window)
     started = time.perf_counter()
-    latent = _require(store.get("latent", stage="encode"), run, "the encoded latent")
+    latent = _require(store.get_tile("latent", (window,), stage="encode"), run, f"the latent of window {window}")
     calls = 0
 
     def count(_: int) -> None:
@@ -100,49 +131,105 @@ def denoise(run: RunRef, model: ModelSpec, chunk_index: int, attempt: str, tiles
     seconds = time.perf_counter() - started
     for index, tile in zip(chunk.tiles, denoised, strict=True):
         store.put_tile(
-            "tile_latents", index, plan.num_tiles, tile.numpy(), stage="denoise", seconds=seconds, attempt=attempt
+            "tile_latents", (window, index), counts, tile.numpy(), stage="denoise", seconds=seconds, attempt=attempt
         )
     return StageResult(
-        stage="denoise", item=str(chunk_index), computed=True, seconds=seconds, dit_calls=calls, tiles=chunk.tiles
+        stage="denoise",
+        item=str(chunk_index),
+        computed=True,
+        seconds=seconds,
+        dit_calls=calls,
+        tiles=chunk.tiles,
+        window=window,
     )
 
 
-@task(name="decode", task_run_name="decode-tile-{tile}", **STAGE_TASK)
-def decode(run: RunRef, model: ModelSpec, tile: int, attempt: str) -> StageResult:
-    """KVAE decode of one tile to uint8 pixels; never recomputes the denoised latent it reads."""
+@task(name="decode", task_run_name="decode-window-{window}-tile-{tile}", **STAGE_TASK)
+def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) -> StageResult:
+    """KVAE decode of one tile of one window to uint8 pixels; never recomputes the denoised latent it reads."""
     store = _store(run)
     plan = _plan(store)
-    if store.tile_done("tiles", tile, stage="decode"):
-        return StageResult(stage="decode", item=str(tile), computed=False, tiles=(tile,))
+    key = (window, tile)
+    if _window_blended(store, plan, window) or store.tile_done("tiles", key, stage="decode"):
+        return StageResult(stage="decode", item=str(tile), computed=False, tiles=(tile,), window=window)
     started = time.perf_counter()
-    latent = _require(store.get_tile("tile_latents", tile, stage="denoise"), run, f"the denoised latent of tile {tile}")
+    latent = _require(
+        store.get_tile("tile_latents", key, stage="denoise"), run, f"the denoised latent of window {window} tile {tile}"
+    )
     pixels = stages.decode_tile(get_bundle(model, plan), torch.from_numpy(latent))
     seconds = time.perf_counter() - started
-    store.put_tile("tiles", tile, plan.num_tiles, pixels.numpy(), stage="decode", seconds=seconds, attempt=attempt)
-    return StageResult(stage="decode", item=str(tile), computed=True, seconds=seconds, tiles=(tile,))
+    counts = (plan.num_windows, plan.num_tiles)
+    store.put_tile("tiles", key, counts, pixels.numpy(), stage="decode", seconds=seconds, attempt=attempt)
+    return StageResult(stage="decode", item=str(tile), computed=True, seconds=seconds, tiles=(tile,), window=window)
 
 
-@task(name="blend", task_run_name="blend-{run.run_key}", **STAGE_TASK)
-def blend(run: RunRef, attempt: str) -> StageResult:
-    """Hann-blend the stored tiles, crop, and downscale to the delivery tier."""
+@task(name="blend", task_run_name="blend-window-{window}", **STAGE_TASK)
+def blend(run: RunRef, window: int, attempt: str) -> StageResult:
+    """Hann-blend one window's stored tiles, crop, and downscale to the delivery tier; then drop its tiles."""
     store = _store(run)
-    if store.get("video", stage="blend") is not None:
-        return StageResult(stage="blend", computed=False)
-    started = time.perf_counter()
     plan = _plan(store)
+    if _window_blended(store, plan, window):
+        store.drop_window(WINDOW_INTERMEDIATES, window)
+        return StageResult(stage="blend", item=str(window), computed=False, window=window)
+    started = time.perf_counter()
     tiles = []
     for index in range(plan.num_tiles):
-        pixels = _require(store.get_tile("tiles", index, stage="decode"), run, f"decoded tile {index}")
+        pixels = _require(
+            store.get_tile("tiles", (window, index), stage="decode"), run, f"decoded tile {index} of window {window}"
+        )
         tiles.append((index, torch.from_numpy(pixels)))
-    video = stages.deliver(stages.blend(plan, tiles), plan)
+    span = plan.windows[window]
+    video = stages.tensor_to_frames(stages.deliver(stages.blend(plan, tiles, span), plan))
+    del tiles
     seconds = time.perf_counter() - started
-    store.put("video", stages.tensor_to_frames(video), stage="blend", seconds=seconds, attempt=attempt)
-    return StageResult(stage="blend", computed=True, seconds=seconds)
+    store.put_tile("video", (window,), (plan.num_windows,), video, stage="blend", seconds=seconds, attempt=attempt)
+    store.drop_window(WINDOW_INTERMEDIATES, window)
+    return StageResult(stage="blend", item=str(window), computed=True, seconds=seconds, window=window)
+
+
+@task(name="segment", task_run_name="segment-window-{window}", **STAGE_TASK)
+def segment(run: RunRef, window: int, attempt: str) -> StageResult:
+    """Cross-fade a window with the one before and encode its segment; then drop the frames no one needs."""
+    store = _store(run)
+    manifest = store.read_manifest()
+    apply_profile(manifest.compute)
+    plan = manifest.plan
+    if store.segment_done(window) or store.output_done():
+        return StageResult(stage="segment", item=str(window), computed=False, window=window)
+    started = time.perf_counter()
+    current = _require(store.get_tile("video", (window,), stage="blend"), run, f"the frames of window {window}")
+    previous = None
+    if window > 0:
+        previous = _require(
+            store.get_tile("video", (window - 1,), stage="blend"), run, f"the frames of window {window - 1}"
+        )
+    frames = segment_frames(plan.windows, window, current, previous)
+    del current, previous
+    audio = _audio(store, run) if plan.num_windows == 1 and manifest.has_audio else None
+    tmp = store.temp_file(store.segment_path(window).parent, ".mp4")
+    try:
+        stages.write_segment(tmp, frames, plan, audio, manifest.rotation)
+        store.commit_file(
+            tmp, store.segment_path(window), "segment", str(window), time.perf_counter() - started, attempt
+        )
+    finally:
+        tmp.unlink(missing_ok=True)
+    for finished in (window - 1, window):
+        if finished >= 0 and _window_finished(store, plan, finished):
+            store.drop_window(("video",), finished)
+    return StageResult(stage="segment", item=str(window), computed=True, seconds=time.perf_counter() - started)
+
+
+def _audio(store: RunStore, run: RunRef) -> np.ndarray:
+    """The stored audio, mapped rather than read: the muxer takes a segment's span at a time."""
+    if not store.file_done(store.audio_path, "ingest", "audio"):
+        raise MissingInput(f"run {run.run_key}: the audio is missing or damaged")
+    return np.memmap(store.audio_path, dtype=np.float32, mode="r")
 
 
 @task(name="mux", task_run_name="mux-{run.run_key}", **STAGE_TASK)
 def mux(run: RunRef, attempt: str) -> StageResult:
-    """H.264 + AAC into the store's output file, written under a temporary name and renamed."""
+    """Join the segments by stream copy, with the audio, into the store's output (temporary name, then rename)."""
     store = _store(run)
     if store.output_done():
         return StageResult(stage="mux", computed=False)
@@ -150,14 +237,20 @@ def mux(run: RunRef, attempt: str) -> StageResult:
     manifest = store.read_manifest()
     apply_profile(manifest.compute)
     plan = manifest.plan
-    video = _require(store.get("video", stage="blend"), run, "the blended video")
-    audio = store.get("audio", stage="ingest", item="audio") if manifest.has_audio else None
-    tmp = store.temp_output()
+    segments = []
+    for window in range(plan.num_windows):
+        if not store.segment_done(window, verify=True):
+            raise MissingInput(f"run {run.run_key}: the segment of window {window} is missing or damaged")
+        segments.append(str(store.segment_path(window)))
+    audio = _audio(store, run) if manifest.has_audio else None
+    tmp = store.temp_file(store.path, ".mp4")
     try:
-        media.write_video(tmp, video, plan.fps, audio, manifest.rotation)
-        store.commit_output(tmp, time.perf_counter() - started, attempt)
+        stages.join_segments(segments, tmp, plan, audio, manifest.rotation)
+        store.commit_file(tmp, store.output_path, "mux", "all", time.perf_counter() - started, attempt)
     finally:
         tmp.unlink(missing_ok=True)
+    # The output holds every frame now: the segments are only a second copy.
+    shutil.rmtree(store.segment_path(0).parent, ignore_errors=True)
     return StageResult(stage="mux", computed=True, seconds=time.perf_counter() - started)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from k6vsr_core import UpscaleParams, upscale
-from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import default_profile
 from service.runs import ModelSpec, prepare_run
 from storage import RunStore, run_key
@@ -52,25 +52,37 @@ def test_run_key_is_stable_and_sensitive() -> None:
 def test_damaged_record_or_chunk_reads_as_not_done(tmp_path: Path) -> None:
     store = RunStore(tmp_path, "k")
     value = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
-    store.put_tile("tile_latents", 1, 3, value, stage="denoise")
-    assert np.array_equal(store.get_tile("tile_latents", 1, stage="denoise"), value)
-    chunk = next(p for p in (store.path / "data.zarr" / "tile_latents" / "c" / "1").rglob("*") if p.is_file())
+    store.put_tile("tile_latents", (0, 1), (2, 3), value, stage="denoise")
+    assert np.array_equal(store.get_tile("tile_latents", (0, 1), stage="denoise"), value)
+    assert store.tile_done("tile_latents", (0, 1), stage="denoise")
+    chunk = next(p for p in (store.path / "data.zarr" / "tile_latents" / "c" / "0" / "1").rglob("*") if p.is_file())
     chunk.write_bytes(chunk.read_bytes()[:10])  # a torn write
-    assert store.get_tile("tile_latents", 1, stage="denoise") is None
-    store.put_tile("tile_latents", 1, 3, value, stage="denoise")
-    store.records.path("denoise", "1").write_text("{not json")
-    assert store.get_tile("tile_latents", 1, stage="denoise") is None
+    assert store.get_tile("tile_latents", (0, 1), stage="denoise") is None
+    store.put_tile("tile_latents", (0, 1), (2, 3), value, stage="denoise")
+    store.records.path("denoise", "0-1").write_text("{not json")
+    assert store.get_tile("tile_latents", (0, 1), stage="denoise") is None
+    assert not store.tile_done("tile_latents", (0, 1), stage="denoise")
+
+
+def test_dropped_window_is_no_longer_stored_but_stays_recorded(tmp_path: Path) -> None:
+    store = RunStore(tmp_path, "k")
+    value = np.ones((2, 3), dtype=np.float32)
+    for key in ((0, 0), (0, 1), (1, 0)):
+        store.put_tile("tiles", key, (2, 2), value, stage="decode")
+    store.drop_window(["tiles"], 0)
+    assert not store.tile_done("tiles", (0, 1), stage="decode") and store.records.read("decode", "0-1") is not None
+    assert np.array_equal(store.get_tile("tiles", (1, 0), stage="decode"), value)
 
 
 def test_store_answers_what_an_attempt_computed(tmp_path: Path) -> None:
     store = RunStore(tmp_path, "k")
     value = np.zeros((2, 3), dtype=np.float32)
     for tile, attempt in ((0, "first"), (1, "second"), (2, "first")):
-        store.put_tile("tile_latents", tile, 3, value, stage="denoise", attempt=attempt)
-    store.put_tile("tiles", 2, 3, value, stage="decode", attempt="second")
+        store.put_tile("tile_latents", (0, tile), (1, 3), value, stage="denoise", attempt=attempt)
+    store.put_tile("tiles", (0, 2), (1, 3), value, stage="decode", attempt="second")
     assert (store.tiles_computed("first"), store.tiles_computed("second"), store.tiles_computed("third")) == (2, 1, 0)
-    assert store.attempt_of("denoise", "1") == "second" and store.attempt_of("mux") is None
-    assert store.tiles_decoded() == 1
+    assert store.attempt_of("denoise", "0-1") == "second" and store.attempt_of("mux") is None
+    assert store.tiles_decoded() == 1 and store.decoded_per_window(2) == [1, 0]
 
 
 def test_records_are_written_atomically(tmp_path: Path) -> None:
@@ -159,7 +171,8 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
         env=os.environ.copy(),
     )
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    assert "Task run 'decode-tile-5' - Finished in state Completed()" in rerun.stderr  # --verbose: every task line
+    # --verbose: every task line
+    assert "Task run 'decode-window-0-tile-5' - Finished in state Completed()" in rerun.stderr
     summary = json.loads(rerun.stdout)
     assert summary["tiles_reused"] == 2
     assert summary["tiles_computed"] == summary["tiles_total"] - 2
@@ -199,10 +212,30 @@ def test_truncated_tile_chunk_is_detected_and_recomputed(
 ) -> None:
     first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
     store = RunStore(tmp_path / "store", first.run_key)
-    # Emulate a run that stopped after tile 3's denoise, with tile 3's latent chunk torn on disk.
-    chunk = next(p for p in (store.path / "data.zarr" / "tile_latents" / "c" / "3").rglob("*") if p.is_file())
-    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
-    for stage, item in (("decode", "3"), ("blend", "all"), ("mux", "all")):
+    # A finished run's intermediates are gone: emulate one that stopped after tile 3's denoise, with tile 3's
+    # latent chunk torn on disk, by putting back what such a run would have stored.
+    manifest = store.read_manifest()
+    plan = manifest.plan
+    from k6vsr_core import stages
+    from k6vsr_core.bundle import load_bundle
+    from k6vsr_core.runner import read_source, read_window
+
+    bundle = load_bundle(str(tiny_bundle_path))
+    clip = read_source(clip_1f, plan.params, model_traits(bundle.info))
+    latent = stages.encode_clip(
+        bundle, stages.prepare_window(read_window(clip, plan.windows[0]), plan, plan.windows[0])
+    )
+    store.put_tile("latent", (0,), (1,), latent.numpy(), stage="encode")
+    for chunk in plan.chunks:
+        lr = stages.cut_tiles(latent, plan, chunk.tiles)
+        for tile, value in zip(chunk.tiles, stages.denoise_chunk(bundle, lr, chunk, plan), strict=True):
+            store.put_tile("tile_latents", (0, tile), (1, plan.num_tiles), value.numpy(), stage="denoise")
+            if tile != 3:
+                pixels = stages.decode_tile(bundle, value).numpy()
+                store.put_tile("tiles", (0, tile), (1, plan.num_tiles), pixels, stage="decode")
+    torn = next(p for p in (store.path / "data.zarr" / "tile_latents" / "c" / "0" / "3").rglob("*") if p.is_file())
+    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])
+    for stage, item in (("decode", "0-3"), ("blend", "0"), ("segment", "0"), ("mux", "all")):
         store.records.drop(stage, item)
     again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
     assert (again.tiles_computed, again.dit_calls) == (1, 2)
@@ -297,5 +330,5 @@ def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: 
     assert lines[3] == f"store: {log.parent}"
     logged = log.read_text()
     assert (
-        "Task run 'decode-tile-0' - Finished in state Completed()" in logged and "Flow run 'upscale-slow.mp4'" in logged
+        "Task run 'decode-window-0-tile-0' - Finished in state Completed()" in logged and "Flow run 'upscale-slow.mp4'" in logged
     )
