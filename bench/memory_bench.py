@@ -159,7 +159,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     from k6vsr_core import kvae, stages
     from k6vsr_core.bundle import load_bundle, model_traits
     from k6vsr_core.memory import frames_per_call
-    from k6vsr_core.runner import read_source
+    from k6vsr_core.runner import read_source, read_window
 
     bench = bench_for(args, "decode")
     device = bench.device
@@ -167,9 +167,9 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     vae = bundle.vae
     decoded = read_source(bench.clip("W1"), bench.params("W1"), model_traits(bundle.info))
     plan = decoded.plan
-    video = stages.prepare_source(decoded.frames, plan)
+    video = stages.prepare_window(read_window(decoded, plan.windows[0]), plan, plan.windows[0])
     pixels = (video.to(device).permute(1, 0, 2, 3).unsqueeze(0).float() / 128.0 - 1.0).to(vae.dtype)
-    record: dict[str, Any] = {"tile": list(plan.grid.base), "frames": plan.num_frames, "encode": {}, "decode": {}}
+    record: dict[str, Any] = {"tile": list(plan.grid.base), "frames": plan.window_frames, "encode": {}, "decode": {}}
     with torch.no_grad():
         whole_latent = kvae.encode(vae, pixels, None)
         for chunk in (3, 2, 1):
@@ -191,7 +191,7 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
                 # What k6vsr_core.memory's decode_per_pixel_frame should be: activations per pixel and frame of one
                 # call, the causal caches counted as one more frame.
                 activations = torch.cuda.max_memory_allocated(device) - before
-                frames = frames_per_call(chunk, plan.num_frames) + 1
+                frames = frames_per_call(chunk, plan.window_frames) + 1
                 entry["activations_gib"] = gib(activations)
                 entry["bytes_per_pixel_frame"] = round(activations / (plan.grid.base[0] * plan.grid.base[1] * frames))
             if reference is None:

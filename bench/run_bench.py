@@ -822,7 +822,7 @@ def phase_density(bench: Bench) -> None:
     params = bench.params("W1", "nabla")
     plan = make_plan((height, width), frames, 24, params, model_traits(bundle.info))
     source_frames, _ = media.decode_frames(bench.clip("W1"))
-    latent = stages.encode_clip(bundle, stages.prepare_source(source_frames, plan))
+    latent = stages.encode_clip(bundle, stages.prepare_window(source_frames, plan, plan.windows[0]))
     chunk = plan.chunks[0]
     for threshold, label in ((None, "nabla (P 0.8)"), (0.0, "nabla STA floor (thr 0)")):
         if not bench.fits("density"):
@@ -909,11 +909,11 @@ def store_task(spec: Any, kind: str, store_root: str, run_key: str, index: int) 
 
     run = _run_ref(store_root, run_key)
     if kind == "encode":
-        stage_tasks.encode.fn(run, spec, ATTEMPT)
+        stage_tasks.encode.fn(run, spec, 0, ATTEMPT)
     elif kind == "denoise":
-        stage_tasks.denoise.fn(run, spec, index, ATTEMPT)
+        stage_tasks.denoise.fn(run, spec, 0, index, ATTEMPT)
     elif kind == "decode":
-        stage_tasks.decode.fn(run, spec, index, ATTEMPT)
+        stage_tasks.decode.fn(run, spec, 0, index, ATTEMPT)
     else:
         raise ValueError(kind)
 
@@ -1023,7 +1023,9 @@ def _run_job(
             queues[rank_next].put((task_next[0], str(root), "bench", task_next[1]))
             busy[rank_next] = task_next
     gpu_done = time.perf_counter() - started
-    stage_tasks.blend.fn(run, ATTEMPT)
+    # W1 is one window (121 frames).
+    stage_tasks.blend.fn(run, 0, ATTEMPT)
+    stage_tasks.segment.fn(run, 0, ATTEMPT)
     stage_tasks.mux.fn(run, ATTEMPT)
     seconds = time.perf_counter() - started
     return {

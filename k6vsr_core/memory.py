@@ -125,7 +125,7 @@ def workload_of(plan: ClipPlan) -> Workload:
     return Workload(
         source=plan.grid.padded_size,
         tile=plan.grid.base,
-        frames=plan.num_frames,
+        frames=plan.window_frames,  # a stage never holds more than one window
         tiles_per_chunk=max(len(chunk.tiles) for chunk in plan.chunks),
     )
 

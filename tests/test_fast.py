@@ -37,7 +37,7 @@ def _stages_output(bundle: ModelBundle, attention: str) -> tuple[torch.Tensor, t
     """Encode, denoise the first chunk and decode its first tile of a fixed random 9-frame clip."""
     plan = _plan(bundle, attention)
     frames = np.random.default_rng(5).integers(0, 256, (9, 64, 96, 3), dtype=np.uint8)
-    latent = stages.encode_clip(bundle, stages.prepare_source(frames, plan))
+    latent = stages.encode_clip(bundle, stages.prepare_window(frames, plan, plan.windows[0]))
     chunk = plan.chunks[0]
     denoised = stages.denoise_chunk(bundle, stages.cut_tiles(latent, plan, chunk.tiles), chunk, plan)
     return latent, denoised, stages.decode_tile(bundle, denoised[0])

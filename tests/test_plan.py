@@ -109,10 +109,24 @@ def test_padded_source_plan() -> None:
     assert plan.num_tiles == 1
 
 
-@pytest.mark.parametrize("frames", [0, 2, 8, 10, 120])
-def test_frame_count_must_be_1_plus_8k(frames: int) -> None:
-    with pytest.raises(ValueError, match="1 \\+ 8k"):
-        make_plan((512, 768), frames, 24, parse_params(scale=2))
+@pytest.mark.parametrize("frames", [2, 8, 10, 120])
+def test_every_frame_is_kept_in_a_window_padded_to_1_plus_8k(frames: int) -> None:
+    plan = make_plan((512, 768), frames, 24, parse_params(scale=2))
+    assert plan.num_frames == frames and plan.num_windows == 1
+    assert (
+        plan.window_frames == 1 + 8 * -(-(frames - 1) // 8) and plan.latent_frames == 1 + (plan.window_frames - 1) // 4
+    )
+
+
+@pytest.mark.parametrize("frames", [2, 8, 10, 120, 300])
+def test_contract_mode_keeps_the_first_121_floored_to_1_plus_8k(frames: int) -> None:
+    plan = make_plan((512, 768), frames, 24, parse_params(scale=2, frames="contract"))
+    assert plan.num_frames == min(121, 1 + 8 * ((frames - 1) // 8)) == plan.window_frames and plan.num_windows == 1
+
+
+def test_a_source_without_frames_is_refused() -> None:
+    with pytest.raises(ValueError, match="at least one frame"):
+        make_plan((512, 768), 0, 24, parse_params(scale=2))
 
 
 def test_tiny_tile_traits() -> None:

@@ -42,7 +42,7 @@ def test_x2_output_size(x2_result: UpscaleResult) -> None:
     # 2 tiles (lefts 0 and 32 of a 64x64 LR tile), 2 PiFlow evaluations each.
     assert x2_result.plan.num_tiles == 2
     assert x2_result.dit_calls == 4
-    assert set(x2_result.timings) == {"ingest", "encode", "denoise", "decode", "blend", "mux"}
+    assert set(x2_result.timings) == {"ingest", "encode", "denoise", "decode", "blend", "segment", "mux"}
 
 
 def test_silent_source_gives_video_only_output(x2_result: UpscaleResult) -> None:

@@ -84,7 +84,7 @@ def test_prepare_source_pads_bottom_right(tiny_bundle: ModelBundle) -> None:
     plan = _plan(tiny_bundle, (40, 40))
     assert plan.grid.padded_size == (64, 64)
     frames = np.random.default_rng(1).integers(0, 256, (1, 40, 40, 3), dtype=np.uint8)
-    video = stages.prepare_source(frames, plan)
+    video = stages.prepare_window(frames, plan, plan.windows[0])
     assert video.shape == (1, 3, 64, 64) and video.dtype == torch.uint8
     source = torch.from_numpy(frames).permute(0, 3, 1, 2)
     assert torch.equal(video[..., :40, :40], source)
@@ -92,7 +92,17 @@ def test_prepare_source_pads_bottom_right(tiny_bundle: ModelBundle) -> None:
     assert torch.equal(video[..., 40, :40], source[..., 38, :])
     assert torch.equal(video[..., :40, 40], source[..., :, 38])
     with pytest.raises(ValueError):
-        stages.prepare_source(frames[:, :32], plan)
+        stages.prepare_window(frames[:, :32], plan, plan.windows[0])
+
+
+def test_prepare_window_pads_time_by_repeating_the_last_frame(tiny_bundle: ModelBundle) -> None:
+    plan = _plan(tiny_bundle, (64, 64), frames=5)
+    assert plan.windows[0].padded == 9 and plan.window_frames == 9
+    frames = np.random.default_rng(2).integers(0, 256, (5, 64, 64, 3), dtype=np.uint8)
+    video = stages.prepare_window(frames, plan, plan.windows[0])
+    assert video.shape == (9, 3, 64, 64)
+    assert all(torch.equal(video[t], video[4]) for t in range(5, 9))
+    assert torch.equal(video[:5], torch.from_numpy(frames).permute(0, 3, 1, 2))
 
 
 def test_prepare_source_pre_upscales_for_x225(tiny_bundle: ModelBundle) -> None:
@@ -100,7 +110,7 @@ def test_prepare_source_pre_upscales_for_x225(tiny_bundle: ModelBundle) -> None:
     assert plan.grid.source_size == (64, 112)
     assert plan.grid.padded_size == (64, 128)
     frames = np.random.default_rng(2).integers(0, 256, (1, 64, 96, 3), dtype=np.uint8)
-    video = stages.prepare_source(frames, plan)
+    video = stages.prepare_window(frames, plan, plan.windows[0])
     assert video.shape == (1, 3, 64, 128)
     source = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
     resized = F.interpolate(source, size=(64, 112), mode="bilinear", align_corners=False)
@@ -298,7 +308,7 @@ def test_blend_and_deliver(tiny_bundle: ModelBundle) -> None:
         (1, torch.full((3, 1, 128, 128), 128, dtype=torch.uint8)),
         (0, torch.full((3, 1, 128, 128), 128, dtype=torch.uint8)),
     ]
-    video = stages.blend(plan, tiles)
+    video = stages.blend(plan, tiles, plan.windows[0])
     assert video.shape == (3, 1, 128, 192)
     assert bool((video == 128).all())  # corners included
     delivered = stages.deliver(video, plan)
@@ -365,14 +375,18 @@ def test_blend_of_constant_tiles_is_that_constant_at_the_corners_too(size: tuple
     for value in (1, 64, 128):
         # Scaling by a power of two is exact in float32, so acc = value * wsum exactly and the mean is exact.
         video = stages.blend(
-            plan, [(i, torch.full((3, 1, *plan.grid.base), value, dtype=torch.uint8)) for i in range(plan.num_tiles)]
+            plan,
+            [(i, torch.full((3, 1, *plan.grid.base), value, dtype=torch.uint8)) for i in range(plan.num_tiles)],
+            plan.windows[0],
         )
         assert video.shape == (3, 1, *plan.sr_size)
         assert bool((video == value).all()), value
     for value in (77, 200, 255):
         # Other values keep the float round trip and truncation of the official blend: at most 1 LSB darker.
         video = stages.blend(
-            plan, [(i, torch.full((3, 1, *plan.grid.base), value, dtype=torch.uint8)) for i in range(plan.num_tiles)]
+            plan,
+            [(i, torch.full((3, 1, *plan.grid.base), value, dtype=torch.uint8)) for i in range(plan.num_tiles)],
+            plan.windows[0],
         )
         assert int(video.min()) >= value - 1 and int(video.max()) <= value, value
 
@@ -381,7 +395,7 @@ def test_blend_of_constant_tiles_is_that_constant_at_the_corners_too(size: tuple
 def test_blend_stays_within_the_tiles_covering_each_pixel(size: tuple[int, int], scale: float) -> None:
     plan = _real_plan(size, scale)
     tiles = _random_tiles(plan, seed=size[0] + size[1])
-    video = stages.blend(plan, tiles)
+    video = stages.blend(plan, tiles, plan.windows[0])
     low, high = _covering_range(plan, tiles)
     # A weighted mean lies between the values it averages, up to the 1-LSB truncation of the float result.
     assert bool((video.int() >= low.int() - 1).all())
@@ -392,7 +406,7 @@ def test_blend_stays_within_the_tiles_covering_each_pixel(size: tuple[int, int],
 def test_blend_changes_only_pixels_below_the_official_floor(size: tuple[int, int], scale: float) -> None:
     plan = _real_plan(size, scale)
     tiles = _random_tiles(plan, seed=size[0] * size[1])
-    video = stages.blend(plan, tiles)
+    video = stages.blend(plan, tiles, plan.windows[0])
     official, weight = _official_blend(plan, tiles)
     floored = weight < 1e-6
     assert bool(floored[0, 0])  # the top-left corner is always kept and always below the floor
