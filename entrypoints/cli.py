@@ -22,7 +22,8 @@ from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams, parse_params
 from service.runs import ModelSpec, model_info, prepare_run
-from storage import collect_garbage, default_store_root
+from storage import RunStore, collect_garbage, default_store_root
+from storage.estimate import store_estimate
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -88,6 +89,16 @@ def _param_flags(parser: argparse.ArgumentParser) -> None:
         help=f"fit or exact (default {defaults.target_resize_mode})",
     )
     group.add_argument("--attention", help=f"nabla or dense (default {defaults.attention}, as released)")
+    group.add_argument(
+        "--frames",
+        help=f"all (every kept frame, in 121-frame windows) or contract (the first 121) (default {defaults.frames})",
+    )
+    group.add_argument("--max-frames", type=int, help="with --frames all: only the first N kept frames (a preview)")
+    group.add_argument(
+        "--window-overlap",
+        type=int,
+        help=f"frames shared by neighbouring windows, at least (default {defaults.window_overlap})",
+    )
 
 
 def _run_flags(parser: argparse.ArgumentParser) -> None:
@@ -318,6 +329,20 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         "source_fps": prepared.probe.fps,
         "frames_kept": plan.num_frames,
         "fps": plan.fps,
+        "windows": [
+            {
+                "window": w.index,
+                "frames": [w.start, w.stop],
+                "computed_as": w.padded,
+                "overlap_before": plan.windows[w.index - 1].stop - w.start if w.index else 0,
+                "segment": list(plan.segment_range(w.index)),
+                "seeds": [c.seed for c in plan.chunks],
+            }
+            for w in plan.windows
+        ],
+        "tiles_per_window": plan.num_tiles,
+        "items": progress_of(prepared),
+        "store_estimate": store_estimate(plan).model_dump(),
         "padding": {"bottom": grid.padding[0], "right": grid.padding[1]},
         "tile": {"base": list(grid.base), "lr": list(grid.tile), "tops": list(grid.tops), "lefts": list(grid.lefts)},
         "tiles": plan.num_tiles,
@@ -328,6 +353,20 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         "model": prepared.model_info.identity,
         "run_key": prepared.run.run_key,
         "finished_run_exists": prepared.finished,
+    }
+
+
+def progress_of(prepared: Any) -> dict[str, int]:
+    """The (window, tile) items a run of this plan has already finished, from the run store."""
+    plan = prepared.plan
+    store = RunStore(prepared.run.store_root, prepared.run.run_key)
+    return {
+        "total": plan.num_windows * plan.num_tiles,
+        "denoised": len(store.records.items("denoise")),
+        "decoded": store.tiles_decoded(),
+        "windows_blended": len(store.records.items("blend")),
+        "segments": len(store.records.items("segment")),
+        "output": int(store.output_done()),
     }
 
 
@@ -414,7 +453,16 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
 def _print_human(command: str, result: dict[str, Any]) -> None:
     if command == "plan":
         for key, value in result.items():
-            print(f"{key:>22}: {value}")
+            if key == "windows":
+                print(f"{key:>22}: {len(value)}")
+                for w in value:
+                    print(
+                        f"{'':>24}{w['window']}: frames {w['frames'][0]}-{w['frames'][1] - 1} (computed as "
+                        f"{w['computed_as']}), overlap {w['overlap_before']}, segment {w['segment'][0]}-"
+                        f"{w['segment'][1] - 1}, seeds {w['seeds']}"
+                    )
+            else:
+                print(f"{key:>22}: {value}")
     elif command in ("upscale", "demo"):
         print("\n".join(summary_lines(result)))
     elif command == "gc":

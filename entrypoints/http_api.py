@@ -69,6 +69,10 @@ FIELDS = {
     "sr_target_resize_mode": "target_resize_mode",
     "seed": "seed",
     "num_inference_steps": "num_inference_steps",
+    # Whole videos: absent fields mean every frame, so an SGLang client gets the whole video.
+    "sr_frames": "frames",
+    "max_frames": "max_frames",
+    "sr_window_overlap": "window_overlap",
 }
 # Sent by OpenAI-style clients; meaningless for super-resolution, so accepted and ignored.
 IGNORED_FIELDS = ("model", "prompt")
@@ -609,7 +613,7 @@ def check_output_size(plan: Any, limits: Limits) -> None:
             400,
             f"this job would make {plan.num_frames} frame(s) of {width}x{height} ({pixels / 1e6:.1f} "
             f"megapixels); this server makes at most {limits.max_output_pixels / 1e6:g} megapixels a job "
-            "(--max-output-mpx): lower sr_resolution_scale or send a smaller clip",
+            "(--max-output-mpx): lower sr_resolution_scale, set max_frames or send a smaller clip",
             param="sr_resolution_scale",
             code="output_too_large",
         )
