@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import UnfinishedRun
 from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from pydantic import BaseModel
@@ -209,8 +210,7 @@ def _windows(
         what[segment] = ("segment", w, ())
 
     denoised: list[StageResult] = []
-    failures: dict[tuple[int, int], str] = {}
-    causes: dict[tuple[int, int], str] = {}  # a failed upstream task is the cause of what it never ran
+    failures: dict[tuple[int, int], str] = {}  # (window, tile or -1 for the window's own stages) -> cause
     decoded = store.decoded_per_window(plan.num_windows)
     # Every task is recorded as it ends, so the stage clock sees when each one finished.
     for future in as_completed(list(what)):
@@ -218,31 +218,37 @@ def _windows(
         try:
             result = record(future.result())
         except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
-            message = f"{stage}: {type(err).__name__}: {err}"
-            keys = [(window, tile) for tile in tiles] or [(window, -1)]
-            target = causes if stage in ("encode", "denoise") else failures
-            target.update({key: message for key in keys})
+            if future.state.is_pending() or isinstance(err, UnfinishedRun):
+                continue  # it never ran: the failure of a task it waited for is the cause, reported as such
+            message = f"{type(err).__name__}: {err}"
+            for key in [(window, tile) for tile in tiles] or [(window, -1)]:
+                failures.setdefault(key, message)
             continue
         if stage == "decode":
             decoded = store.decoded_per_window(plan.num_windows)
             progress.update(sum(decoded), [(done, plan.num_tiles) for done in decoded])
         elif stage == "denoise":
             denoised.append(result)
-    failures = {**failures, **causes}
     if failures:
-        detail = "; ".join(
-            f"window {w}" + (f" tile {t}" if t >= 0 else "") + f": {message}"
-            for (w, t), message in sorted(failures.items())
-        )
-        raise TileFailure(
-            f"run {run.run_key}: {len(failures)} item(s) of {plan.num_windows} window(s) x {plan.num_tiles} tiles "
-            f"failed after retries ({detail}); finished items are kept, rerun the same command to resume"
-        )
+        raise TileFailure(_failure_message(run, plan, failures))
     return denoised
 
 
 # The still compares a frame of the first window: reaching it decodes at most this many frames of the output.
 PREVIEW_FRAME = 60
+
+
+def _failure_message(run: RunRef, plan: ClipPlan, failures: dict[tuple[int, int], str]) -> str:
+    def label(window: int, tile: int) -> str:
+        where = f"window {window} " if plan.num_windows > 1 or tile < 0 else ""
+        return where + (f"tile {tile}" if tile >= 0 else "(blend or segment)")
+
+    tiles = sum(1 for _, tile in failures if tile >= 0)
+    detail = "; ".join(f"{label(w, t)}: {message}" for (w, t), message in sorted(failures.items()))
+    return (
+        f"run {run.run_key}: {tiles} of {plan.num_windows * plan.num_tiles} tiles failed after retries ({detail}); "
+        "finished tiles are kept, rerun the same command to resume"
+    )
 
 
 def _report(store: RunStore, summary: ClipSummary, clock: StageClock, plan: ClipPlan) -> None:

@@ -148,8 +148,8 @@ class RunStore:
         return value if array_checksum(value) == record.checksum else None
 
     def tile_done(self, name: str, key: tuple[int, ...], *, stage: str) -> bool:
-        """Recorded and still stored: cheap (no read). A part damaged on disk is caught by its reader's checksum."""
-        return self.records.read(stage, item_name(key)) is not None and self._chunk_folder(name, key).exists()
+        """Recorded, stored and intact. Without a record (a first run) it reads nothing."""
+        return self.get_tile(name, key, stage=stage) is not None
 
     def _chunk_folder(self, name: str, key: tuple[int, ...]) -> Path:
         # Zarr v3's default chunk keys: c/<i>/<j>/... under the array's folder.
@@ -184,15 +184,13 @@ class RunStore:
         os.replace(tmp, destination)
         self.records.write(stage, item, file_checksum(destination), seconds, attempt)
 
-    def file_done(self, path: Path, stage: str, item: str, *, verify: bool = True) -> bool:
-        """Recorded and present (and, with `verify`, its bytes match the record)."""
+    def file_done(self, path: Path, stage: str, item: str) -> bool:
+        """Recorded, present and intact (its bytes match the record)."""
         record = self.records.read(stage, item)
-        if record is None or not path.is_file():
-            return False
-        return not verify or file_checksum(path) == record.checksum
+        return record is not None and path.is_file() and file_checksum(path) == record.checksum
 
-    def segment_done(self, window: int, *, verify: bool = False) -> bool:
-        return self.file_done(self.segment_path(window), "segment", str(window), verify=verify)
+    def segment_done(self, window: int) -> bool:
+        return self.file_done(self.segment_path(window), "segment", str(window))
 
     # ------------------------------------------------------------------------------------------- output
 

@@ -8,7 +8,6 @@ the store, not from Prefect's cache, whose default policy is per flow run and ca
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -88,7 +87,7 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
     """KVAE encode of one window's frames, read from the source."""
     store = _store(run)
     plan = _plan(store)
-    if _window_blended(store, plan, window) or store.get_tile("latent", (window,), stage="encode") is not None:
+    if _window_blended(store, plan, window) or store.tile_done("latent", (window,), stage="encode"):
         return StageResult(stage="encode", item=str(window), computed=False, window=window)
     started = time.perf_counter()
     manifest = store.read_manifest()
@@ -112,9 +111,8 @@ def denoise(
     plan = _plan(store)
     chunk = plan.chunks[chunk_index]
     counts = (plan.num_windows, plan.num_tiles)
-    # Latents are small: verified in full, so a torn one is recomputed here rather than failing its decode.
     done = _window_blended(store, plan, window) or all(
-        store.get_tile("tile_latents", (window, i), stage="denoise") is not None for i in chunk.tiles
+        store.tile_done("tile_latents", (window, i), stage="denoise") for i in chunk.tiles
     )
     if done:
         return StageResult(stage="denoise", item=str(chunk_index), computed=False, tiles=chunk.tiles, window=window)
@@ -239,7 +237,7 @@ def mux(run: RunRef, attempt: str) -> StageResult:
     plan = manifest.plan
     segments = []
     for window in range(plan.num_windows):
-        if not store.segment_done(window, verify=True):
+        if not store.segment_done(window):
             raise MissingInput(f"run {run.run_key}: the segment of window {window} is missing or damaged")
         segments.append(str(store.segment_path(window)))
     audio = _audio(store, run) if manifest.has_audio else None
@@ -249,8 +247,6 @@ def mux(run: RunRef, attempt: str) -> StageResult:
         store.commit_file(tmp, store.output_path, "mux", "all", time.perf_counter() - started, attempt)
     finally:
         tmp.unlink(missing_ok=True)
-    # The output holds every frame now: the segments are only a second copy.
-    shutil.rmtree(store.segment_path(0).parent, ignore_errors=True)
     return StageResult(stage="mux", computed=True, seconds=time.perf_counter() - started)
 
 

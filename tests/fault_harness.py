@@ -7,13 +7,14 @@ A SPEC is `ACTION@POINT[:OPTION...]`:
     ACTION   kill     SIGKILL the process that reaches the point (no cleanup, no `finally`, like the OOM killer)
              raise    raise `InjectedFault` (a RuntimeError, so the stage tasks retry it as transient)
              nospace  raise `OSError(ENOSPC)`, as a full disk does
-    POINT    ingest   after the manifest is written, before the frames (the ingest record)  RunStore.write_manifest
+    POINT    ingest   after the manifest is written, before the frame index (the ingest record)  RunStore.write_manifest
              encode   after the KVAE encode, before the latent is stored                      stages.encode_clip
              denoise  before a chunk of tiles is denoised                                     stages.denoise_chunk
              decode   before a tile is decoded                                                stages.decode_tile
              tile     after a decoded tile and its record are stored                          RunStore.put_tile("tiles")
-             blend    after blending, before the video is stored                              stages.blend
-             mux      after the temporary MP4 is written, before it is committed              media.write_video
+             blend    after blending, before the window's frames are stored                   stages.blend
+             segment  after a window's temporary MP4 is written, before it is committed       media.write_video
+             mux      after the temporary output is joined, before it is committed           stages.join_segments
              publish  after half of the copy into the output folder is written                shutil.copyfile
     OPTION   nth=N    fire from the N-th call of this process on (default 1)
              times=N  fire at most N times over all processes (counted in the state folder)
@@ -43,7 +44,7 @@ from typing import Any
 
 ENV_SPECS = "K6VSR_FAULTS"
 ENV_STATE = "K6VSR_FAULT_STATE"
-POINTS = ("ingest", "encode", "denoise", "decode", "tile", "blend", "mux", "publish")
+POINTS = ("ingest", "encode", "denoise", "decode", "tile", "blend", "segment", "mux", "publish")
 
 
 class InjectedFault(RuntimeError):
@@ -163,18 +164,21 @@ def _patch(fault: Fault) -> Callable[[], None]:
         owner, name = run_store.RunStore, "put_tile"
         original_put = run_store.RunStore.put_tile
 
-        def replacement(self: Any, array: str, index: int, *rest: Any, **kwargs: Any) -> Any:
-            result = original_put(self, array, index, *rest, **kwargs)
+        def replacement(self: Any, array: str, key: tuple[int, ...], *rest: Any, **kwargs: Any) -> Any:
+            result = original_put(self, array, key, *rest, **kwargs)
             if array == "tiles" and _claim(fault):
-                _fire(fault, f"tiles (decoded tile {index} stored)")
+                _fire(fault, f"tiles (decoded tile {key} stored)")
             return result
 
     elif fault.point == "blend":
         owner, name = stages, "blend"
         replacement = _wrap_after(fault, stages.blend, "blend")
-    elif fault.point == "mux":
+    elif fault.point == "segment":
         owner, name = media, "write_video"
-        replacement = _wrap_after(fault, media.write_video, "mux (temporary output written)")
+        replacement = _wrap_after(fault, media.write_video, "segment (temporary segment written)")
+    elif fault.point == "mux":
+        owner, name = stages, "join_segments"
+        replacement = _wrap_after(fault, stages.join_segments, "mux (temporary output written)")
     else:  # publish
         owner, name = run_store.shutil, "copyfile"
         original_copy = shutil.copyfile
@@ -237,11 +241,11 @@ def install_from_env() -> None:
 
 # ------------------------------------------------------------------------------------------------ test helpers
 
-TEMP_MARKERS = (".partial", ".output.")
+TEMP_MARKERS = (".partial", ".part.")
 
 
 def leftovers(*folders: Path) -> list[Path]:
-    """Temporary files (`*.partial`, `.output.*`) anywhere under `folders`."""
+    """Temporary files (`*.partial`, `.part.*`) anywhere under `folders`."""
     found: list[Path] = []
     for folder in folders:
         if Path(folder).exists():

@@ -68,11 +68,12 @@ def baseline(argv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 KILLS = {
     # point: (what the store holds after the kill, the fewest tiles the rerun must reuse)
-    "ingest": ("manifest, no frames record", 0),
-    "encode": ("frames, no latent", 0),
+    "ingest": ("manifest, no frame index record", 0),
+    "encode": ("the frame index, no latent", 0),
     "tile": ("one decoded tile (the other tile's latent may be done too)", 1),
-    "blend": ("every tile, no video", 2),
-    "mux": ("the video and a temporary MP4, no output", 2),
+    "blend": ("every tile, no window frames", 2),
+    "segment": ("the window's frames and a temporary segment, no segment", 2),
+    "mux": ("the segment and a temporary MP4, no output", 2),
     "publish": ("the finished output; half a copy in the output folder", 2),
 }
 
@@ -118,9 +119,12 @@ def test_sigkill_in_stage_then_rerun_is_identical(
         assert len(items["decode"]) == 1 and "blend" not in items
     elif point == "blend":
         assert len(items["decode"]) == 2 and "blend" not in items
+    elif point == "segment":
+        assert "blend" in items and "segment" not in items
+        assert list(_run_dir(case["store"]).glob("segments/.part.*.mp4")), "the killed segment left no temporary file"
     elif point == "mux":
-        assert "blend" in items and "mux" not in items
-        assert list(_run_dir(case["store"]).glob(".output.*.mp4")), "the killed muxer left no temporary file"
+        assert "segment" in items and "mux" not in items
+        assert list(_run_dir(case["store"]).glob(".part.*.mp4")), "the killed muxer left no temporary file"
     elif point == "publish":
         assert "mux" in items and fault_harness.leftovers(case["out"]), "the killed publish left no partial file"
 
@@ -186,8 +190,8 @@ def test_tile_failing_every_attempt_fails_the_run_and_keeps_finished_tiles(
     assert "tile 0" not in message and "rerun the same command to resume" in message
     assert not (out / NAME).exists() and fault_harness.leftovers(store, out) == []
     records = _run_dir(store) / "done"
-    assert sorted(p.stem for p in (records / "decode").glob("*.json")) == ["0"], "tile 0 was not kept"
-    assert sorted(p.stem for p in (records / "denoise").glob("*.json")) == ["0"]
+    assert sorted(p.stem for p in (records / "decode").glob("*.json")) == ["0-0"], "tile 0 was not kept"
+    assert sorted(p.stem for p in (records / "denoise").glob("*.json")) == ["0-0"]
 
     rc, summary, err = run(argv(store, out), capsys)
     assert rc == 0, err[-3000:]
@@ -203,19 +207,24 @@ def test_tile_failure_message_gives_the_cause(failed_tile) -> None:
 # ------------------------------------------------------------------------------------------------ damaged store
 
 
-def _unfinished_copy(baseline: dict[str, Any], tmp_path: Path) -> tuple[Path, Path]:
-    """The baseline's store as a run that died after decoding every tile: blend, mux and output dropped."""
+@pytest.fixture(scope="module")
+def decoded(argv, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The store of a run killed right after decoding every tile: what a finished run no longer keeps."""
+    root = tmp_path_factory.mktemp("decoded")
+    (done,) = fault_harness.run_all([fault_harness.command(*argv(root / "store", root / "out"), specs=("kill@blend",))])
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    return root / "store"
+
+
+def _unfinished_copy(decoded: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the store of a run that died after decoding every tile."""
     store = tmp_path / "store"
-    shutil.copytree(baseline["store"], store)
-    run_dir = _run_dir(store)
-    for stage in ("blend", "mux"):
-        shutil.rmtree(run_dir / "done" / stage)
-    (run_dir / "output.mp4").unlink()
-    return store, run_dir
+    shutil.copytree(decoded, store)
+    return store, _run_dir(store)
 
 
 def _chunk(run_dir: Path, array: str, tile: int) -> Path:
-    chunks = [p for p in (run_dir / "data.zarr" / array / "c" / str(tile)).rglob("*") if p.is_file()]
+    chunks = [p for p in (run_dir / "data.zarr" / array / "c" / "0" / str(tile)).rglob("*") if p.is_file()]
     assert len(chunks) == 1, chunks
     return chunks[0]
 
@@ -242,8 +251,8 @@ DAMAGE = {
     "truncated-latent-chunk": ("truncate tile_latents chunk 0", {"denoise_chunk": 1, "decode_tile": 0}),
     "truncated-pixel-chunk": ("truncate tiles chunk 1", {"denoise_chunk": 0, "decode_tile": 1}),
     "flipped-pixel-byte": ("flip one byte of tiles chunk 0", {"denoise_chunk": 0, "decode_tile": 1}),
-    "garbage-tile-record": ("garbage JSON in done/decode/1.json", {"denoise_chunk": 0, "decode_tile": 1}),
-    "garbage-chunk-record": ("garbage JSON in done/denoise/0.json", {"denoise_chunk": 1, "decode_tile": 0}),
+    "garbage-tile-record": ("garbage JSON in done/decode/0-1.json", {"denoise_chunk": 0, "decode_tile": 1}),
+    "garbage-chunk-record": ("garbage JSON in done/denoise/0-0.json", {"denoise_chunk": 1, "decode_tile": 0}),
     "garbage-manifest": ("garbage manifest.json", {"encode_clip": 0, "denoise_chunk": 0, "decode_tile": 0}),
     "missing-latent-record": (
         "encode record deleted and tile 0 latent truncated",
@@ -265,22 +274,22 @@ def _damage(name: str, run_dir: Path) -> None:
         data[len(data) // 2] ^= 0x40
         chunk.write_bytes(bytes(data))
     elif name == "garbage-tile-record":
-        (run_dir / "done" / "decode" / "1.json").write_text('{"stage": "decode", "check')
+        (run_dir / "done" / "decode" / "0-1.json").write_text('{"stage": "decode", "check')
     elif name == "garbage-chunk-record":
-        (run_dir / "done" / "denoise" / "0.json").write_bytes(b"\x00\xff garbage")
+        (run_dir / "done" / "denoise" / "0-0.json").write_bytes(b"\x00\xff garbage")
     elif name == "garbage-manifest":
         (run_dir / "manifest.json").write_text("{ not json")
     elif name == "missing-latent-record":
-        (run_dir / "done" / "encode" / "all.json").unlink()
+        (run_dir / "done" / "encode" / "0.json").unlink()
         chunk = _chunk(run_dir, "tile_latents", 0)
         chunk.write_bytes(b"")
 
 
 @pytest.mark.parametrize("name", list(DAMAGE))
 def test_damaged_store_is_detected_and_recomputed(
-    name: str, baseline, argv, tmp_path: Path, stage_calls: dict[str, int], capsys: pytest.CaptureFixture
+    name: str, baseline, decoded, argv, tmp_path: Path, stage_calls: dict[str, int], capsys: pytest.CaptureFixture
 ) -> None:
-    store, run_dir = _unfinished_copy(baseline, tmp_path)
+    store, run_dir = _unfinished_copy(decoded, tmp_path)
     _damage(name, run_dir)
     out = tmp_path / "out"
     rc, summary, err = run(argv(store, out), capsys)
