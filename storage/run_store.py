@@ -372,7 +372,7 @@ def collect_garbage(
                 continue
             if keep_finished_outputs and (path / OUTPUT).is_file():
                 for child in path.iterdir():
-                    if child.name not in (OUTPUT, "manifest.json", "done", ".lock", LOG):
+                    if child.name not in (OUTPUT, "manifest.json", "done", ".lock"):
                         shutil.rmtree(child) if child.is_dir() else child.unlink()
                 report.append({**entry, "deleted": True, "reason": "intermediates reclaimed, output kept"})
             else:

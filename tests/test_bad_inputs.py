@@ -353,13 +353,13 @@ def test_plan_refuses_like_upscale(cli: Cli, corpus: dict[str, Path]) -> None:
     ("name", "frames", "fps"),
     [
         ("one", 1, 24),  # 1 = 1 + 8*0 frames
-        ("eight", 1, 24),  # 8 frames floor to 1 + 8k = 1
+        ("eight", 8, 24),  # every frame: one window padded to 1 + 8k = 9, cropped back
         ("png", 1, 25),  # a still image is a 1-frame clip; FFmpeg's image reader says 25 fps
         ("raw-h264", 1, 25),  # no timing in the stream: FFmpeg assumes 25 fps
         ("vfr", 9, 24),  # variable frame timing: every frame kept, at the stream's rate
         ("ten-bit", 1, 24),
         ("alpha", 1, 24),  # alpha is dropped, colour kept
-        ("cut-fast-60", 1, 24),  # index intact, frames cut off: the decodable frames, floored to 1 + 8k
+        ("cut-fast-60", 4, 24),  # index intact, frames cut off: the decodable frames, thinned to 24 fps
     ],
 )
 def test_input_the_contract_covers_runs(
