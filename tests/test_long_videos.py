@@ -201,7 +201,7 @@ def test_30_fps_source_gives_the_240_frames_the_selection_keeps(
     )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout)
-    assert (summary["frames"], summary["fps"], summary["windows"]) == (240, 24, 2)
+    assert (summary["frames"], summary["fps"], summary["windows"]) == (240, 24, len(plan_windows(240, 16)))
     frames, fps, seconds, audio = _streams(tmp_path / "o.mp4")
     assert (frames, fps) == (240, 24.0) and seconds == pytest.approx(10.0) and audio == pytest.approx(10.0, abs=0.03)
     # The windows and seeds the run used are the ones `plan` printed.
@@ -250,8 +250,75 @@ def test_kill_mid_window_resumes_the_unfinished_items_with_identical_bytes(
     for stage, items in first.items():
         for item, attempt in items.items():
             assert run.attempt_of(stage, item) == attempt, (stage, item)  # finished items were not redone
-    # Nothing but the output, the manifest, the audio, the frame index and the records is left in the store.
+    # The output, its segments (kept to mux again), the manifest, the audio, the frame index and the records: no
+    # window's intermediates are left in the store.
     leftovers = {p.relative_to(run.path).parts[0] for p in run.path.rglob("*") if p.is_file()}
-    assert leftovers <= {"manifest.json", "audio.f32", "data.zarr", "done", "output.mp4", "run.log", ".lock"}
+    assert leftovers <= {
+        "manifest.json",
+        "audio.f32",
+        "data.zarr",
+        "done",
+        "output.mp4",
+        "segments",
+        "run.log",
+        ".lock",
+    }
+    assert sorted(p.name for p in (run.path / "segments").iterdir()) == [f"{w:06d}.mp4" for w in range(3)]
     chunks = [p for p in (run.path / "data.zarr").rglob("*") if p.is_file() and "c" in p.relative_to(run.path).parts]
     assert [p.relative_to(run.path).parts[1] for p in chunks] == ["frame_pts"]
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+def _long_clip(path: Path, seconds: int) -> Path:
+    """A 1280x720 24 fps clip with a stereo tone, encoded fast: a bar sweeping over a flat background."""
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("libx264", rate=24, options={"preset": "ultrafast", "crf": "30"})
+        video.width, video.height, video.pix_fmt = 1280, 720, "yuv420p"
+        sound = container.add_stream("aac", rate=48000, layout="stereo")
+        frame = np.full((720, 1280, 3), 90, np.uint8)
+        for index in range(seconds * 24):
+            frame[:, :, 0] = 90
+            frame[:, (index * 7) % 1200 : (index * 7) % 1200 + 80, 0] = 250
+            for packet in video.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        container.mux(video.encode(None))
+        tone = (0.2 * np.sin(np.arange(48000) / 48000 * 2 * np.pi * 440)).astype(np.float32)
+        for second in range(seconds):
+            samples = av.AudioFrame.from_ndarray(np.stack([tone, tone]), format="fltp", layout="stereo")
+            samples.sample_rate, samples.pts = 48000, second * 48000
+            container.mux(sound.encode(samples))
+        container.mux(sound.encode(None))
+    return path
+
+
+_INGEST_RSS = """
+import resource, sys
+from k6vsr_core.bundle import load_bundle
+from service.runs import ModelSpec, prepare_run
+from tasks.ingest import ingest
+source, bundle, store = sys.argv[1:4]
+prepared = prepare_run(source, __import__("k6vsr_core").UpscaleParams(scale=2), ModelSpec(model=bundle), store)
+result = ingest.fn(prepared.source, prepared.run, prepared.plan.params, prepared.model_info, "rss")
+print(result.plan.num_frames, result.plan.num_windows, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def test_ingest_and_plan_memory_does_not_grow_with_length(tiny_bundle_path: Path, tmp_path: Path) -> None:
+    """Ingest never holds the frames or the audio: 2 minutes of 720p take what 10 seconds take."""
+    peaks = {}
+    for seconds in (10, 120):
+        clip = _long_clip(tmp_path / f"{seconds}s.mp4", seconds)
+        done = subprocess.run(
+            [sys.executable, "-c", _INGEST_RSS, str(clip), str(tiny_bundle_path), str(tmp_path / "store")],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        frames, windows, peak = (int(v) for v in done.stdout.split())
+        assert frames == seconds * 24 and windows == plan_windows(frames, 16).__len__()
+        peaks[seconds] = peak
+    # One 720p frame is 2.8 MB, 2 minutes of it 7.9 GB; the audio as float32 mono 21 MB. Neither may show.
+    assert peaks[120] - peaks[10] < 16 * 2**20, peaks
+    assert peaks[120] < 1.5 * 2**30, peaks
