@@ -204,14 +204,29 @@ def _server_env(home: Path) -> dict[str, str]:
     return env
 
 
-# The launcher forks the server into its own session and exits, so the server is nobody's child: a long-lived
-# command (`k6vsr serve`) never holds it as a zombie, and killing the command's process group never reaches it.
+# The launcher forks the server into its own session, records it and exits, so the server is nobody's child: a
+# long-lived command (`k6vsr serve`) never holds it as a zombie, and killing the command (or its process group)
+# never reaches it. The launcher, not the command, writes the record: a command killed right after the launch still
+# leaves a recorded server, which the next command finds and waits for.
 _LAUNCHER = """
-import subprocess, sys
-with open(sys.argv[1], "ab") as log:
-    process = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+import json, os, subprocess, sys, time
+record_path, log_path, port, started_at = sys.argv[1:5]
+with open(log_path, "ab") as log:
+    process = subprocess.Popen(sys.argv[5:], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                start_new_session=True, close_fds=True)
-print(process.pid, flush=True)
+try:
+    with open(f"/proc/{process.pid}/stat") as stat:
+        process_start = int(stat.read().rsplit(")", 1)[1].split()[19])
+except OSError:
+    process_start = None
+record = {"pid": process.pid, "port": int(port), "url": f"http://127.0.0.1:{port}/api", "started_at": started_at,
+          "process_start": process_start}
+partial = f"{record_path}.{os.getpid()}.partial"
+with open(partial, "w") as handle:
+    json.dump(record, handle)
+    handle.flush()
+    os.fsync(handle.fileno())
+os.replace(partial, record_path)
 """
 
 
@@ -219,7 +234,7 @@ def _launch(home: Path, port: int) -> _Record:
     (home / "prefect").mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
     launcher = subprocess.run(
-        [sys.executable, "-c", _LAUNCHER, str(_log_path(home)), *command],
+        [sys.executable, "-c", _LAUNCHER, str(_record_path(home)), str(_log_path(home)), str(port), _now(), *command],
         env=_server_env(home),
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -228,12 +243,9 @@ def _launch(home: Path, port: int) -> _Record:
         check=False,
         timeout=60,
     )
-    if launcher.returncode != 0:
+    record = _read_record(home)
+    if launcher.returncode != 0 or record is None:
         raise ServerError(f"the Prefect server could not be launched: {launcher.stderr.strip()[-2000:]}")
-    pid = int(launcher.stdout.split()[0])
-    record = _Record(pid=pid, port=port, url=f"http://{HOST}:{port}/api", started_at=_now())
-    record.process_start = _process_start(pid)
-    _write_record(home, record)
     return record
 
 
