@@ -84,6 +84,7 @@ class Lease(BaseModel):
     pid: int
     host: str
     api_url: str | None
+    api: str | None = None  # which history the run is in (`_api_identity`): the local server keeps its across ports
     started_at: str
     process_start: int | None = None
 
@@ -397,12 +398,15 @@ def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterato
         return
     from prefect.settings import PREFECT_API_URL
 
-    path = _leases(home or server_home()) / f"{flow_run_id}.json"
+    home = home or server_home()
+    path = _leases(home) / f"{flow_run_id}.json"
+    api_url = PREFECT_API_URL.value() or None
     lease = Lease(
         flow_run_id=str(flow_run_id),
         pid=os.getpid(),
         host=socket.gethostname(),
-        api_url=PREFECT_API_URL.value() or None,
+        api_url=api_url,
+        api=_api_identity(api_url, home) if api_url else None,
         started_at=_now(),
         process_start=_process_start(os.getpid()),
     )
@@ -435,20 +439,33 @@ def leased(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
+def _api_identity(api_url: str, home: Path) -> str:
+    """The history `api_url` writes to: the local server's database (whatever port it listens on), else the URL."""
+    record = _read_record(home)
+    if record is not None and record.url.rstrip("/") == api_url.rstrip("/"):
+        return f"local:{home.resolve()}"
+    return api_url.rstrip("/")
+
+
 def _dead_leases(home: Path, api_url: str) -> Iterator[tuple[Path, Lease]]:
     """Leases of this host, for `api_url`, whose process is gone (unreadable or very old leases are dropped)."""
     host = socket.gethostname()
+    current = _api_identity(api_url, home)
     for path in sorted(_leases(home).glob("*.json")):
+        age = 0.0
         try:
+            age = time.time() - path.stat().st_mtime
             lease = Lease.model_validate_json(path.read_bytes())
+        except FileNotFoundError:
+            continue  # its run just ended, or another command marked it
         except (OSError, ValueError):
-            if time.time() - path.stat().st_mtime > 60:  # not one being written right now
+            if age > 60:  # not one being written right now
                 path.unlink(missing_ok=True)
             continue
         if lease.host != host or _alive(lease.pid, lease.process_start):
             continue
-        if (lease.api_url or "").rstrip("/") != api_url.rstrip("/"):
-            if time.time() - path.stat().st_mtime > LEASE_MAX_AGE_S:
+        if (lease.api or (lease.api_url or "").rstrip("/")) != current:
+            if age > LEASE_MAX_AGE_S:
                 path.unlink(missing_ok=True)
             continue
         yield path, lease

@@ -167,6 +167,36 @@ def test_a_killed_run_is_marked_crashed_by_the_next_command(home: Path, url: str
             process.kill()
 
 
+def test_a_lease_follows_the_local_server_to_another_port(home: Path, url: str) -> None:
+    """The local server keeps its history when it restarts on another port: a lease taken before still counts."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Running
+
+    @flow(name="k6vsr-test-lease")
+    def nothing() -> None:
+        pass
+
+    with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        run = client.create_flow_run(nothing, state=Running())
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        lease = prefect_server.Lease(
+            flow_run_id=str(run.id),
+            pid=dead.pid,
+            host=os.uname().nodename,
+            api_url="http://127.0.0.1:1/api",  # the port the server had then
+            api=f"local:{home.resolve()}",
+            started_at="2026-01-01T00:00:00+00:00",
+        )
+        (home / "leases").mkdir(exist_ok=True)
+        (home / "leases" / f"{run.id}.json").write_text(lease.model_dump_json())
+        assert prefect_server.mark_crashed_runs(url, home) == [str(run.id)]
+        assert client.read_flow_run(run.id).state.name == "Crashed"
+    assert not (home / "leases" / f"{run.id}.json").exists()
+
+
 def test_a_run_that_ends_leaves_no_lease(home: Path, url: str) -> None:
     done = _python(SLEEPY_FLOW.replace("sleepy(float(sys.argv[1]))", "sleepy(0.0)"), _env(home))
     out, err = done.communicate(timeout=120)
