@@ -115,10 +115,15 @@ def _leases(home: Path) -> Path:
     return home / "leases"
 
 
+def _make_home(home: Path) -> None:
+    # Owner-only: the history names every clip and folder the user ran.
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
 @contextlib.contextmanager
 def _locked(home: Path) -> Iterator[None]:
     """The state folder's lock: one command at a time checks, starts or stops the server."""
-    home.mkdir(parents=True, exist_ok=True)
+    _make_home(home)
     with open(home / "server.lock", "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -231,12 +236,20 @@ os.replace(partial, record_path)
 """
 
 
+LOG_KEEP_BYTES = 1 << 20
+
+
 def _launch(home: Path, port: int) -> _Record:
     (home / "prefect").mkdir(parents=True, exist_ok=True)
+    log_path = _log_path(home)
+    with contextlib.suppress(OSError):
+        if log_path.stat().st_size > LOG_KEEP_BYTES:  # each start appends: keep the previous log, once
+            log_path.replace(log_path.with_suffix(".log.1"))
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
     launcher = subprocess.run(
         [sys.executable, "-c", _LAUNCHER, str(_record_path(home)), str(_log_path(home)), str(port), _now(), *command],
         env=_server_env(home),
+        cwd=home,  # never the command's folder, which the server would otherwise keep busy for its lifetime
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -411,7 +424,7 @@ def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterato
         process_start=_process_start(os.getpid()),
     )
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _make_home(home)
         atomic_write_bytes(path, lease.model_dump_json().encode())
     except OSError as err:  # a lease only helps the next command: never fail a run over it
         log.warning("could not write the flow run lease %s: %s", path, err)
