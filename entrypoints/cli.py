@@ -1,4 +1,4 @@
-"""The `k6vsr` command line: upscale, plan, demo, archive, gc and serve.
+"""The `k6vsr` command line: upscale, plan, demo, archive, gc, serve and server.
 
 Flag names follow SGLang's where they overlap, so its users recognise them. Errors a user can fix (a bad file, a bad
 value, a missing model) are printed as one line naming the cause, with exit code 2 and no traceback (unless
@@ -164,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--older-than-hours", type=float, default=0.0)
     gc.add_argument("--json", action="store_true")
     gc.add_argument("--debug", action="store_true")
+
+    server = commands.add_parser(
+        "server",
+        help="the local Prefect server that keeps every run's history (started by any command that needs it)",
+    )
+    server.add_argument("action", choices=("start", "stop", "status"))
+    server.add_argument("--json", action="store_true")
+    server.add_argument("--debug", action="store_true")
 
     serve = commands.add_parser(
         "serve",
@@ -403,7 +411,7 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
         raise UserFacingError(f"the output folder {args.output_dir} is the input folder; choose another one")
     _check_output_dir(output_dir)
     model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
-    # One API for every clip flow and worker (a configured server, else one temporary server for the command).
+    # One API for every clip flow and worker: the configured one, else the local server (started if absent).
     with prefect_api():
         state = upscale_archive(
             input_dir=str(source),
@@ -450,6 +458,35 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
+def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
+    """`k6vsr server start|stop|status`: the local server, whatever `PREFECT_API_URL` says (status names it)."""
+    from flows import prefect_server
+
+    if args.action == "start":
+        prefect_server.mark_crashed_runs(prefect_server.start_server())
+    elif args.action == "stop":
+        was_running = prefect_server.stop_server()
+        return {**prefect_server.server_status().model_dump(mode="json"), "stopped": was_running}
+    status = prefect_server.server_status()
+    if status.running and status.url:
+        prefect_server.mark_crashed_runs(status.url)
+    return status.model_dump(mode="json")
+
+
+def _print_server(result: dict[str, Any]) -> None:
+    if "stopped" in result:
+        print("stopped the local Prefect server" if result["stopped"] else "no local Prefect server was running")
+    elif result["running"]:
+        print(f"local Prefect server running: pid {result['pid']}, up {result['uptime_s']:.0f} s")
+        print(f"  UI:  {result['ui_url']}")
+        print(f"  API: {result['url']}")
+    else:
+        print("local Prefect server not running (the next command that runs a flow starts it)")
+    print(f"  home: {result['home']}")
+    if result.get("external_api_url"):
+        print(f"  note: PREFECT_API_URL is set; commands report to {result['external_api_url']}")
+
+
 def _print_human(command: str, result: dict[str, Any]) -> None:
     if command == "plan":
         for key, value in result.items():
@@ -465,6 +502,8 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
                 print(f"{key:>22}: {value}")
     elif command in ("upscale", "demo"):
         print("\n".join(summary_lines(result)))
+    elif command == "server":
+        _print_server(result)
     elif command == "gc":
         print(f"reclaimed {result['bytes_reclaimed']} bytes from {sum(r['deleted'] for r in result['runs'])} runs")
         for run in result["runs"]:
@@ -491,6 +530,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "gc": cmd_gc,
         "archive": cmd_archive,
         "serve": cmd_serve,
+        "server": cmd_server,
     }
     try:
         result = handlers[args.command](args)

@@ -20,8 +20,8 @@ from tqdm import tqdm
 from service.runs import PreparedRun
 from storage import RunStore
 
-# Prefect's terminal handler, set through the environment so that every process Prefect starts (its temporary server,
-# Dask workers) inherits it; the API handler, which feeds the UI, keeps every line.
+# Prefect's terminal handler, set through the environment so that every process a command starts (Dask workers, job
+# processes) inherits it; the API handler, which feeds the UI, keeps every line.
 CONSOLE_LEVEL_ENV = "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"
 
 

@@ -878,9 +878,9 @@ def serve(args: Any, spec: ModelSpec, store_root: Path) -> None:
     if not _is_loopback(args.host) and not (config.api_keys or config.admin_keys):
         log.warning("listening on %s without --api-key: anyone who can reach it can submit jobs", args.host)
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process would die on the
-    # spot, skipping the exit handlers that stop a temporary Prefect server. Exit through Python instead.
+    # spot, skipping the exit handlers that stop the job processes. Exit through Python instead.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    # Job processes report to one Prefect API: the configured one, else a temporary server for our lifetime.
+    # Job processes report to one Prefect API: the configured one, else the local server (started if absent).
     with prefect_api():
         uvicorn.run(
             create_app(config, spec),

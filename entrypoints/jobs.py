@@ -316,6 +316,7 @@ class WorkerSlot:
         now = int(time.time())
         if reply is None:  # the child died under this job: cancelled, stopping, or crashed
             code = self._reap()
+            _mark_crashed_runs()
             if self.runner.stopping.is_set():
                 return  # stays in_progress, input kept: the next server start resumes it
             store.update(
@@ -550,6 +551,15 @@ class JobRunner:
                 slot.process.wait(timeout=TERMINATE_GRACE_S)
         if self.janitor.is_alive():
             self.janitor.join(timeout=TERMINATE_GRACE_S)
+
+
+def _mark_crashed_runs() -> None:
+    """A child killed outright left its flow run "Running": mark it Crashed now, not at the next command."""
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        from flows.prefect_server import mark_crashed_runs
+
+        mark_crashed_runs(url)
 
 
 # ----------------------------------------------------------------------------------------------- the child

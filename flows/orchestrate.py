@@ -1,47 +1,18 @@
 """Running a flow from an entry point: the Prefect API it reports to and the task runner.
 
-Without `PREFECT_API_URL`, we start one temporary local Prefect server for the process and hand its address to every
-process it starts through the environment: Dask workers would otherwise each start their own (slow, and orphaned
-when a worker dies). Its usage analytics are off: on an offline machine they would only log connection errors.
+Every run reports to one Prefect API: `PREFECT_API_URL` when set, else the local server that lasts
+(`flows.prefect_server`), started on first use and left running so the UI keeps every run. Its address is handed to
+every process the command starts through the environment: Dask workers would otherwise each look for their own.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-
+from flows.prefect_server import prefect_api
 from flows.runners import make_task_runner
 from flows.upscale_clip import ClipSummary, upscale_clip
 from service.runs import ModelSpec, PreparedRun
 
-
-@contextmanager
-def prefect_api() -> Iterator[None]:
-    """The configured Prefect API, else a temporary server (analytics off) for as long as this process runs."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
-
-    if os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value():
-        yield
-        return
-    from prefect.server.api.server import SubprocessASGIServer
-
-    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"  # the server process reads its settings from here
-    server = SubprocessASGIServer()
-    server.start()
-    # Python's atexit (which stops the server) does not run on a default SIGTERM: exit through Python instead.
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    os.environ["PREFECT_API_URL"] = server.api_url
-    # The server stops when this process exits, after Prefect has flushed its logs to it.
-    try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_SERVER_ANALYTICS_ENABLED: False}):
-            yield
-    finally:
-        os.environ.pop("PREFECT_API_URL", None)
+__all__ = ["prefect_api", "run_clip"]
 
 
 def run_clip(

@@ -41,6 +41,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
+from flows.prefect_server import leased
 from flows.runners import make_task_runner, start_cluster, uses_processes
 from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import UserFacingError, describe_error
@@ -444,6 +445,7 @@ def upscale_one(
 
 
 @flow(name="upscale-archive", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
+@leased  # a run whose process is killed is marked Crashed by the next command
 def upscale_archive(
     input_dir: str | None = None,
     output_dir: str = "k6vsr-archive",

@@ -23,6 +23,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
+from flows.prefect_server import leased
 from flows.run_log import run_log
 from flows.stage_clock import StageClock
 from k6vsr_core import media
@@ -100,6 +101,7 @@ def _flow_run_name() -> str:
 
 
 @flow(name="upscale-clip", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
+@leased  # a run whose process is killed is marked Crashed by the next command
 def upscale_clip(
     source: str,
     output: str | None = None,

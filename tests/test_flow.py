@@ -294,13 +294,20 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
 
 @pytest.mark.slow
 def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: Path, tmp_path: Path) -> None:
-    """The real command without a configured Prefect API: it starts its own server (analytics off, so no telemetry
+    """The real command without a configured Prefect API: it starts the local server (analytics off, so no telemetry
     errors offline), and prints warnings, one line each, and a five-line summary; the task lines go to the run's log."""
+    from flows.prefect_server import stop_server
     from k6vsr_core.sample import make_sample_clip
 
     clip = make_sample_clip(tmp_path / "slow.mp4", width=64, height=64, num_frames=1, fps=12)
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300")
+    server_home = tmp_path / "server"
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect"),
+        K6VSR_SERVER_HOME=str(server_home),
+        K6VSR_SERVER_PORT="0",
+        K6VSR_SERVER_START_TIMEOUT="300",
+    )
     argv = [
         "upscale",
         str(clip),
@@ -313,9 +320,12 @@ def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: 
         "--store",
         str(tmp_path / "store"),
     ]
-    done = subprocess.run(
-        [sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=env, timeout=600
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=env, timeout=600
+        )
+    finally:
+        stop_server(server_home)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.splitlines() == [
         "k6vsr: warning: source frame rate 12 fps is below 24 fps; keeping every frame at 12 fps (no motion "

@@ -1,0 +1,531 @@
+"""The local Prefect server that lasts: one per user, started on demand, shared by every command, kept running.
+
+Its state folder (`$K6VSR_SERVER_HOME`, else `$K6VSR_HOME/prefect-server`, else
+`$XDG_STATE_HOME/k6vsr/prefect-server` or `~/.local/state/k6vsr/prefect-server`) holds:
+
+    prefect/      the server's own PREFECT_HOME (its database: the history the UI shows)
+    server.json   pid, port and URL of the running server, written atomically
+    server.log    what the server prints
+    server.lock   held (fcntl) while a command checks or starts the server, so racing commands start one
+    leases/       one file per flow run in progress here: the process that runs it
+
+The server runs detached, in its own session, so neither a terminal's Ctrl-C nor a killed command stops it. Its
+pid is recorded before it is healthy: a command killed while the server starts leaves a server the next command
+finds and waits for, never an unrecorded one. `PREFECT_API_URL` (environment or Prefect profile), when set, wins:
+no local server is started.
+
+A flow run holds a lease (`leased`) while its body runs. A process killed outright (SIGKILL, OOM) cannot tell the
+API its run ended, so the run would show "Running" forever; the next command that reaches the API finds the lease's
+process dead and marks the run Crashed (`mark_crashed_runs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import inspect
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import typing
+import urllib.request
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+from pydantic import BaseModel
+
+from storage.records import atomic_write_bytes
+
+log = logging.getLogger("k6vsr.prefect_server")
+
+DEFAULT_PORT = 4200  # Prefect's own default: the UI stays at one address while the port is free
+START_TIMEOUT_S = float(os.environ.get("K6VSR_SERVER_START_TIMEOUT", "180"))
+STOP_TIMEOUT_S = 20.0
+LEASE_MAX_AGE_S = 30 * 24 * 3600  # a lease whose API was never current again is dropped after this
+HOST = "127.0.0.1"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class ServerError(RuntimeError):
+    """The local Prefect server could not be started or reached."""
+
+
+class ServerStatus(BaseModel):
+    running: bool
+    pid: int | None = None
+    url: str | None = None
+    ui_url: str | None = None
+    home: str
+    log: str
+    started_at: str | None = None
+    uptime_s: float | None = None
+    external_api_url: str | None = None  # PREFECT_API_URL, when set: commands report there instead
+
+
+class _Record(BaseModel):
+    pid: int
+    port: int
+    url: str
+    started_at: str
+    process_start: int | None = None
+
+
+class Lease(BaseModel):
+    flow_run_id: str
+    pid: int
+    host: str
+    api_url: str | None
+    api: str | None = None  # which history the run is in (`_api_identity`): the local server keeps its across ports
+    started_at: str
+    process_start: int | None = None
+
+
+# ------------------------------------------------------------------------------------------------ the folder
+
+
+def server_home() -> Path:
+    explicit = os.environ.get("K6VSR_SERVER_HOME")
+    if explicit:
+        return Path(explicit).expanduser()
+    k6vsr_home = os.environ.get("K6VSR_HOME")
+    if k6vsr_home:
+        return Path(k6vsr_home).expanduser() / "prefect-server"
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "k6vsr" / "prefect-server"
+
+
+def _record_path(home: Path) -> Path:
+    return home / "server.json"
+
+
+def _log_path(home: Path) -> Path:
+    return home / "server.log"
+
+
+def _leases(home: Path) -> Path:
+    return home / "leases"
+
+
+def _make_home(home: Path) -> None:
+    # Owner-only: the history names every clip and folder the user ran.
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+@contextlib.contextmanager
+def _locked(home: Path) -> Iterator[None]:
+    """The state folder's lock: one command at a time checks, starts or stops the server."""
+    _make_home(home)
+    with open(home / "server.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _read_record(home: Path) -> _Record | None:
+    try:
+        return _Record.model_validate_json(_record_path(home).read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_record(home: Path, record: _Record) -> None:
+    atomic_write_bytes(_record_path(home), record.model_dump_json().encode())
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+# --------------------------------------------------------------------------------------------- processes
+
+
+def _process_start(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot): tells a live process from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19]) if fields[0] != "Z" else None
+
+
+def _alive(pid: int, process_start: int | None = None) -> bool:
+    """`pid` runs (not a zombie) and, where its start time was recorded, is the same process."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # some other user's process: alive, and not ours
+    started = _process_start(pid)
+    if started is None:
+        return not Path("/proc").is_dir()  # a zombie on Linux; elsewhere, trust kill(0)
+    return process_start is None or started == process_start
+
+
+def _healthy(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout) as response:
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def _pick_port() -> int:
+    wanted = int(os.environ.get("K6VSR_SERVER_PORT", DEFAULT_PORT))
+    if wanted and _port_free(wanted):
+        return wanted
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def _server_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_PROFILE")}
+    env.update(
+        PREFECT_HOME=str(home / "prefect"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",  # offline they would only log connection errors
+        PREFECT_SERVER_API_HOST=HOST,
+    )
+    return env
+
+
+# The launcher forks the server into its own session, records it and exits, so the server is nobody's child: a
+# long-lived command (`k6vsr serve`) never holds it as a zombie, and killing the command (or its process group)
+# never reaches it. The launcher, not the command, writes the record: a command killed right after the launch still
+# leaves a recorded server, which the next command finds and waits for.
+_LAUNCHER = """
+import json, os, subprocess, sys, time
+record_path, log_path, port, started_at = sys.argv[1:5]
+with open(log_path, "ab") as log:
+    process = subprocess.Popen(sys.argv[5:], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True, close_fds=True)
+try:
+    with open(f"/proc/{process.pid}/stat") as stat:
+        process_start = int(stat.read().rsplit(")", 1)[1].split()[19])
+except OSError:
+    process_start = None
+record = {"pid": process.pid, "port": int(port), "url": f"http://127.0.0.1:{port}/api", "started_at": started_at,
+          "process_start": process_start}
+partial = f"{record_path}.{os.getpid()}.partial"
+with open(partial, "w") as handle:
+    json.dump(record, handle)
+    handle.flush()
+    os.fsync(handle.fileno())
+os.replace(partial, record_path)
+"""
+
+
+LOG_KEEP_BYTES = 1 << 20
+
+
+def _launch(home: Path, port: int) -> _Record:
+    (home / "prefect").mkdir(parents=True, exist_ok=True)
+    log_path = _log_path(home)
+    with contextlib.suppress(OSError):
+        if log_path.stat().st_size > LOG_KEEP_BYTES:  # each start appends: keep the previous log, once
+            log_path.replace(log_path.with_suffix(".log.1"))
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
+    launcher = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, str(_record_path(home)), str(_log_path(home)), str(port), _now(), *command],
+        env=_server_env(home),
+        cwd=home,  # never the command's folder, which the server would otherwise keep busy for its lifetime
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        start_new_session=True,
+        check=False,
+        timeout=60,
+    )
+    record = _read_record(home)
+    if launcher.returncode != 0 or record is None:
+        raise ServerError(f"the Prefect server could not be launched: {launcher.stderr.strip()[-2000:]}")
+    return record
+
+
+def _log_tail(home: Path, chars: int = 2000) -> str:
+    try:
+        return _log_path(home).read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def _wait_healthy(home: Path, record: _Record, timeout: float) -> bool:
+    """True once the server answers; False if it died or did not answer within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _healthy(record.url):
+            return True
+        if not _alive(record.pid, record.process_start):
+            return False
+        time.sleep(0.3)
+    return False
+
+
+def _terminate(record: _Record, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM the server's process group, SIGKILL what is left after `timeout`."""
+    if not _alive(record.pid, record.process_start):
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(record.pid, sig)  # the server leads its own session and group
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _alive(record.pid, record.process_start):
+            time.sleep(0.1)
+        if not _alive(record.pid, record.process_start):
+            return
+
+
+# ------------------------------------------------------------------------------------------------ the API
+
+
+def configured_api_url() -> str | None:
+    """`PREFECT_API_URL` from the environment or the active Prefect profile, if any."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value() or None
+
+
+def start_server(home: Path | None = None) -> str:
+    """The local server's API URL: the running one, else one started now (exactly one, however many race)."""
+    home = home or server_home()
+    record = _read_record(home)
+    if record and _alive(record.pid, record.process_start) and _healthy(record.url):
+        return record.url
+    with _locked(home):
+        record = _read_record(home)
+        if record and _alive(record.pid, record.process_start):
+            # Started by a command that was killed before it was healthy, or busy: give it the start timeout.
+            if _wait_healthy(home, record, START_TIMEOUT_S):
+                return record.url
+            log.warning("the Prefect server %d at %s does not answer; restarting it", record.pid, record.url)
+            _terminate(record)
+        _record_path(home).unlink(missing_ok=True)
+        last_error = ""
+        for _attempt in range(2):  # a port taken between the check and the bind: once more on another port
+            record = _launch(home, _pick_port())
+            if _wait_healthy(home, record, START_TIMEOUT_S):
+                return record.url
+            alive = _alive(record.pid, record.process_start)
+            _terminate(record)
+            _record_path(home).unlink(missing_ok=True)
+            last_error = _log_tail(home)
+            if alive:
+                raise ServerError(
+                    f"the Prefect server did not answer within {START_TIMEOUT_S:g} s (K6VSR_SERVER_START_TIMEOUT); "
+                    f"its log {_log_path(home)} ends:\n{last_error}"
+                )
+        raise ServerError(f"the Prefect server exited while starting; its log {_log_path(home)} ends:\n{last_error}")
+
+
+def ensure_server() -> str:
+    """The API URL every command reports to: `PREFECT_API_URL` if set, else the local server (started if absent).
+
+    Flow runs whose process died without ending them are marked Crashed on the way.
+    """
+    url = configured_api_url() or start_server()
+    mark_crashed_runs(url)
+    return url
+
+
+def stop_server(home: Path | None = None) -> bool:
+    """Stop the local server; False if none was running."""
+    home = home or server_home()
+    with _locked(home):
+        record = _read_record(home)
+        running = record is not None and _alive(record.pid, record.process_start)
+        if record is not None:
+            _terminate(record)
+        _record_path(home).unlink(missing_ok=True)
+    return running
+
+
+def server_status(home: Path | None = None) -> ServerStatus:
+    home = home or server_home()
+    record = _read_record(home)
+    external = os.environ.get("PREFECT_API_URL") or None
+    base = ServerStatus(running=False, home=str(home), log=str(_log_path(home)), external_api_url=external)
+    if record is None or not _alive(record.pid, record.process_start) or not _healthy(record.url):
+        return base
+    started = datetime.fromisoformat(record.started_at)
+    return base.model_copy(
+        update={
+            "running": True,
+            "pid": record.pid,
+            "url": record.url,
+            "ui_url": record.url.removesuffix("/api"),
+            "started_at": record.started_at,
+            "uptime_s": round((datetime.now(UTC) - started).total_seconds(), 1),
+        }
+    )
+
+
+@contextlib.contextmanager
+def prefect_api() -> Iterator[str]:
+    """Report to `ensure_server()`'s API for the block; child processes (Dask workers, job processes) inherit it."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
+
+    url = ensure_server()
+    saved = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_SERVER_ANALYTICS_ENABLED: False}):
+            yield url
+    finally:
+        if saved is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = saved
+
+
+# ------------------------------------------------------------------------------------------------- leases
+
+
+@contextlib.contextmanager
+def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterator[None]:
+    """While the block runs, a lease names this process as the one running `flow_run_id`."""
+    if not flow_run_id:
+        yield
+        return
+    from prefect.settings import PREFECT_API_URL
+
+    home = home or server_home()
+    path = _leases(home) / f"{flow_run_id}.json"
+    api_url = PREFECT_API_URL.value() or None
+    lease = Lease(
+        flow_run_id=str(flow_run_id),
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        api_url=api_url,
+        api=_api_identity(api_url, home) if api_url else None,
+        started_at=_now(),
+        process_start=_process_start(os.getpid()),
+    )
+    try:
+        _make_home(home)
+        atomic_write_bytes(path, lease.model_dump_json().encode())
+    except OSError as err:  # a lease only helps the next command: never fail a run over it
+        log.warning("could not write the flow run lease %s: %s", path, err)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def leased(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorate a flow's function (below `@flow`) so its run holds a lease while its body runs."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from prefect.runtime import flow_run
+
+        with flow_run_lease(flow_run.id):
+            return fn(*args, **kwargs)
+
+    # Prefect reads the parameters' types from the function it is given, resolving names in that function's module:
+    # hand it the types themselves, as `fn`'s module resolves them, not names this module does not know.
+    with contextlib.suppress(NameError, TypeError):
+        wrapper.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = typing.get_type_hints(fn)
+    return wrapper
+
+
+def _api_identity(api_url: str, home: Path) -> str:
+    """The history `api_url` writes to: the local server's database (whatever port it listens on), else the URL."""
+    record = _read_record(home)
+    if record is not None and record.url.rstrip("/") == api_url.rstrip("/"):
+        return f"local:{home.resolve()}"
+    return api_url.rstrip("/")
+
+
+def _dead_leases(home: Path, api_url: str) -> Iterator[tuple[Path, Lease]]:
+    """Leases of this host, for `api_url`, whose process is gone (unreadable or very old leases are dropped)."""
+    host = socket.gethostname()
+    current = _api_identity(api_url, home)
+    for path in sorted(_leases(home).glob("*.json")):
+        age = 0.0
+        try:
+            age = time.time() - path.stat().st_mtime
+            lease = Lease.model_validate_json(path.read_bytes())
+        except FileNotFoundError:
+            continue  # its run just ended, or another command marked it
+        except (OSError, ValueError):
+            if age > 60:  # not one being written right now
+                path.unlink(missing_ok=True)
+            continue
+        if lease.host != host or _alive(lease.pid, lease.process_start):
+            continue
+        if (lease.api or (lease.api_url or "").rstrip("/")) != current:
+            if age > LEASE_MAX_AGE_S:
+                path.unlink(missing_ok=True)
+            continue
+        yield path, lease
+
+
+def mark_crashed_runs(api_url: str, home: Path | None = None) -> list[str]:
+    """Mark Crashed the runs on `api_url` whose process died holding their lease; never raises.
+
+    Returns the ids of the runs marked. A run already in a final state (its process ended it, then died) is left.
+    """
+    home = home or server_home()
+    try:
+        dead = list(_dead_leases(home, api_url))
+    except OSError as err:
+        log.warning("could not read the flow run leases in %s: %s", _leases(home), err)
+        return []
+    if not dead:
+        return []
+    try:
+        return _mark(api_url, dead)
+    except Exception as err:  # noqa: BLE001 - marking is a courtesy to the UI: a command never fails over it
+        log.warning("could not mark crashed flow runs on %s: %s", api_url, err)
+        return []
+
+
+def _mark(api_url: str, dead: list[tuple[Path, Lease]]) -> list[str]:
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Crashed
+
+    marked = []
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        for path, lease in dead:
+            try:
+                run = client.read_flow_run(UUID(lease.flow_run_id))
+            except ObjectNotFound:
+                path.unlink(missing_ok=True)
+                continue
+            if run.state is None or not run.state.is_final():
+                message = (
+                    f"process {lease.pid} on {lease.host}, which ran this flow run since {lease.started_at}, "
+                    "died without ending it (killed or out of memory)"
+                )
+                client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+                marked.append(lease.flow_run_id)
+            path.unlink(missing_ok=True)
+    return marked

@@ -1,0 +1,219 @@
+"""The local Prefect server that lasts: started once however many commands race, reused, stopped, and the runs of a
+killed process marked Crashed. Every test works in its own state folder, on a free port, with `PREFECT_API_URL`
+unset, and the servers started here are stopped at the end; one server is shared by the whole module (a start costs
+10-15 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+
+from flows import prefect_server
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "PREFECT_API_URL"}
+    env.update(
+        K6VSR_SERVER_HOME=str(home),
+        K6VSR_SERVER_PORT="0",  # any free port: never the user's 4200
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        PREFECT_LOGGING_TO_API_ENABLED="false",
+        **extra,
+    )
+    return env
+
+
+def _python(code: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _servers_of(home: Path) -> list[int]:
+    """The pids of every process started as the server of `home` (its PREFECT_HOME is in their environment)."""
+    marker = f"PREFECT_HOME={home / 'prefect'}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker in (proc / "environ").read_bytes().split(b"\0") and (proc / "stat").read_text().split()[2] != "Z":
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+ENSURE = "from flows.prefect_server import ensure_server; print(ensure_server())"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    home = tmp_path_factory.mktemp("server-home")
+    yield home
+    prefect_server.stop_server(home)
+    for pid in _servers_of(home):  # whatever a failed test left: never a stray server
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def url(home: Path) -> str:
+    """Three commands racing to start the server: one server, one URL for all."""
+    racers = [_python(ENSURE, _env(home)) for _ in range(3)]
+    outputs = [racer.communicate(timeout=240) for racer in racers]
+    for racer, (_, err) in zip(racers, outputs, strict=True):
+        assert racer.returncode == 0, err[-3000:]
+    urls = {out.strip().splitlines()[-1] for out, _ in outputs}
+    assert len(urls) == 1, urls
+    return urls.pop()
+
+
+def test_racing_commands_start_one_server_that_status_reports(home: Path, url: str) -> None:
+    assert len(_servers_of(home)) == 1
+    record = json.loads((home / "server.json").read_text())
+    status = prefect_server.server_status(home)
+    assert status.running and status.url == url and status.pid == record["pid"]
+    assert status.ui_url == url.removesuffix("/api") and status.uptime_s is not None
+    assert (home / "prefect").is_dir() and (home / "server.log").is_file()
+    # The server is nobody's child and leads its own session: killing a command's process group never reaches it.
+    stat = Path(f"/proc/{record['pid']}/stat").read_text()
+    ppid, pgid, sid = (int(field) for field in stat[stat.rindex(")") + 2 :].split()[1:4])
+    assert pgid == sid == record["pid"] and ppid != os.getpid()
+
+
+def test_a_later_command_reuses_the_server(home: Path, url: str) -> None:
+    pid = json.loads((home / "server.json").read_text())["pid"]
+    started = time.monotonic()
+    again = _python(ENSURE, _env(home))
+    out, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err[-3000:]
+    assert out.strip().splitlines()[-1] == url
+    assert json.loads((home / "server.json").read_text())["pid"] == pid and _servers_of(home) == [pid]
+    assert time.monotonic() - started < 60  # no new server was waited for
+
+
+def test_prefect_api_url_wins(tmp_path: Path) -> None:
+    configured = "http://127.0.0.1:9/api"
+    done = _python(ENSURE, _env(tmp_path / "unused", PREFECT_API_URL=configured))
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, err[-3000:]
+    assert out.strip().splitlines()[-1] == configured
+    assert not (tmp_path / "unused" / "server.json").exists() and not _servers_of(tmp_path / "unused")
+
+
+SLEEPY_FLOW = """
+import sys, time
+from prefect import flow
+from prefect.runtime import flow_run
+from flows.prefect_server import leased, prefect_api
+
+@flow(name="k6vsr-test-sleepy")
+@leased
+def sleepy(seconds: float) -> None:
+    print("RUN", flow_run.id, flush=True)
+    time.sleep(seconds)
+
+with prefect_api():
+    sleepy(float(sys.argv[1]))
+"""
+
+
+def test_a_killed_run_is_marked_crashed_by_the_next_command(home: Path, url: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLEEPY_FLOW, "120"],
+        env=_env(home),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        run_id = ""
+        for line in process.stdout:  # printed inside the flow, once its lease is held
+            if line.startswith("RUN "):
+                run_id = line.split()[1]
+                break
+        assert run_id, "the flow did not start"
+        lease = home / "leases" / f"{run_id}.json"
+        assert lease.is_file()
+        with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+            assert client.read_flow_run(UUID(run_id)).state.name == "Running"
+            process.kill()
+            process.wait(timeout=30)
+            assert client.read_flow_run(UUID(run_id)).state.name == "Running"  # nobody told the API
+            nxt = _python(ENSURE, _env(home))
+            _, err = nxt.communicate(timeout=120)
+            assert nxt.returncode == 0, err[-3000:]
+            state = client.read_flow_run(UUID(run_id)).state
+        assert state.name == "Crashed" and f"process {process.pid}" in state.message
+        assert not lease.exists()
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_a_lease_follows_the_local_server_to_another_port(home: Path, url: str) -> None:
+    """The local server keeps its history when it restarts on another port: a lease taken before still counts."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Running
+
+    @flow(name="k6vsr-test-lease")
+    def nothing() -> None:
+        pass
+
+    with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        run = client.create_flow_run(nothing, state=Running())
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        lease = prefect_server.Lease(
+            flow_run_id=str(run.id),
+            pid=dead.pid,
+            host=os.uname().nodename,
+            api_url="http://127.0.0.1:1/api",  # the port the server had then
+            api=f"local:{home.resolve()}",
+            started_at="2026-01-01T00:00:00+00:00",
+        )
+        (home / "leases").mkdir(exist_ok=True)
+        (home / "leases" / f"{run.id}.json").write_text(lease.model_dump_json())
+        assert prefect_server.mark_crashed_runs(url, home) == [str(run.id)]
+        assert client.read_flow_run(run.id).state.name == "Crashed"
+    assert not (home / "leases" / f"{run.id}.json").exists()
+
+
+def test_a_run_that_ends_leaves_no_lease(home: Path, url: str) -> None:
+    done = _python(SLEEPY_FLOW.replace("sleepy(float(sys.argv[1]))", "sleepy(0.0)"), _env(home))
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, err[-3000:]
+    run_id = next(line.split()[1] for line in out.splitlines() if line.startswith("RUN "))
+    assert not (home / "leases" / f"{run_id}.json").exists()
+    assert prefect_server.mark_crashed_runs(url, home) == []
+
+
+def test_server_command_stops_it_and_leaves_no_process(home: Path, url: str) -> None:
+    cli = [sys.executable, "-m", "entrypoints.cli", "server"]
+    status = subprocess.run([*cli, "status", "--json"], env=_env(home), cwd=ROOT, capture_output=True, text=True)
+    assert status.returncode == 0, status.stderr[-3000:]
+    assert json.loads(status.stdout)["running"] is True
+    stop = subprocess.run([*cli, "stop", "--json"], env=_env(home), cwd=ROOT, capture_output=True, text=True)
+    assert stop.returncode == 0, stop.stderr[-3000:]
+    assert json.loads(stop.stdout)["stopped"] is True
+    assert _servers_of(home) == [] and not (home / "server.json").exists()
+    assert not prefect_server.server_status(home).running
+    assert prefect_server.stop_server(home) is False
