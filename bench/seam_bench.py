@@ -33,7 +33,11 @@ from k6vsr_core.sample import make_sample_clip  # noqa: E402
 from k6vsr_core.windows import segment_frames, segment_range  # noqa: E402
 
 
-def render_windows(source: Path, bundle: object, params: UpscaleParams) -> tuple[object, list[np.ndarray]]:
+def render_windows(
+    source: Path, bundle: object, params: UpscaleParams, independent_noise: bool = False
+) -> tuple[object, list[np.ndarray]]:
+    """Every window's delivered frames; with `independent_noise`, each window draws other noise (the alternative
+    policy: seed + 1000 x window + first tile) instead of k6vsr's same noise in every window."""
     clip = read_source(source, params, model_traits(bundle.info))  # type: ignore[attr-defined]
     plan = clip.plan
     renders = []
@@ -41,12 +45,30 @@ def render_windows(source: Path, bundle: object, params: UpscaleParams) -> tuple
         latent = stages.encode_clip(bundle, stages.prepare_window(read_window(clip, window), plan, window))
         tiles = []
         for chunk in plan.chunks:
+            if independent_noise:
+                chunk = chunk.model_copy(update={"seed": chunk.seed + 1000 * window.index})
             denoised = stages.denoise_chunk(bundle, stages.cut_tiles(latent, plan, chunk.tiles), chunk, plan)
             tiles += [
                 (tile, stages.decode_tile(bundle, value)) for tile, value in zip(chunk.tiles, denoised, strict=True)
             ]
         renders.append(stages.tensor_to_frames(stages.deliver(stages.blend(plan, tiles, window), plan)))
     return plan, renders
+
+
+def _repeat_first_frame(source: Path, path: Path, frames: int) -> Path:
+    """A clip of `frames` copies of `source`'s first frame (losslessly the same picture in every frame)."""
+    import av
+
+    from k6vsr_core import media
+
+    picture = media.read_frames(source, [0])[0]
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264rgb", rate=24, options={"qp": "0"})
+        stream.width, stream.height, stream.pix_fmt = picture.shape[1], picture.shape[0], "rgb24"
+        for _ in range(frames):
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(picture, format="rgb24")))
+        container.mux(stream.encode(None))
+    return path
 
 
 def changes(frames: np.ndarray) -> np.ndarray:
@@ -60,7 +82,8 @@ def join_report(plan: object, video: np.ndarray) -> dict[str, float]:
     inside = np.delete(step, joins)
     worst = float(max(step[j] for j in joins)) if joins else 0.0
     median = float(np.median(inside))
-    return {"inside_median": round(median, 3), "worst_join": round(worst, 3), "join_jump": round(worst / median, 2)}
+    jump = round(worst / median, 2) if median else (0.0 if worst == 0 else float("inf"))
+    return {"inside_median": round(median, 3), "worst_join": round(worst, 3), "join_jump": jump}
 
 
 def main() -> int:
@@ -69,16 +92,20 @@ def main() -> int:
     parser.add_argument("--frames", type=int, default=250)
     parser.add_argument("--overlap", type=int, default=16)
     parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--static", action="store_true", help="a clip whose every frame is the same picture")
+    parser.add_argument("--independent-noise", action="store_true", help="other noise in every window")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         path = args.bundle or make_tiny_bundle(Path(folder) / "tiny")
         bundle = load_bundle(str(path))
         source = make_sample_clip(
-            Path(folder) / "clip.mp4", width=args.size, height=args.size, num_frames=args.frames, fps=24
+            Path(folder) / "clip.mp4", width=args.size, height=args.size, num_frames=1 if args.static else args.frames
         )
+        if args.static:
+            source = _repeat_first_frame(source, Path(folder) / "static.mp4", args.frames)
         params = UpscaleParams(scale=2, window_overlap=args.overlap)
-        plan, renders = render_windows(source, bundle, params)
+        plan, renders = render_windows(source, bundle, params, args.independent_noise)
     faded = np.concatenate(
         [segment_frames(plan.windows, i, renders[i], renders[i - 1] if i else None) for i in range(plan.num_windows)]
     )
@@ -88,6 +115,8 @@ def main() -> int:
     report = {
         "frames": args.frames,
         "overlap": args.overlap,
+        "static": args.static,
+        "noise": "independent per window" if args.independent_noise else "the same in every window (k6vsr)",
         "windows": [[w.start, w.stop] for w in plan.windows],
         "cross_fade": join_report(plan, faded),
         "hard_cut": join_report(plan, cut),

@@ -321,3 +321,30 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
     browser.switch_to.window(browser.window_handles[-1])
     _wait(browser, lambda d: d.current_url.endswith(f"/runs/flow-run/{dawn.id}"), "the clip run the manifest links")
     _wait_text(browser, "upscale-dawn.mp4", "Completed")
+
+
+def test_a_killed_run_is_shown_crashed_after_the_next_command(
+    prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, browser
+) -> None:
+    """`k6vsr upscale` SIGKILLed in the middle of a tile: its run stays Running in the API until the next command
+    (here `k6vsr server status`) finds its process dead; from then on the UI shows it Crashed."""
+    import subprocess
+    import sys
+
+    import fault_harness
+
+    clip = make_sample_clip(tmp_path / "killed.mp4", width=96, height=64, num_frames=1)
+    argv = ["upscale", str(clip), "--scale", "2", "--model", str(tiny_bundle_path), "--device", "cpu",
+            "--store", str(tmp_path / "store"), "-o", str(tmp_path / "out"), "--json"]  # fmt: skip
+    (killed,) = fault_harness.run_all([fault_harness.command(*argv, specs=("kill@decode",))])
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    run = _flow_run("upscale-killed.mp4")
+    assert run.state.name == "Running"
+    status = subprocess.run(
+        [sys.executable, "-m", "entrypoints.cli", "server", "status", "--json"], capture_output=True, text=True
+    )
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert _flow_run(run_id=run.id).state.name == "Crashed"
+    browser.get(f"{prefect_server.removesuffix('/api')}/runs/flow-run/{run.id}")
+    _wait_text(browser, run.name, "Crashed")
+    _screenshot(browser, tmp_path, "killed-run.png")

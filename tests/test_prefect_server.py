@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -204,6 +205,68 @@ def test_a_run_that_ends_leaves_no_lease(home: Path, url: str) -> None:
     run_id = next(line.split()[1] for line in out.splitlines() if line.startswith("RUN "))
     assert not (home / "leases" / f"{run_id}.json").exists()
     assert prefect_server.mark_crashed_runs(url, home) == []
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                children.setdefault(int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(
+                    int(proc.name)
+                )
+            except (OSError, IndexError, ValueError):
+                continue
+    found, stack = set(), [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.add(child)
+            stack.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_killed_http_server_orphans_no_prefect_server(
+    home: Path, url: str, tiny_bundle_path: Path, tmp_path: Path
+) -> None:
+    """`k6vsr serve` SIGKILLed: no process of its own survives, and the Prefect server it used is the lasting one."""
+    import httpx
+
+    servers = set(_servers_of(home))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--store", str(tmp_path / "store"), "--model", str(tiny_bundle_path), "--device", "cpu"],
+        env=_env(home), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert serve.poll() is None, "k6vsr serve exited"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        children = _descendants(serve.pid)
+        serve.kill()
+        serve.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in children if _alive(pid)], "a process of the killed server survived it"
+        assert set(_servers_of(home)) == servers and prefect_server.server_status(home).running
+    finally:
+        if serve.poll() is None:
+            serve.kill()
 
 
 def test_server_command_stops_it_and_leaves_no_process(home: Path, url: str) -> None:
