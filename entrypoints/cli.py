@@ -468,8 +468,10 @@ def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
         was_running = prefect_server.stop_server()
         return {**prefect_server.server_status().model_dump(mode="json"), "stopped": was_running}
     status = prefect_server.server_status()
-    if status.running and status.url:
-        prefect_server.mark_crashed_runs(status.url)
+    # The runs that commands report to: those of PREFECT_API_URL when it is set, else the local server's.
+    url = prefect_server.configured_api_url() or (status.url if status.running else None)
+    if url:
+        prefect_server.mark_crashed_runs(url)
     return status.model_dump(mode="json")
 
 
