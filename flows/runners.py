@@ -1,11 +1,37 @@
-"""Task runners: in-process threads by default, or Dask worker processes (local, GPU-pinned, or remote)."""
+"""Task runners: the warm workers when they run, else in-process threads, or Dask worker processes on request."""
 
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
+
+log = logging.getLogger("k6vsr.workers")
+
+# "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
+USE_WARM_ENV = "K6VSR_WARM_WORKERS"
+
+
+def warm_address() -> str | None:
+    """The running warm workers' scheduler (`k6vsr workers start`), unless K6VSR_WARM_WORKERS=off."""
+    if os.environ.get(USE_WARM_ENV, "").lower() in ("off", "0", "false", "no"):
+        return None
+    from flows.warm_workers import running_address
+
+    return running_address()
+
+
+def resolve_address(workers: int, gpus: bool, dask_address: str | None) -> str | None:
+    """The scheduler tiles go to: the one given, else the warm workers when nothing else is asked for and they run."""
+    if dask_address or workers > 1 or gpus:
+        return dask_address
+    address = warm_address()
+    if address:
+        log.info("tiles run on the warm workers at %s (k6vsr workers status)", address)
+    return address
 
 
 def uses_processes(workers: int, gpus: bool, dask_address: str | None) -> bool:
@@ -35,11 +61,13 @@ def start_cluster(workers: int, gpus: bool) -> Any:
 
 
 def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bool = False) -> Any:
-    """One process per worker for `workers > 1`; threads (so a decode overlaps the next denoise) otherwise.
+    """One process per worker for `workers > 1`; the warm workers when they run and nothing else is asked for;
+    threads (so a decode overlaps the next denoise) otherwise.
 
     With `gpus`, dask-cuda's LocalCUDACluster starts one worker per visible GPU (or `workers` of them), each pinned
     to its GPU; with `dask_address`, tiles go to an existing Dask scheduler, possibly spanning machines.
     """
+    dask_address = resolve_address(workers, gpus, dask_address)
     if not uses_processes(workers, gpus, dask_address):
         return ThreadPoolTaskRunner(max_workers=2)
     from prefect_dask import DaskTaskRunner
