@@ -7,7 +7,7 @@ import logging
 import os
 from typing import Any
 
-from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 log = logging.getLogger("k6vsr.workers")
 
@@ -76,3 +76,32 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
         return DaskTaskRunner(address=dask_address)
     cluster_class, cluster_kwargs = cluster_spec(workers, gpus)
     return DaskTaskRunner(cluster_class=cluster_class, cluster_kwargs=cluster_kwargs)
+
+
+class WarmOrThreadsTaskRunner(TaskRunner):
+    """A flow's default runner that picks at each run: the warm workers while they run, else two threads.
+
+    A flow run started by a deployment (prefect.yaml) gets its flow's default runner; this one chooses when the run
+    starts, not when the flow is imported. The engine keeps what `__enter__` returns as the run's runner, so tasks
+    are submitted to the chosen runner itself (a DaskTaskRunner or a ThreadPoolTaskRunner) and nothing else can tell
+    the difference.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._chosen: Any = None
+
+    def duplicate(self) -> WarmOrThreadsTaskRunner:
+        return type(self)()
+
+    def __enter__(self) -> Any:
+        self._chosen = make_task_runner()
+        return self._chosen.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._chosen is not None:
+            self._chosen.__exit__(*exc_info)
+            self._chosen = None
+
+    def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None, dependencies: Any = None) -> Any:
+        raise RuntimeError("WarmOrThreadsTaskRunner submits through the runner it chose when the run started")

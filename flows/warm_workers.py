@@ -377,6 +377,9 @@ def _supervise(home: Path, count: int, devices: list[str], model_json: str | Non
     # The nanny's defaults: OpenMP/BLAS on one thread (replaced per worker below) and malloc trimming at 64 KiB,
     # which turns off glibc's adaptive mmap threshold so every tile-sized buffer is mapped and faulted in anew.
     dask.config.set({"distributed.nanny.pre-spawn-environ": {}})
+    # A worker that dies is restarted by its nanny, which takes a while (imports, the model); the cluster must not
+    # give up on it after its default 15 s and close the nanny, which would leave one worker fewer for good.
+    dask.config.set({"distributed.deploy.lost-worker-timeout": "7 days"})
     if model_json:
         os.environ[MODEL_ENV] = model_json
     workers = {
@@ -410,8 +413,13 @@ def _supervise(home: Path, count: int, devices: list[str], model_json: str | Non
         )
         _write_record(home, record)
         print(f"warm workers ready at {cluster.scheduler_address}: {count} workers", flush=True)
+        checked = time.monotonic()
         while not stop:
             time.sleep(0.5)
+            if time.monotonic() - checked > 30:  # a nanny that gave up (its worker would not start): start it again
+                checked = time.monotonic()
+                if set(cluster.worker_spec) - set(cluster.workers):
+                    cluster.sync(cluster._correct_state)
             current = _read_record(home)
             if current is not None and current.pid == pid and current.address is None:
                 _write_record(home, record)  # the starting command wrote its own over ours: put ours back
