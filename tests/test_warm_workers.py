@@ -114,7 +114,9 @@ def test_runs_use_the_warm_workers_and_keep_the_model(
     assert again.tiles_computed == again.tiles_total
     assert (tmp_path / "b.mp4").read_bytes() == reference
     assert model_cache.loaded_count() == 0
-    assert _infos(cluster.address) == first  # same pids, same models, no new load
+    second = _infos(cluster.address)
+    assert {name: info["pid"] for name, info in second.items()} == {n: i["pid"] for n, i in first.items()}
+    assert all(len(info["loads"]) <= 1 for info in second.values())  # each worker loaded the model once
 
 
 def test_a_model_switch_loads_the_other_model(
