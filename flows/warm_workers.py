@@ -21,7 +21,6 @@ must never be restarted for its size.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -62,6 +61,13 @@ class WorkersRecord(BaseModel):
     model: str | None = None  # the ModelSpec (JSON) loaded at start, if any
     address: str | None = None  # set by the supervisor once every worker is up
     dashboard: str | None = None
+
+
+class SupervisorArgs(BaseModel):
+    home: str
+    workers: int
+    gpus: list[str] = []
+    model: str | None = None
 
 
 class WorkerInfo(BaseModel):
@@ -200,11 +206,8 @@ def _launch(home: Path, count: int, devices: list[str], model_json: str | None) 
     with contextlib.suppress(OSError):
         if log_path.stat().st_size > 1 << 20:
             log_path.replace(log_path.with_suffix(".log.1"))
-    argv = [sys.executable, "-m", "flows.warm_workers", "--home", str(home), "--workers", str(count)]
-    if devices:
-        argv += ["--gpus", ",".join(devices)]
-    if model_json:
-        argv += ["--model", model_json]
+    supervisor = SupervisorArgs(home=str(home), workers=count, gpus=devices, model=model_json)
+    argv = [sys.executable, "-m", "flows.warm_workers", supervisor.model_dump_json()]
     env = dict(os.environ)
     # The supervisor runs from its state folder: the workers must import k6vsr wherever the command ran from.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -429,15 +432,10 @@ def _supervise(home: Path, count: int, devices: list[str], model_json: str | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="the warm workers' supervisor (started by `k6vsr workers start`)")
-    parser.add_argument("--home", required=True)
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--gpus", default="")
-    parser.add_argument("--model", default=None)
-    args = parser.parse_args(argv)
+    """The supervisor: `python -m flows.warm_workers '<SupervisorArgs as JSON>'` (what `start_workers` runs)."""
+    args = SupervisorArgs.model_validate_json((argv or sys.argv[1:])[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    devices = [gpu for gpu in args.gpus.split(",") if gpu]
-    _supervise(Path(args.home), args.workers, devices, args.model)
+    _supervise(Path(args.home), args.workers, args.gpus, args.model)
 
 
 if __name__ == "__main__":
