@@ -104,7 +104,7 @@ def _param_flags(parser: argparse.ArgumentParser) -> None:
 def _run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default=None, help="run store root (env K6VSR_STORE; default: per-user cache)")
     parser.add_argument("--workers", type=int, default=1, help="worker processes for tiles (default 1: in-process)")
-    parser.add_argument("--gpus", action="store_true", help="one Dask worker per GPU (dask-cuda)")
+    parser.add_argument("--gpus", action="store_true", help="one Dask worker per GPU")
     parser.add_argument("--dask-address", default=None, help="run tiles on an existing Dask scheduler")
     parser.add_argument("--compile", action="store_true", help="compile the DiT and KVAE decoder (GPU fast path)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary on stdout")

@@ -39,12 +39,10 @@ def uses_processes(workers: int, gpus: bool, dask_address: str | None) -> bool:
 
 
 def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:
-    """The local Dask cluster for tiles: one worker per GPU (dask-cuda pins each), or `workers` CPU processes."""
+    """The local Dask cluster for tiles: one worker per GPU (pinned by CUDA_VISIBLE_DEVICES), or `workers` CPU
+    processes."""
     if gpus:
-        return "dask_cuda.LocalCUDACluster", {
-            "threads_per_worker": 1,
-            **({"n_workers": workers} if workers > 1 else {}),
-        }
+        return "flows.warm_workers.gpu_cluster", {"n_workers": workers if workers > 1 else 0}
     return "distributed.LocalCluster", {
         "n_workers": workers,
         "processes": True,
@@ -64,8 +62,9 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
     """One process per worker for `workers > 1`; the warm workers when they run and nothing else is asked for;
     threads (so a decode overlaps the next denoise) otherwise.
 
-    With `gpus`, dask-cuda's LocalCUDACluster starts one worker per visible GPU (or `workers` of them), each pinned
-    to its GPU; with `dask_address`, tiles go to an existing Dask scheduler, possibly spanning machines.
+    With `gpus`, one worker per visible GPU (or `workers` of them), each pinned to its GPU
+    (`flows.warm_workers.gpu_cluster`); with `dask_address`, tiles go to an existing Dask scheduler, possibly
+    spanning machines.
     """
     dask_address = resolve_address(workers, gpus, dask_address)
     if not uses_processes(workers, gpus, dask_address):

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -365,26 +366,11 @@ def _worker_env(devices: list[str], index: int, count: int) -> dict[str, str]:
     return env
 
 
-def _supervise(home: Path, count: int, devices: list[str], model_json: str | None) -> None:
+def make_cluster(devices: list[str], count: int) -> Any:
+    """A local cluster of `count` workers (one per GPU of `devices` when given), with the settings above."""
     import dask
     from distributed import Nanny, Scheduler, SpecCluster
 
-    stop = False
-
-    def on_signal(*_: object) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    # The nanny's defaults: OpenMP/BLAS on one thread (replaced per worker below) and malloc trimming at 64 KiB,
-    # which turns off glibc's adaptive mmap threshold so every tile-sized buffer is mapped and faulted in anew.
-    dask.config.set({"distributed.nanny.pre-spawn-environ": {}})
-    # A worker that dies is restarted by its nanny, which takes a while (imports, the model); the cluster must not
-    # give up on it after its default 15 s and close the nanny, which would leave one worker fewer for good.
-    dask.config.set({"distributed.deploy.lost-worker-timeout": "7 days"})
-    if model_json:
-        os.environ[MODEL_ENV] = model_json
     workers = {
         (f"gpu-{devices[i]}" if devices else f"cpu-{i}"): {
             "cls": Nanny,
@@ -399,7 +385,41 @@ def _supervise(home: Path, count: int, devices: list[str], model_json: str | Non
         for i in range(count)
     }
     scheduler = {"cls": Scheduler, "options": {"host": HOST, "port": 0, "dashboard_address": f"{HOST}:0"}}
-    cluster = SpecCluster(workers=workers, scheduler=scheduler, name="k6vsr-warm-workers")
+    # The nanny's defaults: OpenMP/BLAS on one thread (replaced per worker above) and malloc trimming at 64 KiB,
+    # which turns off glibc's adaptive mmap threshold so every tile-sized buffer is mapped and faulted in anew.
+    # A worker that dies is restarted by its nanny, which takes a while (imports, the model); the cluster must not
+    # give up on it after its default 15 s and close the nanny, which would leave one worker fewer for good.
+    settings = {"distributed.nanny.pre-spawn-environ": {}, "distributed.deploy.lost-worker-timeout": "7 days"}
+    with dask.config.set(settings):
+        return SpecCluster(workers=workers, scheduler=scheduler, name="k6vsr-workers")
+
+
+def gpu_cluster(n_workers: int = 0) -> Any:
+    """One worker per GPU (or the first `n_workers`), each pinned by CUDA_VISIBLE_DEVICES: `--gpus` without
+    dask-cuda, whose releases lag `distributed`'s."""
+    devices = gpu_ids()
+    if not devices:
+        raise WorkersError("--gpus: no GPU found (nvidia-smi -L lists none)")
+    devices = devices[:n_workers] if n_workers else devices
+    return make_cluster(devices, len(devices))
+
+
+def _supervise(home: Path, count: int, devices: list[str], model_json: str | None) -> None:
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if model_json:
+        os.environ[MODEL_ENV] = model_json
+    import dask
+
+    # Read when a worker is lost, long after the cluster is made: set for the life of the supervisor.
+    dask.config.set({"distributed.deploy.lost-worker-timeout": "7 days"})
+    cluster = make_cluster(devices, count)
     try:
         cluster.wait_for_workers(count, timeout=START_TIMEOUT_S)
         record = _read_record(home)
