@@ -22,6 +22,7 @@ must never be restarted for its size.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -36,7 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from flows.prefect_server import _alive, _locked, _make_home, _process_start
+from flows.prefect_server import _alive, _make_home, _process_start
 from storage.records import atomic_write_bytes
 
 log = logging.getLogger("k6vsr.workers")
@@ -115,9 +116,14 @@ def _log_path(home: Path) -> Path:
 
 @contextlib.contextmanager
 def _workers_lock(home: Path) -> Iterator[None]:
-    # The server's lock helper names its file server.lock: the same fcntl lock, in this folder.
-    with _locked(home):
-        yield
+    """The state folder's lock: one command at a time starts, stops or clears the workers."""
+    _make_home(home)
+    with open(home / "workers.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _read_record(home: Path) -> WorkersRecord | None:

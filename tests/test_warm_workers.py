@@ -82,6 +82,17 @@ def test_start_is_idempotent_and_status_names_each_worker(cluster, capsys) -> No
     assert status["running"] and status["address"] == cluster.address and status["pid"] == cluster.pid
     assert sorted(w["name"] for w in status["workers"]) == ["cpu-0", "cpu-1"]
     assert all(w["models"] == [] and w["pid"] for w in status["workers"])
+    # Whatever runs tiles without asking for a cluster (upscale, archive, serve's jobs) finds them; an explicit
+    # request or K6VSR_WARM_WORKERS=off does not.
+    from flows.runners import resolve_address
+
+    assert resolve_address(1, False, None) == cluster.address
+    assert resolve_address(2, False, None) is None and resolve_address(1, False, "tcp://h:1") == "tcp://h:1"
+    os.environ["K6VSR_WARM_WORKERS"] = "off"
+    try:
+        assert resolve_address(1, False, None) is None
+    finally:
+        del os.environ["K6VSR_WARM_WORKERS"]
     # The nanny's one-thread defaults are replaced by each worker's share of the cores.
     from distributed import Client
 
@@ -203,3 +214,18 @@ def test_stop_leaves_no_process_and_a_stale_record_is_ignored(cluster, tmp_path:
     record = cluster.model_copy(update={"pid": 2**22 + 7, "process_start": 1})
     (home / "workers.json").write_text(record.model_dump_json())
     assert warm_workers.running_address() is None and not (home / "workers.json").exists()
+
+
+def test_gpu_workers_are_pinned_without_dask_cuda(monkeypatch) -> None:
+    """`--gpus` and `workers start --gpus`: one plain worker per GPU, its CUDA_VISIBLE_DEVICES naming it."""
+    from flows import runners, warm_workers
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    assert warm_workers.gpu_ids() == ["2", "5"]
+    assert warm_workers._worker_env(["2", "5"], 1, 2)["CUDA_VISIBLE_DEVICES"] == "5"
+    assert "CUDA_VISIBLE_DEVICES" not in warm_workers._worker_env([], 0, 2)
+    path, kwargs = runners.cluster_spec(1, gpus=True)
+    assert path == "flows.warm_workers.gpu_cluster" and kwargs == {"n_workers": 0}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(warm_workers.WorkersError):
+        warm_workers.gpu_cluster()
