@@ -1,4 +1,4 @@
-"""The `k6vsr` command line: upscale, plan, demo, archive, gc, serve and server.
+"""The `k6vsr` command line: upscale, plan, demo, archive, gc, serve, server and workers.
 
 Flag names follow SGLang's where they overlap, so its users recognise them. Errors a user can fix (a bad file, a bad
 value, a missing model) are printed as one line naming the cause, with exit code 2 and no traceback (unless
@@ -104,7 +104,7 @@ def _param_flags(parser: argparse.ArgumentParser) -> None:
 def _run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", default=None, help="run store root (env K6VSR_STORE; default: per-user cache)")
     parser.add_argument("--workers", type=int, default=1, help="worker processes for tiles (default 1: in-process)")
-    parser.add_argument("--gpus", action="store_true", help="one Dask worker per GPU (dask-cuda)")
+    parser.add_argument("--gpus", action="store_true", help="one Dask worker per GPU")
     parser.add_argument("--dask-address", default=None, help="run tiles on an existing Dask scheduler")
     parser.add_argument("--compile", action="store_true", help="compile the DiT and KVAE decoder (GPU fast path)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
@@ -172,6 +172,22 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("action", choices=("start", "stop", "status"))
     server.add_argument("--json", action="store_true")
     server.add_argument("--debug", action="store_true")
+
+    workers = commands.add_parser(
+        "workers",
+        help="warm Dask workers that keep models loaded across runs (used by every command while they run)",
+    )
+    workers.add_argument("action", choices=("start", "stop", "status"))
+    workers.add_argument("-n", "--workers", type=int, default=0, help="CPU workers to start (default: one per GPU)")
+    workers.add_argument("--gpus", action="store_true", help="one worker per GPU (the default when GPUs are found)")
+    workers.add_argument("--model", "--model-path", dest="model", default=None, help="load this model at start")
+    workers.add_argument("--revision", default=None)
+    workers.add_argument("--model-id", default=None)
+    workers.add_argument("--device", default="auto")
+    workers.add_argument("--memory", default="auto", choices=("auto", "fast", "24g", "16g"))
+    workers.add_argument("--compile", action="store_true", help="with --model: load it compiled")
+    workers.add_argument("--json", action="store_true")
+    workers.add_argument("--debug", action="store_true")
 
     serve = commands.add_parser(
         "serve",
@@ -475,6 +491,44 @@ def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
     return status.model_dump(mode="json")
 
 
+def cmd_workers(args: argparse.Namespace) -> dict[str, Any]:
+    """`k6vsr workers start|stop|status`: the warm workers (flows.warm_workers)."""
+    from flows import warm_workers
+
+    if args.action == "start":
+        gpus = args.gpus or (args.workers == 0 and bool(warm_workers.gpu_ids()))
+        if args.workers < 0:
+            raise UserFacingError(f"-n must be at least 1, not {args.workers}")
+        spec = model_from(args).model_dump_json() if args.model else None
+        if args.model:
+            model_info(model_from(args))  # a missing or broken model fails here, in one line
+        try:
+            warm_workers.start_workers(args.workers, gpus=gpus, model_json=spec)
+        except warm_workers.WorkersError as err:
+            raise UserFacingError(str(err)) from None
+    elif args.action == "stop":
+        was_running = warm_workers.stop_workers()
+        return {**warm_workers.workers_status().model_dump(mode="json"), "stopped": was_running}
+    return warm_workers.workers_status().model_dump(mode="json")
+
+
+def _print_workers(result: dict[str, Any]) -> None:
+    if "stopped" in result:
+        print("stopped the warm workers" if result["stopped"] else "no warm workers were running")
+    elif result["running"]:
+        up = f"supervisor pid {result['pid']}, up {result['uptime_s']:.0f} s"
+        print(f"warm workers running at {result['address']}: {up}")
+        for worker in result["workers"]:
+            gpu = f" GPU {worker['gpu']}" if worker["gpu"] is not None else ""
+            models = ", ".join(worker["models"]) or "no model loaded"
+            print(f"  {worker['name']}: pid {worker['pid']}{gpu}, {models} ({worker['loads']} loads)")
+        if result.get("dashboard"):
+            print(f"  dashboard: {result['dashboard']}")
+    else:
+        print("warm workers not running (k6vsr workers start); commands run tiles in their own process")
+    print(f"  home: {result['home']}")
+
+
 def _print_server(result: dict[str, Any]) -> None:
     if "stopped" in result:
         print("stopped the local Prefect server" if result["stopped"] else "no local Prefect server was running")
@@ -506,6 +560,8 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
         print("\n".join(summary_lines(result)))
     elif command == "server":
         _print_server(result)
+    elif command == "workers":
+        _print_workers(result)
     elif command == "gc":
         print(f"reclaimed {result['bytes_reclaimed']} bytes from {sum(r['deleted'] for r in result['runs'])} runs")
         for run in result["runs"]:
@@ -533,6 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "archive": cmd_archive,
         "serve": cmd_serve,
         "server": cmd_server,
+        "workers": cmd_workers,
     }
     try:
         result = handlers[args.command](args)

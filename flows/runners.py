@@ -1,11 +1,37 @@
-"""Task runners: in-process threads by default, or Dask worker processes (local, GPU-pinned, or remote)."""
+"""Task runners: the warm workers when they run, else in-process threads, or Dask worker processes on request."""
 
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 from typing import Any
 
-from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
+
+log = logging.getLogger("k6vsr.workers")
+
+# "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
+USE_WARM_ENV = "K6VSR_WARM_WORKERS"
+
+
+def warm_address() -> str | None:
+    """The running warm workers' scheduler (`k6vsr workers start`), unless K6VSR_WARM_WORKERS=off."""
+    if os.environ.get(USE_WARM_ENV, "").lower() in ("off", "0", "false", "no"):
+        return None
+    from flows.warm_workers import running_address
+
+    return running_address()
+
+
+def resolve_address(workers: int, gpus: bool, dask_address: str | None) -> str | None:
+    """The scheduler tiles go to: the one given, else the warm workers when nothing else is asked for and they run."""
+    if dask_address or workers > 1 or gpus:
+        return dask_address
+    address = warm_address()
+    if address:
+        log.info("tiles run on the warm workers at %s (k6vsr workers status)", address)
+    return address
 
 
 def uses_processes(workers: int, gpus: bool, dask_address: str | None) -> bool:
@@ -13,12 +39,10 @@ def uses_processes(workers: int, gpus: bool, dask_address: str | None) -> bool:
 
 
 def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:
-    """The local Dask cluster for tiles: one worker per GPU (dask-cuda pins each), or `workers` CPU processes."""
+    """The local Dask cluster for tiles: one worker per GPU (pinned by CUDA_VISIBLE_DEVICES), or `workers` CPU
+    processes."""
     if gpus:
-        return "dask_cuda.LocalCUDACluster", {
-            "threads_per_worker": 1,
-            **({"n_workers": workers} if workers > 1 else {}),
-        }
+        return "flows.warm_workers.gpu_cluster", {"n_workers": workers if workers > 1 else 0}
     return "distributed.LocalCluster", {
         "n_workers": workers,
         "processes": True,
@@ -35,11 +59,14 @@ def start_cluster(workers: int, gpus: bool) -> Any:
 
 
 def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bool = False) -> Any:
-    """One process per worker for `workers > 1`; threads (so a decode overlaps the next denoise) otherwise.
+    """One process per worker for `workers > 1`; the warm workers when they run and nothing else is asked for;
+    threads (so a decode overlaps the next denoise) otherwise.
 
-    With `gpus`, dask-cuda's LocalCUDACluster starts one worker per visible GPU (or `workers` of them), each pinned
-    to its GPU; with `dask_address`, tiles go to an existing Dask scheduler, possibly spanning machines.
+    With `gpus`, one worker per visible GPU (or `workers` of them), each pinned to its GPU
+    (`flows.warm_workers.gpu_cluster`); with `dask_address`, tiles go to an existing Dask scheduler, possibly
+    spanning machines.
     """
+    dask_address = resolve_address(workers, gpus, dask_address)
     if not uses_processes(workers, gpus, dask_address):
         return ThreadPoolTaskRunner(max_workers=2)
     from prefect_dask import DaskTaskRunner
@@ -48,3 +75,32 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
         return DaskTaskRunner(address=dask_address)
     cluster_class, cluster_kwargs = cluster_spec(workers, gpus)
     return DaskTaskRunner(cluster_class=cluster_class, cluster_kwargs=cluster_kwargs)
+
+
+class WarmOrThreadsTaskRunner(TaskRunner):
+    """A flow's default runner that picks at each run: the warm workers while they run, else two threads.
+
+    A flow run started by a deployment (prefect.yaml) gets its flow's default runner; this one chooses when the run
+    starts, not when the flow is imported. The engine keeps what `__enter__` returns as the run's runner, so tasks
+    are submitted to the chosen runner itself (a DaskTaskRunner or a ThreadPoolTaskRunner) and nothing else can tell
+    the difference.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._chosen: Any = None
+
+    def duplicate(self) -> WarmOrThreadsTaskRunner:
+        return type(self)()
+
+    def __enter__(self) -> Any:
+        self._chosen = make_task_runner()
+        return self._chosen.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._chosen is not None:
+            self._chosen.__exit__(*exc_info)
+            self._chosen = None
+
+    def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None, dependencies: Any = None) -> Any:
+        raise RuntimeError("WarmOrThreadsTaskRunner submits through the runner it chose when the run started")

@@ -42,7 +42,7 @@ from pydantic import BaseModel
 
 from flows import artifacts
 from flows.prefect_server import leased
-from flows.runners import make_task_runner, start_cluster, uses_processes
+from flows.runners import make_task_runner, resolve_address, start_cluster, uses_processes
 from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams
@@ -409,7 +409,9 @@ class ManifestArtifact:
 
 @contextlib.contextmanager
 def shared_tiles_cluster(workers: int, gpus: bool, dask_address: str | None) -> Iterator[str | None]:
-    """The Dask scheduler every clip sends its tiles to: the given one, one started here, or None (threads)."""
+    """The Dask scheduler every clip sends its tiles to: the given one, the warm workers, one started here, or None
+    (threads)."""
+    dask_address = resolve_address(workers, gpus, dask_address)
     if dask_address or not uses_processes(workers, gpus, None):
         yield dask_address
         return

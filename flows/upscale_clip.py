@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from flows import artifacts
 from flows.prefect_server import leased
 from flows.run_log import run_log
+from flows.runners import WarmOrThreadsTaskRunner
 from flows.stage_clock import StageClock
 from k6vsr_core import media
 from k6vsr_core.params import UpscaleParams
@@ -100,7 +101,14 @@ def _flow_run_name() -> str:
     return f"upscale-{Path(str(source)).name}"
 
 
-@flow(name="upscale-clip", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
+# Deployments run the flow with this default: the warm workers while they run (flows.warm_workers), else threads.
+@flow(
+    name="upscale-clip",
+    flow_run_name=_flow_run_name,
+    log_prints=False,
+    validate_parameters=True,
+    task_runner=WarmOrThreadsTaskRunner(),
+)
 @leased  # a run whose process is killed is marked Crashed by the next command
 def upscale_clip(
     source: str,

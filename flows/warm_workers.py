@@ -1,0 +1,468 @@
+"""Warm workers: a Dask cluster that lasts, one worker per GPU (or N CPU workers), kept across flow runs and models.
+
+`k6vsr workers start` runs a supervisor, detached in its own session, that holds a Dask scheduler and its workers
+(each behind a nanny, which restarts a worker that dies). A worker loads a model on the first tile that needs it
+(or at start with `--model`) and keeps it (`tasks.model_cache`, an LRU by model identity) for every later run:
+only the first run after a start pays for loading and compiling. Every command that runs tiles and is given no
+`--workers`, `--gpus` or `--dask-address` sends them to these workers while they run (`running_address`).
+
+The state folder (`$K6VSR_WORKERS_HOME`, else `$K6VSR_HOME/workers`, else `$XDG_STATE_HOME/k6vsr/workers`) holds:
+
+    workers.json   the supervisor's pid, then (once every worker is up) the scheduler's address, written atomically
+    workers.log    what the supervisor, scheduler and workers print
+    workers.lock   held while a command starts or stops them, so racing commands start one cluster
+
+One worker per GPU is started as a plain `distributed` nanny with `CUDA_VISIBLE_DEVICES` set to its GPU, not through
+dask-cuda (whose releases lag `distributed`'s and may not import against it). A worker computes one task at a time
+(a GPU runs one stage at a time within its memory budget); the nanny's one-thread defaults for OpenMP and BLAS are
+replaced by the worker's share of the cores, and its memory limit is off: a worker holding a model's pinned weights
+must never be restarted for its size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from flows.prefect_server import _alive, _make_home, _process_start
+from storage.records import atomic_write_bytes
+
+log = logging.getLogger("k6vsr.workers")
+
+START_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_START_TIMEOUT", "300"))
+STOP_TIMEOUT_S = 20.0
+HOME_ENV = "K6VSR_WORKERS_HOME"
+MODEL_ENV = "K6VSR_WARM_MODEL"  # a ModelSpec as JSON: the workers load it at start
+HOST = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class WorkersError(RuntimeError):
+    """The warm workers could not be started."""
+
+
+class WorkersRecord(BaseModel):
+    pid: int
+    process_start: int | None = None
+    started_at: str
+    workers: int
+    gpus: list[str] = []  # the GPU of each worker, in order; empty for CPU workers
+    model: str | None = None  # the ModelSpec (JSON) loaded at start, if any
+    address: str | None = None  # set by the supervisor once every worker is up
+    dashboard: str | None = None
+
+
+class SupervisorArgs(BaseModel):
+    home: str
+    workers: int
+    gpus: list[str] = []
+    model: str | None = None
+
+
+class WorkerInfo(BaseModel):
+    name: str
+    pid: int | None = None
+    gpu: str | None = None
+    models: list[str] = []
+    loads: int = 0
+
+
+class WorkersStatus(BaseModel):
+    running: bool
+    home: str
+    log: str
+    pid: int | None = None
+    address: str | None = None
+    dashboard: str | None = None
+    started_at: str | None = None
+    uptime_s: float | None = None
+    workers: list[WorkerInfo] = []
+
+
+# ------------------------------------------------------------------------------------------------ the folder
+
+
+def workers_home() -> Path:
+    explicit = os.environ.get(HOME_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    k6vsr_home = os.environ.get("K6VSR_HOME")
+    if k6vsr_home:
+        return Path(k6vsr_home).expanduser() / "workers"
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "k6vsr" / "workers"
+
+
+def _record_path(home: Path) -> Path:
+    return home / "workers.json"
+
+
+def _log_path(home: Path) -> Path:
+    return home / "workers.log"
+
+
+@contextlib.contextmanager
+def _workers_lock(home: Path) -> Iterator[None]:
+    """The state folder's lock: one command at a time starts, stops or clears the workers."""
+    _make_home(home)
+    with open(home / "workers.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _read_record(home: Path) -> WorkersRecord | None:
+    try:
+        return WorkersRecord.model_validate_json(_record_path(home).read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_record(home: Path, record: WorkersRecord) -> None:
+    atomic_write_bytes(_record_path(home), record.model_dump_json().encode())
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _reachable(address: str, timeout: float = 1.0) -> bool:
+    """The scheduler accepts a connection at `address` (tcp://host:port)."""
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+# --------------------------------------------------------------------------------------------- the commands
+
+
+def gpu_ids() -> list[str]:
+    """The GPUs of this machine, as CUDA_VISIBLE_DEVICES names them (respecting an existing restriction)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [gpu for gpu in visible.split(",") if gpu.strip()]
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False)
+        count = sum(1 for line in listing.stdout.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.TimeoutExpired):
+        count = 0
+    return [str(i) for i in range(count)]
+
+
+def running_address(home: Path | None = None) -> str | None:
+    """The scheduler of the running warm workers, or None; a record whose supervisor is gone is removed."""
+    home = home or workers_home()
+    record = _read_record(home)
+    if record is None:
+        return None
+    if not _alive(record.pid, record.process_start):
+        with contextlib.suppress(OSError):
+            with _workers_lock(home):
+                current = _read_record(home)
+                if current is not None and not _alive(current.pid, current.process_start):
+                    _record_path(home).unlink(missing_ok=True)
+        return None
+    if record.address is None or not _reachable(record.address):
+        return None
+    return record.address
+
+
+def start_workers(
+    workers: int = 0, gpus: bool = False, model_json: str | None = None, home: Path | None = None
+) -> WorkersRecord:
+    """Start the warm workers (or return the running ones): `workers` CPU workers, or one per GPU with `gpus`."""
+    home = home or workers_home()
+    with _workers_lock(home):
+        record = _read_record(home)
+        if record is not None and _alive(record.pid, record.process_start):
+            if record.address is None:  # a start killed midway: its supervisor still comes up
+                record = _wait_ready(home, record)
+            return record
+        _record_path(home).unlink(missing_ok=True)
+        devices = gpu_ids() if gpus else []
+        if gpus and not devices:
+            raise WorkersError("--gpus: no GPU found (nvidia-smi -L lists none)")
+        if gpus and workers:
+            devices = devices[:workers]
+        count = len(devices) if gpus else max(1, workers)
+        record = _launch(home, count, devices, model_json)
+        return _wait_ready(home, record)
+
+
+def _launch(home: Path, count: int, devices: list[str], model_json: str | None) -> WorkersRecord:
+    _make_home(home)
+    log_path = _log_path(home)
+    with contextlib.suppress(OSError):
+        if log_path.stat().st_size > 1 << 20:
+            log_path.replace(log_path.with_suffix(".log.1"))
+    supervisor = SupervisorArgs(home=str(home), workers=count, gpus=devices, model=model_json)
+    argv = [sys.executable, "-m", "flows.warm_workers", supervisor.model_dump_json()]
+    env = dict(os.environ)
+    # The supervisor runs from its state folder: the workers must import k6vsr wherever the command ran from.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    with open(log_path, "ab") as log_file:
+        # Its own session: a terminal's Ctrl-C or a killed command never reaches the workers. Nobody waits for it,
+        # so `_launch` is run from a short-lived launcher: the supervisor is never this process's zombie.
+        launcher = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, *argv],
+            env=env,
+            cwd=home,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            check=False,
+            timeout=60,
+        )
+    try:
+        pid = int(launcher.stdout.strip())
+    except ValueError:
+        raise WorkersError(f"the warm workers could not be launched; see {log_path}") from None
+    record = WorkersRecord(
+        pid=pid, process_start=_process_start(pid), started_at=_now(), workers=count, gpus=devices, model=model_json
+    )
+    # The supervisor rewrites this record with its address once ready; write it only if it has not done so yet.
+    if _read_record(home) is None:
+        _write_record(home, record)
+    return record
+
+
+_LAUNCHER = """
+import subprocess, sys
+process = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr,
+                           start_new_session=True, close_fds=True)
+print(process.pid)
+"""
+
+
+def _wait_ready(home: Path, record: WorkersRecord) -> WorkersRecord:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        current = _read_record(home)
+        if current is not None and current.pid == record.pid and current.address and _reachable(current.address):
+            return current
+        if not _alive(record.pid, record.process_start):
+            _record_path(home).unlink(missing_ok=True)
+            raise WorkersError(f"the warm workers exited while starting; {_log_path(home)} ends:\n{_log_tail(home)}")
+        time.sleep(0.2)
+    _terminate(record)
+    _record_path(home).unlink(missing_ok=True)
+    raise WorkersError(
+        f"the warm workers did not start within {START_TIMEOUT_S:g} s (K6VSR_WORKERS_START_TIMEOUT); "
+        f"{_log_path(home)} ends:\n{_log_tail(home)}"
+    )
+
+
+def _log_tail(home: Path, chars: int = 2000) -> str:
+    try:
+        return _log_path(home).read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _terminate(record: WorkersRecord, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM the supervisor (it closes its workers), then SIGKILL whatever of its session is left."""
+    if _alive(record.pid, record.process_start):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(record.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _alive(record.pid, record.process_start):
+            time.sleep(0.1)
+    # The supervisor leads its process group: nannies and workers are in it, whatever became of the supervisor.
+    if record.process_start is None or _process_start(record.pid) in (None, record.process_start):
+        deadline = time.monotonic() + timeout
+        while _group_alive(record.pid) and time.monotonic() < deadline:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(record.pid, signal.SIGKILL)
+            time.sleep(0.1)
+
+
+def stop_workers(home: Path | None = None) -> bool:
+    """Stop the warm workers; False if none were running."""
+    home = home or workers_home()
+    with _workers_lock(home):
+        record = _read_record(home)
+        running = record is not None and _alive(record.pid, record.process_start)
+        if record is not None:
+            _terminate(record)
+        _record_path(home).unlink(missing_ok=True)
+    return running
+
+
+def workers_status(home: Path | None = None, ask_workers: bool = True) -> WorkersStatus:
+    home = home or workers_home()
+    base = WorkersStatus(running=False, home=str(home), log=str(_log_path(home)))
+    address = running_address(home)
+    record = _read_record(home)
+    if address is None or record is None:
+        return base
+    started = datetime.fromisoformat(record.started_at)
+    status = base.model_copy(
+        update={
+            "running": True,
+            "pid": record.pid,
+            "address": address,
+            "dashboard": record.dashboard,
+            "started_at": record.started_at,
+            "uptime_s": round((datetime.now(UTC) - started).total_seconds(), 1),
+        }
+    )
+    if ask_workers:
+        status.workers = _ask_workers(address)
+    return status
+
+
+def _ask_workers(address: str) -> list[WorkerInfo]:
+    from distributed import Client
+
+    from tasks.model_cache import cache_info
+
+    with Client(address, timeout=10, set_as_default=False) as client:
+        names = {addr: info.get("name") for addr, info in client.scheduler_info()["workers"].items()}
+        infos = client.run(lambda: cache_info().model_dump())
+    return sorted(
+        (
+            WorkerInfo(
+                name=str(names.get(addr, addr)),
+                pid=info["pid"],
+                gpu=info["gpu"],
+                models=info["loaded"],
+                loads=len(info["loads"]),
+            )
+            for addr, info in infos.items()
+        ),
+        key=lambda worker: worker.name,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ supervisor
+
+
+def _worker_env(devices: list[str], index: int, count: int) -> dict[str, str]:
+    """The worker's environment: its GPU, its share of the cores for OpenMP/BLAS (the nanny would say 1)."""
+    cores = str(max(1, len(os.sched_getaffinity(0)) // count))
+    env = {"OMP_NUM_THREADS": cores, "MKL_NUM_THREADS": cores, "OPENBLAS_NUM_THREADS": cores}
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = devices[index]
+    return env
+
+
+def make_cluster(devices: list[str], count: int) -> Any:
+    """A local cluster of `count` workers (one per GPU of `devices` when given), with the settings above."""
+    import dask
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    workers = {
+        (f"gpu-{devices[i]}" if devices else f"cpu-{i}"): {
+            "cls": Nanny,
+            "options": {
+                "nthreads": 1,
+                "memory_limit": 0,
+                "host": HOST,
+                "env": _worker_env(devices, i, count),
+                "preload": ["tasks.worker_preload"],
+            },
+        }
+        for i in range(count)
+    }
+    scheduler = {"cls": Scheduler, "options": {"host": HOST, "port": 0, "dashboard_address": f"{HOST}:0"}}
+    # The nanny's defaults: OpenMP/BLAS on one thread (replaced per worker above) and malloc trimming at 64 KiB,
+    # which turns off glibc's adaptive mmap threshold so every tile-sized buffer is mapped and faulted in anew.
+    # A worker that dies is restarted by its nanny, which takes a while (imports, the model); the cluster must not
+    # give up on it after its default 15 s and close the nanny, which would leave one worker fewer for good.
+    settings = {"distributed.nanny.pre-spawn-environ": {}, "distributed.deploy.lost-worker-timeout": "7 days"}
+    with dask.config.set(settings):
+        return SpecCluster(workers=workers, scheduler=scheduler, name="k6vsr-workers")
+
+
+def gpu_cluster(n_workers: int = 0) -> Any:
+    """One worker per GPU (or the first `n_workers`), each pinned by CUDA_VISIBLE_DEVICES: `--gpus` without
+    dask-cuda, whose releases lag `distributed`'s."""
+    devices = gpu_ids()
+    if not devices:
+        raise WorkersError("--gpus: no GPU found (nvidia-smi -L lists none)")
+    devices = devices[:n_workers] if n_workers else devices
+    return make_cluster(devices, len(devices))
+
+
+def _supervise(home: Path, count: int, devices: list[str], model_json: str | None) -> None:
+    stop = False
+
+    def on_signal(*_: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if model_json:
+        os.environ[MODEL_ENV] = model_json
+    import dask
+
+    # Read when a worker is lost, long after the cluster is made: set for the life of the supervisor.
+    dask.config.set({"distributed.deploy.lost-worker-timeout": "7 days"})
+    cluster = make_cluster(devices, count)
+    try:
+        cluster.wait_for_workers(count, timeout=START_TIMEOUT_S)
+        record = _read_record(home)
+        pid, start = os.getpid(), _process_start(os.getpid())
+        record = WorkersRecord(
+            pid=pid,
+            process_start=start,
+            started_at=record.started_at if record is not None and record.pid == pid else _now(),
+            workers=count,
+            gpus=devices,
+            model=model_json,
+            address=cluster.scheduler_address,
+            dashboard=cluster.dashboard_link,
+        )
+        _write_record(home, record)
+        print(f"warm workers ready at {cluster.scheduler_address}: {count} workers", flush=True)
+        checked = time.monotonic()
+        while not stop:
+            time.sleep(0.5)
+            if time.monotonic() - checked > 30:  # a nanny that gave up (its worker would not start): start it again
+                checked = time.monotonic()
+                if set(cluster.worker_spec) - set(cluster.workers):
+                    cluster.sync(cluster._correct_state)
+            current = _read_record(home)
+            if current is not None and current.pid == pid and current.address is None:
+                _write_record(home, record)  # the starting command wrote its own over ours: put ours back
+    finally:
+        with contextlib.suppress(Exception):
+            cluster.close(timeout=STOP_TIMEOUT_S / 2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The supervisor: `python -m flows.warm_workers '<SupervisorArgs as JSON>'` (what `start_workers` runs)."""
+    args = SupervisorArgs.model_validate_json((argv or sys.argv[1:])[0])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _supervise(Path(args.home), args.workers, args.gpus, args.model)
+
+
+if __name__ == "__main__":
+    main()

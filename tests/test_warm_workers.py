@@ -1,0 +1,231 @@
+"""Warm workers: started once, used by every run, kept across runs and models, surviving a worker killed mid-tile.
+
+One cluster of two CPU workers serves the whole module (starting one costs seconds); it is always stopped at the end.
+Every run must give the bytes of the in-memory runner, whichever worker ran which tile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from k6vsr_core import UpscaleParams, upscale
+from k6vsr_core.bundle import ModelBundle, make_tiny_bundle
+from service.runs import ModelSpec, prepare_run
+
+PARAMS = UpscaleParams(scale=2)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_bundle: ModelBundle, clip_1f: Path, tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    out = tmp_path_factory.mktemp("reference") / "ref.mp4"
+    upscale(clip_1f, out, tiny_bundle, PARAMS)
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def flow_reference(flow_bundle: ModelBundle, clip_1f: Path, tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    out = tmp_path_factory.mktemp("reference") / "flow.mp4"
+    upscale(clip_1f, out, flow_bundle, PARAMS)
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def cluster(prefect_server: str, tmp_path_factory: pytest.TempPathFactory):
+    """Two warm CPU workers, started the way `k6vsr workers start -n 2` starts them, stopped at the end.
+
+    They are started without PREFECT_API_URL, as from a fresh shell: each run hands its API to its tasks.
+    """
+    from flows import warm_workers
+
+    home = Path(os.environ["K6VSR_WORKERS_HOME"])
+    saved = os.environ.pop("PREFECT_API_URL")
+    try:
+        record = warm_workers.start_workers(2, home=home)
+    finally:
+        os.environ["PREFECT_API_URL"] = saved
+    try:
+        yield record
+    finally:
+        warm_workers.stop_workers(home)
+
+
+def _infos(address: str) -> dict[str, dict]:
+    """Each worker's model cache, by worker name."""
+    from distributed import Client
+
+    from tasks.model_cache import cache_info
+
+    with Client(address, timeout=10, set_as_default=False) as client:
+        names = {addr: info["name"] for addr, info in client.scheduler_info()["workers"].items()}
+        return {names[addr]: info for addr, info in client.run(lambda: cache_info().model_dump()).items()}
+
+
+def _run(clip: Path, out: Path, bundle_path: Path, store: Path):
+    from flows.orchestrate import run_clip
+
+    model = ModelSpec(model=str(bundle_path), device="cpu")
+    return run_clip(prepare_run(clip, PARAMS, model, store), str(out), model)
+
+
+def test_start_is_idempotent_and_status_names_each_worker(cluster, capsys) -> None:
+    from entrypoints.cli import main
+    from flows import warm_workers
+
+    assert warm_workers.start_workers(2).pid == cluster.pid  # a second start finds the running workers
+    assert main(["workers", "status", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["running"] and status["address"] == cluster.address and status["pid"] == cluster.pid
+    assert sorted(w["name"] for w in status["workers"]) == ["cpu-0", "cpu-1"]
+    assert all(w["models"] == [] and w["pid"] for w in status["workers"])
+    # Whatever runs tiles without asking for a cluster (upscale, archive, serve's jobs) finds them; an explicit
+    # request or K6VSR_WARM_WORKERS=off does not.
+    from flows.runners import resolve_address
+
+    assert resolve_address(1, False, None) == cluster.address
+    assert resolve_address(2, False, None) is None and resolve_address(1, False, "tcp://h:1") == "tcp://h:1"
+    os.environ["K6VSR_WARM_WORKERS"] = "off"
+    try:
+        assert resolve_address(1, False, None) is None
+    finally:
+        del os.environ["K6VSR_WARM_WORKERS"]
+    # The nanny's one-thread defaults are replaced by each worker's share of the cores.
+    from distributed import Client
+
+    with Client(cluster.address, timeout=10, set_as_default=False) as client:
+        envs = client.run(lambda: {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MALLOC_TRIM_THRESHOLD_")})
+    cores = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert all(env == {"OMP_NUM_THREADS": cores, "MALLOC_TRIM_THRESHOLD_": None} for env in envs.values())
+
+
+def test_runs_use_the_warm_workers_and_keep_the_model(
+    cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    from flows.upscale_clip import upscale_clip
+    from tasks import model_cache
+
+    model_cache.clear()
+    summary = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store-a")
+    assert summary.tiles_computed == summary.tiles_total
+    assert (tmp_path / "a.mp4").read_bytes() == reference
+    first = _infos(cluster.address)
+    assert any(info["loads"] for info in first.values())  # the tiles ran there,
+    assert model_cache.loaded_count() == 0  # not in this process
+
+    # Another run (another store, so every tile is computed again), as a deployment starts it: the flow called as
+    # it is, with its default runner, which finds the warm workers too. Same processes, nothing loaded again.
+    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    again = upscale_clip(
+        source=str(clip_1f), output=str(tmp_path / "b.mp4"), params=PARAMS, model=model, store_root=str(tmp_path)
+    )
+    assert again.tiles_computed == again.tiles_total
+    assert (tmp_path / "b.mp4").read_bytes() == reference
+    assert model_cache.loaded_count() == 0
+    second = _infos(cluster.address)
+    assert {name: info["pid"] for name, info in second.items()} == {n: i["pid"] for n, i in first.items()}
+    assert all(len(info["loads"]) <= 1 for info in second.values())  # each worker loaded the model once
+
+
+def test_a_model_switch_loads_the_other_model(
+    cluster, flow_bundle_path: Path, tiny_bundle_path: Path, clip_1f: Path, flow_reference: bytes, tmp_path: Path
+) -> None:
+    _run(clip_1f, tmp_path / "flow.mp4", flow_bundle_path, tmp_path / "store")
+    assert (tmp_path / "flow.mp4").read_bytes() == flow_reference
+    infos = _infos(cluster.address)
+    assert any(str(flow_bundle_path) in " ".join(info["loaded"]) for info in infos.values())
+    # Two models fit the cache: the first one is still there for the next run that wants it.
+    assert all(len(info["loaded"]) <= 2 for info in infos.values())
+    assert any(str(tiny_bundle_path) in " ".join(info["loaded"]) for info in infos.values())
+
+
+def test_a_worker_killed_mid_tile_leaves_the_same_bytes(
+    cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """SIGKILL the worker that starts denoising the first chunk; the nanny replaces it and Dask reruns the tile."""
+    from distributed import Client
+
+    state = tmp_path / "faults"
+    state.mkdir()
+    tests = str(Path(__file__).resolve().parent)
+
+    def arm() -> int:
+        import sys
+
+        sys.path.insert(0, tests)
+        import fault_harness
+
+        os.environ[fault_harness.ENV_STATE] = str(state)
+        fault_harness.install(["kill@denoise:times=1"])
+        return os.getpid()
+
+    with Client(cluster.address, timeout=10, set_as_default=False) as client:
+        armed = set(client.run(arm).values())
+    summary = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
+    assert (tmp_path / "a.mp4").read_bytes() == reference
+    assert summary.tiles_computed == summary.tiles_total
+    killed = [int(p.read_text().split()[0]) for p in state.glob("fired-*")]
+    assert len(killed) == 1 and killed[0] in armed
+    deadline = time.monotonic() + 90  # a fresh worker imports torch and prefect first
+    while time.monotonic() < deadline and len({i["pid"] for i in _infos(cluster.address).values()} - armed) < 1:
+        time.sleep(0.5)
+    pids = {info["pid"] for info in _infos(cluster.address).values()}
+    assert killed[0] not in pids and len(pids) == 2  # the nanny started a fresh worker in its place
+
+
+def test_model_cache_evicts_and_frees_the_least_recently_used(tmp_path: Path, monkeypatch) -> None:
+    import gc
+    import weakref
+
+    from tasks import model_cache
+
+    other = make_tiny_bundle(tmp_path / "other", seed=7)
+    first = make_tiny_bundle(tmp_path / "first", seed=3)
+    monkeypatch.setenv(model_cache.SIZE_ENV, "1")
+    model_cache.clear()
+    try:
+        a = ModelSpec(model=str(first), device="cpu")
+        b = ModelSpec(model=str(other), device="cpu")
+        kept = weakref.ref(model_cache.get_bundle(a).transformer)
+        assert model_cache.get_bundle(a).transformer is kept()  # a hit loads nothing
+        model_cache.get_bundle(b)
+        gc.collect()
+        assert kept() is None  # the evicted model's weights are gone
+        info = model_cache.cache_info()
+        assert len(info.loaded) == 1 and str(other) in info.loaded[0] and len(info.loads) == 2
+    finally:
+        model_cache.clear()
+
+
+def test_stop_leaves_no_process_and_a_stale_record_is_ignored(cluster, tmp_path: Path, capsys) -> None:
+    from entrypoints.cli import main
+    from flows import warm_workers
+
+    home = Path(os.environ["K6VSR_WORKERS_HOME"])
+    assert main(["workers", "stop", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stopped"] is True
+    with pytest.raises(ProcessLookupError):
+        os.killpg(cluster.pid, 0)  # nothing of the supervisor's session is left
+    assert warm_workers.running_address() is None
+    # A record left by a supervisor that died is ignored, and removed.
+    record = cluster.model_copy(update={"pid": 2**22 + 7, "process_start": 1})
+    (home / "workers.json").write_text(record.model_dump_json())
+    assert warm_workers.running_address() is None and not (home / "workers.json").exists()
+
+
+def test_gpu_workers_are_pinned_without_dask_cuda(monkeypatch) -> None:
+    """`--gpus` and `workers start --gpus`: one plain worker per GPU, its CUDA_VISIBLE_DEVICES naming it."""
+    from flows import runners, warm_workers
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    assert warm_workers.gpu_ids() == ["2", "5"]
+    assert warm_workers._worker_env(["2", "5"], 1, 2)["CUDA_VISIBLE_DEVICES"] == "5"
+    assert "CUDA_VISIBLE_DEVICES" not in warm_workers._worker_env([], 0, 2)
+    path, kwargs = runners.cluster_spec(1, gpus=True)
+    assert path == "flows.warm_workers.gpu_cluster" and kwargs == {"n_workers": 0}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(warm_workers.WorkersError):
+        warm_workers.gpu_cluster()
