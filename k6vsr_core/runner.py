@@ -51,10 +51,23 @@ def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) ->
             stacklevel=2,
         )
     try:
-        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits)
+        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate)
     except ValueError as err:
         raise media.MediaError(str(path), str(err)) from None
     return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)
+
+
+def audio_input(source: str | Path, params: UpscaleParams) -> str | None:
+    """The file whose audio is mixed to the contract's format: the source, a separate file, or none."""
+    if params.audio in ("none", "original"):
+        return None  # `original` carries the source's streams as they are, at the join
+    return params.audio_file or str(source)
+
+
+def source_audio(source: str | Path, params: UpscaleParams) -> np.ndarray | None:
+    """The mono 44.1 kHz track the request writes, if any."""
+    path = audio_input(source, params)
+    return None if path is None else media.decode_audio(path)
 
 
 def read_window(source: SourceClip, window: Window) -> np.ndarray:
@@ -92,7 +105,7 @@ def upscale(
 
     clip = read_source(source, params, model_traits(bundle.info))
     plan = clip.plan
-    audio = media.decode_audio(source)
+    audio = source_audio(source, params)
     lap("ingest")
     with tempfile.TemporaryDirectory(prefix=".k6vsr-segments-", dir=Path(output).parent) as folder:
         segments, previous = [], None
@@ -116,6 +129,6 @@ def upscale(
             segments.append(segment)
             previous = frames
             lap("segment")
-        stages.join_segments(segments, output, plan, audio, clip.rotation)
+        stages.join_segments(segments, output, plan, audio, clip.rotation, str(source))
     lap("mux")
     return UpscaleResult(output=str(output), plan=plan, timings=timings, dit_calls=calls)

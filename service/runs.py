@@ -66,7 +66,9 @@ def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, stor
         raise media.MediaError(source, str(err)) from None
     info = model_info(spec)
     try:
-        plan = make_plan((probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info))
+        plan = make_plan(
+            (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate
+        )
     except ParameterError:
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file
