@@ -192,7 +192,8 @@ def parse_params(**values: object) -> UpscaleParams:
         for problem in err.errors():
             field = ".".join(str(part) for part in problem["loc"]) or "request"
             text = problem["msg"].removeprefix("Value error, ")
-            if not text.startswith(field):
+            # A check across fields (loc empty) names its own fields.
+            if problem["loc"] and not text.startswith(field):
                 text = f"{field}={problem.get('input')!r}: {text}"
             messages.append(text)
         raise ParameterError("; ".join(messages)) from None
