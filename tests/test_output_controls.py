@@ -10,6 +10,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+import torch
 
 from entrypoints.cli import main
 from k6vsr_core import UpscaleParams, media, stages, upscale
@@ -199,7 +200,8 @@ def test_flow_and_runner_agree_on_ffv1_and_it_holds_the_blended_frames_exactly(
 
     params = UpscaleParams(scale=2, codec="ffv1")
     reference = tmp_path / "ref.mkv"
-    upscale(clip_1f, reference, tiny_bundle, params)
+    returned = upscale(clip_1f, reference, tiny_bundle, params, return_frames=True)
+    assert returned.frames is not None and np.array_equal(_decode(reference), returned.frames)
     # The blend stage's frames, computed stage by stage.
     clip = read_source(clip_1f, params, model_traits(tiny_bundle.info))
     plan, window = clip.plan, clip.plan.windows[0]
@@ -215,6 +217,18 @@ def test_flow_and_runner_agree_on_ffv1_and_it_holds_the_blended_frames_exactly(
     summary = run_clip(prepare_run(clip_1f, params, model, tmp_path / "store"), str(out), model)
     assert out.read_bytes() == reference.read_bytes()
     assert summary.output_format["codec"] == "ffv1" and summary.output_format["container"] == "mkv"
+
+
+def test_python_api_returns_frames_and_audio_without_a_file(
+    tiny_bundle: ModelBundle, clip_1f: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = upscale(clip_1f, None, tiny_bundle, UpscaleParams(scale=2), return_frames=True)
+    assert result.output is None and list(tmp_path.iterdir()) == []
+    assert result.frames is not None and result.frames.shape == (1, 192, 256, 3) and result.frames.dtype == np.uint8
+    assert result.audio is not None and result.audio.shape == (round(44100 / 24),) and result.audio_rate == 44100
+    with pytest.raises(ValueError, match="return_frames"):
+        upscale(clip_1f, None, tiny_bundle, UpscaleParams(scale=2))
 
 
 # ------------------------------------------------------------------------------------------------ audio
@@ -320,3 +334,53 @@ def test_audio_and_video_stay_in_sync_over_ten_minutes(tmp_path: Path, fps: Frac
     media.concat_segments(segments, out, rate, audio, total)
     drift = _av_drift(out, fps, flashes)
     assert drift < 1 / fps, f"A/V drift {drift * 1000:.1f} ms over 10 minutes"
+
+
+# ------------------------------------------------------------------------------------------------ latent input
+
+
+@pytest.fixture(scope="module")
+def latent_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """1 frame of 128x128: one tile of the tiny bundle, on its grid."""
+    return make_sample_clip(tmp_path_factory.mktemp("latent") / "c.mp4", width=128, height=128, num_frames=1)
+
+
+@pytest.mark.parametrize("scale", [2, 4])
+def test_latent_from_our_encode_stage_gives_the_output_of_its_video(
+    tiny_bundle: ModelBundle, latent_source: Path, tmp_path: Path, scale: int
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    params = UpscaleParams(scale=scale, audio="none")
+    reference = upscale(latent_source, None, tiny_bundle, params, return_frames=True)
+    clip = read_source(latent_source, params, model_traits(tiny_bundle.info))
+    window = clip.plan.windows[0]
+    latent = stages.encode_latent(tiny_bundle, stages.prepare_window(read_window(clip, window), clip.plan, window))
+    assert tuple(latent.shape) == (1, 64, 8, 8)  # [T, C, H, W], unscaled
+    save_file({"sr_lr_latent": latent}, str(tmp_path / "latent.safetensors"))
+    loaded = load_file(str(tmp_path / "latent.safetensors"))["sr_lr_latent"]
+    out = tmp_path / "out.mp4"
+    result = upscale(None, out, tiny_bundle, params, return_frames=True, latent=loaded, fps=24)
+    assert result.frames is not None and np.array_equal(result.frames, reference.frames)
+    assert _streams(out)["audio"] == [] and _streams(out)["frames"] == 1
+
+
+@pytest.mark.parametrize(
+    ("latent", "values", "fps", "words"),
+    [
+        (np.zeros((3, 64, 8, 8), np.float32), {"scale": 2.25}, 24, "pre-upscale"),
+        (np.zeros((64, 8, 8), np.float32), {"scale": 2}, 24, "[T, C, H, W]"),
+        (np.zeros((3, 16, 8, 8), np.float32), {"scale": 2}, 24, "16 channels"),
+        (np.zeros((3, 64, 8, 8), np.int32), {"scale": 2}, 24, "dtype"),
+        (np.zeros((4, 64, 8, 8), np.float32), {"scale": 4}, 24, "odd count"),
+        (np.zeros((3, 64, 8, 8), np.float32), {"scale": 4}, "fast", "fps"),
+    ],
+)
+def test_bad_latents_are_refused_before_any_work(
+    tiny_bundle: ModelBundle, tmp_path: Path, latent: np.ndarray, values: dict, fps: object, words: str
+) -> None:
+    out = tmp_path / "out.mp4"
+    with pytest.raises(ParameterError) as err:
+        upscale(None, out, tiny_bundle, UpscaleParams(**values), latent=torch.from_numpy(latent), fps=fps)
+    assert words in str(err.value) and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
