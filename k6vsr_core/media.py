@@ -502,6 +502,14 @@ def decode_audio(path: PathLike) -> np.ndarray | None:
     return audio if audio is not None and audio.size else None
 
 
+def check_audio_file(path: PathLike) -> None:
+    """Refuse, naming it, a file given as the output's audio that holds no decodable audio stream."""
+    path = os.fspath(path)
+    with _open_input(path) as container:
+        if not container.streams.audio:
+            raise MediaError(path, "has no audio stream (given as --audio)")
+
+
 def write_audio_track(path: PathLike, destination: PathLike, num_frames: int, fps: int | Fraction) -> int:
     """Stream the audio of ``path`` as raw mono float32 samples into ``destination``, cut to ``num_frames`` video
     frames at ``fps`` (as :func:`trim_audio`): memory stays one decoded packet whatever the length. Returns the

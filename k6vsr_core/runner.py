@@ -111,6 +111,8 @@ def upscale(
     if output is None and not return_frames:
         raise ValueError("upscale needs an output file, or return_frames=True")
     params = params or UpscaleParams()
+    if params.audio_file is not None:
+        media.check_audio_file(params.audio_file)
     apply_profile(compute or default_profile())
     timings: dict[str, float] = {}
     calls = 0

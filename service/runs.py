@@ -60,6 +60,8 @@ def model_info(spec: ModelSpec) -> BundleInfo:
 def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, store_root: str | Path) -> PreparedRun:
     """Everything `k6vsr plan` prints, and the run key: no model is loaded and nothing is written."""
     probe = media.probe(source)
+    if params.audio_file is not None:
+        media.check_audio_file(params.audio_file)
     try:
         select_kept_frames(probe.num_frames, probe.fps, params)
     except ValueError as err:  # too few frames for the rate: a property of the file

@@ -384,3 +384,14 @@ def test_bad_latents_are_refused_before_any_work(
         upscale(None, out, tiny_bundle, UpscaleParams(**values), latent=torch.from_numpy(latent), fps=fps)
     assert words in str(err.value) and "\n" not in str(err.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_audio_file_without_audio_is_refused_before_any_work(
+    tiny_bundle: ModelBundle, clip_1f: Path, tmp_path: Path
+) -> None:
+    silent = make_sample_clip(tmp_path / "silent.mp4", width=64, height=64, num_frames=1, audio=False)
+    out = tmp_path / "out" / "o.mp4"
+    out.parent.mkdir()
+    with pytest.raises(media.MediaError, match="no audio stream"):
+        upscale(clip_1f, out, tiny_bundle, UpscaleParams(scale=2, audio=str(silent)))
+    assert list(out.parent.iterdir()) == []
