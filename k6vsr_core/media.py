@@ -70,6 +70,7 @@ PathLike = str | os.PathLike[str]
 # The contract's rates are whole numbers; `--fps source` keeps the source's exact rational rate (30000/1001).
 FrameRate = int | Fraction
 _CONTRACT = VideoEncoding()
+HEVC_MIN_SIDE = 128
 
 
 class VideoProbe(BaseModel):
@@ -699,6 +700,9 @@ def write_video(
     _check_frames(frames)
     fps = _check_rate(fps)
     encoding = encoding or _CONTRACT
+    if encoding.codec == "hevc" and min(frames.shape[1:3]) < HEVC_MIN_SIDE:
+        # x265 gives run-to-run different output below this, and corrupts its heap on smaller frames still.
+        raise ValueError(f"codec=hevc needs frames of at least {HEVC_MIN_SIDE} pixels a side, got {frames.shape[1:3]}")
     if audio is not None:
         audio = _prepare_audio(audio, frames.shape[0], fps)
 

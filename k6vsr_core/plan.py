@@ -172,6 +172,11 @@ def make_plan(
         )
     sr_size = grid.output_size
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
+    if params.codec == "hevc" and min(delivery) < media.HEVC_MIN_SIDE:
+        raise ValueError(
+            f"codec=hevc needs an output of at least {media.HEVC_MIN_SIDE} pixels a side; this one is "
+            f"{delivery[1]}x{delivery[0]}: use h264 or ffv1"
+        )
     return ClipPlan(
         source_size=source_size,
         source_frames=source_frames,

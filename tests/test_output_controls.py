@@ -57,7 +57,8 @@ def _decode(path: Path) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def frames() -> np.ndarray:
-    return np.random.default_rng(7).integers(0, 256, (10, 32, 48, 3), dtype=np.uint8)
+    # x265 needs 128 px a side (media.HEVC_MIN_SIDE).
+    return np.random.default_rng(7).integers(0, 256, (10, 128, 144, 3), dtype=np.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -397,3 +398,11 @@ def test_audio_file_without_audio_is_refused_before_any_work(
     with pytest.raises(media.MediaError, match="no audio stream"):
         upscale(clip_1f, out, tiny_bundle, UpscaleParams(scale=2, audio=str(silent)))
     assert list(out.parent.iterdir()) == []
+
+
+def test_hevc_refuses_frames_too_small_for_x265(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least 128"):
+        media.write_video(
+            tmp_path / "x.mp4", np.zeros((2, 64, 64, 3), np.uint8), 24, None, 0, VideoEncoding(codec="hevc")
+        )
+    assert not (tmp_path / "x.mp4").exists()
