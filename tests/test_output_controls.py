@@ -335,7 +335,7 @@ def test_audio_and_video_stay_in_sync_over_ten_minutes(tmp_path: Path, fps: Frac
     out = tmp_path / "out.mp4"
     media.concat_segments(segments, out, rate, audio, total)
     drift = _av_drift(out, fps, flashes)
-    print(f"A/V drift over 10 minutes at {fps} fps: {drift * 1000:.2f} ms (one frame: {1000 / fps:.2f} ms)")
+    print(f"A/V drift over 10 minutes at {fps} fps: {drift * 1000:.2f} ms (one frame: {1000 / float(fps):.2f} ms)")
     assert drift < 1 / fps, f"A/V drift {drift * 1000:.1f} ms over 10 minutes"
 
 
