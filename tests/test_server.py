@@ -581,6 +581,6 @@ def test_output_controls_as_request_fields(server: Server, stack: dict[str, Path
         ({"audio": "/etc/passwd"}, "audio"),
         ({"fps_mode": "double"}, "fps_mode"),
     ):
-        body = error_of(server.post_json(video_path=source, **fields), 400, server_paths(stack))
-        assert body["error"]["code"] == "invalid_value" and param in body["error"]["message"], body
+        error = error_of(server.post_json(video_path=source, **fields), 400, server_paths(stack))
+        assert error["code"] == "invalid_value" and param in error["message"], error
     assert sorted(p.name for p in jobs.iterdir()) == before
