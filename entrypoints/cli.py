@@ -94,6 +94,23 @@ def _param_flags(parser: argparse.ArgumentParser) -> None:
         help=f"all (every kept frame, in 121-frame windows) or contract (the first 121) (default {defaults.frames})",
     )
     group.add_argument("--max-frames", type=int, help="with --frames all: only the first N kept frames (a preview)")
+    group.add_argument("--codec", help=f"h264, hevc or ffv1 (lossless, in .mkv) (default {defaults.codec})")
+    group.add_argument("--crf", type=int, help="h264/hevc quality, 0 (best) to 51 (default 18)")
+    group.add_argument("--preset", help="h264/hevc speed preset, ultrafast to placebo (default: the encoder's, medium)")
+    group.add_argument(
+        "--pix-fmt", dest="pix_fmt", help="yuv420p, yuv420p10le or yuv444p (default yuv420p; ffv1: lossless RGB)"
+    )
+    group.add_argument(
+        "--audio",
+        help="contract (mono 44.1 kHz AAC), original (every audio and subtitle stream as is), none, or an audio "
+        f"file to mix in (default {defaults.audio})",
+    )
+    group.add_argument(
+        "--fps",
+        dest="fps_mode",
+        help="contract (the 24-fps rule) or source (every frame at the exact source rate; out of contract) "
+        f"(default {defaults.fps_mode})",
+    )
     group.add_argument(
         "--window-overlap",
         type=int,
@@ -331,15 +348,24 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
         _check_device(spec.device)
     out_dir = Path(args.output_dir) if args.output_dir else source.resolve().parent
     _check_output_dir(out_dir, _estimated_output_bytes(prepared.plan))
-    name = args.output_file_name or default_output_name(source, params)
-    if not name.endswith(".mp4"):
-        name += ".mp4"
+    name = output_file_name(args.output_file_name or default_output_name(source, params), params)
     _check_output_file(out_dir / name, source)
     with tile_progress(prepared, enabled=not args.json):
         summary = run_clip(
             prepared, str(out_dir / name), spec, workers=args.workers, gpus=args.gpus, dask_address=args.dask_address
         )
     return summary.model_dump(mode="json")
+
+
+def output_file_name(name: str, params: UpscaleParams) -> str:
+    """The name with the container's suffix added; a name with the other container's suffix is refused."""
+    suffix = params.encoding.suffix
+    other = ".mp4" if suffix == ".mkv" else ".mkv"
+    if name.lower().endswith(other):
+        raise ParameterError(
+            f"--output-file-name {name!r}: codec {params.codec} is written as {suffix[1:].upper()}; name it {suffix}"
+        )
+    return name if name.lower().endswith(suffix) else name + suffix
 
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -353,6 +379,7 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         "source_fps": prepared.probe.fps,
         "frames_kept": plan.num_frames,
         "fps": plan.fps,
+        "output_format": plan.output_format(),
         "windows": [
             {
                 "window": w.index,

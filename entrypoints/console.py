@@ -89,8 +89,9 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     width, height = summary["size"]
     frames = summary["frames"]
     timings = summary["timings"]
+    rate = summary.get("output_format", {}).get("frame_rate", summary["fps"])  # exact: 30000/1001 stays so
     return [
-        f"wrote {summary['output']} ({width}x{height}, {frames} frame{'s' * (frames != 1)} at {summary['fps']} fps)",
+        f"wrote {summary['output']} ({width}x{height}, {frames} frame{'s' * (frames != 1)} at {rate} fps)",
         f"run {summary['run_key']}: {summary['tiles_computed']} of {summary['tiles_total']} tiles computed, "
         f"{summary['tiles_reused']} reused, {summary['dit_calls']} DiT calls"
         + ("; the output was already in the store" if summary["reused_output"] else ""),

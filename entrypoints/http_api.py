@@ -73,7 +73,16 @@ FIELDS = {
     "sr_frames": "frames",
     "max_frames": "max_frames",
     "sr_window_overlap": "window_overlap",
+    # Output controls, as the command line's --codec, --crf, --preset, --pix-fmt, --audio and --fps.
+    "codec": "codec",
+    "crf": "crf",
+    "preset": "preset",
+    "pix_fmt": "pix_fmt",
+    "audio": "audio",
+    "fps_mode": "fps_mode",
 }
+# A client names no file of the server's: `audio` takes the modes only, not a path.
+HTTP_AUDIO_MODES = ("contract", "original", "none")
 # Sent by OpenAI-style clients; meaningless for super-resolution, so accepted and ignored.
 IGNORED_FIELDS = ("model", "prompt")
 FILE_FIELD = "video_reference"
@@ -308,6 +317,10 @@ def params_from_fields(fields: dict[str, Any]) -> UpscaleParams:
             continue
         if isinstance(value, bool) or isinstance(value, (list, dict)):
             problems.append((name, f"{name}={quote(str(value))} has the wrong type", "invalid_value"))
+            continue
+        if name == "audio" and value not in HTTP_AUDIO_MODES:
+            allowed = ", ".join(HTTP_AUDIO_MODES)
+            problems.append((name, f"audio={quote(str(value))} is not known; allowed: {allowed}", "invalid_value"))
             continue
         try:
             parse_params(**{internal: value})
@@ -764,7 +777,9 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
         output = store.output_path(video_id)
         if not output.is_file():
             raise ApiError(404, f"the output of video job {video_id} is gone from the store", code="output_gone")
-        return FileResponse(output, media_type="video/mp4", filename=f"{video_id}.mp4")
+        mkv = job.get("request", {}).get("codec") == "ffv1"
+        media_type, suffix = ("video/x-matroska", ".mkv") if mkv else ("video/mp4", ".mp4")
+        return FileResponse(output, media_type=media_type, filename=f"{video_id}{suffix}")
 
     @app.delete("/v1/videos/{video_id}")
     def delete_video(request: Request, video_id: str) -> dict[str, Any]:

@@ -116,7 +116,7 @@ class ArchiveFailed(RuntimeError):
 
 def output_name(source: str | Path, params: UpscaleParams) -> str:
     """`<stem>_sr<scale>x.mp4`: the clip flow's naming rule without its timestamp, so reruns find the output."""
-    return f"{Path(source).stem}_sr{params.scale_label}x.mp4"
+    return f"{Path(source).stem}_sr{params.scale_label}x{params.encoding.suffix}"
 
 
 def archive_slug(input_dir: str | Path | None, paths: list[str] | None = None) -> str:
@@ -488,6 +488,8 @@ def upscale_archive(
         "output_dir": str(out_dir),
         "store_root": root,
         "params": params.model_dump(mode="json"),
+        # What every output of this archive is written as (each clip's exact rate is in its run's plan).
+        "output_format": {**params.encoding.describe(), "audio": params.audio, "fps_mode": params.fps_mode},
         "model": model.model_dump(mode="json"),
         "plan_only": plan_only,
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),

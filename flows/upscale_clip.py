@@ -46,6 +46,7 @@ class ClipSummary(BaseModel):
     frames: int
     fps: int
     windows: int
+    output_format: dict[str, Any]  # codec, crf, preset, pix_fmt, container, audio, exact frame rate
     size: tuple[int, int]  # (width, height) of the written video
     tiles_total: int
     tiles_computed: int
@@ -86,9 +87,9 @@ def _check_workers() -> None:
 
 
 def default_output_name(source: str | Path, params: UpscaleParams, now: datetime | None = None) -> str:
-    """`<stem>_sr<scale>x_<timestamp>.mp4`, the name SGLang users know."""
+    """`<stem>_sr<scale>x_<timestamp>.mp4`, the name SGLang users know (`.mkv` for FFV1)."""
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
-    return f"{Path(source).stem}_sr{params.scale_label}x_{stamp}.mp4"
+    return f"{Path(source).stem}_sr{params.scale_label}x_{stamp}{params.encoding.suffix}"
 
 
 def _attempt_id() -> str:
@@ -170,6 +171,7 @@ def upscale_clip(
         frames=plan.num_frames,
         fps=plan.fps,
         windows=plan.num_windows,
+        output_format=plan.output_format(),
         size=(plan.delivery_size[1], plan.delivery_size[0]),
         tiles_total=total,
         tiles_computed=computed,

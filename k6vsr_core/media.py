@@ -17,6 +17,7 @@ import stat
 import warnings
 from collections.abc import Iterator
 from fractions import Fraction
+from typing import Any
 
 import av
 import av.container
@@ -24,6 +25,7 @@ import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 from pydantic import BaseModel, ConfigDict
 
+from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import MediaError
 
 __all__ = [
@@ -59,15 +61,16 @@ MAX_SOURCE_SIDE = 8192
 MAX_SOURCE_PIXELS = 40_000_000
 # The model only accepts clips of 1 + 8k frames.
 _FRAME_GROUP = 8
-_VIDEO_CODEC = "libx264"
-_VIDEO_PIX_FMT = "yuv420p"
-_VIDEO_OPTIONS = {"crf": "18"}
 _AUDIO_CODEC = "aac"
 _AUDIO_BIT_RATE = 192_000
 # FFmpeg's BT.709 code is 1 for the colorspace, primaries and transfer enums alike.
 _BT709 = 1
 
 PathLike = str | os.PathLike[str]
+# The contract's rates are whole numbers; `--fps source` keeps the source's exact rational rate (30000/1001).
+FrameRate = int | Fraction
+_CONTRACT = VideoEncoding()
+HEVC_MIN_SIDE = 128
 
 
 class VideoProbe(BaseModel):
@@ -91,6 +94,7 @@ class VideoProbe(BaseModel):
     pix_fmt: str
     rotation: int
     duration_s: float | None
+    rate: str | None = None  # the exact rate as a fraction ("30000/1001"), for `--fps source`
 
 
 # --------------------------------------------------------------------------- #
@@ -301,6 +305,7 @@ def _probe_file(path: str) -> VideoProbe:
             pix_fmt=first.format.name,
             rotation=int(first.rotation),
             duration_s=_duration_s(container, stream),
+            rate=str(Fraction(stream.average_rate or stream.base_rate)),
         )
 
 
@@ -498,7 +503,15 @@ def decode_audio(path: PathLike) -> np.ndarray | None:
     return audio if audio is not None and audio.size else None
 
 
-def write_audio_track(path: PathLike, destination: PathLike, num_frames: int, fps: int) -> int:
+def check_audio_file(path: PathLike) -> None:
+    """Refuse, naming it, a file given as the output's audio that holds no decodable audio stream."""
+    path = os.fspath(path)
+    with _open_input(path) as container:
+        if not container.streams.audio:
+            raise MediaError(path, "has no audio stream (given as --audio)")
+
+
+def write_audio_track(path: PathLike, destination: PathLike, num_frames: int, fps: int | Fraction) -> int:
     """Stream the audio of ``path`` as raw mono float32 samples into ``destination``, cut to ``num_frames`` video
     frames at ``fps`` (as :func:`trim_audio`): memory stays one decoded packet whatever the length. Returns the
     number of samples written (0: no audio)."""
@@ -514,7 +527,7 @@ def write_audio_track(path: PathLike, destination: PathLike, num_frames: int, fp
     return written
 
 
-def trim_audio(audio: np.ndarray, num_frames: int, fps: int) -> np.ndarray:
+def trim_audio(audio: np.ndarray, num_frames: int, fps: int | Fraction) -> np.ndarray:
     """Cut mono audio to the length of ``num_frames`` video frames at ``fps``.
 
     Audio that is already shorter is returned as is: padding with silence or
@@ -545,7 +558,7 @@ def _check_frames(frames: np.ndarray) -> None:
         raise ValueError(f"frames must hold at least one non-empty frame, got shape {frames.shape}")
 
 
-def _prepare_audio(audio: np.ndarray, num_frames: int, fps: int) -> np.ndarray | None:
+def _prepare_audio(audio: np.ndarray, num_frames: int, fps: int | Fraction) -> np.ndarray | None:
     audio = np.asarray(audio, dtype=np.float32)
     if audio.ndim != 1:
         raise ValueError(f"audio must be a 1-D mono array at {AUDIO_SAMPLE_RATE} Hz, got shape {audio.shape}")
@@ -553,45 +566,73 @@ def _prepare_audio(audio: np.ndarray, num_frames: int, fps: int) -> np.ndarray |
     return audio if audio.size else None
 
 
-def _encoder_frames(frames: np.ndarray, fps: int) -> Iterator[av.VideoFrame]:
-    """Yield BT.709 yuv420p frames, padded to even size, with pts = index."""
-    pad_h, pad_w = frames.shape[1] % 2, frames.shape[2] % 2
-    time_base = Fraction(1, fps)
+def _encoder_frames(frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding = _CONTRACT) -> Iterator[av.VideoFrame]:
+    """Yield frames in the stream's pixel format (BT.709 for YUV), padded to even size for 4:2:0, pts = index."""
+    pad = encoding.needs_even_size
+    pad_h, pad_w = (frames.shape[1] % 2, frames.shape[2] % 2) if pad else (0, 0)
+    time_base = 1 / Fraction(fps)
     for index, rgb in enumerate(frames):
         if pad_h or pad_w:
             rgb = np.pad(rgb, ((0, pad_h), (0, pad_w), (0, 0)), mode="edge")
         frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
-        # Convert explicitly so the matrix used matches the BT.709 tags on the
-        # stream; left implicit, swscale would use BT.601 and tag nothing, and
-        # players would guess (usually BT.709 for HD) and shift the colours.
-        frame = frame.reformat(format=_VIDEO_PIX_FMT, dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG)
+        if encoding.is_rgb:
+            frame = frame.reformat(format=encoding.stream_pix_fmt)
+        else:
+            # Convert explicitly so the matrix used matches the BT.709 tags on the
+            # stream; left implicit, swscale would use BT.601 and tag nothing, and
+            # players would guess (usually BT.709 for HD) and shift the colours.
+            frame = frame.reformat(
+                format=encoding.stream_pix_fmt, dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
+            )
         frame.pts = index
         frame.time_base = time_base
         yield frame
 
 
-def _mux(
-    container: av.container.OutputContainer, frames: np.ndarray, fps: int, audio: np.ndarray | None, rotation: int
-) -> None:
-    video = container.add_stream(_VIDEO_CODEC, rate=fps, options=dict(_VIDEO_OPTIONS))
+def _add_video_stream(
+    container: av.container.OutputContainer,
+    width: int,
+    height: int,
+    fps: FrameRate,
+    rotation: int,
+    encoding: VideoEncoding = _CONTRACT,
+) -> av.VideoStream:
+    video = container.add_stream(encoding.encoder, rate=fps, options=encoding.options())
     if rotation:
         # Pixels stay as stored (the model never sees rotation); players turn them as they did the source.
         video.set_display_rotation(rotation)
-    video.width = frames.shape[2] + frames.shape[2] % 2
-    video.height = frames.shape[1] + frames.shape[1] % 2
-    video.pix_fmt = _VIDEO_PIX_FMT
-    video.codec_context.time_base = Fraction(1, fps)
-    video.codec_context.colorspace = _BT709
-    video.codec_context.color_primaries = _BT709
-    video.codec_context.color_trc = _BT709
-    video.codec_context.color_range = ColorRange.MPEG
+    even = encoding.needs_even_size
+    video.width = width + (width % 2 if even else 0)
+    video.height = height + (height % 2 if even else 0)
+    video.pix_fmt = encoding.stream_pix_fmt
+    video.codec_context.time_base = 1 / Fraction(fps)
+    if not encoding.is_rgb:
+        video.codec_context.colorspace = _BT709
+        video.codec_context.color_primaries = _BT709
+        video.codec_context.color_trc = _BT709
+        video.codec_context.color_range = ColorRange.MPEG
+    if encoding.codec == "ffv1":
+        # FFV1's slice layout follows the thread count: one thread keeps the bytes the same on every host.
+        video.codec_context.thread_count = 1
+    return video
+
+
+def _mux(
+    container: av.container.OutputContainer,
+    frames: np.ndarray,
+    fps: FrameRate,
+    audio: np.ndarray | None,
+    rotation: int,
+    encoding: VideoEncoding = _CONTRACT,
+) -> None:
+    video = _add_video_stream(container, frames.shape[2], frames.shape[1], fps, rotation, encoding)
 
     sound = None
     if audio is not None:
         sound = container.add_stream(_AUDIO_CODEC, rate=AUDIO_SAMPLE_RATE, layout="mono")
         sound.bit_rate = _AUDIO_BIT_RATE
 
-    for frame in _encoder_frames(frames, fps):
+    for frame in _encoder_frames(frames, fps, encoding):
         container.mux(video.encode(frame))
     container.mux(video.encode(None))
 
@@ -611,11 +652,35 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def write_video(path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray | None, rotation: int = 0) -> None:
-    """Encode RGB frames (and optional mono audio) as an H.264/AAC MP4 at ``path``.
+def _check_rate(fps: object) -> FrameRate:
+    if isinstance(fps, bool) or not isinstance(fps, (int, np.integer, Fraction)) or fps <= 0:
+        raise ValueError(f"fps must be a positive integer or fraction, got {fps!r}")
+    return fps if isinstance(fps, Fraction) and fps.denominator != 1 else int(fps)
+
+
+def _open_output(path: str, encoding: VideoEncoding) -> av.container.OutputContainer:
+    # bitexact drops the muxer's version tag (and Matroska's random ids); faststart puts the MP4 index first so
+    # browsers can start playback before the whole file loads.
+    options = {"fflags": "+bitexact"}
+    if encoding.container == "mp4":
+        options["movflags"] = "+faststart"
+    return av.open(path, mode="w", format=encoding.container, options=options)
+
+
+def write_video(
+    path: PathLike,
+    frames: np.ndarray,
+    fps: FrameRate,
+    audio: np.ndarray | None,
+    rotation: int = 0,
+    encoding: VideoEncoding | None = None,
+) -> None:
+    """Encode RGB frames (and optional mono audio) as a video file at ``path``.
 
     - ``frames``: ``(T, H, W, 3)`` uint8 RGB; frame ``i`` gets pts ``i`` in a
-      ``1/fps`` time base.  Video is libx264, yuv420p, CRF 18, tagged BT.709.
+      ``1/fps`` time base.  By default video is libx264, yuv420p, CRF 18, tagged
+      BT.709, in MP4 (the contract's file); ``encoding`` picks another codec,
+      quality, preset or pixel format (FFV1 goes in Matroska).
     - Odd sizes: yuv420p needs even width and height, so an odd dimension is
       padded by repeating the last row/column (the output is then one pixel
       larger) rather than cropped, which would lose upscaled content, or
@@ -626,30 +691,25 @@ def write_video(path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray 
       video-only file.
     - ``rotation``: the source's display rotation (degrees, as :func:`probe`
       reports it), written as the stream's display matrix.
-    - The container is always MP4, whatever the file name, so callers can
+    - The container follows ``encoding``, whatever the file name, so callers can
       write to a temporary name and rename it.  The output is byte-identical for
       identical inputs (no timestamps or library versions are embedded).
     - The file is written in place; if encoding fails it is removed and a
       :class:`MediaError` naming ``path`` is raised.
     """
     _check_frames(frames)
-    if isinstance(fps, bool) or not isinstance(fps, (int, np.integer)) or fps < 1:
-        raise ValueError(f"fps must be a positive integer, got {fps!r}")
-    fps = int(fps)
+    fps = _check_rate(fps)
+    encoding = encoding or _CONTRACT
+    if encoding.codec == "hevc" and min(frames.shape[1:3]) < HEVC_MIN_SIDE:
+        # x265 gives run-to-run different output below this, and corrupts its heap on smaller frames still.
+        raise ValueError(f"codec=hevc needs frames of at least {HEVC_MIN_SIDE} pixels a side, got {frames.shape[1:3]}")
     if audio is not None:
         audio = _prepare_audio(audio, frames.shape[0], fps)
 
     path = os.fspath(path)
     try:
-        with av.open(
-            path,
-            mode="w",
-            format="mp4",
-            # bitexact drops the muxer's version tag; faststart puts the index
-            # first so browsers can start playback before the whole file loads.
-            options={"fflags": "+bitexact", "movflags": "+faststart"},
-        ) as container:
-            _mux(container, frames, fps, audio, int(rotation))
+        with _open_output(path, encoding) as container:
+            _mux(container, frames, fps, audio, int(rotation), encoding)
     except Exception as exc:
         _remove_quietly(path)
         raise MediaError(path, f"could not write video ({exc})") from exc
@@ -658,13 +718,20 @@ def write_video(path: PathLike, frames: np.ndarray, fps: int, audio: np.ndarray 
         raise
 
 
-def write_segment(path: PathLike, frames: np.ndarray, fps: int) -> None:
-    """One window's frames as a video-only MP4 that starts on a key frame, for :func:`concat_segments`."""
-    write_video(path, frames, fps, None)
+def write_segment(path: PathLike, frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding | None = None) -> None:
+    """One window's frames as a video-only file that starts on a key frame, for :func:`concat_segments`."""
+    write_video(path, frames, fps, None, encoding=encoding)
 
 
 def concat_segments(
-    segments: list[str], path: PathLike, fps: int, audio: np.ndarray | None, num_frames: int, rotation: int = 0
+    segments: list[str],
+    path: PathLike,
+    fps: FrameRate,
+    audio: np.ndarray | None,
+    num_frames: int,
+    rotation: int = 0,
+    encoding: VideoEncoding | None = None,
+    original: str | None = None,
 ) -> None:
     """Join video-only segments by stream copy and add the audio, as :func:`write_video` would have written them.
 
@@ -672,23 +739,29 @@ def concat_segments(
     ``AUDIO_SAMPLE_RATE``, e.g. a memory map: it is read a segment's span at a time) is trimmed to ``num_frames``
     and encoded as :func:`write_video` does, interleaved segment by segment. Nothing is decoded or re-encoded, so
     memory stays one segment's packets, whatever the length. On failure the file is removed.
+
+    ``original``: a source file whose every audio and subtitle stream (and container metadata) is carried over
+    instead, trimmed to the output's span (:class:`SourceStreams`); ``audio`` is then ignored.
     """
     if not segments:
         raise ValueError("no segments to join")
     path = os.fspath(path)
+    fps = _check_rate(fps)
+    encoding = encoding or _CONTRACT
     limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
-    frame_base = Fraction(1, fps)
+    frame_base = 1 / Fraction(fps)
     try:
-        with av.open(path, mode="w", format="mp4", options={"fflags": "+bitexact", "movflags": "+faststart"}) as out:
+        with _open_output(path, encoding) as out:
             with av.open(segments[0]) as first:
                 video = out.add_stream_from_template(first.streams.video[0])
             video.codec_context.bit_rate = 0
             if rotation:
                 video.set_display_rotation(int(rotation))
             sound = None
-            if audio is not None and min(limit, len(audio)) > 0:
+            if original is None and audio is not None and min(limit, len(audio)) > 0:
                 sound = out.add_stream(_AUDIO_CODEC, rate=AUDIO_SAMPLE_RATE, layout="mono")
                 sound.bit_rate = _AUDIO_BIT_RATE
+            carried = SourceStreams(original, out, num_frames * frame_base) if original is not None else None
             offset = 0
             sent = 0
             for segment in segments:
@@ -696,8 +769,12 @@ def concat_segments(
                 if sound is not None and audio is not None:
                     upto = min(limit, len(audio), round(offset / fps * AUDIO_SAMPLE_RATE))
                     sent = _encode_audio(out, sound, audio, sent, upto)
+                if carried is not None:
+                    carried.feed(offset * frame_base)
             if sound is not None:
                 out.mux(sound.encode(None))
+            if carried is not None:
+                carried.finish()
     except Exception as exc:
         _remove_quietly(path)
         raise MediaError(path, f"could not join the segments ({exc})") from exc
@@ -743,3 +820,148 @@ def _encode_audio(
     samples.pts = start
     out.mux(sound.encode(samples))
     return stop
+
+
+# --------------------------------------------------------------------------- #
+# The source's own streams (`--audio original`)
+# --------------------------------------------------------------------------- #
+
+# Codecs each container takes by stream copy; any other audio is re-encoded as AAC at the source's layout and rate.
+_COPY_AUDIO = {
+    "mp4": {"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"},
+    "matroska": {"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus", "vorbis", "pcm_s16le", "pcm_s24le", "pcm_f32le"},
+}
+_COPY_SUBTITLES = {"mp4": {"mov_text"}, "matroska": {"subrip", "srt", "ass", "ssa", "webvtt", "hdmv_pgs_subtitle"}}
+# Container metadata worth keeping; encoder tags and the like describe the old file, not the new one.
+_KEPT_METADATA = ("title", "language", "creation_time", "comment", "description", "artist", "date", "copyright")
+
+
+class SourceStreams:
+    """Every audio and subtitle stream of a source, carried into an output being written, trimmed to `span`.
+
+    Timestamps are taken relative to the source's first video frame, so what played together still does. Audio is
+    copied packet by packet where the container takes the codec (the last packet may run past the end by less
+    than one packet, ~21 ms for AAC) and otherwise decoded and re-encoded at the source's layout and rate, cut to
+    the sample. Each stream's language tag goes with it; the container's title, creation time (and the like) too.
+    """
+
+    def __init__(self, source: str, out: av.container.OutputContainer, span: Fraction) -> None:
+        self._input = _open_input(source)
+        self._span = span
+        self._done = False
+        container_format = out.format.name.split(",")[0]
+        copyable = _COPY_AUDIO.get(container_format, set())
+        subtitles = _COPY_SUBTITLES.get(container_format, set())
+        for key, value in self._input.metadata.items():
+            if key.lower() in _KEPT_METADATA:
+                out.metadata[key] = value
+        video = self._input.streams.video[0] if self._input.streams.video else None
+        start = video.start_time if video is not None and video.start_time is not None else 0
+        self._origin = Fraction(start) * (video.time_base if video is not None else 1)
+        self._out = out
+        self._plans: dict[int, tuple[str, Any]] = {}  # input stream index -> (how, output stream or re-encoder)
+        for stream in self._input.streams:
+            name = stream.codec_context.name if stream.codec_context is not None else ""
+            if stream.type == "audio" and name in copyable:
+                target = out.add_stream_from_template(stream)
+                self._plans[stream.index] = ("copy", target)
+            elif stream.type == "audio":
+                layout = stream.codec_context.layout.name
+                target = out.add_stream(_AUDIO_CODEC, rate=stream.codec_context.sample_rate, layout=layout)
+                target.bit_rate = _AUDIO_BIT_RATE * max(1, stream.codec_context.channels)
+                self._plans[stream.index] = ("encode", _Reencoder(stream, target, self._origin, span))
+            elif stream.type == "subtitle" and name in subtitles:
+                self._plans[stream.index] = ("copy", out.add_stream_from_template(stream))
+            else:
+                if stream.type == "subtitle":
+                    warnings.warn(
+                        f"{source}: subtitle stream {stream.index} ({name}) cannot go in {container_format} "
+                        "without conversion; it is left out",
+                        stacklevel=3,
+                    )
+                continue
+            language = stream.metadata.get("language")
+            if language:
+                self._output_stream(stream.index).metadata["language"] = language
+        wanted = [s for s in self._input.streams if s.index in self._plans]
+        self._packets = self._input.demux(wanted) if wanted else iter(())
+        self._pending: av.Packet | None = None
+
+    def _output_stream(self, index: int) -> Any:
+        how, target = self._plans[index]
+        return target if how == "copy" else target.stream
+
+    def feed(self, until: Fraction) -> None:
+        """Carry every packet that starts before `until` (seconds of the output)."""
+        while True:
+            packet = self._pending or next(self._packets, None)
+            self._pending = None
+            if packet is None:
+                return
+            if packet.pts is None or packet.size == 0:
+                continue
+            start = Fraction(packet.pts) * packet.time_base - self._origin
+            if start >= until:
+                self._pending = packet
+                return
+            if start >= self._span:
+                continue  # past the output's end: dropped
+            how, target = self._plans[packet.stream.index]
+            if how == "copy":
+                shift = round(self._origin / packet.time_base)
+                packet.pts -= shift
+                if packet.dts is not None:
+                    packet.dts -= shift
+                packet.stream = target
+                self._out.mux(packet)
+            else:
+                target.feed(packet, self._out)
+
+    def finish(self) -> None:
+        self.feed(self._span)
+        for how, target in self._plans.values():
+            if how == "encode":
+                target.flush(self._out)
+        self._input.close()
+
+
+class _Reencoder:
+    """One audio stream decoded and re-encoded as AAC at its own layout and rate, cut to the output's span."""
+
+    def __init__(self, source: av.AudioStream, stream: av.AudioStream, origin: Fraction, span: Fraction) -> None:
+        self.stream = stream
+        self._source = source
+        self._rate = source.codec_context.sample_rate
+        self._layout = source.codec_context.layout.name
+        self._resampler = av.AudioResampler(format="fltp", layout=self._layout, rate=self._rate)
+        self._skip = round(origin * self._rate)  # samples before the first video frame
+        self._limit = round(span * self._rate)
+        self._written = 0
+
+    def feed(self, packet: av.Packet, out: av.container.OutputContainer) -> None:
+        for frame in self._source.codec_context.decode(packet):
+            for resampled in self._resampler.resample(frame):
+                self._write(resampled.to_ndarray(), out)
+
+    def _write(self, samples: np.ndarray, out: av.container.OutputContainer) -> None:
+        if self._skip:
+            cut = min(self._skip, samples.shape[1])
+            samples, self._skip = samples[:, cut:], self._skip - cut
+        samples = samples[:, : self._limit - self._written]
+        if not samples.shape[1]:
+            return
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(samples, dtype=np.float32), format="fltp", layout=self._layout
+        )
+        frame.sample_rate = self._rate
+        frame.time_base = Fraction(1, self._rate)
+        frame.pts = self._written
+        self._written += samples.shape[1]
+        for packet in self.stream.encode(frame):
+            out.mux(packet)
+
+    def flush(self, out: av.container.OutputContainer) -> None:
+        for resampled in self._resampler.resample(None):
+            self._write(resampled.to_ndarray(), out)
+        for packet in self.stream.encode(None):
+            out.mux(packet)

@@ -6,16 +6,19 @@ a message that names the field, the value and what is allowed, before any file i
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
+from k6vsr_core.encoding import VideoEncoding, check_encoding
 from k6vsr_core.errors import ParameterError
 from k6vsr_core.windows import MAX_OVERLAP
 
 SCALES = (2.0, 2.25, 4.0)
 TARGET_TIERS = ("hd", "fullhd", "2k")
+AUDIO_MODES = ("contract", "original", "none")
 _WXH = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 # A larger delivery size is certainly a typo: the biggest tier is 2560 px and the model output tops out near 8K.
 MAX_TARGET_SIDE = 16384
@@ -39,6 +42,17 @@ class UpscaleParams(BaseModel):
     frames: Literal["all", "contract"] = "all"
     max_frames: int | None = None  # caps `all` (a preview of the first N kept frames)
     window_overlap: int = 16  # at least this many frames shared by neighbouring windows
+    # Output controls (k6vsr_core.encoding): the defaults write the contract's file, byte for byte.
+    codec: str = "h264"
+    crf: int | None = None
+    preset: str | None = None
+    pix_fmt: str | None = None
+    # `contract`: the first audio stream as mono 44.1 kHz AAC; `original`: every audio and subtitle stream of the
+    # source as it is (trimmed), with its metadata; `none`: video only; otherwise the path of an audio file, mixed
+    # to the contract's format.
+    audio: str = "contract"
+    # `contract`: the 24-fps rule; `source`: every source frame at the source's exact (rational) rate.
+    fps_mode: Literal["contract", "source"] = "contract"
 
     @field_validator("scale", mode="before")
     @classmethod
@@ -115,6 +129,27 @@ class UpscaleParams(BaseModel):
             )
         return f"{width}x{height}"
 
+    @field_validator("audio", mode="before")
+    @classmethod
+    def _audio(cls, value: object) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"audio={value!r} is not known; allowed: contract, original, none or an audio file path")
+        if value.strip() in AUDIO_MODES:
+            return value.strip()
+        path = os.path.abspath(os.path.expanduser(value))
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"audio={value!r} is neither contract, original nor none, and is not an existing audio file"
+            )
+        return path
+
+    @model_validator(mode="after")
+    def _encoding(self) -> UpscaleParams:
+        problems = check_encoding(self.codec, self.crf, self.preset, self.pix_fmt)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
     @model_validator(mode="after")
     def _contract_has_no_cap(self) -> UpscaleParams:
         if self.frames == "contract" and self.max_frames is not None:
@@ -123,6 +158,15 @@ class UpscaleParams(BaseModel):
                 "121 frames, floored to 1 + 8k"
             )
         return self
+
+    @property
+    def encoding(self) -> VideoEncoding:
+        return VideoEncoding(codec=self.codec, crf=self.crf, preset=self.preset, pix_fmt=self.pix_fmt)  # type: ignore[arg-type]
+
+    @property
+    def audio_file(self) -> str | None:
+        """The separate audio file asked for, if any."""
+        return None if self.audio in AUDIO_MODES else self.audio
 
     @property
     def tiling_scale(self) -> int:
@@ -148,7 +192,8 @@ def parse_params(**values: object) -> UpscaleParams:
         for problem in err.errors():
             field = ".".join(str(part) for part in problem["loc"]) or "request"
             text = problem["msg"].removeprefix("Value error, ")
-            if not text.startswith(field):
+            # A check across fields (loc empty) names its own fields.
+            if problem["loc"] and not text.startswith(field):
                 text = f"{field}={problem.get('input')!r}: {text}"
             messages.append(text)
         raise ParameterError("; ".join(messages)) from None

@@ -9,6 +9,7 @@ manifest all use the same plan, which is what makes their outputs comparable byt
 from __future__ import annotations
 
 import warnings
+from fractions import Fraction
 
 from pydantic import BaseModel, ConfigDict
 
@@ -53,7 +54,8 @@ class ClipPlan(BaseModel):
     source_frames: int  # frames in the source
     source_fps: float
     num_frames: int  # kept frames: the output's length
-    fps: int
+    fps: int  # the output's rate, rounded (exact unless `fps_mode='source'` keeps a fractional one)
+    source_rate: str | None = None  # with `fps_mode='source'`: the exact rate written, e.g. "30000/1001"
     windows: tuple[Window, ...]
     window_frames: int  # frames each window computes (1 + 8k; the one window of a short clip is padded to it)
     latent_frames: int  # latent frames of one window
@@ -63,6 +65,23 @@ class ClipPlan(BaseModel):
     chunks: tuple[TileChunk, ...]
     sr_size: Size  # (H, W) after blending and cropping
     delivery_size: Size  # (H, W) of the written video
+
+    @property
+    def frame_rate(self) -> int | Fraction:
+        """The rate the output plays at, exact."""
+        if self.source_rate is None:
+            return self.fps
+        rate = Fraction(self.source_rate)
+        return rate.numerator if rate.denominator == 1 else rate
+
+    def output_format(self) -> dict[str, object]:
+        """What the output file holds: codec, quality, pixel format, container, audio and exact rate."""
+        return {
+            **self.params.encoding.describe(),
+            "audio": self.params.audio,
+            "fps_mode": self.params.fps_mode,
+            "frame_rate": str(self.frame_rate),
+        }
 
     @property
     def num_tiles(self) -> int:
@@ -85,7 +104,16 @@ class ClipPlan(BaseModel):
 
 
 def select_kept_frames(source_frames: int, source_fps: float, params: UpscaleParams) -> tuple[list[int], int]:
-    """The source frames a request keeps and their rate: every one (`all`, up to `max_frames`) or the contract's."""
+    """The source frames a request keeps and their rate: every one (`all`, up to `max_frames`) or the contract's.
+
+    With `fps_mode='source'` no frame is dropped to reach 24 fps: every source frame is kept (the contract's
+    window still caps `frames='contract'` at the first 121, floored to 1 + 8k).
+    """
+    if params.fps_mode == "source":
+        limit = source_frames if params.max_frames is None else min(source_frames, params.max_frames)
+        if params.frames == "contract":
+            limit = media.aligned_frame_count(min(source_frames, media.MAX_NUM_FRAMES))
+        return list(range(limit)), max(1, round(source_fps))
     if params.frames == "contract":
         return media.select_frames(source_frames, source_fps)
     return media.select_all_frames(source_frames, source_fps, params.max_frames)
@@ -110,6 +138,7 @@ def make_plan(
     source_fps: float,
     params: UpscaleParams,
     traits: ModelTraits | None = None,
+    source_rate: Fraction | str | None = None,
 ) -> ClipPlan:
     """Plan a source of `source_frames` frames of `source_size` at `source_fps`.
 
@@ -117,6 +146,15 @@ def make_plan(
     """
     traits = traits or ModelTraits()
     indices, fps = select_kept_frames(source_frames, source_fps, params)
+    exact = None
+    if params.fps_mode == "source":
+        # The stream's own fraction when known; a float rate is turned back into the fraction it came from.
+        exact = Fraction(source_rate) if source_rate is not None else Fraction(source_fps).limit_denominator(100_000)
+        warnings.warn(
+            f"fps_mode='source' keeps every frame at {exact} fps: outside the trained contract (24 fps), the "
+            "output may differ in quality from the official pipeline's",
+            stacklevel=2,
+        )
     windows = plan_windows(len(indices), params.window_overlap)
     height, width = source_size
     if params.pre_upscale:
@@ -134,12 +172,18 @@ def make_plan(
         )
     sr_size = grid.output_size
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
+    if params.codec == "hevc" and min(delivery) < media.HEVC_MIN_SIDE:
+        raise ValueError(
+            f"codec=hevc needs an output of at least {media.HEVC_MIN_SIDE} pixels a side; this one is "
+            f"{delivery[1]}x{delivery[0]}: use h264 or ffv1"
+        )
     return ClipPlan(
         source_size=source_size,
         source_frames=source_frames,
         source_fps=source_fps,
         num_frames=len(indices),
         fps=fps,
+        source_rate=None if exact is None else str(exact),
         windows=windows,
         window_frames=windows[0].padded,
         latent_frames=1 + (windows[0].padded - 1) // TEMPORAL_FACTOR,

@@ -10,14 +10,17 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
+import torch
 from pydantic import BaseModel
 
 from k6vsr_core import media, stages
 from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
+from k6vsr_core.latent import check_latent, fit_latent, plan_latent
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
 from k6vsr_core.windows import Window, segment_frames
@@ -35,10 +38,17 @@ class SourceClip(BaseModel):
 
 
 class UpscaleResult(BaseModel):
-    output: str
+    model_config = {"arbitrary_types_allowed": True}
+
+    output: str | None  # None when only frames were asked for
     plan: ClipPlan
     timings: dict[str, float]
     dit_calls: int
+    # With `return_frames=True`: every output frame (T, H, W, 3) uint8 RGB, as handed to the encoder, and the audio as
+    # the contract writes it (mono float32 at `audio_rate`, trimmed to the frames; None with `audio='none'`).
+    frames: np.ndarray | None = None
+    audio: np.ndarray | None = None
+    audio_rate: int = media.AUDIO_SAMPLE_RATE
 
 
 def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) -> SourceClip:
@@ -51,10 +61,27 @@ def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) ->
             stacklevel=2,
         )
     try:
-        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits)
+        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate)
     except ValueError as err:
         raise media.MediaError(str(path), str(err)) from None
     return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)
+
+
+def _latent_audio(params: UpscaleParams) -> str:
+    return params.audio if params.audio_file is not None else "none"
+
+
+def audio_input(source: str | Path, params: UpscaleParams) -> str | None:
+    """The file whose audio is mixed to the contract's format: the source, a separate file, or none."""
+    if params.audio in ("none", "original"):
+        return None  # `original` carries the source's streams as they are, at the join
+    return params.audio_file or str(source)
+
+
+def source_audio(source: str | Path, params: UpscaleParams) -> np.ndarray | None:
+    """The mono 44.1 kHz track the request writes, if any."""
+    path = audio_input(source, params)
+    return None if path is None else media.decode_audio(path)
 
 
 def read_window(source: SourceClip, window: Window) -> np.ndarray:
@@ -63,15 +90,29 @@ def read_window(source: SourceClip, window: Window) -> np.ndarray:
 
 
 def upscale(
-    source: str | Path,
-    output: str | Path,
+    source: str | Path | None,
+    output: str | Path | None,
     bundle: ModelBundle,
     params: UpscaleParams | None = None,
     on_step: Callable[[int], None] | None = None,
     compute: ComputeProfile | None = None,
+    return_frames: bool = False,
+    latent: torch.Tensor | None = None,
+    fps: float | Fraction | str | None = None,
 ) -> UpscaleResult:
-    """Upscale `source` into the MP4 `output` with the loaded `bundle`, computing as `compute` (default) says."""
+    """Upscale `source` into the video file `output` with the loaded `bundle`, computing as `compute` (default) says.
+
+    `return_frames=True` also returns the frames and the audio (all of them in memory: for short clips); `output`
+    may then be None, and no file is written.
+
+    `latent` (with `fps`, and `source=None`): an unscaled KVAE latent `[T, C, H, W]` instead of a video
+    (`k6vsr_core.latent`); scale 2 or 4; the output is silent unless `params.audio` is an audio file.
+    """
+    if output is None and not return_frames:
+        raise ValueError("upscale needs an output file, or return_frames=True")
     params = params or UpscaleParams()
+    if params.audio_file is not None:
+        media.check_audio_file(params.audio_file)
     apply_profile(compute or default_profile())
     timings: dict[str, float] = {}
     calls = 0
@@ -90,18 +131,38 @@ def upscale(
         timings[stage] = timings.get(stage, 0.0) + now - clock
         clock = now
 
-    clip = read_source(source, params, model_traits(bundle.info))
-    plan = clip.plan
-    audio = media.decode_audio(source)
+    if latent is not None:
+        if source is not None:
+            raise ValueError("give a source video or a latent, not both")
+        rate = check_latent(latent, int(bundle.vae.config.latent_channels), params, fps)
+        plan = plan_latent(latent, rate, params, model_traits(bundle.info))
+        scaled = fit_latent(stages.scale_latent(bundle, latent), plan)
+        audio = None if params.audio_file is None else media.decode_audio(params.audio_file)
+        # A latent has no streams of its own to carry.
+        plan = plan.model_copy(update={"params": plan.params.model_copy(update={"audio": _latent_audio(params)})})
+        clip = SourceClip(path="", frame_pts=None, rotation=0, plan=plan)
+    elif source is None:
+        raise ValueError("give a source video, or a latent and its fps")
+    else:
+        clip = read_source(source, params, model_traits(bundle.info))
+        plan = clip.plan
+        audio = source_audio(source, params)
+    if return_frames and source is not None and audio is None and params.audio == "original":
+        audio = media.decode_audio(source)  # the frames' caller gets the contract's track of the source
     lap("ingest")
-    with tempfile.TemporaryDirectory(prefix=".k6vsr-segments-", dir=Path(output).parent) as folder:
+    kept: list[np.ndarray] = []
+    folder_of = None if output is None else Path(output).parent
+    with tempfile.TemporaryDirectory(prefix=".k6vsr-segments-", dir=folder_of) as folder:
         segments, previous = [], None
         for window in plan.windows:
-            latent = stages.encode_clip(bundle, stages.prepare_window(read_window(clip, window), plan, window))
+            if latent is not None:
+                encoded = scaled
+            else:
+                encoded = stages.encode_clip(bundle, stages.prepare_window(read_window(clip, window), plan, window))
             lap("encode")
             denoised = {}
             for chunk in plan.chunks:
-                lr_tiles = stages.cut_tiles(latent, plan, chunk.tiles)
+                lr_tiles = stages.cut_tiles(encoded, plan, chunk.tiles)
                 denoised.update(
                     zip(chunk.tiles, stages.denoise_chunk(bundle, lr_tiles, chunk, plan, count), strict=True)
                 )
@@ -110,12 +171,20 @@ def upscale(
             lap("decode")
             frames = stages.tensor_to_frames(stages.deliver(stages.blend(plan, tiles, window), plan))
             lap("blend")
-            segment = str(Path(folder) / f"{window.index:06d}.mp4")
             joined = segment_frames(plan.windows, window.index, frames, previous)
-            stages.write_segment(segment, joined, plan, audio, clip.rotation)
-            segments.append(segment)
+            if return_frames:
+                kept.append(joined)
+            if output is not None:
+                segment = str(Path(folder) / f"{window.index:06d}.mp4")
+                stages.write_segment(segment, joined, plan, audio, clip.rotation)
+                segments.append(segment)
             previous = frames
             lap("segment")
-        stages.join_segments(segments, output, plan, audio, clip.rotation)
+        if output is not None:
+            stages.join_segments(segments, output, plan, audio, clip.rotation, None if source is None else str(source))
     lap("mux")
-    return UpscaleResult(output=str(output), plan=plan, timings=timings, dit_calls=calls)
+    result = UpscaleResult(output=None if output is None else str(output), plan=plan, timings=timings, dit_calls=calls)
+    if return_frames:
+        result.frames = np.concatenate(kept)
+        result.audio = None if audio is None else np.asarray(media.trim_audio(audio, plan.num_frames, plan.frame_rate))
+    return result

@@ -68,13 +68,33 @@ def _kvae_chunk(bundle: ModelBundle, stage: Literal["encode", "decode"], size: S
 @torch.no_grad()
 def encode_clip(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
     """KVAE latent of the whole clip, scaled for the upscaler: (1, 64, t, H/16, W/16) float32 on the CPU."""
+    with bundle.turn():
+        return scale_latent(bundle, _encode(bundle, video))
+
+
+@torch.no_grad()
+def encode_latent(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
+    """The unscaled KVAE latent of a clip as FastVideo's `sr_lr_latent` holds it: (t, 64, H/16, W/16), in the
+    KVAE's dtype, on the CPU. `scale_latent` of it is exactly `encode_clip`."""
+    with bundle.turn():
+        return _encode(bundle, video)[0].permute(1, 0, 2, 3).contiguous().cpu()
+
+
+def _encode(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
     vae = bundle.vae
     chunk = _kvae_chunk(bundle, "encode", (video.shape[-2], video.shape[-1]), video.shape[0])
-    with bundle.turn():
-        # The KVAE was trained on pixels / 128 - 1, not the usual / 127.5 - 1.
-        pixels = video.to(bundle.device).permute(1, 0, 2, 3).unsqueeze(0).float() / 128.0 - 1.0
-        latent = kvae.encode(vae, pixels.to(vae.dtype), chunk)
-        return (latent * vae.config.scaling_factor).float().cpu()
+    # The KVAE was trained on pixels / 128 - 1, not the usual / 127.5 - 1.
+    pixels = video.to(bundle.device).permute(1, 0, 2, 3).unsqueeze(0).float() / 128.0 - 1.0
+    return kvae.encode(vae, pixels.to(vae.dtype), chunk)
+
+
+def scale_latent(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
+    """An unscaled KVAE latent, (1, 64, t, h, w) or (t, 64, h, w), scaled for the upscaler: (1, 64, t, h, w) fp32."""
+    vae = bundle.vae
+    if latent.ndim == 4:
+        latent = latent.permute(1, 0, 2, 3).unsqueeze(0)
+    latent = latent.to(bundle.device, vae.dtype)
+    return (latent * vae.config.scaling_factor).float().cpu()
 
 
 def cut_tiles(latent: torch.Tensor, plan: ClipPlan, tiles: tuple[int, ...]) -> torch.Tensor:
@@ -194,18 +214,35 @@ def write_segment(
     path: str | Path, frames: np.ndarray, plan: ClipPlan, audio: np.ndarray | None, rotation: int
 ) -> None:
     """A window's segment. A one-window plan's only segment is the finished file, written as the contract writes
-    it (video, audio, rotation); otherwise it is video only, for `join_segments`."""
-    if plan.num_windows == 1:
-        media.write_video(path, frames, plan.fps, audio, rotation)
+    it (video, audio, rotation), unless the source's own streams go in; otherwise it is video only, for
+    `join_segments`."""
+    encoding = plan.params.encoding
+    if _segment_is_output(plan):
+        media.write_video(path, frames, plan.frame_rate, audio, rotation, encoding)
     else:
-        media.write_segment(path, frames, plan.fps)
+        media.write_segment(path, frames, plan.frame_rate, encoding)
 
 
 def join_segments(
-    segments: list[str], path: str | Path, plan: ClipPlan, audio: np.ndarray | None, rotation: int
+    segments: list[str],
+    path: str | Path,
+    plan: ClipPlan,
+    audio: np.ndarray | None,
+    rotation: int,
+    source: str | None = None,
 ) -> None:
-    """The output from the segments in window order, by stream copy, with the audio."""
-    if plan.num_windows == 1:
+    """The output from the segments in window order, by stream copy, with the audio (or, with `--audio original`,
+    the streams of `source`)."""
+    if _segment_is_output(plan):
         shutil.copyfile(segments[0], path)
-    else:
-        media.concat_segments(segments, path, plan.fps, audio, plan.num_frames, rotation)
+        return
+    original = source if plan.params.audio == "original" else None
+    if plan.params.audio == "original" and source is None:
+        raise ValueError("audio='original' needs the source file to carry its streams from")
+    media.concat_segments(
+        segments, path, plan.frame_rate, audio, plan.num_frames, rotation, plan.params.encoding, original
+    )
+
+
+def _segment_is_output(plan: ClipPlan) -> bool:
+    return plan.num_windows == 1 and plan.params.audio != "original"

@@ -60,13 +60,17 @@ def model_info(spec: ModelSpec) -> BundleInfo:
 def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, store_root: str | Path) -> PreparedRun:
     """Everything `k6vsr plan` prints, and the run key: no model is loaded and nothing is written."""
     probe = media.probe(source)
+    if params.audio_file is not None:
+        media.check_audio_file(params.audio_file)
     try:
         select_kept_frames(probe.num_frames, probe.fps, params)
     except ValueError as err:  # too few frames for the rate: a property of the file
         raise media.MediaError(source, str(err)) from None
     info = model_info(spec)
     try:
-        plan = make_plan((probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info))
+        plan = make_plan(
+            (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate
+        )
     except ParameterError:
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file

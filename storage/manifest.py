@@ -64,9 +64,21 @@ def _sha256(path: str, size: int, mtime_ns: int, inode: int, block: int = 1 << 2
     return digest.hexdigest()
 
 
+# Output controls added after runs were first keyed: left out of the key while at their default, so the runs of
+# the contract's file keep their keys.
+_LATER_FIELDS = ("codec", "crf", "preset", "pix_fmt", "audio", "fps_mode")
+
+
 def output_params(params: UpscaleParams) -> dict[str, Any]:
-    """The request fields that change the output bytes (all of them, today)."""
-    return params.model_dump(mode="json")
+    """The request fields that change the output bytes (all of them), and the content of a separate audio file."""
+    values = params.model_dump(mode="json")
+    defaults = UpscaleParams().model_dump(mode="json")
+    for name in _LATER_FIELDS:
+        if values[name] == defaults[name]:
+            del values[name]
+    if params.audio_file is not None:
+        values["audio_sha256"] = source_info(params.audio_file).sha256
+    return values
 
 
 def run_key(source_sha256: str, params: UpscaleParams, model_identity: str) -> str:

@@ -16,7 +16,7 @@ from k6vsr_core import media
 from k6vsr_core.bundle import BundleInfo, model_traits
 from k6vsr_core.compute import apply_profile, default_profile
 from k6vsr_core.params import UpscaleParams
-from k6vsr_core.runner import read_source
+from k6vsr_core.runner import audio_input, read_source
 from service.runs import RunRef
 from storage import RunManifest, RunStore, source_info
 from storage.manifest import library_versions
@@ -48,7 +48,8 @@ def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo, at
     plan = clip.plan
     tmp = store.temp_file(store.path, ".f32")
     try:
-        samples = media.write_audio_track(source, tmp, plan.num_frames, plan.fps)
+        audio_from = audio_input(source, params)
+        samples = media.write_audio_track(audio_from, tmp, plan.num_frames, plan.frame_rate) if audio_from else 0
         if samples:
             store.commit_file(tmp, store.audio_path, "ingest", "audio", attempt=attempt)
     finally:

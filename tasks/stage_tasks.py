@@ -243,7 +243,7 @@ def mux(run: RunRef, attempt: str) -> StageResult:
     audio = _audio(store, run) if manifest.has_audio else None
     tmp = store.temp_file(store.path, ".mp4")
     try:
-        stages.join_segments(segments, tmp, plan, audio, manifest.rotation)
+        stages.join_segments(segments, tmp, plan, audio, manifest.rotation, manifest.source.path)
         store.commit_file(tmp, store.output_path, "mux", "all", time.perf_counter() - started, attempt)
     finally:
         tmp.unlink(missing_ok=True)

@@ -560,3 +560,27 @@ def test_messages_from_libraries_lose_the_server_paths() -> None:
     assert scrub_paths(message, known) == "[Errno 1094995529] Invalid data found when processing input: 'the clip'"
     assert scrub_paths("/srv/k6vsr/store/runs/abc: disk full", known) == "<store>/runs/abc: disk full"
     assert scrub_paths("no /etc/shadow: denied; 1/2 of x2/x4", {}) == "no <path>: denied; 1/2 of x2/x4"
+
+
+def test_output_controls_as_request_fields(server: Server, stack: dict[str, Path], tmp_path: Path) -> None:
+    source = str(stack["allowed"] / "square.mp4")
+    done = completed(server, server.post_json(video_path=source, sr_resolution_scale=2, codec="ffv1", audio="none"))
+    assert done["params"]["codec"] == "ffv1" and done["params"]["audio"] == "none"
+    response = server.client.get(f"/v1/videos/{done['id']}/content")
+    assert response.status_code == 200 and response.headers["content-type"] == "video/x-matroska"
+    out = tmp_path / "out.mkv"
+    out.write_bytes(response.content)
+    with av.open(str(out)) as container:
+        assert container.streams.video[0].codec_context.name == "ffv1" and not container.streams.audio
+    jobs = stack["store"] / "jobs"
+    before = sorted(p.name for p in jobs.iterdir())
+    for fields, param in (
+        ({"codec": "ffv1", "crf": 20}, "crf"),
+        ({"codec": "av1"}, "codec"),
+        ({"pix_fmt": "rgb48"}, "pix_fmt"),
+        ({"audio": "/etc/passwd"}, "audio"),
+        ({"fps_mode": "double"}, "fps_mode"),
+    ):
+        error = error_of(server.post_json(video_path=source, **fields), 400, server_paths(stack))
+        assert error["code"] == "invalid_value" and param in error["message"], error
+    assert sorted(p.name for p in jobs.iterdir()) == before
