@@ -7,6 +7,9 @@ the RGB frames the blend stage stored.
 
 from __future__ import annotations
 
+import functools
+import platform
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
@@ -88,6 +91,8 @@ class VideoEncoding(BaseModel):
         options = {"crf": str(DEFAULT_CRF if self.crf is None else self.crf)}
         if self.preset is not None:
             options["preset"] = self.preset
+        if self.codec == "h264" and (instructions := x264_instructions()):
+            options["x264-params"] = f"asm={instructions}"
         if self.codec == "hevc":
             options["x265-params"] = "log-level=error:frame-threads=1:pools=none"
         return options
@@ -102,6 +107,45 @@ class VideoEncoding(BaseModel):
             "pix_fmt": self.stream_pix_fmt,
             "container": "mkv" if self.codec == "ffv1" else "mp4",
         }
+
+
+# x264's names for the instruction sets it uses, by the flag Linux lists in /proc/cpuinfo for each.
+_X264_INSTRUCTIONS = {
+    "sse": "SSE",
+    "sse2": "SSE2",
+    "pni": "SSE3",
+    "ssse3": "SSSE3",
+    "sse4_1": "SSE4.1",
+    "sse4_2": "SSE4.2",
+    "avx": "AVX",
+    "fma": "FMA3",
+    "avx2": "AVX2",
+    "bmi1": "BMI1",
+    "bmi2": "BMI2",
+    "abm": "LZCNT",
+}
+
+
+@functools.cache
+def x264_instructions(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The instruction sets x264 may use here, without AVX-512; None where x264 should pick for itself.
+
+    With its AVX-512 code, x264 (as built into PyAV's wheels) reads memory it never wrote: the same frames then give
+    different bytes from one encode to the next, depending on what the process allocated before. Every instruction
+    set below AVX-512 gives the same bytes every time (tests/test_encoding_determinism.py). So on a CPU with AVX-512
+    x264 is told the CPU's other instruction sets; elsewhere it detects them itself.
+    """
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    if not any(flag.startswith("avx512") for flag in flags):
+        return None
+    names = [name for flag, name in _X264_INSTRUCTIONS.items() if flag in flags]
+    return ",".join(["MMX2", *names]) if names else None
 
 
 def check_encoding(codec: str, crf: int | None, preset: str | None, pix_fmt: str | None) -> list[str]:

@@ -8,6 +8,8 @@ from pathlib import Path
 import av
 import numpy as np
 
+from k6vsr_core.encoding import VideoEncoding
+
 
 def sample_frames(width: int, height: int, num_frames: int) -> np.ndarray:
     """(T, H, W, 3) uint8: a gradient background with a bright disc and a bar that move across the frame."""
@@ -42,7 +44,7 @@ def make_sample_clip(
     with av.open(str(path), "w") as container:
         video = container.add_stream("libx264", rate=rate)
         video.width, video.height, video.pix_fmt = width, height, "yuv420p"
-        video.options = {"crf": "18"}
+        video.options = VideoEncoding().options()  # the contract's H.264, with the same bytes on every run
         sound = None
         if audio:
             sound = container.add_stream("aac", rate=sample_rate, layout="stereo")

@@ -262,9 +262,14 @@ def command(*args: str, specs: tuple[str, ...] = (), state: Path | None = None) 
 
 
 def run_all(commands: list[list[str]], parallel: int = 3, timeout: float = 300.0) -> list[Any]:
-    """Run commands as subprocesses, `parallel` at a time; returns their CompletedProcess-like results in order."""
+    """Run commands as subprocesses, `parallel` at a time; returns their CompletedProcess-like results in order.
+
+    A command past `timeout` is killed with its process group; its result has return code -9 and its threads'
+    stacks as stderr."""
     import subprocess
     import time
+
+    import procs
 
     results: list[Any] = [None] * len(commands)
     pending = list(enumerate(commands))
@@ -272,15 +277,12 @@ def run_all(commands: list[list[str]], parallel: int = 3, timeout: float = 300.0
     while pending or running:
         while pending and len(running) < parallel:
             index, argv = pending.pop(0)
-            process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            running.append((index, process, time.monotonic()))
+            running.append((index, procs.start(argv), time.monotonic()))
         index, process, started = running.pop(0)
-        try:
-            out, err = process.communicate(timeout=max(1.0, timeout - (time.monotonic() - started)))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            out, err = process.communicate()
-        results[index] = subprocess.CompletedProcess(commands[index], process.returncode, out, err)
+        done = procs.finish(process, max(1.0, timeout - (time.monotonic() - started)))
+        if done is None:
+            done = subprocess.CompletedProcess(commands[index], -9, "", f"hung; its threads:\n{process.hung_stderr}")
+        results[index] = done
     return results
 
 

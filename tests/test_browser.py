@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from uuid import UUID
 
+import procs
 import pytest
 
 from flows.stage_clock import PIPELINE
@@ -328,7 +329,6 @@ def test_a_killed_run_is_shown_crashed_after_the_next_command(
 ) -> None:
     """`k6vsr upscale` SIGKILLed in the middle of a tile: its run stays Running in the API until the next command
     (here `k6vsr server status`) finds its process dead; from then on the UI shows it Crashed."""
-    import subprocess
     import sys
 
     import fault_harness
@@ -340,9 +340,7 @@ def test_a_killed_run_is_shown_crashed_after_the_next_command(
     assert killed.returncode == -9, killed.stderr[-2000:]
     run = _flow_run("upscale-killed.mp4")
     assert run.state.name == "Running"
-    status = subprocess.run(
-        [sys.executable, "-m", "entrypoints.cli", "server", "status", "--json"], capture_output=True, text=True
-    )
+    status = procs.run([sys.executable, "-m", "entrypoints.cli", "server", "status", "--json"])
     assert status.returncode == 0, status.stderr[-2000:]
     assert _flow_run(run_id=run.id).state.name == "Crashed"
     browser.get(f"{prefect_server.removesuffix('/api')}/runs/flow-run/{run.id}")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
+import procs
 import pytest
 import torch
 
@@ -33,9 +33,7 @@ def test_apply_profile_sets_the_thread_count_of_a_one_thread_worker() -> None:
         "before = torch.get_num_threads(); apply_profile(ComputeProfile(cpu_threads=2));"
         "print(before, torch.get_num_threads(), torch.backends.cudnn.benchmark)"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    done = procs.run([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "2", "False"]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import fault_harness
+import procs
 import pytest
 
 from entrypoints.cli import main
@@ -183,14 +184,14 @@ print(json.dumps({"rss_mb": rss, "gpu_mb": gpu, "keys": keys}))
 @pytest.fixture(scope="module")
 def long_run(tiny_bundle_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """20 different 64x64 one-frame clips through the flow, one after the other in one process, as an archive runs."""
-    import subprocess
     import sys
 
     root = tmp_path_factory.mktemp("long-run")
-    done = subprocess.run(
+    done = procs.run(
         [sys.executable, "-c", LONG_RUN, str(root), str(tiny_bundle_path), str(CLIPS)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, **STEADY_MALLOC},
-    )  # fmt: skip
+        timeout=600,
+        env={**os.environ, **STEADY_MALLOC},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"\nRSS over {CLIPS} clips (MB): {report['rss_mb']}\nGPU allocated (MB): {report['gpu_mb'] or 'no GPU'}")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
+import procs
 import pytest
 
 from k6vsr_core import UpscaleParams, upscale
@@ -159,16 +159,13 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
         sys.exit(main({argv!r}))
         """
     )
-    killed = subprocess.run([sys.executable, "-c", killer], capture_output=True, text=True, env=os.environ.copy())
+    killed = procs.run([sys.executable, "-c", killer])
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (out / "x.mp4").exists()
     from entrypoints.cli import main
 
-    rerun = subprocess.run(
+    rerun = procs.run(
         [sys.executable, "-m", "entrypoints.cli", *argv, "--verbose"],
-        capture_output=True,
-        text=True,
-        env=os.environ.copy(),
     )
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     # --verbose: every task line
@@ -286,7 +283,7 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
         "2",
         "--json",
     ]
-    done = subprocess.run([sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=env)
+    done = procs.run([sys.executable, "-m", "entrypoints.cli", *argv], env=env)
     assert done.returncode == 1
     assert "no Dask worker ran a trivial k6vsr task" in done.stderr
     assert not list(tmp_path.glob("*.mp4"))
@@ -321,9 +318,7 @@ def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: 
         str(tmp_path / "store"),
     ]
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=env, timeout=600
-        )
+        done = procs.run([sys.executable, "-m", "entrypoints.cli", *argv], env=env, timeout=600)
     finally:
         stop_server(server_home)
     assert done.returncode == 0, done.stderr[-3000:]

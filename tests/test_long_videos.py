@@ -7,14 +7,13 @@ The tiny KVAE decodes about 0.1-0.3 megapixels a second here, so the clips are 6
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import av
 import numpy as np
+import procs
 import pytest
 
 from k6vsr_core import UpscaleParams, media, upscale
@@ -28,7 +27,11 @@ X2 = UpscaleParams(scale=2)
 
 
 def _clip(folder: Path, frames: int, fps: float) -> Path:
-    return make_sample_clip(folder / f"c{frames}-{fps:g}.mp4", width=64, height=64, num_frames=frames, fps=fps)
+    """The module's clip of `frames` frames at `fps`, written once: tests compare outputs made from it."""
+    path = folder / f"c{frames}-{fps:g}.mp4"
+    if not path.exists():
+        make_sample_clip(path.with_suffix(".part.mp4"), width=64, height=64, num_frames=frames, fps=fps).rename(path)
+    return path
 
 
 def _streams(path: Path) -> tuple[int, float, float, float | None]:
@@ -186,18 +189,14 @@ def test_30_fps_source_gives_the_240_frames_the_selection_keeps(
 ) -> None:
     source = _clip(clips, 300, 30)
     store = tmp_path / "store"
-    planned = subprocess.run(
+    planned = procs.run(
         [sys.executable, "-m", "entrypoints.cli", "plan", str(source), "--scale", "2", "--model", str(tiny_bundle_path),
          "--store", str(store), "--json"],
-        capture_output=True, text=True, env=os.environ.copy(),
     )  # fmt: skip
     assert planned.returncode == 0, planned.stderr[-2000:]
     plan = json.loads(planned.stdout)
-    done = subprocess.run(
+    done = procs.run(
         [sys.executable, "-m", "entrypoints.cli", *_argv(source, tmp_path / "o.mp4", tiny_bundle_path, store)],
-        capture_output=True,
-        text=True,
-        env=os.environ.copy(),
     )
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout)
@@ -233,16 +232,14 @@ def test_kill_mid_window_resumes_the_unfinished_items_with_identical_bytes(
         sys.exit(main({argv!r}))
         """
     )
-    killed = subprocess.run([sys.executable, "-c", killer], capture_output=True, text=True, env=os.environ.copy())
+    killed = procs.run([sys.executable, "-c", killer])
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not out.exists()
     run = RunStore(store, next((store / "runs").iterdir()).name)
     first = {stage: {i: run.attempt_of(stage, i) for i in run.records.items(stage)} for stage in ("encode", "decode")}
     assert "0" in first["encode"] and "1-0" in first["decode"] and "2" not in first["encode"]
 
-    rerun = subprocess.run(
-        [sys.executable, "-m", "entrypoints.cli", *argv], capture_output=True, text=True, env=os.environ.copy()
-    )
+    rerun = procs.run([sys.executable, "-m", "entrypoints.cli", *argv])
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     summary = json.loads(rerun.stdout)
     assert out.read_bytes() == reference_250
@@ -310,10 +307,8 @@ def test_ingest_and_plan_memory_does_not_grow_with_length(tiny_bundle_path: Path
     peaks = {}
     for seconds in (10, 120):
         clip = _long_clip(tmp_path / f"{seconds}s.mp4", seconds)
-        done = subprocess.run(
+        done = procs.run(
             [sys.executable, "-c", _INGEST_RSS, str(clip), str(tiny_bundle_path), str(tmp_path / "store")],
-            capture_output=True,
-            text=True,
         )
         assert done.returncode == 0, done.stderr[-2000:]
         frames, windows, peak = (int(v) for v in done.stdout.split())

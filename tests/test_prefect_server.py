@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from uuid import UUID
 
+import procs
 import pytest
 
 from flows import prefect_server
@@ -271,10 +272,10 @@ def test_a_killed_http_server_orphans_no_prefect_server(
 
 def test_server_command_stops_it_and_leaves_no_process(home: Path, url: str) -> None:
     cli = [sys.executable, "-m", "entrypoints.cli", "server"]
-    status = subprocess.run([*cli, "status", "--json"], env=_env(home), cwd=ROOT, capture_output=True, text=True)
+    status = procs.run([*cli, "status", "--json"], env=_env(home), cwd=ROOT)
     assert status.returncode == 0, status.stderr[-3000:]
     assert json.loads(status.stdout)["running"] is True
-    stop = subprocess.run([*cli, "stop", "--json"], env=_env(home), cwd=ROOT, capture_output=True, text=True)
+    stop = procs.run([*cli, "stop", "--json"], env=_env(home), cwd=ROOT)
     assert stop.returncode == 0, stop.stderr[-3000:]
     assert json.loads(stop.stdout)["stopped"] is True
     assert _servers_of(home) == [] and not (home / "server.json").exists()
