@@ -1,6 +1,7 @@
 """How the output video is encoded: codec, quality, speed preset, pixel format and the container they go in.
 
-The default is the contract's file (H.264, yuv420p, CRF 18 in MP4) and writes exactly the bytes it always did.
+The default is the contract's file (H.264, yuv420p, CRF 18 in MP4), with the same bytes from every encode of the same
+frames (see `x264_instructions`).
 FFV1 is lossless and goes in Matroska; with its default pixel format (8-bit RGB) decoding it gives back exactly
 the RGB frames the blend stage stored.
 """
@@ -84,7 +85,7 @@ class VideoEncoding(BaseModel):
         return self == VideoEncoding()
 
     def options(self) -> dict[str, str]:
-        """The encoder's private options. The contract's file gets exactly {"crf": "18"}, as it always did."""
+        """The encoder's private options. The contract's file gets {"crf": "18"}, and x264 its instruction sets."""
         if self.codec == "ffv1":
             # Version 3 with slice CRCs: the archival setting; one slice per thread count would vary with the host.
             return {"level": "3", "slicecrc": "1", "slices": "4", "threads": "1"}
