@@ -9,6 +9,9 @@ A budget settles three things, none of which changes a computed value:
   largest that keeps the stage within the budget: activation memory follows that chunk, not the clip;
 - whether the stages of one process take turns on the GPU (a decode then no longer overlaps the next denoise).
 
+A process that runs one stage at a time (the in-memory runner, a one-thread worker) says so (`overlap=False`) and
+its decode gets the memory an overlapping denoise would otherwise keep: larger chunks, fewer calls.
+
 | budget | ceiling | latent upscaler | DiT and KVAE | stages |
 |---|---|---|---|---|
 | `fast` | 32 GiB | resident | resident | overlap |
@@ -63,16 +66,18 @@ class Footprint(BaseModel):
 
 
 BF16 = 2
-# The released model in bf16. Decode: the compiled KVAE decode of a 512x768 tile in the KVAE's own 17-frame
-# segments took 27.0 GiB of activations on an H200 (bench/RESULTS.md), counted as 17 frames plus one frame's worth
-# of causal caches. Encode: the eager encoder needs 0.18 of the eager decoder's bytes per pixel-frame (measured on
-# a CPU), scaled like the decode. Denoise: an estimate from the DiT's widths. bench/memory_bench.py measures all
-# three per stage. The reserved factor is the largest seen (36.9 GiB reserved over 30.3 GiB allocated).
+# The released model in bf16. Decode: the compiled KVAE decode of a 512x768 tile, 1 latent frame (4 pixel frames) a
+# call, peaked at 20.32 GiB allocated on an H200 with 12.68 GiB of weights (bench/RESULTS.md, 2026-12-01): 7.64 GiB
+# of activations, counted as 5 frames plus one frame's worth of causal caches. (The KVAE's own 17-frame segments
+# took 27.0 GiB, 1.5 GiB a frame against 1.27 here: this estimate is for the chunked calls a budget makes.)
+# Encode: the eager encoder needs 0.18 of the eager decoder's bytes per pixel-frame (measured on a CPU). Denoise:
+# an estimate from the DiT's widths. bench/memory_bench.py measures all three per stage. The reserved factor is the
+# largest seen (36.9 GiB reserved over 30.3 GiB allocated).
 RELEASED_FOOTPRINT = Footprint(
     weights={"transformer": 1_414_263_936 * BF16, "vae": 1_738_878_243 * BF16, "latent_upscaler": 3_654_021_952 * BF16},
     streamed_group=2_208_391_360 * BF16,  # the x2 model of the upscaler bank
     encode_per_pixel_frame=768.0,
-    decode_per_pixel_frame=27.03 * GIB / (18 * 512 * 768),
+    decode_per_pixel_frame=7.64 * GIB / (6 * 512 * 768),
     denoise_per_token=64 * 1024.0,
     runtime=GIB // 2,
     reserved_factor=1.2,
@@ -147,6 +152,7 @@ class MemoryBudget(BaseModel):
     limit: int | None = None  # bytes the run stays under: the ceiling, or the free memory when that is less
     encode_chunk: int | None = None
     decode_chunk: int | None = None
+    overlap: bool = True  # whether a decode may run beside the next chunk's denoise in this process
     estimate: int | None = None  # reserved bytes at the peak, for the clip it was chosen for
     reason: str
     footprint: Footprint = RELEASED_FOOTPRINT
@@ -164,7 +170,7 @@ class MemoryBudget(BaseModel):
         if self.layout is None or self.limit is None:
             return None
         peak = _encode_peak if stage == "encode" else _decode_peak
-        return _largest_chunk(self.layout, self.footprint, peak, size, frames, self.limit)[0]
+        return _largest_chunk(self.layout, self.footprint, peak, size, frames, self.limit, self.overlap)[0]
 
     def summary(self) -> str:
         """One line for plans and logs."""
@@ -184,8 +190,8 @@ def _chunk_words(chunk: int | None) -> str:
 
 # ---------------------------------------------------------------------------------------------------- estimates
 
-# Allocated bytes at a KVAE stage's peak: (layout, footprint, source or tile size, pixel frames, chunk).
-Peak = Callable[[Layout, Footprint, Size, int, "int | None"], float]
+# Allocated bytes at a KVAE stage's peak: (layout, footprint, source or tile size, pixel frames, chunk, overlap).
+Peak = Callable[[Layout, Footprint, Size, int, "int | None", bool], float]
 
 
 def _resident(layout: Layout, footprint: Footprint) -> int:
@@ -197,7 +203,9 @@ def _streamed(layout: Layout, footprint: Footprint) -> int:
     return footprint.streamed_group if layout.streamed else 0
 
 
-def _encode_peak(layout: Layout, footprint: Footprint, source: Size, frames: int, chunk: int | None) -> float:
+def _encode_peak(
+    layout: Layout, footprint: Footprint, source: Size, frames: int, chunk: int | None, overlap: bool
+) -> float:
     pixels = source[0] * source[1]
     # The causal caches count as one more frame.
     activations = footprint.encode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
@@ -208,11 +216,13 @@ def _denoise_activations(layout: Layout, footprint: Footprint, tokens: int) -> f
     return _streamed(layout, footprint) + footprint.denoise_per_token * tokens
 
 
-def _decode_peak(layout: Layout, footprint: Footprint, tile: Size, frames: int, chunk: int | None) -> float:
+def _decode_peak(
+    layout: Layout, footprint: Footprint, tile: Size, frames: int, chunk: int | None, overlap: bool
+) -> float:
     pixels = tile[0] * tile[1]
     activations = footprint.decode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
     peak = _resident(layout, footprint) + activations
-    if not layout.take_turns:
+    if overlap and not layout.take_turns:
         # A decode may overlap the next chunk's denoise in the same process; budget for both. The chunk's tokens
         # are not known here, so this assumes a chunk of one tile of the same size.
         latent_frames = 1 + (frames - 1) // TEMPORAL_FACTOR
@@ -236,18 +246,20 @@ class _Fit:
 
 
 def _largest_chunk(
-    layout: Layout, footprint: Footprint, peak: Peak, size: Size, frames: int, limit: int
+    layout: Layout, footprint: Footprint, peak: Peak, size: Size, frames: int, limit: int, overlap: bool
 ) -> tuple[int | None, int]:
     """The largest KVAE chunk whose stage stays under `limit` (else the smallest), with its reserved estimate."""
-    estimates = [(chunk, _reserved(footprint, peak(layout, footprint, size, frames, chunk))) for chunk in CHUNKS]
+    estimates = [
+        (chunk, _reserved(footprint, peak(layout, footprint, size, frames, chunk, overlap))) for chunk in CHUNKS
+    ]
     return next(((chunk, estimate) for chunk, estimate in estimates if estimate <= limit), estimates[-1])
 
 
-def _fit(budget: BudgetName, footprint: Footprint, work: Workload, limit: int) -> _Fit:
+def _fit(budget: BudgetName, footprint: Footprint, work: Workload, limit: int, overlap: bool) -> _Fit:
     """The largest KVAE chunks that keep each stage under `limit`, and the resulting peak."""
     layout = BUDGETS[budget]
-    encode_chunk, encode = _largest_chunk(layout, footprint, _encode_peak, work.source, work.frames, limit)
-    decode_chunk, decode = _largest_chunk(layout, footprint, _decode_peak, work.tile, work.frames, limit)
+    encode_chunk, encode = _largest_chunk(layout, footprint, _encode_peak, work.source, work.frames, limit, overlap)
+    decode_chunk, decode = _largest_chunk(layout, footprint, _decode_peak, work.tile, work.frames, limit, overlap)
     denoise = _reserved(footprint, _resident(layout, footprint) + _denoise_activations(layout, footprint, work.tokens))
     estimate = max(encode, decode, denoise)
     return _Fit(budget, encode_chunk, decode_chunk, estimate, estimate <= limit)
@@ -262,8 +274,11 @@ def choose_budget(
     plan: ClipPlan,
     footprint: Footprint = RELEASED_FOOTPRINT,
     device: str = "the GPU",
+    overlap: bool = True,
 ) -> MemoryBudget:
     """The budget a worker with `free_bytes` of free GPU memory (None: no GPU) runs `plan` under, with its reason.
+
+    `overlap`: whether the worker may decode one tile while it denoises the next (the flow's two threads do).
 
     Raises `MemoryBudgetError` when the asked budget, or for `auto` every budget, needs more than is free: a run
     refuses to start rather than run out of memory halfway.
@@ -276,31 +291,32 @@ def choose_budget(
     free = f"{free_bytes / GIB:.1f} GiB free on {device}"
     if mode != "auto":
         limit = min(BUDGETS[mode].ceiling, free_bytes)
-        fit = _fit(mode, footprint, work, limit)
+        fit = _fit(mode, footprint, work, limit, overlap)
         if not fit.fits:
             raise MemoryBudgetError(
                 f"memory={mode}: {work.describe()} need about {fit.estimate / GIB:.1f} GiB, {free}; "
                 + ("use a smaller budget or auto" if mode != "16g" else "free memory on the GPU or use another one")
             )
-        return _budget(mode, fit, limit, footprint, f"asked for; {free}")
+        return _budget(mode, fit, limit, footprint, f"asked for; {free}", overlap)
     tried = []
     for name in BUDGETS:
         limit = min(BUDGETS[name].ceiling, free_bytes)
-        fit = _fit(name, footprint, work, limit)
+        fit = _fit(name, footprint, work, limit, overlap)
         if fit.fits:
             needs = f"; {', '.join(tried)}" if tried else ""
-            return _budget(mode, fit, limit, footprint, f"auto: {free}{needs}")
+            return _budget(mode, fit, limit, footprint, f"auto: {free}{needs}", overlap)
         tried.append(f"{name} needs about {fit.estimate / GIB:.1f} GiB")
     raise MemoryBudgetError(f"memory=auto: {free}, too little for {work.describe()}: {'; '.join(tried)}")
 
 
-def _budget(mode: MemoryMode, fit: _Fit, limit: int, footprint: Footprint, reason: str) -> MemoryBudget:
+def _budget(mode: MemoryMode, fit: _Fit, limit: int, footprint: Footprint, reason: str, overlap: bool) -> MemoryBudget:
     return MemoryBudget(
         mode=mode,
         budget=fit.budget,
         limit=limit,
         encode_chunk=fit.encode_chunk,
         decode_chunk=fit.decode_chunk,
+        overlap=overlap,
         estimate=fit.estimate,
         reason=reason,
         footprint=footprint,
@@ -311,7 +327,7 @@ def check_budget(budget: MemoryBudget, plan: ClipPlan) -> None:
     """A worker keeps the budget it chose for its first clip; a later clip must fit it too."""
     if budget.budget is None or budget.limit is None:
         return
-    fit = _fit(budget.budget, budget.footprint, workload_of(plan), budget.limit)
+    fit = _fit(budget.budget, budget.footprint, workload_of(plan), budget.limit, budget.overlap)
     if not fit.fits:
         raise MemoryBudgetError(
             f"memory budget {budget.budget}: {workload_of(plan).describe()} need about {fit.estimate / GIB:.1f} GiB, "

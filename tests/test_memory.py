@@ -88,6 +88,17 @@ def test_the_kvae_chunk_shrinks_with_the_budget() -> None:
     assert choose_budget("fast", 139 * GIB, small).decode_chunk is None
 
 
+def test_one_stage_at_a_time_decodes_larger_chunks_within_the_same_ceiling() -> None:
+    """Without a denoise beside the decode, `fast` decodes W1 2 latent frames a call instead of 1 (fewer, larger
+    calls: the in-memory runner's speed), and its estimate still keeps under 32 GiB."""
+    beside = choose_budget("fast", 139 * GIB, W1)
+    alone = choose_budget("fast", 139 * GIB, W1, overlap=False)
+    assert (beside.decode_chunk, alone.decode_chunk) == (1, 2)
+    assert alone.estimate is not None and alone.estimate <= 32 * GIB and not alone.overlap
+    assert alone.kvae_chunk("decode", (512, 768), 121) == 2 and beside.kvae_chunk("decode", (512, 768), 121) == 1
+    check_budget(alone, W1)
+
+
 def test_the_chunk_follows_each_tile_within_the_budget() -> None:
     budget = choose_budget("16g", 15 * GIB, W1)
     assert budget.kvae_chunk("decode", (512, 768), 121) == budget.decode_chunk == 1
