@@ -832,6 +832,10 @@ _COPY_AUDIO = {
     "matroska": {"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus", "vorbis", "pcm_s16le", "pcm_s24le", "pcm_f32le"},
 }
 _COPY_SUBTITLES = {"mp4": {"mov_text"}, "matroska": {"subrip", "srt", "ass", "ssa", "webvtt", "hdmv_pgs_subtitle"}}
+# Text subtitles a container cannot hold as they are are converted to the text format it takes: MP4 holds only
+# mov_text (3GPP timed text), and Matroska takes ASS, which keeps what mov_text styles.
+_TEXT_SUBTITLES = {"subrip", "srt", "ass", "ssa", "webvtt", "mov_text", "text", "microdvd", "subviewer", "jacosub"}
+_CONVERT_SUBTITLES = {"mp4": "mov_text", "matroska": "ass"}
 # Container metadata worth keeping; encoder tags and the like describe the old file, not the new one.
 _KEPT_METADATA = ("title", "language", "creation_time", "comment", "description", "artist", "date", "copyright")
 
@@ -872,11 +876,14 @@ class SourceStreams:
                 self._plans[stream.index] = ("encode", _Reencoder(stream, target, self._origin, span))
             elif stream.type == "subtitle" and name in subtitles:
                 self._plans[stream.index] = ("copy", out.add_stream_from_template(stream))
+            elif stream.type == "subtitle" and name in _TEXT_SUBTITLES and container_format in _CONVERT_SUBTITLES:
+                converter = _SubtitleConverter(stream, out, _CONVERT_SUBTITLES[container_format], self._origin, span)
+                self._plans[stream.index] = ("encode", converter)
             else:
                 if stream.type == "subtitle":
                     warnings.warn(
-                        f"{source}: subtitle stream {stream.index} ({name}) cannot go in {container_format} "
-                        "without conversion; it is left out",
+                        f"{source}: subtitle stream {stream.index} ({name}) is a picture format that "
+                        f"{container_format} cannot hold; it is left out (Matroska keeps it: --codec ffv1)",
                         stacklevel=3,
                     )
                 continue
@@ -923,6 +930,51 @@ class SourceStreams:
             if how == "encode":
                 target.flush(self._out)
         self._input.close()
+
+
+class _SubtitleConverter:
+    """One text subtitle stream decoded and encoded in the text format the output's container takes, each cue at
+    its source time (relative to the first video frame) and cut to the output's span."""
+
+    def __init__(
+        self, source: av.SubtitleStream, out: av.container.OutputContainer, codec: str, origin: Fraction, span: Fraction
+    ) -> None:
+        self._source = source
+        self._origin, self._span = origin, span
+        decoder = source.codec_context
+        decoder.open()  # a text decoder makes the ASS header the encoder needs when it opens
+        self.stream = out.add_stream(codec)
+        self.stream.codec_context.subtitle_header = decoder.subtitle_header or _DEFAULT_ASS_HEADER
+        self.stream.codec_context.time_base = _SUBTITLE_TIME_BASE
+
+    def feed(self, packet: av.Packet, out: av.container.OutputContainer) -> None:
+        cues = self._source.codec_context.decode2(packet)
+        if cues is None or packet.pts is None:
+            return
+        start = Fraction(packet.pts) * packet.time_base - self._origin
+        end = start + Fraction(packet.duration or 0) * packet.time_base
+        start, end = max(start, Fraction(0)), min(end, self._span)
+        if end <= start:
+            return
+        encoded = self.stream.codec_context.encode_subtitle(cues)
+        encoded.stream, encoded.time_base = self.stream, _SUBTITLE_TIME_BASE
+        encoded.pts = encoded.dts = round(start / _SUBTITLE_TIME_BASE)
+        encoded.duration = round(end / _SUBTITLE_TIME_BASE) - encoded.pts
+        out.mux(encoded)
+
+    def flush(self, out: av.container.OutputContainer) -> None:
+        """Every cue went out as it came."""
+
+
+_SUBTITLE_TIME_BASE = Fraction(1, 1000)
+# FFmpeg's own default header, for a text decoder that makes none.
+_DEFAULT_ASS_HEADER = (
+    b"[Script Info]\nScriptType: v4.00+\nPlayResX: 384\nPlayResY: 288\n\n[V4+ Styles]\n"
+    b"Format: Name, Fontname, Fontsize, PrimaryColour, SecondaryColour, OutlineColour, BackColour, Bold, Italic, "
+    b"Underline, StrikeOut, ScaleX, ScaleY, Spacing, Angle, BorderStyle, Outline, Shadow, Alignment, MarginL, "
+    b"MarginR, MarginV, Encoding\nStyle: Default,Arial,16,&Hffffff,&Hffffff,&H0,&H0,0,0,0,0,100,100,0,0,1,1,0,2,10,10,"
+    b"10,0\n\n[Events]\nFormat: Layer, Start, End, Style, Name, MarginL, MarginR, MarginV, Effect, Text\n"
+)
 
 
 class _Reencoder:

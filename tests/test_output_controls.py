@@ -256,6 +256,66 @@ def test_original_audio_keeps_channels_rate_language_subtitles_and_title(
     assert 16 / 24 <= seconds < 16 / 24 + 2 * 1024 / 48000
 
 
+def _cues(path: Path) -> list[tuple[float, float, str]]:
+    """(start s, end s, text) of every cue of the first subtitle stream, from the first video frame."""
+    with av.open(str(path)) as container:
+        stream = container.streams.subtitles[0]
+        video = container.streams.video[0]
+        origin = float((video.start_time or 0) * video.time_base)
+        cues = []
+        for packet in container.demux(stream):
+            if not packet.size or packet.pts is None:
+                continue
+            for cue in stream.codec_context.decode(packet):
+                start = float(packet.pts * packet.time_base) - origin
+                text = cue.dialogue.decode() if hasattr(cue, "dialogue") else str(cue)
+                if text:
+                    cues.append((round(start, 3), round(start + float(packet.duration * packet.time_base), 3), text))
+        return cues
+
+
+def _joined(tmp_path: Path, encoding: VideoEncoding, source: Path, frames: int = 8) -> Path:
+    part = np.random.default_rng(3).integers(0, 256, (frames, 64, 64, 3), dtype=np.uint8)
+    segments = []
+    for index in range(2):
+        segments.append(str(tmp_path / f"{index}{encoding.suffix}"))
+        media.write_segment(segments[-1], part, 24, encoding)
+    out = tmp_path / f"out{encoding.suffix}"
+    media.concat_segments(segments, out, 24, None, 2 * frames, 0, encoding, str(source))
+    return out
+
+
+def test_subrip_subtitles_become_mp4_timed_text_with_their_language_and_times(
+    subtitled_source: Path, tmp_path: Path
+) -> None:
+    """MP4 holds only mov_text: the SubRip cues are converted, at their times, and the language tag goes along."""
+    out = _joined(tmp_path, VideoEncoding(), subtitled_source, frames=12)  # 1 s: every cue whole
+    with av.open(str(out)) as container:
+        assert [s.codec_context.name for s in container.streams.subtitles] == ["mov_text"]
+    assert _streams(out)["subtitles"] == ["eng"]
+    assert _cues(out) == [(0.0, 0.4, "Hello"), (0.5, 0.9, "World")]
+
+
+def test_mp4_timed_text_becomes_matroska_ass(subtitled_source: Path, tmp_path: Path) -> None:
+    """The other way: an MP4 source's mov_text cues go into a Matroska output (FFV1) as ASS, at their times."""
+    mp4 = _joined(tmp_path, VideoEncoding(), subtitled_source, frames=12)
+    (tmp_path / "mkv").mkdir()
+    out = _joined(tmp_path / "mkv", VideoEncoding(codec="ffv1"), mp4, frames=12)
+    with av.open(str(out)) as container:
+        assert [s.codec_context.name for s in container.streams.subtitles] in (["ass"], ["ssa"])  # FFmpeg's names
+    assert _streams(out)["subtitles"] == ["eng"]
+    assert [(start, text) for start, _, text in _cues(out)] == [(0.0, "Hello"), (0.5, "World")]
+
+
+def test_subtitles_past_the_output_are_cut(subtitled_source: Path, tmp_path: Path) -> None:
+    """Two 5-frame segments: 10 frames at 24 fps end at 0.417 s; the second cue starts after it, the first is cut."""
+    out = _joined(tmp_path, VideoEncoding(), subtitled_source, frames=5)
+    assert _cues(out) == [(0.0, 0.4, "Hello")]
+    (tmp_path / "short").mkdir()
+    out = _joined(tmp_path / "short", VideoEncoding(), subtitled_source, frames=4)
+    assert _cues(out) == [(0.0, round(8 / 24, 3), "Hello")]
+
+
 def test_runner_audio_modes(tiny_bundle: ModelBundle, tmp_path: Path) -> None:
     source = make_sample_clip(tmp_path / "stereo.mp4", width=64, height=64, num_frames=9, sample_rate=48000)
     assert _streams(source)["audio"][0][1:3] == (48000, 2)
