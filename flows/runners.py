@@ -9,6 +9,8 @@ from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
+from tasks.model_cache import FLOW_THREADS
+
 log = logging.getLogger("k6vsr.workers")
 
 # "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
@@ -68,7 +70,7 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
     """
     dask_address = resolve_address(workers, gpus, dask_address)
     if not uses_processes(workers, gpus, dask_address):
-        return ThreadPoolTaskRunner(max_workers=2)
+        return ThreadPoolTaskRunner(max_workers=FLOW_THREADS)
     from prefect_dask import DaskTaskRunner
 
     if dask_address:

@@ -99,12 +99,29 @@ def get_bundle(spec: ModelSpec, plan: ClipPlan | None = None) -> ModelBundle:
         _BUNDLES.move_to_end(spec)
         if plan is not None:
             if bundle.memory is None:
-                budget = choose_budget(spec.memory, _FREE_BEFORE_LOAD[spec], plan, device=str(bundle.device))
+                free = _FREE_BEFORE_LOAD[spec]
+                overlap = stages_at_once() > 1
+                budget = choose_budget(spec.memory, free, plan, device=str(bundle.device), overlap=overlap)
                 apply_budget(bundle, budget)
                 logger.info("memory: %s", budget.summary())
             else:
                 check_budget(bundle.memory, plan)
         return bundle
+
+
+# Threads of the flow's own task runner (flows.runners): a decode overlaps the next denoise in the command's process.
+FLOW_THREADS = 2
+
+
+def stages_at_once() -> int:
+    """How many stage tasks this process may run at once: a Dask worker's threads (one, for k6vsr's workers), else
+    the flow's two threads. With one, a decode never runs beside a denoise and the budget gives it that memory."""
+    try:
+        from distributed import get_worker
+
+        return int(get_worker().state.nthreads)
+    except (ImportError, ValueError, AttributeError):  # ValueError: not in a Dask worker
+        return FLOW_THREADS
 
 
 def loaded_count() -> int:

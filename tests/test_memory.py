@@ -216,3 +216,16 @@ def test_memory_flag_reaches_the_model_spec_and_bad_values_are_refused(capsys) -
         build_parser().parse_args(["plan", "clip.mp4", "--memory", "8g"])
     assert refused.value.code == 2
     assert "--memory" in capsys.readouterr().err
+
+
+def test_a_one_thread_dask_worker_runs_one_stage_at_a_time() -> None:
+    """k6vsr's Dask workers have one thread: their budget gives the decode the memory of an overlapping denoise.
+    The flow's own threads overlap."""
+    from distributed import Client, LocalCluster
+
+    from tasks.model_cache import FLOW_THREADS, stages_at_once
+
+    assert stages_at_once() == FLOW_THREADS == 2
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            assert client.submit(stages_at_once, pure=False).result(timeout=60) == 1
