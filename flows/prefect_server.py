@@ -22,7 +22,6 @@ process dead and marks the run Crashed (`mark_crashed_runs`).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import inspect
 import logging
@@ -41,6 +40,7 @@ from typing import ParamSpec, TypeVar
 
 from pydantic import BaseModel
 
+from flows.state_folder import StateFolder, alive, now, process_start, state_home
 from storage.records import atomic_write_bytes
 
 log = logging.getLogger("k6vsr.prefect_server")
@@ -50,6 +50,7 @@ START_TIMEOUT_S = float(os.environ.get("K6VSR_SERVER_START_TIMEOUT", "180"))
 STOP_TIMEOUT_S = 20.0
 LEASE_MAX_AGE_S = 30 * 24 * 3600  # a lease whose API was never current again is dropped after this
 HOST = "127.0.0.1"
+HOME_ENV = "K6VSR_SERVER_HOME"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -93,85 +94,18 @@ class Lease(BaseModel):
 
 
 def server_home() -> Path:
-    explicit = os.environ.get("K6VSR_SERVER_HOME")
-    if explicit:
-        return Path(explicit).expanduser()
-    k6vsr_home = os.environ.get("K6VSR_HOME")
-    if k6vsr_home:
-        return Path(k6vsr_home).expanduser() / "prefect-server"
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "k6vsr" / "prefect-server"
+    return state_home(HOME_ENV, "prefect-server")
 
 
-def _record_path(home: Path) -> Path:
-    return home / "server.json"
+def _folder(home: Path | None) -> StateFolder:
+    return StateFolder(home or server_home(), "server")
 
 
-def _log_path(home: Path) -> Path:
-    return home / "server.log"
-
-
-def _leases(home: Path) -> Path:
-    return home / "leases"
-
-
-def _make_home(home: Path) -> None:
-    # Owner-only: the history names every clip and folder the user ran.
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)
-
-
-@contextlib.contextmanager
-def _locked(home: Path) -> Iterator[None]:
-    """The state folder's lock: one command at a time checks, starts or stops the server."""
-    _make_home(home)
-    with open(home / "server.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _read_record(home: Path) -> _Record | None:
-    try:
-        return _Record.model_validate_json(_record_path(home).read_bytes())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_record(home: Path, record: _Record) -> None:
-    atomic_write_bytes(_record_path(home), record.model_dump_json().encode())
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+def _leases(folder: StateFolder) -> Path:
+    return folder.path / "leases"
 
 
 # --------------------------------------------------------------------------------------------- processes
-
-
-def _process_start(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot): tells a live process from a reused pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19]) if fields[0] != "Z" else None
-
-
-def _alive(pid: int, process_start: int | None = None) -> bool:
-    """`pid` runs (not a zombie) and, where its start time was recorded, is the same process."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # some other user's process: alive, and not ours
-    started = _process_start(pid)
-    if started is None:
-        return not Path("/proc").is_dir()  # a zombie on Linux; elsewhere, trust kill(0)
-    return process_start is None or started == process_start
 
 
 def _healthy(url: str, timeout: float = 2.0) -> bool:
@@ -236,20 +170,14 @@ os.replace(partial, record_path)
 """
 
 
-LOG_KEEP_BYTES = 1 << 20
-
-
-def _launch(home: Path, port: int) -> _Record:
-    (home / "prefect").mkdir(parents=True, exist_ok=True)
-    log_path = _log_path(home)
-    with contextlib.suppress(OSError):
-        if log_path.stat().st_size > LOG_KEEP_BYTES:  # each start appends: keep the previous log, once
-            log_path.replace(log_path.with_suffix(".log.1"))
+def _launch(folder: StateFolder, port: int) -> _Record:
+    (folder.path / "prefect").mkdir(parents=True, exist_ok=True)
+    folder.rotate_log()
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
     launcher = subprocess.run(
-        [sys.executable, "-c", _LAUNCHER, str(_record_path(home)), str(_log_path(home)), str(port), _now(), *command],
-        env=_server_env(home),
-        cwd=home,  # never the command's folder, which the server would otherwise keep busy for its lifetime
+        [sys.executable, "-c", _LAUNCHER, str(folder.record_path), str(folder.log_path), str(port), now(), *command],
+        env=_server_env(folder.path),
+        cwd=folder.path,  # never the command's folder, which the server would otherwise keep busy for its lifetime
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -257,26 +185,19 @@ def _launch(home: Path, port: int) -> _Record:
         check=False,
         timeout=60,
     )
-    record = _read_record(home)
+    record = folder.read(_Record)
     if launcher.returncode != 0 or record is None:
         raise ServerError(f"the Prefect server could not be launched: {launcher.stderr.strip()[-2000:]}")
     return record
 
 
-def _log_tail(home: Path, chars: int = 2000) -> str:
-    try:
-        return _log_path(home).read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-def _wait_healthy(home: Path, record: _Record, timeout: float) -> bool:
+def _wait_healthy(record: _Record, timeout: float) -> bool:
     """True once the server answers; False if it died or did not answer within `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if _healthy(record.url):
             return True
-        if not _alive(record.pid, record.process_start):
+        if not alive(record.pid, record.process_start):
             return False
         time.sleep(0.3)
     return False
@@ -284,15 +205,15 @@ def _wait_healthy(home: Path, record: _Record, timeout: float) -> bool:
 
 def _terminate(record: _Record, timeout: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM the server's process group, SIGKILL what is left after `timeout`."""
-    if not _alive(record.pid, record.process_start):
+    if not alive(record.pid, record.process_start):
         return
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(record.pid, sig)  # the server leads its own session and group
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and _alive(record.pid, record.process_start):
+        while time.monotonic() < deadline and alive(record.pid, record.process_start):
             time.sleep(0.1)
-        if not _alive(record.pid, record.process_start):
+        if not alive(record.pid, record.process_start):
             return
 
 
@@ -310,34 +231,34 @@ def configured_api_url() -> str | None:
 
 def start_server(home: Path | None = None) -> str:
     """The local server's API URL: the running one, else one started now (exactly one, however many race)."""
-    home = home or server_home()
-    record = _read_record(home)
-    if record and _alive(record.pid, record.process_start) and _healthy(record.url):
+    folder = _folder(home)
+    record = folder.read(_Record)
+    if record and alive(record.pid, record.process_start) and _healthy(record.url):
         return record.url
-    with _locked(home):
-        record = _read_record(home)
-        if record and _alive(record.pid, record.process_start):
+    with folder.locked():
+        record = folder.read(_Record)
+        if record and alive(record.pid, record.process_start):
             # Started by a command that was killed before it was healthy, or busy: give it the start timeout.
-            if _wait_healthy(home, record, START_TIMEOUT_S):
+            if _wait_healthy(record, START_TIMEOUT_S):
                 return record.url
             log.warning("the Prefect server %d at %s does not answer; restarting it", record.pid, record.url)
             _terminate(record)
-        _record_path(home).unlink(missing_ok=True)
+        folder.remove_record()
         last_error = ""
         for _attempt in range(2):  # a port taken between the check and the bind: once more on another port
-            record = _launch(home, _pick_port())
-            if _wait_healthy(home, record, START_TIMEOUT_S):
+            record = _launch(folder, _pick_port())
+            if _wait_healthy(record, START_TIMEOUT_S):
                 return record.url
-            alive = _alive(record.pid, record.process_start)
+            still_running = alive(record.pid, record.process_start)
             _terminate(record)
-            _record_path(home).unlink(missing_ok=True)
-            last_error = _log_tail(home)
-            if alive:
+            folder.remove_record()
+            last_error = folder.log_tail()
+            if still_running:
                 raise ServerError(
                     f"the Prefect server did not answer within {START_TIMEOUT_S:g} s (K6VSR_SERVER_START_TIMEOUT); "
-                    f"its log {_log_path(home)} ends:\n{last_error}"
+                    f"its log {folder.log_path} ends:\n{last_error}"
                 )
-        raise ServerError(f"the Prefect server exited while starting; its log {_log_path(home)} ends:\n{last_error}")
+        raise ServerError(f"the Prefect server exited while starting; its log {folder.log_path} ends:\n{last_error}")
 
 
 def ensure_server() -> str:
@@ -352,22 +273,22 @@ def ensure_server() -> str:
 
 def stop_server(home: Path | None = None) -> bool:
     """Stop the local server; False if none was running."""
-    home = home or server_home()
-    with _locked(home):
-        record = _read_record(home)
-        running = record is not None and _alive(record.pid, record.process_start)
+    folder = _folder(home)
+    with folder.locked():
+        record = folder.read(_Record)
+        running = record is not None and alive(record.pid, record.process_start)
         if record is not None:
             _terminate(record)
-        _record_path(home).unlink(missing_ok=True)
+        folder.remove_record()
     return running
 
 
 def server_status(home: Path | None = None) -> ServerStatus:
-    home = home or server_home()
-    record = _read_record(home)
+    folder = _folder(home)
+    record = folder.read(_Record)
     external = os.environ.get("PREFECT_API_URL") or None
-    base = ServerStatus(running=False, home=str(home), log=str(_log_path(home)), external_api_url=external)
-    if record is None or not _alive(record.pid, record.process_start) or not _healthy(record.url):
+    base = ServerStatus(running=False, home=str(folder.path), log=str(folder.log_path), external_api_url=external)
+    if record is None or not alive(record.pid, record.process_start) or not _healthy(record.url):
         return base
     started = datetime.fromisoformat(record.started_at)
     return base.model_copy(
@@ -411,20 +332,20 @@ def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterato
         return
     from prefect.settings import PREFECT_API_URL
 
-    home = home or server_home()
-    path = _leases(home) / f"{flow_run_id}.json"
+    folder = _folder(home)
+    path = _leases(folder) / f"{flow_run_id}.json"
     api_url = PREFECT_API_URL.value() or None
     lease = Lease(
         flow_run_id=str(flow_run_id),
         pid=os.getpid(),
         host=socket.gethostname(),
         api_url=api_url,
-        api=_api_identity(api_url, home) if api_url else None,
-        started_at=_now(),
-        process_start=_process_start(os.getpid()),
+        api=_api_identity(api_url, folder) if api_url else None,
+        started_at=now(),
+        process_start=process_start(os.getpid()),
     )
     try:
-        _make_home(home)
+        folder.make()
         atomic_write_bytes(path, lease.model_dump_json().encode())
     except OSError as err:  # a lease only helps the next command: never fail a run over it
         log.warning("could not write the flow run lease %s: %s", path, err)
@@ -452,19 +373,19 @@ def leased(fn: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-def _api_identity(api_url: str, home: Path) -> str:
+def _api_identity(api_url: str, folder: StateFolder) -> str:
     """The history `api_url` writes to: the local server's database (whatever port it listens on), else the URL."""
-    record = _read_record(home)
+    record = folder.read(_Record)
     if record is not None and record.url.rstrip("/") == api_url.rstrip("/"):
-        return f"local:{home.resolve()}"
+        return f"local:{folder.path.resolve()}"
     return api_url.rstrip("/")
 
 
-def _dead_leases(home: Path, api_url: str) -> Iterator[tuple[Path, Lease]]:
+def _dead_leases(folder: StateFolder, api_url: str) -> Iterator[tuple[Path, Lease]]:
     """Leases of this host, for `api_url`, whose process is gone (unreadable or very old leases are dropped)."""
     host = socket.gethostname()
-    current = _api_identity(api_url, home)
-    for path in sorted(_leases(home).glob("*.json")):
+    current = _api_identity(api_url, folder)
+    for path in sorted(_leases(folder).glob("*.json")):
         age = 0.0
         try:
             age = time.time() - path.stat().st_mtime
@@ -475,7 +396,7 @@ def _dead_leases(home: Path, api_url: str) -> Iterator[tuple[Path, Lease]]:
             if age > 60:  # not one being written right now
                 path.unlink(missing_ok=True)
             continue
-        if lease.host != host or _alive(lease.pid, lease.process_start):
+        if lease.host != host or alive(lease.pid, lease.process_start):
             continue
         if (lease.api or (lease.api_url or "").rstrip("/")) != current:
             if age > LEASE_MAX_AGE_S:
@@ -489,11 +410,11 @@ def mark_crashed_runs(api_url: str, home: Path | None = None) -> list[str]:
 
     Returns the ids of the runs marked. A run already in a final state (its process ended it, then died) is left.
     """
-    home = home or server_home()
+    folder = _folder(home)
     try:
-        dead = list(_dead_leases(home, api_url))
+        dead = list(_dead_leases(folder, api_url))
     except OSError as err:
-        log.warning("could not read the flow run leases in %s: %s", _leases(home), err)
+        log.warning("could not read the flow run leases in %s: %s", _leases(folder), err)
         return []
     if not dead:
         return []

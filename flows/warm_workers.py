@@ -22,7 +22,6 @@ must never be restarted for its size.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -30,15 +29,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
-from flows.prefect_server import _alive, _make_home, _process_start
-from storage.records import atomic_write_bytes
+from flows.state_folder import StateFolder, alive, now, process_start, state_home
 
 log = logging.getLogger("k6vsr.workers")
 
@@ -96,49 +93,11 @@ class WorkersStatus(BaseModel):
 
 
 def workers_home() -> Path:
-    explicit = os.environ.get(HOME_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    k6vsr_home = os.environ.get("K6VSR_HOME")
-    if k6vsr_home:
-        return Path(k6vsr_home).expanduser() / "workers"
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "k6vsr" / "workers"
+    return state_home(HOME_ENV, "workers")
 
 
-def _record_path(home: Path) -> Path:
-    return home / "workers.json"
-
-
-def _log_path(home: Path) -> Path:
-    return home / "workers.log"
-
-
-@contextlib.contextmanager
-def _workers_lock(home: Path) -> Iterator[None]:
-    """The state folder's lock: one command at a time starts, stops or clears the workers."""
-    _make_home(home)
-    with open(home / "workers.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _read_record(home: Path) -> WorkersRecord | None:
-    try:
-        return WorkersRecord.model_validate_json(_record_path(home).read_bytes())
-    except (OSError, ValueError):
-        return None
-
-
-def _write_record(home: Path, record: WorkersRecord) -> None:
-    atomic_write_bytes(_record_path(home), record.model_dump_json().encode())
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+def _folder(home: Path | None) -> StateFolder:
+    return StateFolder(home or workers_home(), "workers")
 
 
 def _reachable(address: str, timeout: float = 1.0) -> bool:
@@ -169,16 +128,16 @@ def gpu_ids() -> list[str]:
 
 def running_address(home: Path | None = None) -> str | None:
     """The scheduler of the running warm workers, or None; a record whose supervisor is gone is removed."""
-    home = home or workers_home()
-    record = _read_record(home)
+    folder = _folder(home)
+    record = folder.read(WorkersRecord)
     if record is None:
         return None
-    if not _alive(record.pid, record.process_start):
+    if not alive(record.pid, record.process_start):
         with contextlib.suppress(OSError):
-            with _workers_lock(home):
-                current = _read_record(home)
-                if current is not None and not _alive(current.pid, current.process_start):
-                    _record_path(home).unlink(missing_ok=True)
+            with folder.locked():
+                current = folder.read(WorkersRecord)
+                if current is not None and not alive(current.pid, current.process_start):
+                    folder.remove_record()
         return None
     if record.address is None or not _reachable(record.address):
         return None
@@ -189,42 +148,39 @@ def start_workers(
     workers: int = 0, gpus: bool = False, model_json: str | None = None, home: Path | None = None
 ) -> WorkersRecord:
     """Start the warm workers (or return the running ones): `workers` CPU workers, or one per GPU with `gpus`."""
-    home = home or workers_home()
-    with _workers_lock(home):
-        record = _read_record(home)
-        if record is not None and _alive(record.pid, record.process_start):
+    folder = _folder(home)
+    with folder.locked():
+        record = folder.read(WorkersRecord)
+        if record is not None and alive(record.pid, record.process_start):
             if record.address is None:  # a start killed midway: its supervisor still comes up
-                record = _wait_ready(home, record)
+                record = _wait_ready(folder, record)
             return record
-        _record_path(home).unlink(missing_ok=True)
+        folder.remove_record()
         devices = gpu_ids() if gpus else []
         if gpus and not devices:
             raise WorkersError("--gpus: no GPU found (nvidia-smi -L lists none)")
         if gpus and workers:
             devices = devices[:workers]
         count = len(devices) if gpus else max(1, workers)
-        record = _launch(home, count, devices, model_json)
-        return _wait_ready(home, record)
+        record = _launch(folder, count, devices, model_json)
+        return _wait_ready(folder, record)
 
 
-def _launch(home: Path, count: int, devices: list[str], model_json: str | None) -> WorkersRecord:
-    _make_home(home)
-    log_path = _log_path(home)
-    with contextlib.suppress(OSError):
-        if log_path.stat().st_size > 1 << 20:
-            log_path.replace(log_path.with_suffix(".log.1"))
-    supervisor = SupervisorArgs(home=str(home), workers=count, gpus=devices, model=model_json)
+def _launch(folder: StateFolder, count: int, devices: list[str], model_json: str | None) -> WorkersRecord:
+    folder.make()
+    folder.rotate_log()
+    supervisor = SupervisorArgs(home=str(folder.path), workers=count, gpus=devices, model=model_json)
     argv = [sys.executable, "-m", "flows.warm_workers", supervisor.model_dump_json()]
     env = dict(os.environ)
     # The supervisor runs from its state folder: the workers must import k6vsr wherever the command ran from.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    with open(log_path, "ab") as log_file:
+    with open(folder.log_path, "ab") as log_file:
         # Its own session: a terminal's Ctrl-C or a killed command never reaches the workers. Nobody waits for it,
         # so `_launch` is run from a short-lived launcher: the supervisor is never this process's zombie.
         launcher = subprocess.run(
             [sys.executable, "-c", _LAUNCHER, *argv],
             env=env,
-            cwd=home,
+            cwd=folder.path,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=log_file,
@@ -234,13 +190,13 @@ def _launch(home: Path, count: int, devices: list[str], model_json: str | None) 
     try:
         pid = int(launcher.stdout.strip())
     except ValueError:
-        raise WorkersError(f"the warm workers could not be launched; see {log_path}") from None
+        raise WorkersError(f"the warm workers could not be launched; see {folder.log_path}") from None
     record = WorkersRecord(
-        pid=pid, process_start=_process_start(pid), started_at=_now(), workers=count, gpus=devices, model=model_json
+        pid=pid, process_start=process_start(pid), started_at=now(), workers=count, gpus=devices, model=model_json
     )
     # The supervisor rewrites this record with its address once ready; write it only if it has not done so yet.
-    if _read_record(home) is None:
-        _write_record(home, record)
+    if folder.read(WorkersRecord) is None:
+        folder.write(record)
     return record
 
 
@@ -252,32 +208,25 @@ print(process.pid)
 """
 
 
-def _wait_ready(home: Path, record: WorkersRecord) -> WorkersRecord:
+def _wait_ready(folder: StateFolder, record: WorkersRecord) -> WorkersRecord:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
-        current = _read_record(home)
+        current = folder.read(WorkersRecord)
         if current is not None and current.pid == record.pid and current.address and _reachable(current.address):
             return current
-        if not _alive(record.pid, record.process_start):
-            _record_path(home).unlink(missing_ok=True)
-            raise WorkersError(f"the warm workers exited while starting; {_log_path(home)} ends:\n{_log_tail(home)}")
+        if not alive(record.pid, record.process_start):
+            folder.remove_record()
+            raise WorkersError(f"the warm workers exited while starting; {folder.log_path} ends:\n{folder.log_tail()}")
         time.sleep(0.2)
     _terminate(record)
-    _record_path(home).unlink(missing_ok=True)
+    folder.remove_record()
     raise WorkersError(
         f"the warm workers did not start within {START_TIMEOUT_S:g} s (K6VSR_WORKERS_START_TIMEOUT); "
-        f"{_log_path(home)} ends:\n{_log_tail(home)}"
+        f"{folder.log_path} ends:\n{folder.log_tail()}"
     )
 
 
-def _log_tail(home: Path, chars: int = 2000) -> str:
-    try:
-        return _log_path(home).read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-def _group_alive(pgid: int) -> bool:
+def _groupalive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
@@ -287,16 +236,16 @@ def _group_alive(pgid: int) -> bool:
 
 def _terminate(record: WorkersRecord, timeout: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM the supervisor (it closes its workers), then SIGKILL whatever of its session is left."""
-    if _alive(record.pid, record.process_start):
+    if alive(record.pid, record.process_start):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(record.pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and _alive(record.pid, record.process_start):
+        while time.monotonic() < deadline and alive(record.pid, record.process_start):
             time.sleep(0.1)
     # The supervisor leads its process group: nannies and workers are in it, whatever became of the supervisor.
-    if record.process_start is None or _process_start(record.pid) in (None, record.process_start):
+    if record.process_start is None or process_start(record.pid) in (None, record.process_start):
         deadline = time.monotonic() + timeout
-        while _group_alive(record.pid) and time.monotonic() < deadline:
+        while _groupalive(record.pid) and time.monotonic() < deadline:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(record.pid, signal.SIGKILL)
             time.sleep(0.1)
@@ -304,21 +253,21 @@ def _terminate(record: WorkersRecord, timeout: float = STOP_TIMEOUT_S) -> None:
 
 def stop_workers(home: Path | None = None) -> bool:
     """Stop the warm workers; False if none were running."""
-    home = home or workers_home()
-    with _workers_lock(home):
-        record = _read_record(home)
-        running = record is not None and _alive(record.pid, record.process_start)
+    folder = _folder(home)
+    with folder.locked():
+        record = folder.read(WorkersRecord)
+        running = record is not None and alive(record.pid, record.process_start)
         if record is not None:
             _terminate(record)
-        _record_path(home).unlink(missing_ok=True)
+        folder.remove_record()
     return running
 
 
 def workers_status(home: Path | None = None, ask_workers: bool = True) -> WorkersStatus:
-    home = home or workers_home()
-    base = WorkersStatus(running=False, home=str(home), log=str(_log_path(home)))
-    address = running_address(home)
-    record = _read_record(home)
+    folder = _folder(home)
+    base = WorkersStatus(running=False, home=str(folder.path), log=str(folder.log_path))
+    address = running_address(folder.path)
+    record = folder.read(WorkersRecord)
     if address is None or record is None:
         return base
     started = datetime.fromisoformat(record.started_at)
@@ -410,7 +359,7 @@ def gpu_cluster(n_workers: int = 0) -> Any:
     return make_cluster(devices, len(devices))
 
 
-def _supervise(home: Path, count: int, devices: list[str], model_json: str | None) -> None:
+def _supervise(folder: StateFolder, count: int, devices: list[str], model_json: str | None) -> None:
     stop = False
 
     def on_signal(*_: object) -> None:
@@ -428,19 +377,19 @@ def _supervise(home: Path, count: int, devices: list[str], model_json: str | Non
     cluster = make_cluster(devices, count)
     try:
         cluster.wait_for_workers(count, timeout=START_TIMEOUT_S)
-        record = _read_record(home)
-        pid, start = os.getpid(), _process_start(os.getpid())
+        record = folder.read(WorkersRecord)
+        pid, start = os.getpid(), process_start(os.getpid())
         record = WorkersRecord(
             pid=pid,
             process_start=start,
-            started_at=record.started_at if record is not None and record.pid == pid else _now(),
+            started_at=record.started_at if record is not None and record.pid == pid else now(),
             workers=count,
             gpus=devices,
             model=model_json,
             address=cluster.scheduler_address,
             dashboard=cluster.dashboard_link,
         )
-        _write_record(home, record)
+        folder.write(record)
         print(f"warm workers ready at {cluster.scheduler_address}: {count} workers", flush=True)
         checked = time.monotonic()
         while not stop:
@@ -449,9 +398,9 @@ def _supervise(home: Path, count: int, devices: list[str], model_json: str | Non
                 checked = time.monotonic()
                 if set(cluster.worker_spec) - set(cluster.workers):
                     cluster.sync(cluster._correct_state)
-            current = _read_record(home)
+            current = folder.read(WorkersRecord)
             if current is not None and current.pid == pid and current.address is None:
-                _write_record(home, record)  # the starting command wrote its own over ours: put ours back
+                folder.write(record)  # the starting command wrote its own over ours: put ours back
     finally:
         with contextlib.suppress(Exception):
             cluster.close(timeout=STOP_TIMEOUT_S / 2)
@@ -461,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     """The supervisor: `python -m flows.warm_workers '<SupervisorArgs as JSON>'` (what `start_workers` runs)."""
     args = SupervisorArgs.model_validate_json((argv or sys.argv[1:])[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    _supervise(Path(args.home), args.workers, args.gpus, args.model)
+    _supervise(_folder(Path(args.home)), args.workers, args.gpus, args.model)
 
 
 if __name__ == "__main__":
