@@ -28,7 +28,7 @@ MAX_LATENT_FRAMES = 1 + (WINDOW_FRAMES - 1) // TEMPORAL_FACTOR
 
 def load_latent(path: str | os.PathLike[str]) -> torch.Tensor:
     """The one tensor of a safetensors file."""
-    from safetensors import SafetensorsError
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = os.fspath(path)
@@ -36,7 +36,7 @@ def load_latent(path: str | os.PathLike[str]) -> torch.Tensor:
         raise ParameterError(f"latent={path!r}: no such file")
     try:
         tensors = load_file(path)
-    except (SafetensorsError, OSError, ValueError) as err:
+    except (SafetensorError, OSError, ValueError) as err:
         raise ParameterError(f"latent={path!r} is not a readable safetensors file ({err})") from None
     if len(tensors) != 1:
         raise ParameterError(f"latent={path!r} holds {len(tensors)} tensors; give a file of exactly one")
