@@ -8,6 +8,7 @@ frames, from the source itself.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 from prefect import task
@@ -32,6 +33,15 @@ def _readable_manifest(store: RunStore) -> RunManifest | None:
         return store.read_manifest()
     except (OSError, ValueError):
         return None
+
+
+def _ingested(store: RunStore, manifest: RunManifest, source: str) -> IngestResult:
+    """An ingest done before, by this run or an earlier one of the same content, perhaps from another path (a
+    resubmitted HTTP job has its own copy, the first one's may be gone): the stages that read the source from then on
+    read it where it is now."""
+    if manifest.source.path != str(Path(source).resolve()):
+        store.write_manifest(manifest.model_copy(update={"source": source_info(source)}))
+    return IngestResult(stage="ingest", computed=False, plan=manifest.plan)
 
 
 def _store_audio(store: RunStore, source: str, params: UpscaleParams, plan: ClipPlan, attempt: str) -> bool:
@@ -63,7 +73,7 @@ def ingest(
     store = RunStore(run.store_root, run.run_key)
     manifest = _readable_manifest(store)
     if manifest is not None and store.get("frame_pts", stage="ingest") is not None:
-        return IngestResult(stage="ingest", computed=False, plan=manifest.plan)
+        return _ingested(store, manifest, source)
     started = time.perf_counter()
     # Chosen here, once per run: every later stage, in any process, computes as this records.
     compute = default_profile()
@@ -100,7 +110,7 @@ def ingest_latent(
     store = RunStore(run.store_root, run.run_key)
     manifest = _readable_manifest(store)
     if manifest is not None and store.records.read("ingest", "all") is not None:
-        return IngestResult(stage="ingest", computed=False, plan=manifest.plan)
+        return _ingested(store, manifest, source)
     started = time.perf_counter()
     compute = default_profile()
     apply_profile(compute)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import av
+import numpy as np
 import pytest
 import torch
 from http_harness import Server, completed, error_of
@@ -21,8 +22,12 @@ from safetensors.torch import save_file
 from entrypoints.cli import main
 from k6vsr_core import UpscaleParams, stages
 from k6vsr_core.bundle import ModelBundle, model_traits
+from k6vsr_core.errors import ParameterError
+from k6vsr_core.latent import fit_latent, load_latent
 from k6vsr_core.runner import read_source, read_window
 from k6vsr_core.sample import make_sample_clip
+from service.runs import ModelSpec, prepare_run
+from storage import RunStore
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +183,37 @@ def test_the_run_key_holds_the_latents_content_and_rate(
     }
     assert len(keys) == 4
     assert not (tmp_path / "store").exists()  # planning writes nothing
+
+
+def test_a_resumed_latent_run_reads_the_latent_where_it_is_now(
+    case: dict[str, Any], tiny_bundle: ModelBundle, tmp_path: Path
+) -> None:
+    """Ingest done from one path, the same latent resumed from another (a resubmitted HTTP job has its own copy):
+    the encode stage reads the latent at its new path, scaled and fitted as the Python API does; a latent changed
+    since ingest is refused."""
+    from tasks import ingest, stage_tasks
+
+    spec = ModelSpec(model=str(case["bundle"]), device="cpu")
+    store_root, first, second = tmp_path / "store", tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    first.write_bytes(case["latent"].read_bytes())
+    prepared = prepare_run(first, UpscaleParams(scale=2), spec, store_root, "24")
+    run, params, info = prepared.run, prepared.plan.params, prepared.model_info
+    assert ingest.ingest.fn(str(first), run, params, info, "one", latent_fps="24").computed
+    first.rename(second)
+    assert prepare_run(second, UpscaleParams(scale=2), spec, store_root, "24").run == run
+    assert not ingest.ingest.fn(str(second), run, params, info, "two", latent_fps="24").computed
+    store = RunStore(store_root, run.run_key)
+    assert store.read_manifest().source.path == str(second.resolve())
+    assert store.get("frame_pts", stage="ingest") is None  # no source frames to index
+
+    assert stage_tasks.encode.fn(run, spec, 0, "two").computed
+    expected = fit_latent(stages.scale_latent(tiny_bundle, load_latent(second)), prepared.plan)
+    assert np.array_equal(store.get_tile("latent", (0,), stage="encode"), expected.numpy())
+
+    store.drop_window(("latent",), 0)
+    save_file({"sr_lr_latent": torch.ones(1, 64, 4, 4)}, str(second))
+    with pytest.raises(ParameterError, match="changed since the run was planned"):
+        stage_tasks.encode.fn(run, spec, 0, "three")
 
 
 # ------------------------------------------------------------------------------------------------ HTTP
