@@ -7,6 +7,7 @@ before a server starts or a model loads.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -65,7 +66,7 @@ def prepare_run(
     params: UpscaleParams,
     spec: ModelSpec,
     store_root: str | Path,
-    latent_fps: object = None,
+    latent_fps: str | float | Fraction | None = None,
 ) -> PreparedRun:
     """Everything `k6vsr plan` prints, and the run key: no model is loaded and nothing is written.
 
@@ -109,7 +110,7 @@ def latent_channels(info: BundleInfo) -> int:
 
 
 def prepare_latent_run(
-    source: str | Path, params: UpscaleParams, spec: ModelSpec, store_root: str | Path, fps: object
+    source: str | Path, params: UpscaleParams, spec: ModelSpec, store_root: str | Path, fps: str | float | Fraction
 ) -> PreparedRun:
     """`prepare_run` of a latent file: loaded on the CPU and checked (shape, dtype, channels, frames, rate) before
     anything is written. The run key holds the file's content and the rate."""
