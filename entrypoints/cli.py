@@ -108,6 +108,7 @@ def _param_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--fps",
         dest="fps_mode",
+        metavar="MODE_OR_RATE",
         help="a video: contract (the 24-fps rule) or source (every frame at the exact source rate; out of contract) "
         f"(default {defaults.fps_mode}); with --latent: the latent's frame rate, e.g. 24 or 30000/1001 (required)",
     )
