@@ -20,7 +20,7 @@ from typing import Any
 from entrypoints.console import configure_terminal, summary_lines, tile_progress
 from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
-from k6vsr_core.params import UpscaleParams, parse_params
+from k6vsr_core.params import FPS_MODES, UpscaleParams, parse_params
 from service.runs import ModelSpec, model_info, prepare_run
 from storage import RunStore, collect_garbage, default_store_root
 from storage.estimate import store_estimate
@@ -108,13 +108,26 @@ def _param_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--fps",
         dest="fps_mode",
-        help="contract (the 24-fps rule) or source (every frame at the exact source rate; out of contract) "
-        f"(default {defaults.fps_mode})",
+        metavar="MODE_OR_RATE",
+        help="a video: contract (the 24-fps rule) or source (every frame at the exact source rate; out of contract) "
+        f"(default {defaults.fps_mode}); with --latent: the latent's frame rate, e.g. 24 or 30000/1001 (required)",
     )
     group.add_argument(
         "--window-overlap",
         type=int,
         help=f"frames shared by neighbouring windows, at least (default {defaults.window_overlap})",
+    )
+
+
+def _input_args(parser: argparse.ArgumentParser) -> None:
+    """A video, or a latent: exactly one of them (`input_from`)."""
+    parser.add_argument("input", nargs="?", default=None, help="the video (or give --latent instead)")
+    parser.add_argument(
+        "--latent",
+        default=None,
+        metavar="FILE.safetensors",
+        help="instead of a video: one unscaled KVAE latent [T, C, H, W] (FastVideo's sr_lr_latent), with --fps RATE; "
+        "scale 2 or 4; silent unless --audio FILE",
     )
 
 
@@ -134,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     up = commands.add_parser("upscale", help="upscale one clip")
-    up.add_argument("input")
+    _input_args(up)
     up.add_argument(
         "-o",
         "--output-dir",
@@ -149,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_flags(up)
 
     plan = commands.add_parser("plan", help="print what a run would do, without loading a model")
-    plan.add_argument("input")
+    _input_args(plan)
     _param_flags(plan)
     _model_flags(plan)
     plan.add_argument("--store", default=None)
@@ -257,10 +270,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 def params_from(args: argparse.Namespace) -> UpscaleParams:
     given = {name: getattr(args, name) for name in UpscaleParams.model_fields if hasattr(args, name)}
+    if getattr(args, "latent", None) is not None:
+        given.pop("fps_mode", None)  # --fps is the latent's rate (`input_from`), not a request field
     try:
         return parse_params(**given)
     except ParameterError as err:
         raise ParameterError(f"invalid request: {err}") from None
+
+
+def input_from(args: argparse.Namespace) -> tuple[Path, str | None]:
+    """The run's input and, for a latent, its frame rate: the video, or `--latent FILE` with `--fps RATE`. `--fps`
+    keeps its words for a video and takes a rate with `--latent`; anything else is refused here, before any work."""
+    video, latent = args.input, getattr(args, "latent", None)
+    fps = getattr(args, "fps_mode", None)
+    if video is not None and latent is not None:
+        raise ParameterError("give a video or --latent FILE.safetensors, not both")
+    if latent is None:
+        if video is None:
+            raise ParameterError("give a video to upscale, or --latent FILE.safetensors with --fps RATE")
+        if fps is not None and fps not in FPS_MODES:
+            raise ParameterError(
+                f"--fps {fps}: a video's --fps is contract or source; a frame rate is given only with --latent"
+            )
+        return Path(video), None
+    if fps is None:
+        raise ParameterError("--latent needs --fps RATE, the latent's frame rate (e.g. 24 or 30000/1001)")
+    if fps in FPS_MODES:
+        raise ParameterError(f"--fps {fps}: with --latent, --fps is the latent's frame rate (e.g. 24 or 30000/1001)")
+    return Path(latent), fps
 
 
 def model_from(args: argparse.Namespace) -> ModelSpec:
@@ -338,12 +375,12 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     from flows.orchestrate import run_clip
     from flows.upscale_clip import default_output_name
 
+    source, latent_fps = input_from(args)
     params = params_from(args)
     spec = model_from(args)
-    source = Path(args.input)
     store = store_from(args)
     # Plan first: a bad file, value or model fails here, before a server starts or a model loads.
-    prepared = prepare_run(source, params, spec, store)
+    prepared = prepare_run(source, params, spec, store, latent_fps)
     if args.dask_address is None:
         _check_device(spec.device)
     out_dir = Path(args.output_dir) if args.output_dir else source.resolve().parent
@@ -369,14 +406,13 @@ def output_file_name(name: str, params: UpscaleParams) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
-    prepared = prepare_run(Path(args.input), params_from(args), model_from(args), store_from(args))
+    source, latent_fps = input_from(args)
+    prepared = prepare_run(source, params_from(args), model_from(args), store_from(args), latent_fps)
     plan = prepared.plan
     grid = plan.grid
     return {
         "source": prepared.source,
-        "source_size": {"width": prepared.probe.width, "height": prepared.probe.height},
-        "source_frames": prepared.probe.num_frames,
-        "source_fps": prepared.probe.fps,
+        **_source_facts(prepared),
         "frames_kept": plan.num_frames,
         "fps": plan.fps,
         "output_format": plan.output_format(),
@@ -404,6 +440,24 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         "model": prepared.model_info.identity,
         "run_key": prepared.run.run_key,
         "finished_run_exists": prepared.finished,
+    }
+
+
+def _source_facts(prepared: Any) -> dict[str, Any]:
+    """What the input is: a video's probe, or a latent's pixel size, frames and rate (as its plan reads them)."""
+    if prepared.probe is None:
+        plan = prepared.plan
+        return {
+            "source_size": {"width": plan.source_size[1], "height": plan.source_size[0]},
+            "source_frames": plan.source_frames,
+            "source_fps": plan.source_fps,
+            "latent_fps": prepared.latent_fps,
+        }
+    probe = prepared.probe
+    return {
+        "source_size": {"width": probe.width, "height": probe.height},
+        "source_frames": probe.num_frames,
+        "source_fps": probe.fps,
     }
 
 

@@ -1,7 +1,9 @@
 """`k6vsr serve`: SGLang's video job API (`/v1/videos`) on top of the resumable clip flow.
 
     POST   /v1/videos                JSON {"video_path": ..., "sr_resolution_scale": ..., ...}, or multipart form data
-                                     with the clip as file field `video_reference` and the same fields; -> job, queued
+                                     with the clip as file field `video_reference` and the same fields, or with a
+                                     latent as file field `latent_reference` (safetensors) and its rate as `fps`;
+                                     -> job, queued
     GET    /v1/videos                the caller's jobs, oldest first
     GET    /v1/videos/{id}           the job: status queued | in_progress | completed | failed | cancelled, progress
     GET    /v1/videos/{id}/content   the MP4 once completed (409 before, 404 for an unknown id)
@@ -54,6 +56,7 @@ from entrypoints.jobs import (
     new_job_id,
 )
 from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
+from k6vsr_core.latent import check_latent_scale, parse_rate
 from k6vsr_core.params import UpscaleParams, parse_params
 from service.runs import ModelSpec, model_info, prepare_run
 from storage import RunStore
@@ -86,6 +89,10 @@ HTTP_AUDIO_MODES = ("contract", "original", "none")
 # Sent by OpenAI-style clients; meaningless for super-resolution, so accepted and ignored.
 IGNORED_FIELDS = ("model", "prompt")
 FILE_FIELD = "video_reference"
+# Instead of a clip: one unscaled KVAE latent [T, C, H, W] (a safetensors file), played at the rate of `RATE_FIELD`.
+LATENT_FIELD = "latent_reference"
+RATE_FIELD = "fps"
+FILE_FIELDS = (FILE_FIELD, LATENT_FIELD)
 MAX_PART_HEADER_BYTES = 16 << 10
 RETRY_AFTER_S = 30
 # At most this many of a request's field problems are spelled out in one message.
@@ -312,7 +319,7 @@ def params_from_fields(fields: dict[str, Any]) -> UpscaleParams:
             continue
         internal = FIELDS.get(name)
         if internal is None:
-            allowed = ", ".join(["video_path", FILE_FIELD, *FIELDS])
+            allowed = ", ".join(["video_path", *FILE_FIELDS, RATE_FIELD, *FIELDS])
             problems.append((name, f"unknown field {quote(name)}; allowed: {allowed}", "unknown_field"))
             continue
         if isinstance(value, bool) or isinstance(value, (list, dict)):
@@ -398,21 +405,27 @@ class FormError(ApiError):
 
 
 class UploadTooLarge(ApiError):
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, field: str = FILE_FIELD) -> None:
         super().__init__(
             413,
-            f"{FILE_FIELD} is larger than the upload limit of {limit} bytes (--max-upload-mb)",
-            param=FILE_FIELD,
+            f"{field} is larger than the upload limit of {limit} bytes (--max-upload-mb)",
+            param=field,
             code="file_too_large",
         )
 
 
-class _FormReceiver:
-    """python-multipart's streaming callbacks: the `video_reference` file goes straight to the job's input (stopping
-    as soon as it passes the cap or the quota), other fields are kept as strings, `max_fields` of them at most. The
-    client's file name is never used."""
+@dataclass(frozen=True)
+class FormBody:
+    fields: dict[str, str]  # every field but the file, as text
+    file_field: str  # the file's field: `video_reference` (a clip) or `latent_reference` (a latent)
 
-    def __init__(self, open_input: Callable[[], InputFile], limits: Limits) -> None:
+
+class _FormReceiver:
+    """python-multipart's streaming callbacks: the file (`video_reference`, or `latent_reference`) goes straight to
+    the job's input (stopping as soon as it passes the cap or the quota), other fields are kept as strings,
+    `max_fields` of them at most. The client's file name is never used."""
+
+    def __init__(self, open_input: Callable[[str], InputFile], limits: Limits) -> None:
         self.open_input = open_input
         self.limits = limits
         self.fields: dict[str, str] = {}
@@ -423,11 +436,7 @@ class _FormReceiver:
         self._name = ""
         self._value = bytearray()
         self._input: InputFile | None = None
-        self._has_file = False
-
-    @property
-    def has_file(self) -> bool:
-        return self._has_file
+        self.file_field: str | None = None  # the file field received, once it is complete
 
     def callbacks(self) -> dict[str, Callable[..., None]]:
         return {
@@ -458,17 +467,22 @@ class _FormReceiver:
         if not name:
             raise FormError("a part has no name")
         self._name = name
-        if b"filename" in options or name == FILE_FIELD:
-            if name != FILE_FIELD:
+        if b"filename" in options or name in FILE_FIELDS:
+            if name not in FILE_FIELDS:
                 raise ApiError(
                     400,
-                    f"unexpected file field {quote(name)}; send the clip as {FILE_FIELD!r}",
+                    f"unexpected file field {quote(name)}; send the clip as {FILE_FIELD!r} (or a latent as "
+                    f"{LATENT_FIELD!r})",
                     param=name[:64],
                     code="unexpected_file_field",
                 )
-            if self._has_file:
-                raise ApiError(400, f"{FILE_FIELD} was sent twice", param=FILE_FIELD, code="duplicate_field")
-            self._input = self.open_input()
+            if self.file_field == name:
+                raise ApiError(400, f"{name} was sent twice", param=name, code="duplicate_field")
+            if self.file_field is not None:
+                raise ApiError(
+                    400, f"send {FILE_FIELD} or {LATENT_FIELD}, not both", param=name, code="conflicting_inputs"
+                )
+            self._input = self.open_input(name)
         elif len(self.fields) >= self.limits.max_fields:
             raise _too_many_fields(self.limits)
 
@@ -485,7 +499,7 @@ class _FormReceiver:
         if self._input is not None:
             self._input.close()
             self._input = None
-            self._has_file = True
+            self.file_field = self._name
             return
         if self._name in self.fields:
             raise ApiError(
@@ -506,9 +520,9 @@ class _FormReceiver:
             self._input.close()
 
 
-async def read_form(request: Request, open_input: Callable[[], InputFile], limits: Limits) -> dict[str, str]:
-    """Stream a multipart body: the clip into `open_input()`, the other fields returned as strings. Everything but
-    the clip's bytes (boundaries, part headers, fields) counts toward `max_fields_bytes`."""
+async def read_form(request: Request, open_input: Callable[[str], InputFile], limits: Limits) -> FormBody:
+    """Stream a multipart body: the clip (or latent) into `open_input(field name)`, the other fields returned as
+    strings. Everything but the file's bytes (boundaries, part headers, fields) counts toward `max_fields_bytes`."""
     length = _declared_length(request)
     if length is not None and length > limits.max_request_bytes:
         raise ApiError(
@@ -538,11 +552,39 @@ async def read_form(request: Request, open_input: Callable[[], InputFile], limit
         receiver.close()
     if not receiver.ended:
         raise FormError("the body ended before the closing boundary")
-    if not receiver.has_file:
+    if receiver.file_field is None:
         raise ApiError(
-            400, f"the clip is missing: send it as the file field {FILE_FIELD!r}", param=FILE_FIELD, code="missing_file"
+            400,
+            f"the clip is missing: send it as the file field {FILE_FIELD!r} (or a latent as {LATENT_FIELD!r})",
+            param=FILE_FIELD,
+            code="missing_file",
         )
-    return receiver.fields
+    return FormBody(receiver.fields, receiver.file_field)
+
+
+def latent_rate(fields: dict[str, str]) -> str:
+    """The rate of an uploaded latent (`fps`, taken out of `fields`), refused with its field before the latent is
+    read: a missing or bad rate, a scale a latent cannot take, or `fps_mode`, which only a clip has."""
+    if "fps_mode" in fields:
+        raise ApiError(
+            400,
+            f"fps_mode is for a clip; a latent is played at its {RATE_FIELD}",
+            param="fps_mode",
+            code="conflicting_fields",
+        )
+    raw = fields.pop(RATE_FIELD, None)
+    if raw is None:
+        raise ApiError(
+            400,
+            f"{LATENT_FIELD} needs the form field {RATE_FIELD!r}: the latent's frame rate (e.g. 24 or 30000/1001)",
+            param=RATE_FIELD,
+            code="missing_fps",
+        )
+    try:
+        rate = parse_rate(raw)
+    except ParameterError as err:
+        raise ApiError(400, str(err), param=RATE_FIELD, code="invalid_value") from None
+    return str(rate)
 
 
 def copy_path_source(raw: Any, roots: tuple[Path, ...], store: JobStore, job_id: str) -> str:
@@ -632,6 +674,17 @@ def check_output_size(plan: Any, limits: Limits) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Received:
+    """A request read into its job's input: the parameters, the job's `source`, how messages name the input, and a
+    latent's frame rate (None for a clip)."""
+
+    params: UpscaleParams
+    origin: dict[str, str]
+    label: str
+    latent_fps: str | None = None
+
+
 def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
     limits = config.limits
     store = JobStore(config.store_root, limits.input_quota_bytes)
@@ -664,25 +717,55 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
             raise ApiError(404, f"no video job {quote(job_id)}", param="video_id", code="job_not_found")
         return job
 
-    async def receive(request: Request, media_type: str, job_id: str) -> tuple[UpscaleParams, dict[str, str], str]:
-        """Read the request into the job's input (the streamed upload, or a copy of the confined `video_path`);
-        returns the parameters, the job's `source` and how messages name the clip."""
+    def open_upload(job_id: str, field: str) -> InputFile:
+        too_large = lambda: UploadTooLarge(limits.max_upload_bytes, field)  # noqa: E731
+        return store.open_input(job_id, limits.max_upload_bytes, too_large)
+
+    async def receive(request: Request, media_type: str, job_id: str) -> Received:
+        """Read the request into the job's input (the streamed upload, or a copy of the confined `video_path`)."""
         if media_type == "multipart/form-data":
-            too_large = lambda: UploadTooLarge(limits.max_upload_bytes)  # noqa: E731
-            fields = await read_form(
-                request, lambda: store.open_input(job_id, limits.max_upload_bytes, too_large), limits
-            )
-            return params_from_fields(fields), {"type": "upload"}, FILE_FIELD
+            form = await read_form(request, lambda field: open_upload(job_id, field), limits)
+            if form.file_field == LATENT_FIELD:
+                fields = dict(form.fields)
+                rate = latent_rate(fields)
+                params = params_from_fields(fields)
+                try:
+                    check_latent_scale(params)
+                except ParameterError as err:
+                    raise ApiError(400, str(err), param="sr_resolution_scale", code="invalid_value") from None
+                return Received(params, {"type": "latent"}, LATENT_FIELD, rate)
+            if RATE_FIELD in form.fields:
+                raise ApiError(
+                    400,
+                    f"{RATE_FIELD} is the frame rate of a {LATENT_FIELD}; a clip takes fps_mode",
+                    param=RATE_FIELD,
+                    code="unexpected_field",
+                )
+            return Received(params_from_fields(form.fields), {"type": "upload"}, FILE_FIELD)
         fields = await read_json(request, limits)
+        if LATENT_FIELD in fields:
+            raise ApiError(
+                400,
+                f"{LATENT_FIELD} is a file: upload it as multipart/form-data with its {RATE_FIELD}",
+                param=LATENT_FIELD,
+                code="invalid_request",
+            )
         raw_path = fields.pop("video_path", None)
         params = params_from_fields(fields)  # a bad field is refused before anything is copied
         relative = await run_in_threadpool(copy_path_source, raw_path, config.allow_paths, store, job_id)
-        return params, {"type": "path", "video_path": relative}, f"video_path {quote(relative)}"
+        return Received(params, {"type": "path", "video_path": relative}, f"video_path {quote(relative)}")
 
-    def prepare(job_id: str, params: UpscaleParams, label: str) -> Any:
+    def prepare(job_id: str, received: Received) -> Any:
+        label, params = received.label, received.params
         known = {str(store.input_path(job_id)): label, str(config.store_root): "<store>"}
         try:
-            return prepare_run(store.input_path(job_id), params, spec, config.store_root)
+            return prepare_run(store.input_path(job_id), params, spec, config.store_root, received.latent_fps)
+        except ParameterError as err:
+            if received.latent_fps is None:
+                raise
+            # The latent's own checks (file, shape, dtype, channels, frames, values): the rate and scale were
+            # checked with their fields.
+            raise ApiError(400, scrub_paths(str(err), known), param=LATENT_FIELD, code="invalid_latent") from None
         except MediaError as err:
             param = FILE_FIELD if label == FILE_FIELD else "video_path"
             raise ApiError(
@@ -710,8 +793,9 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
         job_id = new_job_id()
         with runner.admission():
             try:
-                params, origin, label = await receive(request, media_type, job_id)
-                prepared = await run_in_threadpool(prepare, job_id, params, label)
+                received = await receive(request, media_type, job_id)
+                params, origin = received.params, received.origin
+                prepared = await run_in_threadpool(prepare, job_id, received)
                 check_output_size(prepared.plan, limits)
                 plan = prepared.plan
                 job = await run_in_threadpool(
@@ -736,7 +820,8 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
                             "height": plan.delivery_size[0],
                             "frames": plan.num_frames,
                             "fps": plan.fps,
-                            "has_audio": prepared.probe.has_audio,
+                            # A latent has no streams; an HTTP request names no audio file.
+                            "has_audio": prepared.probe is not None and prepared.probe.has_audio,
                             "bytes": None,
                         },
                         "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},

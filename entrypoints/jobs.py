@@ -621,13 +621,15 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
     for line in sys.stdin:
         job = json.loads(line)
         try:
+            prepared = PreparedRun.model_validate(job["prepared"]) if job.get("prepared") else None
             summary = upscale_clip.with_options(flow_run_name=job["id"], task_runner=make_task_runner())(
                 source=job["source"],
                 output=job["output"],
                 params=UpscaleParams(**job["params"]),
                 model=spec,
                 store_root=job["store_root"],
-                prepared=PreparedRun.model_validate(job["prepared"]) if job.get("prepared") else None,
+                prepared=prepared,
+                latent_fps=prepared.latent_fps if prepared is not None else None,  # a latent job's input is a latent
             )
             has_audio = RunStore(job["store_root"], summary.run_key).read_manifest().has_audio
             reply(event="done", id=job["id"], summary=summary.model_dump(mode="json"), has_audio=has_audio)

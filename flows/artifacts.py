@@ -147,7 +147,7 @@ class ClipReport:
     run_key: str
     frames: int
     fps: int
-    before: np.ndarray  # a source frame, (H, W, 3) uint8
+    before: np.ndarray | None  # a source frame, (H, W, 3) uint8; None for a latent run: it has no frames
     after: np.ndarray  # the same frame of the output
     stages: list[StageSpan]
     run_seconds: float  # the run's clock when the report was made
@@ -189,9 +189,20 @@ def size_text(size: int) -> str:
     return f"{size} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
-def clip_report_markdown(report: ClipReport) -> str:
+def _stills(report: ClipReport, after_size: str) -> str:
+    """The before/after table, or the output's still alone when the input had no frames (a latent)."""
+    after = f"![after]({_thumbnail(report.after)})"
+    if report.before is None:
+        return markdown_table([f"output ({after_size})"], [[after]])
     before_size = f"{report.before.shape[1]}x{report.before.shape[0]}"
+    return markdown_table(
+        [f"before ({before_size})", f"after ({after_size})"], [[f"![before]({_thumbnail(report.before)})", after]]
+    )
+
+
+def clip_report_markdown(report: ClipReport) -> str:
     after_size = f"{report.after.shape[1]}x{report.after.shape[0]}"
+    before_size = "a latent" if report.before is None else f"{report.before.shape[1]}x{report.before.shape[0]}"
     frames = f"{report.frames} frame{'s' if report.frames != 1 else ''} at {report.fps} fps"
     stages = markdown_table(
         ["stage", "starts (s)", "ends (s)", "span (s)", "adds (s)", "tasks"],
@@ -210,10 +221,7 @@ def clip_report_markdown(report: ClipReport) -> str:
             [
                 f"# {Path(report.source).name}",
                 f"Run `{report.run_key}`: {frames}, {before_size} to {after_size}. Workers: {report.workers}.",
-                markdown_table(
-                    [f"before ({before_size})", f"after ({after_size})"],
-                    [[f"![before]({_thumbnail(report.before)})", f"![after]({_thumbnail(report.after)})"]],
-                ),
+                _stills(report, after_size),
                 "## Stages",
                 stages,
                 "Seconds on this run's clock, from its start. *span*: first start to last end of the stage's "

@@ -33,4 +33,5 @@ def run_clip(
             model=model,
             store_root=prepared.run.store_root,
             prepared=prepared,
+            latent_fps=prepared.latent_fps,
         )

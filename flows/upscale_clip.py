@@ -16,6 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from prefect import flow, get_run_logger
 from prefect.exceptions import UnfinishedRun
 from prefect.futures import as_completed
@@ -118,16 +119,19 @@ def upscale_clip(
     model: ModelSpec = ModelSpec(),
     store_root: str | None = None,
     prepared: PreparedRun | None = None,
+    latent_fps: str | None = None,
 ) -> ClipSummary:
     """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it).
 
     `prepared` is the plan its caller made of this clip with these arguments (`service.runs.prepare_run`); without
     it, the flow plans the clip itself. From ingest on, the flow runs the plan that ingest recorded in the manifest.
+    With `latent_fps` (a number or `a/b`), `source` is a safetensors file of one unscaled KVAE latent `[T, C, H, W]`
+    played at that rate (`k6vsr_core.latent`); its encode stage reads the latent instead of encoding frames.
     """
     clock = StageClock()
     logger = get_run_logger()
     if prepared is None:
-        prepared = prepare_run(source, params, model, store_root or default_store_root())
+        prepared = prepare_run(source, params, model, store_root or default_store_root(), latent_fps)
     run, params = prepared.run, prepared.plan.params
     store = RunStore(run.store_root, run.run_key)
     destination = Path(output) if output else Path(source).parent / default_output_name(source, params)
@@ -146,7 +150,9 @@ def upscale_clip(
             prepared.plan.num_tiles,
             store.path,
         )
-        ingested = ingest_tasks.ingest(prepared.source, run, params, prepared.model_info, attempt)
+        ingested = ingest_tasks.ingest(
+            prepared.source, run, params, prepared.model_info, attempt, latent_fps=prepared.latent_fps
+        )
         record(ingested)
         plan = ingested.plan
         total = plan.num_tiles * plan.num_windows
@@ -263,15 +269,20 @@ def _failure_message(run: RunRef, plan: ClipPlan, failures: dict[tuple[int, int]
     )
 
 
+def _source_still(store: RunStore, source: str, plan: ClipPlan, frame: int) -> np.ndarray | None:
+    """The source frame shown as the output's `frame`; None for a latent run, which has no source frames."""
+    if store.read_manifest().latent_fps is not None:
+        return None
+    pts = store.get("frame_pts", stage="ingest")
+    return media.read_frames(source, [plan.source_indices()[frame]], pts if pts is not None and len(pts) else None)[0]
+
+
 def _report(store: RunStore, summary: ClipSummary, clock: StageClock, plan: ClipPlan) -> None:
     """The run's report artifact: before/after still, stage spans, tiles, workers, output; never fails a run."""
     try:
         frame = min(summary.frames // 2, PREVIEW_FRAME)
         output = Path(summary.output).resolve()
-        pts = store.get("frame_pts", stage="ingest")
-        before = media.read_frames(
-            summary.source, [plan.source_indices()[frame]], pts if pts is not None and len(pts) else None
-        )[0]
+        before = _source_still(store, summary.source, plan, frame)
         after = media.read_frames(output, [frame])[0]
         report = artifacts.ClipReport(
             source=summary.source,

@@ -68,6 +68,9 @@ class BundleInfo(BaseModel):
     lq_noise_scale: float
     tile_sizes: tuple[tuple[int, int], ...]
     fingerprint: str
+    # Channels of the KVAE latent, so a `[T, C, H, W]` latent input is checked without loading weights. None in
+    # records written before it was recorded.
+    latent_channels: int | None = None
 
     @property
     def identity(self) -> str:
@@ -427,8 +430,14 @@ def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None
         lq_noise_scale=float(sr_params.get("lq_noise_scale", DEFAULT_LQ_NOISE_SCALE)),
         tile_sizes=tuple(tuple(int(v) for v in hw) for hw in tile_sizes),
         fingerprint=print_fp,
+        latent_channels=int(kwargs["vae"].get("latent_channels", _default_of(Kandinsky6SRVAE, "latent_channels"))),
     )
     return _PlannedBundle(path=path, kwargs=kwargs, scheduler_config=scheduler, info=info)
+
+
+def _default_of(cls: Any, name: str) -> Any:
+    """A constructor argument's default, read through the signature (diffusers wraps `__init__`)."""
+    return inspect.signature(cls.__init__).parameters[name].default
 
 
 def _scheduler_from_config(cls: Any, config: dict[str, Any]) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from fractions import Fraction
 
 import torch
@@ -27,7 +28,7 @@ MAX_LATENT_FRAMES = 1 + (WINDOW_FRAMES - 1) // TEMPORAL_FACTOR
 
 def load_latent(path: str | os.PathLike[str]) -> torch.Tensor:
     """The one tensor of a safetensors file."""
-    from safetensors import SafetensorsError
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = os.fspath(path)
@@ -35,7 +36,7 @@ def load_latent(path: str | os.PathLike[str]) -> torch.Tensor:
         raise ParameterError(f"latent={path!r}: no such file")
     try:
         tensors = load_file(path)
-    except (SafetensorsError, OSError, ValueError) as err:
+    except (SafetensorError, OSError, ValueError) as err:
         raise ParameterError(f"latent={path!r} is not a readable safetensors file ({err})") from None
     if len(tensors) != 1:
         raise ParameterError(f"latent={path!r} holds {len(tensors)} tensors; give a file of exactly one")
@@ -46,10 +47,7 @@ def check_latent(latent: torch.Tensor, channels: int, params: UpscaleParams, fps
     """Refuse, with one line, a latent the run cannot take; returns the exact frame rate."""
     if not isinstance(latent, torch.Tensor):
         raise ParameterError(f"latent must be a torch tensor, got {type(latent).__name__}")
-    if params.pre_upscale:
-        raise ParameterError(
-            "scale=2.25 cannot start from a latent: it needs the 1.125x pre-upscale of the pixels; use scale 2 or 4"
-        )
+    check_latent_scale(params)
     if latent.ndim != 4:
         raise ParameterError(f"latent shape {tuple(latent.shape)} is not [T, C, H, W]")
     frames, found, height, width = latent.shape
@@ -66,8 +64,20 @@ def check_latent(latent: torch.Tensor, channels: int, params: UpscaleParams, fps
         raise ParameterError(f"latent shape {tuple(latent.shape)} has an empty side")
     if not bool(torch.isfinite(latent).all()):
         raise ParameterError("latent holds NaN or infinite values")
+    return parse_rate(fps)
+
+
+def check_latent_scale(params: UpscaleParams) -> None:
+    if params.pre_upscale:
+        raise ParameterError(
+            "scale=2.25 cannot start from a latent: it needs the 1.125x pre-upscale of the pixels; use scale 2 or 4"
+        )
+
+
+def parse_rate(fps: object) -> Fraction:
+    """A latent's exact frame rate from a number or `a/b` (`24`, `23.976`, `30000/1001`)."""
     try:
-        rate = Fraction(str(fps)) if not isinstance(fps, Fraction) else fps
+        rate = Fraction(str(fps).strip()) if not isinstance(fps, Fraction) else fps
     except (ValueError, ZeroDivisionError):
         raise ParameterError(f"fps={fps!r} is not a number (e.g. 24 or 30000/1001)") from None
     if not 0 < rate <= 1000:
@@ -75,10 +85,29 @@ def check_latent(latent: torch.Tensor, channels: int, params: UpscaleParams, fps
     return rate
 
 
-def plan_latent(latent: torch.Tensor, rate: Fraction, params: UpscaleParams, traits: ModelTraits) -> ClipPlan:
-    """The plan of a latent's clip: `1 + 4(T - 1)` frames of `16H x 16W` pixels at `rate`, every one kept."""
-    frames = 1 + TEMPORAL_FACTOR * (latent.shape[0] - 1)
-    size = (latent.shape[2] * SPATIAL_FACTOR, latent.shape[3] * SPATIAL_FACTOR)
+def read_latent(
+    path: str | os.PathLike[str], channels: int, params: UpscaleParams, fps: object
+) -> tuple[torch.Tensor, Fraction]:
+    """The latent of a safetensors file, checked (`check_latent`), and its exact frame rate."""
+    latent = load_latent(path)
+    return latent, check_latent(latent, channels, params, fps)
+
+
+def latent_params(params: UpscaleParams) -> UpscaleParams:
+    """The request as a latent run computes it: every frame kept at the latent's rate, and silent unless an audio
+    file is given (a latent has no streams of its own to carry)."""
+    audio = params.audio if params.audio_file is not None else "none"
+    return params.model_copy(update={"fps_mode": "source", "audio": audio})
+
+
+def plan_latent(
+    latent: torch.Tensor | Sequence[int], rate: Fraction, params: UpscaleParams, traits: ModelTraits
+) -> ClipPlan:
+    """The plan of a latent's clip (the tensor, or its `[T, C, H, W]` shape): `1 + 4(T - 1)` frames of `16H x 16W`
+    pixels at `rate`, every one kept."""
+    shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else tuple(latent)
+    frames = 1 + TEMPORAL_FACTOR * (shape[0] - 1)
+    size = (shape[2] * SPATIAL_FACTOR, shape[3] * SPATIAL_FACTOR)
     with warnings.catch_warnings():
         # The rate is the caller's: no frame is dropped or added, whatever it is.
         warnings.simplefilter("ignore")

@@ -19,6 +19,7 @@ from k6vsr_core.windows import MAX_OVERLAP
 SCALES = (2.0, 2.25, 4.0)
 TARGET_TIERS = ("hd", "fullhd", "2k")
 AUDIO_MODES = ("contract", "original", "none")
+FPS_MODES = ("contract", "source")  # the words of `fps_mode` (UpscaleParams)
 _WXH = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 # A larger delivery size is certainly a typo: the biggest tier is 2560 px and the model output tops out near 8K.
 MAX_TARGET_SIDE = 16384

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from k6vsr_core import media, stages
 from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
-from k6vsr_core.latent import check_latent, fit_latent, plan_latent
+from k6vsr_core.latent import check_latent, fit_latent, latent_params, plan_latent
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
 from k6vsr_core.windows import Window, segment_frames
@@ -65,10 +65,6 @@ def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) ->
     except ValueError as err:
         raise media.MediaError(str(path), str(err)) from None
     return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)
-
-
-def _latent_audio(params: UpscaleParams) -> str:
-    return params.audio if params.audio_file is not None else "none"
 
 
 def audio_input(source: str | Path, params: UpscaleParams) -> str | None:
@@ -135,11 +131,9 @@ def upscale(
         if source is not None:
             raise ValueError("give a source video or a latent, not both")
         rate = check_latent(latent, int(bundle.vae.config.latent_channels), params, fps)
-        plan = plan_latent(latent, rate, params, model_traits(bundle.info))
+        plan = plan_latent(latent, rate, latent_params(params), model_traits(bundle.info))
         scaled = fit_latent(stages.scale_latent(bundle, latent), plan)
         audio = None if params.audio_file is None else media.decode_audio(params.audio_file)
-        # A latent has no streams of its own to carry.
-        plan = plan.model_copy(update={"params": plan.params.model_copy(update={"audio": _latent_audio(params)})})
         clip = SourceClip(path="", frame_pts=None, rotation=0, plan=plan)
     elif source is None:
         raise ValueError("give a source video, or a latent and its fps")

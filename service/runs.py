@@ -7,12 +7,15 @@ before a server starts or a model loads.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core import media
 from k6vsr_core.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
+from k6vsr_core.errors import BundleError
+from k6vsr_core.latent import latent_params, plan_latent, read_latent
 from k6vsr_core.memory import MemoryMode
 from k6vsr_core.params import ParameterError, UpscaleParams
 from k6vsr_core.plan import ClipPlan, make_plan, select_kept_frames
@@ -45,11 +48,12 @@ class ModelSpec(BaseModel):
 
 class PreparedRun(BaseModel):
     run: RunRef
-    source: str
+    source: str  # the video, or the safetensors file of a latent run
     model_info: BundleInfo
-    probe: media.VideoProbe
+    probe: media.VideoProbe | None  # None for a latent: it has no streams
     plan: ClipPlan  # from the probe; ingest re-plans on the frames actually decoded
     finished: bool
+    latent_fps: str | None = None  # a latent run: the latent's exact frame rate (`24`, `30000/1001`)
 
 
 def model_info(spec: ModelSpec) -> BundleInfo:
@@ -57,8 +61,20 @@ def model_info(spec: ModelSpec) -> BundleInfo:
     return locate_bundle(spec.model, spec.revision, spec.model_id).info
 
 
-def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, store_root: str | Path) -> PreparedRun:
-    """Everything `k6vsr plan` prints, and the run key: no model is loaded and nothing is written."""
+def prepare_run(
+    source: str | Path,
+    params: UpscaleParams,
+    spec: ModelSpec,
+    store_root: str | Path,
+    latent_fps: str | float | Fraction | None = None,
+) -> PreparedRun:
+    """Everything `k6vsr plan` prints, and the run key: no model is loaded and nothing is written.
+
+    With `latent_fps` (a number or `a/b`), `source` is a safetensors file holding one unscaled KVAE latent
+    `[T, C, H, W]` (`k6vsr_core.latent`) played at that rate, instead of a video.
+    """
+    if latent_fps is not None:
+        return prepare_latent_run(source, params, spec, store_root, latent_fps)
     probe = media.probe(source)
     if params.audio_file is not None:
         media.check_audio_file(params.audio_file)
@@ -84,4 +100,33 @@ def prepare_run(source: str | Path, params: UpscaleParams, spec: ModelSpec, stor
         probe=probe,
         plan=plan,
         finished=RunStore(store_root, key).output_done(),
+    )
+
+
+def latent_channels(info: BundleInfo) -> int:
+    if info.latent_channels is None:  # only records written before it was recorded lack it; `model_info` never
+        raise BundleError(f"{info.identity}: the KVAE's latent channel count is unknown")
+    return info.latent_channels
+
+
+def prepare_latent_run(
+    source: str | Path, params: UpscaleParams, spec: ModelSpec, store_root: str | Path, fps: str | float | Fraction
+) -> PreparedRun:
+    """`prepare_run` of a latent file: loaded on the CPU and checked (shape, dtype, channels, frames, rate) before
+    anything is written. The run key holds the file's content and the rate."""
+    if params.audio_file is not None:
+        media.check_audio_file(params.audio_file)
+    info = model_info(spec)
+    latent, rate = read_latent(source, latent_channels(info), params, fps)
+    computed = latent_params(params)
+    plan = plan_latent(latent.shape, rate, computed, model_traits(info))
+    key = run_key(source_info(source).sha256, computed, info.identity, str(rate))
+    return PreparedRun(
+        run=RunRef(store_root=str(store_root), run_key=key),
+        source=str(Path(source).resolve()),
+        model_info=info,
+        probe=None,
+        plan=plan,
+        finished=RunStore(store_root, key).output_done(),
+        latent_fps=str(rate),
     )

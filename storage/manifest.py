@@ -42,6 +42,8 @@ class RunManifest(BaseModel):
     seeds: list[int]
     has_audio: bool
     rotation: int = 0  # the source's display rotation, written into the output
+    # A latent run: the exact frame rate of the latent (`24`, `30000/1001`); the source is then its safetensors file.
+    latent_fps: str | None = None
     versions: dict[str, str]
     compute: ComputeProfile  # how every process computes this run's stages
     created_at: float = Field(default_factory=time.time)
@@ -81,17 +83,18 @@ def output_params(params: UpscaleParams) -> dict[str, Any]:
     return values
 
 
-def run_key(source_sha256: str, params: UpscaleParams, model_identity: str) -> str:
-    payload = json.dumps(
-        {
-            "source": source_sha256,
-            "params": output_params(params),
-            "model": model_identity,
-            "format": STAGE_FORMAT_VERSION,
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+def run_key(source_sha256: str, params: UpscaleParams, model_identity: str, latent_fps: str | None = None) -> str:
+    """The run's name. `latent_fps` (a latent source's frame rate) is keyed only when given, so the runs of videos
+    keep their keys."""
+    fields: dict[str, Any] = {
+        "source": source_sha256,
+        "params": output_params(params),
+        "model": model_identity,
+        "format": STAGE_FORMAT_VERSION,
+    }
+    if latent_fps is not None:
+        fields["latent_fps"] = latent_fps
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def library_versions() -> dict[str, str]:

@@ -2,7 +2,8 @@
 
 Layout of one run, under `<root>/runs/<run key>/`:
 
-    manifest.json          what the run is (source, parameters, plan, seeds, versions); written once, atomically
+    manifest.json          what the run is (source, parameters, plan, seeds, versions); written atomically at ingest
+                           (again only to follow a source of the same content to a new path)
     audio.f32              the source's audio as mono float32 samples, trimmed to the output's span
     data.zarr/             per (window, tile): latent, tile_latents, tiles; per window: video (Zarr v3, one chunk
                            per writer unit); frame_pts (where each source frame is, to seek to a window)

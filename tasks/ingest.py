@@ -8,6 +8,7 @@ frames, from the source itself.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 from prefect import task
@@ -15,9 +16,11 @@ from prefect import task
 from k6vsr_core import media
 from k6vsr_core.bundle import BundleInfo, model_traits
 from k6vsr_core.compute import apply_profile, default_profile
+from k6vsr_core.latent import plan_latent, read_latent
 from k6vsr_core.params import UpscaleParams
+from k6vsr_core.plan import ClipPlan
 from k6vsr_core.runner import audio_input, read_source
-from service.runs import RunRef
+from service.runs import RunRef, latent_channels
 from storage import RunManifest, RunStore, source_info
 from storage.manifest import library_versions
 from tasks.descriptors import IngestResult
@@ -32,20 +35,17 @@ def _readable_manifest(store: RunStore) -> RunManifest | None:
         return None
 
 
-@task(name="ingest", task_run_name="ingest-{run.run_key}", **STAGE_TASK)
-def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo, attempt: str) -> IngestResult:
-    """Scan the source's frames, stream its audio into the store and write the manifest: no frame is kept, each
-    window reads its own from the source."""
-    store = RunStore(run.store_root, run.run_key)
-    manifest = _readable_manifest(store)
-    if manifest is not None and store.get("frame_pts", stage="ingest") is not None:
-        return IngestResult(stage="ingest", computed=False, plan=manifest.plan)
-    started = time.perf_counter()
-    # Chosen here, once per run: every later stage, in any process, computes as this records.
-    compute = default_profile()
-    apply_profile(compute)
-    clip = read_source(source, params, model_traits(info))
-    plan = clip.plan
+def _ingested(store: RunStore, manifest: RunManifest, source: str) -> IngestResult:
+    """An ingest done before, by this run or an earlier one of the same content, perhaps from another path (a
+    resubmitted HTTP job has its own copy, the first one's may be gone): the stages that read the source from then on
+    read it where it is now."""
+    if manifest.source.path != str(Path(source).resolve()):
+        store.write_manifest(manifest.model_copy(update={"source": source_info(source)}))
+    return IngestResult(stage="ingest", computed=False, plan=manifest.plan)
+
+
+def _store_audio(store: RunStore, source: str, params: UpscaleParams, plan: ClipPlan, attempt: str) -> bool:
+    """Stream the audio the request writes (the source's, or a separate file's) into the store; False if none."""
     tmp = store.temp_file(store.path, ".f32")
     try:
         audio_from = audio_input(source, params)
@@ -54,6 +54,33 @@ def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo, at
             store.commit_file(tmp, store.audio_path, "ingest", "audio", attempt=attempt)
     finally:
         tmp.unlink(missing_ok=True)
+    return samples > 0
+
+
+@task(name="ingest", task_run_name="ingest-{run.run_key}", **STAGE_TASK)
+def ingest(
+    source: str,
+    run: RunRef,
+    params: UpscaleParams,
+    info: BundleInfo,
+    attempt: str,
+    latent_fps: str | None = None,
+) -> IngestResult:
+    """Scan the source's frames, stream its audio into the store and write the manifest: no frame is kept, each
+    window reads its own from the source. With `latent_fps`, `source` is a latent file (`ingest_latent`)."""
+    if latent_fps is not None:
+        return ingest_latent(source, run, params, info, attempt, latent_fps)
+    store = RunStore(run.store_root, run.run_key)
+    manifest = _readable_manifest(store)
+    if manifest is not None and store.get("frame_pts", stage="ingest") is not None:
+        return _ingested(store, manifest, source)
+    started = time.perf_counter()
+    # Chosen here, once per run: every later stage, in any process, computes as this records.
+    compute = default_profile()
+    apply_profile(compute)
+    clip = read_source(source, params, model_traits(info))
+    plan = clip.plan
+    has_audio = _store_audio(store, source, params, plan, attempt)
     manifest = RunManifest(
         run_key=run.run_key,
         source=source_info(source),
@@ -61,7 +88,7 @@ def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo, at
         model=info,
         plan=plan,
         seeds=[chunk.seed for chunk in plan.chunks],
-        has_audio=samples > 0,
+        has_audio=has_audio,
         rotation=clip.rotation,
         versions=library_versions(),
         compute=compute,
@@ -71,4 +98,41 @@ def ingest(source: str, run: RunRef, params: UpscaleParams, info: BundleInfo, at
     # The frame index is the ingest record: written last, after the manifest and the audio. Empty: not seekable.
     pts = clip.frame_pts if clip.frame_pts is not None else np.zeros(0, dtype=np.int64)
     store.put("frame_pts", pts, stage="ingest", seconds=seconds, attempt=attempt)
+    return IngestResult(stage="ingest", computed=True, seconds=seconds, plan=plan)
+
+
+def ingest_latent(
+    source: str, run: RunRef, params: UpscaleParams, info: BundleInfo, attempt: str, latent_fps: str
+) -> IngestResult:
+    """A latent run's ingest: check the latent, plan it, store the audio of `--audio FILE` if given, and write the
+    manifest. There are no source frames to index, and the latent itself is read by the encode stage, from its file.
+    `params` are the run's (`k6vsr_core.latent.latent_params`)."""
+    store = RunStore(run.store_root, run.run_key)
+    manifest = _readable_manifest(store)
+    if manifest is not None and store.records.read("ingest", "all") is not None:
+        return _ingested(store, manifest, source)
+    started = time.perf_counter()
+    compute = default_profile()
+    apply_profile(compute)
+    latent, rate = read_latent(source, latent_channels(info), params, latent_fps)
+    plan = plan_latent(latent.shape, rate, params, model_traits(info))
+    del latent
+    has_audio = _store_audio(store, source, params, plan, attempt)
+    described = source_info(source)
+    manifest = RunManifest(
+        run_key=run.run_key,
+        source=described,
+        params=params,
+        model=info,
+        plan=plan,
+        seeds=[chunk.seed for chunk in plan.chunks],
+        has_audio=has_audio,
+        versions=library_versions(),
+        compute=compute,
+        latent_fps=str(rate),
+    )
+    store.write_manifest(manifest)
+    seconds = time.perf_counter() - started
+    # The ingest record, written last as for a video: it names the latent file's content it planned.
+    store.records.write("ingest", "all", described.sha256, seconds, attempt)
     return IngestResult(stage="ingest", computed=True, seconds=seconds, plan=plan)

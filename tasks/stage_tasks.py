@@ -18,12 +18,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from k6vsr_core import media, stages
+from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.compute import apply_profile
-from k6vsr_core.errors import UserFacingError
+from k6vsr_core.errors import ParameterError, UserFacingError
+from k6vsr_core.latent import fit_latent, read_latent
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.windows import segment_frames
 from service.runs import ModelSpec, RunRef
-from storage import RunStore
+from storage import RunManifest, RunStore, source_info
 from storage import publish as publish_file
 from storage.manifest import library_versions
 from tasks.descriptors import StageResult
@@ -91,15 +93,28 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
         return StageResult(stage="encode", item=str(window), computed=False, window=window)
     started = time.perf_counter()
     manifest = store.read_manifest()
-    pts = _require(store.get("frame_pts", stage="ingest"), run, "the source's frame index")
-    span = plan.windows[window]
-    frames = media.read_frames(manifest.source.path, plan.source_indices(span), pts if len(pts) else None)
-    latent = stages.encode_clip(get_bundle(model, plan), stages.prepare_window(frames, plan, span))
+    if manifest.latent_fps is not None:
+        latent = _given_latent(get_bundle(model, plan), manifest)
+    else:
+        pts = _require(store.get("frame_pts", stage="ingest"), run, "the source's frame index")
+        span = plan.windows[window]
+        frames = media.read_frames(manifest.source.path, plan.source_indices(span), pts if len(pts) else None)
+        latent = stages.encode_clip(get_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started
     store.put_tile(
         "latent", (window,), (plan.num_windows,), latent.numpy(), stage="encode", seconds=seconds, attempt=attempt
     )
     return StageResult(stage="encode", item=str(window), computed=True, seconds=seconds, window=window)
+
+
+def _given_latent(bundle: ModelBundle, manifest: RunManifest) -> torch.Tensor:
+    """A latent run's one window: the latent file, scaled and padded onto the tile grid as the video's encode would
+    leave it. A file changed since ingest is refused: the run and its key are of the content ingest planned."""
+    path = manifest.source.path
+    if source_info(path).sha256 != manifest.source.sha256:
+        raise ParameterError(f"latent={path!r} changed since the run was planned; start it again")
+    latent, _ = read_latent(path, int(bundle.vae.config.latent_channels), manifest.params, manifest.latent_fps)
+    return fit_latent(stages.scale_latent(bundle, latent), manifest.plan)
 
 
 @task(name="denoise", task_run_name="denoise-window-{window}-tiles-{tiles_label}", **STAGE_TASK)

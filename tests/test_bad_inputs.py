@@ -452,8 +452,8 @@ def test_unparsable_flag_value_is_a_usage_error(cli: Cli, corpus: dict[str, Path
     assert result.rc == 2 and "invalid int value: 'abc'" in result.err and "Traceback" not in result.err
 
 
-def test_latent_input_combination_does_not_exist() -> None:
-    """The issue's "2.25 with a latent input": the command takes only media files, so there is no such combination."""
+def test_latent_input_flag_is_not_a_spelling_of_latent() -> None:
+    """A latent is `--latent FILE.safetensors` (tests/test_latent_input.py); no other spelling is taken."""
     from entrypoints.cli import build_parser
 
     with pytest.raises(SystemExit):

@@ -496,10 +496,10 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
         retention_s=1.0,
     )
     job_id = "video_" + "a" * 24
-    fields = asyncio.run(
-        read_form(Request(scope, receive), lambda: store.open_input(job_id, len(payload), AssertionError), limits)
+    form = asyncio.run(
+        read_form(Request(scope, receive), lambda _: store.open_input(job_id, len(payload), AssertionError), limits)
     )
-    assert fields == {"seed": "7", "sr_target_resolution": "hd"}
+    assert form.fields == {"seed": "7", "sr_target_resolution": "hd"} and form.file_field == "video_reference"
     assert store.input_path(job_id).read_bytes() == payload and store.quota.used == len(payload)
     assert sorted(p.name for p in store.job_dir(job_id).iterdir()) == ["input"]
 

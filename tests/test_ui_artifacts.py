@@ -167,6 +167,13 @@ def test_clip_report_lists_stages_in_order_within_the_run() -> None:
     assert "published from the finished run" in artifacts.clip_report_markdown(_report(reused_output=True))
 
 
+def test_clip_report_of_a_latent_shows_the_output_alone() -> None:
+    """A latent run has no source frame: the report shows the output's still and says what the input was."""
+    markdown = artifacts.clip_report_markdown(_report(source="/in/shot.safetensors", before=None))
+    assert markdown.count("](data:image/jpeg;base64,") == 1
+    assert "output (128x96)" in markdown and "a latent to 128x96" in markdown and "before (" not in markdown
+
+
 def test_manifest_table_links_clip_runs_and_puts_long_text_last(tmp_path: Path) -> None:
     from flows.upscale_archive import ArchiveRow, manifest_markdown
 
