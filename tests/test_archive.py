@@ -183,10 +183,10 @@ def test_failed_clip_does_not_stop_the_others(
     original = ingest_tasks.ingest
 
     @task(name="ingest")
-    def failing_ingest(source, run, *rest):
+    def failing_ingest(source, run, *rest, **options):
         if Path(source).name == "doomed.mp4":
             raise RuntimeError("disk on fire")
-        return original.fn(source, run, *rest)
+        return original.fn(source, run, *rest, **options)
 
     monkeypatch.setattr(ingest_tasks, "ingest", failing_ingest)
     argv = [
