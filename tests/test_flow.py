@@ -178,6 +178,29 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
     assert main is not None
 
 
+def test_a_run_resumed_from_a_moved_source_reads_it_where_it_is_now(tiny_bundle_path: Path, tmp_path: Path) -> None:
+    """The run key is the content's, not the path's: ingested from one path, resumed from a copy after the first
+    one is gone, the manifest (which every later stage reads the source from) names the copy."""
+    import shutil
+
+    from k6vsr_core.sample import make_sample_clip
+    from tasks.ingest import ingest
+
+    (tmp_path / "a").mkdir()
+    first = make_sample_clip(tmp_path / "a" / "clip.mp4", width=64, height=64, num_frames=1)
+    spec, params = ModelSpec(model=str(tiny_bundle_path)), UpscaleParams(scale=2)
+    prepared = prepare_run(first, params, spec, tmp_path / "store")
+    assert ingest.fn(str(first), prepared.run, prepared.plan.params, prepared.model_info, "one").computed
+    moved = tmp_path / "b" / "clip.mp4"
+    moved.parent.mkdir()
+    shutil.copy(first, moved)
+    shutil.rmtree(first.parent)
+    again = prepare_run(moved, params, spec, tmp_path / "store")
+    assert again.run == prepared.run
+    assert not ingest.fn(str(moved), again.run, again.plan.params, again.model_info, "two").computed
+    assert RunStore(tmp_path / "store", again.run.run_key).read_manifest().source.path == str(moved.resolve())
+
+
 def test_tile_failing_once_is_retried(
     prefect_server: str,
     tiny_bundle_path: Path,
