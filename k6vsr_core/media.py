@@ -11,6 +11,7 @@ can be tested without the orchestration or storage layers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import stat
@@ -645,6 +646,19 @@ def _mux(
         container.mux(sound.encode(None))
 
 
+@contextlib.contextmanager
+def _whole_or_removed(path: str, doing: str) -> Iterator[None]:
+    """The file at `path` is whole when the block ends, or gone: a failed or interrupted write leaves no half file."""
+    try:
+        yield
+    except Exception as exc:
+        _remove_quietly(path)
+        raise MediaError(path, f"could not {doing} ({exc})") from exc
+    except BaseException:
+        _remove_quietly(path)
+        raise
+
+
 def _remove_quietly(path: str) -> None:
     try:
         os.remove(path)
@@ -707,15 +721,8 @@ def write_video(
         audio = _prepare_audio(audio, frames.shape[0], fps)
 
     path = os.fspath(path)
-    try:
-        with _open_output(path, encoding) as container:
-            _mux(container, frames, fps, audio, int(rotation), encoding)
-    except Exception as exc:
-        _remove_quietly(path)
-        raise MediaError(path, f"could not write video ({exc})") from exc
-    except BaseException:
-        _remove_quietly(path)
-        raise
+    with _whole_or_removed(path, "write video"), _open_output(path, encoding) as container:
+        _mux(container, frames, fps, audio, int(rotation), encoding)
 
 
 def write_segment(path: PathLike, frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding | None = None) -> None:
@@ -750,7 +757,7 @@ def concat_segments(
     encoding = encoding or _CONTRACT
     limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
     frame_base = 1 / Fraction(fps)
-    try:
+    with _whole_or_removed(path, "join the segments"):
         with _open_output(path, encoding) as out:
             with av.open(segments[0]) as first:
                 video = out.add_stream_from_template(first.streams.video[0])
@@ -775,12 +782,6 @@ def concat_segments(
                 out.mux(sound.encode(None))
             if carried is not None:
                 carried.finish()
-    except Exception as exc:
-        _remove_quietly(path)
-        raise MediaError(path, f"could not join the segments ({exc})") from exc
-    except BaseException:
-        _remove_quietly(path)
-        raise
     if offset != num_frames:
         _remove_quietly(path)
         raise MediaError(path, f"the segments hold {offset} frames, expected {num_frames}")

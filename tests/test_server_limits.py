@@ -220,6 +220,9 @@ FIELD_NAMES = [
     "prompt",
     "video_path",
     "video_reference",
+    "latent_reference",
+    "fps",
+    "fps_mode",
     "extra_body",
 ]
 
@@ -280,7 +283,7 @@ def _multipart(rng: random.Random, stack: dict[str, Path]) -> tuple[bytes, str]:
     for _ in range(rng.choice([0, 1, 2, 3, 6, 12])):
         name = rng.choice(FIELD_NAMES + [_text(rng, rng.choice([1, 30, 300]))])
         disposition = f'form-data; name="{name}"'
-        if rng.random() < 0.3 or name == "video_reference":
+        if rng.random() < 0.3 or name in ("video_reference", "latent_reference"):
             disposition += '; filename="../../x.mp4"'
         kind = rng.randrange(5)
         if kind == 0:
