@@ -130,12 +130,19 @@ class TileProgress:
 
     def __init__(self, source: str, run_key: str, flow_run_id: str | UUID | None, total: int) -> None:
         self.total = total
+        self._shown = 0
         self._id = create(
             "progress", clip_key("tiles", source, run_key), 0.0, tile_progress_text(0, total), flow_run_id
         )
 
     def update(self, done: int, windows: Sequence[tuple[int, int]] = ()) -> None:
-        """`done` tiles decoded so far; `windows` the (done, total) of each window when a clip has several."""
+        """`done` tiles decoded so far; `windows` the (done, total) of each window when a clip has several.
+
+        The count is the store's: two tiles that finish together are counted by the first of their updates, and
+        the second, which would say the same, is not sent."""
+        if done <= self._shown and done < self.total:
+            return
+        self._shown = done
         update(self._id, percent(done, self.total), tile_progress_text(done, self.total, windows))
 
 

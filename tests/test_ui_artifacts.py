@@ -226,11 +226,11 @@ def test_each_clip_run_owns_its_artifacts(
     from k6vsr_core.params import UpscaleParams
     from service.runs import prepare_run
 
-    updates: list[tuple[object, str]] = []
+    updates: list[tuple[str, object, str]] = []
     real_update = artifacts.update
 
     def recording(artifact_id, data, description):
-        updates.append((data, description))
+        updates.append((flow_run.id, data, description))
         real_update(artifact_id, data, description)
 
     monkeypatch.setattr(artifacts, "update", recording)
@@ -249,9 +249,15 @@ def test_each_clip_run_owns_its_artifacts(
     ]
     assert summaries[0].run_key == summaries[1].run_key and summaries[1].tiles_reused == summaries[1].tiles_total
     total = summaries[0].tiles_total
-    first_run = [description for data, description in updates[:total]]
-    assert first_run == [f"{n} of {total} tiles decoded" for n in range(1, total + 1)]
-    assert updates[total - 1][0] == 100.0 and all(data < 100.0 for data, _ in updates[: total - 1])
+    # The first run counts up to every tile, never twice the same count (two tiles may finish together); the
+    # second, which decodes nothing, says at once that all are done.
+    first = [(data, text) for run, data, text in updates if run == run_ids[0]]
+    counts = [int(text.split(" of ")[0]) for _, text in first]
+    assert counts == sorted(set(counts)) and counts[-1] == total, first
+    assert all(text == f"{n} of {total} tiles decoded" for n, (_, text) in zip(counts, first, strict=True))
+    assert first[-1][0] == 100.0 and all(data < 100.0 for data, _ in first[:-1])
+    second = [(data, text) for run, data, text in updates if run == run_ids[1]]
+    assert second == [(100.0, f"{total} of {total} tiles decoded")]
 
     keys = set()
     with get_client(sync_client=True) as client:
