@@ -266,7 +266,6 @@ def run_all(commands: list[list[str]], parallel: int = 3, timeout: float = 300.0
 
     A command past `timeout` is killed with its process group; its result has return code -9 and its threads'
     stacks as stderr."""
-    import subprocess
     import time
 
     import procs
@@ -279,10 +278,7 @@ def run_all(commands: list[list[str]], parallel: int = 3, timeout: float = 300.0
             index, argv = pending.pop(0)
             running.append((index, procs.start(argv), time.monotonic()))
         index, process, started = running.pop(0)
-        done = procs.finish(process, max(1.0, timeout - (time.monotonic() - started)))
-        if done is None:
-            done = subprocess.CompletedProcess(commands[index], -9, "", f"hung; its threads:\n{process.hung_stderr}")
-        results[index] = done
+        results[index], _ = procs.finish(process, max(1.0, timeout - (time.monotonic() - started)))
     return results
 
 

@@ -29,9 +29,9 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """`subprocess.run(argv, capture_output=True, text=True)` that fails the test, with stacks, if it hangs."""
     process = start(argv, env=env, cwd=cwd, stdin=input is not None)
-    done = finish(process, timeout, input)
-    if done is None:
-        pytest.fail(f"{' '.join(map(str, argv))[:300]} hung for {timeout:g} s; its threads:\n{process.hung_stderr}")
+    done, hung = finish(process, timeout, input)
+    if hung:
+        pytest.fail(f"{' '.join(map(str, argv))[:300]} hung for {timeout:g} s; its threads:\n{done.stderr}")
     return done
 
 
@@ -53,22 +53,21 @@ def start(
 
 def finish(
     process: subprocess.Popen[str], timeout: float, input: str | None = None
-) -> subprocess.CompletedProcess[str] | None:
-    """Its result, or None if it ran past `timeout`: then its stacks are in `process.hung_stderr` and its whole
-    process group is gone."""
+) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """Its result, and whether it ran past `timeout`: then its whole process group is gone, its return code is -9
+    and its stderr ends with every thread's stack."""
     try:
         out, err = process.communicate(input, timeout=timeout)
-        return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+        return subprocess.CompletedProcess(process.args, process.returncode, out, err), False
     except subprocess.TimeoutExpired:
         _signal_group(process.pid, signal.SIGABRT)
         try:
-            _, err = process.communicate(timeout=15)
+            out, err = process.communicate(timeout=15)
         except subprocess.TimeoutExpired:
             _signal_group(process.pid, signal.SIGKILL)
-            _, err = process.communicate()
+            out, err = process.communicate()
         _signal_group(process.pid, signal.SIGKILL)
-        process.hung_stderr = (err or "")[-12000:]  # type: ignore[attr-defined]
-        return None
+        return subprocess.CompletedProcess(process.args, -9, out or "", (err or "")[-12000:]), True
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
