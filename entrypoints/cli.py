@@ -51,6 +51,13 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "fast", "24g", "16g"),
         help="GPU memory budget: auto (default: from the GPU's free memory), fast, 24g or 16g",
     )
+    group.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA, compile the DiT blocks and the KVAE decoder (default); --no-compile runs them eagerly "
+        "(NABLA's flex attention is compiled either way). Kernels are cached per machine: see `k6vsr cache`",
+    )
 
 
 def _param_flags(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +143,6 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=1, help="worker processes for tiles (default 1: in-process)")
     parser.add_argument("--gpus", action="store_true", help="one Dask worker per GPU")
     parser.add_argument("--dask-address", default=None, help="run tiles on an existing Dask scheduler")
-    parser.add_argument("--compile", action="store_true", help="compile the DiT and KVAE decoder (GPU fast path)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     parser.add_argument("--verbose", action="store_true", help="show every task's log lines on the terminal")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and every log line")
@@ -215,9 +221,23 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument("--model-id", default=None)
     workers.add_argument("--device", default="auto")
     workers.add_argument("--memory", default="auto", choices=("auto", "fast", "24g", "16g"))
-    workers.add_argument("--compile", action="store_true", help="with --model: load it compiled")
+    workers.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --model: load it compiled on CUDA (default), as the commands that use the workers do",
+    )
     workers.add_argument("--json", action="store_true")
     workers.add_argument("--debug", action="store_true")
+
+    cache = commands.add_parser(
+        "cache",
+        help="the compiled-kernel cache: export it to a file, import one (a fleet compiles once), or show it",
+    )
+    cache.add_argument("action", choices=("export", "import", "status"))
+    cache.add_argument("file", nargs="?", default=None, help="the cache file (export, import)")
+    cache.add_argument("--json", action="store_true")
+    cache.add_argument("--debug", action="store_true")
 
     serve = commands.add_parser(
         "serve",
@@ -306,7 +326,7 @@ def model_from(args: argparse.Namespace) -> ModelSpec:
         revision=args.revision,
         model_id=args.model_id,
         device=getattr(args, "device", "auto"),
-        compile=getattr(args, "compile", False),
+        compile=getattr(args, "compile", True),
         memory=args.memory,
     )
 
@@ -593,6 +613,42 @@ def cmd_workers(args: argparse.Namespace) -> dict[str, Any]:
     return warm_workers.workers_status().model_dump(mode="json")
 
 
+def cmd_cache(args: argparse.Namespace) -> dict[str, Any]:
+    """`k6vsr cache export|import|status [FILE]`: PyTorch's cache artefacts of the kernels compiled here."""
+    from k6vsr_core import compile_cache
+
+    if args.action in ("export", "import") and not args.file:
+        raise UserFacingError(f"k6vsr cache {args.action} needs a FILE")
+    if args.action == "export":
+        try:
+            manifest = compile_cache.export_cache(Path(args.file).expanduser().absolute())
+        except FileNotFoundError as err:
+            raise UserFacingError(str(err)) from None
+        return {"action": "export", "file": str(Path(args.file).absolute()), **manifest.model_dump()}
+    if args.action == "import":
+        source = Path(args.file).expanduser().absolute()
+        if not source.is_file():
+            raise UserFacingError(f"{source}: no such cache file")
+        try:
+            return {"action": "import", **compile_cache.import_cache(source)}
+        except ValueError as err:
+            raise UserFacingError(str(err)) from None
+    root = compile_cache.compile_cache_dir()
+    return {"action": "status", "cache": str(root), "shapes": compile_cache.known_shapes(root)}
+
+
+def _print_cache(result: dict[str, Any]) -> None:
+    if result["action"] == "export":
+        print(f"wrote {result['file']}: {len(result['artifacts'])} artefact files, {len(result['shapes'])} shapes")
+        print(f"  for torch {result['torch']} on {result['device'] or 'no GPU'}")
+    elif result["action"] == "import":
+        print(f"imported {result['file']} into {result['cache']}: {len(result['shapes'])} shapes")
+    else:
+        print(f"compile cache: {result['cache']}")
+        for shape in result["shapes"] or ["no shape compiled on this machine yet"]:
+            print(f"  {shape}")
+
+
 def _print_workers(result: dict[str, Any]) -> None:
     if "stopped" in result:
         print("stopped the warm workers" if result["stopped"] else "no warm workers were running")
@@ -643,6 +699,8 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
         _print_server(result)
     elif command == "workers":
         _print_workers(result)
+    elif command == "cache":
+        _print_cache(result)
     elif command == "gc":
         print(f"reclaimed {result['bytes_reclaimed']} bytes from {sum(r['deleted'] for r in result['runs'])} runs")
         for run in result["runs"]:
@@ -671,6 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serve": cmd_serve,
         "server": cmd_server,
         "workers": cmd_workers,
+        "cache": cmd_cache,
     }
     try:
         result = handlers[args.command](args)

@@ -1,12 +1,16 @@
 """The GPU fast path: compiled DiT blocks, the fastest attention kernels, a compiled KVAE decoder.
 
 `compile_bundle(bundle)` prepares a loaded bundle in place; every stage function then runs faster with the same
-contract. What it changes, on a CUDA device:
+contract. It is what every entry point does with a model on CUDA (`--no-compile` keeps the networks eager). What it
+changes, on a CUDA device:
 
 - DiT: `compile_repeated_blocks(fullgraph=True, dynamic=False)` (one graph shared by the 32 blocks, per tile shape).
 - Attention: dense mode calls cuDNN's fused attention (the fastest kernel at the tile shape on Hopper) when a
   probe on the device passes, else SDPA's default choice; NABLA mode calls flex attention with explicit kernel
   options (`BLOCK_M = BLOCK_N = 64`, 4 warps, 3 stages), which torch 2.11 needs to compile NABLA's 64-token blocks.
+  Flex attention is always compiled: inside the compiled blocks, or on its own when the blocks stay eager
+  (`compiled=False`). Run eagerly, PyTorch's flex attention materialises the whole attention matrix, 236 GiB at a
+  W1 tile (1 x 28 heads x 47,616 tokens): diffusers' own processor does that uncompiled.
 - Inductor's deterministic mode (no kernel choice by on-device timing), so worker processes compile the same
   kernels. Measured on two H200s (bench/RESULTS.md): DiT latents are bit-identical across workers, KVAE-decoded
   pixels were not (tiles decoded in another process differed by up to 13 levels); still open.
@@ -24,7 +28,9 @@ benchmark measured 31 dB PSNR between them on W2), so only real weights can say 
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,46 +41,17 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from k6vsr_core.attention import AttentionMode, DenseSdpaProcessor, project_qkv
 from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.compile_cache import (
+    CompileWatch,
+    compile_cache_dir,
+    enable_compile_cache,
+    import_configured_artifacts,
+)
 
-CACHE_ENV = "K6VSR_COMPILE_CACHE"
 # Flex attention tile sizes must divide NABLA's 64-token blocks; 4 warps and 3 stages were the fastest measured on
 # an H200 at the STA-floor density (performance-baseline.md).
 FLEX_KERNEL_OPTIONS: dict[str, int] = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 DYNAMO_RECOMPILE_LIMIT = 64
-
-
-# ---------------------------------------------------------------------------------------------------- compile cache
-
-
-def compile_cache_dir() -> Path:
-    """`$K6VSR_COMPILE_CACHE`, else `<XDG cache or ~/.cache>/k6vsr/compile`."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "k6vsr" / "compile"
-
-
-def enable_compile_cache(path: str | os.PathLike[str] | None = None) -> Path:
-    """Point Inductor's persistent caches at `path` (default `compile_cache_dir()`), unless already set.
-
-    Call before the first compile of the process: Inductor picks its cache folder when it first needs it. An
-    explicit `TORCHINDUCTOR_CACHE_DIR` wins.
-    """
-    root = Path(path) if path is not None else compile_cache_dir()
-    inductor = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor")))
-    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
-    inductor.mkdir(parents=True, exist_ok=True)
-    try:
-        from torch._inductor import config as inductor_config
-
-        inductor_config.fx_graph_cache = True
-        if hasattr(inductor_config, "autograd_cache"):
-            inductor_config.autograd_cache = True  # type: ignore[attr-defined]
-    except ImportError:  # pragma: no cover - every torch this project supports has Inductor
-        pass
-    return inductor
 
 
 def _raise_recompile_limit() -> None:
@@ -128,11 +105,14 @@ class FastDenseProcessor(DenseSdpaProcessor):
     `use_cudnn` after probing the device.
     """
 
+    # Off CUDA the plain processor runs (bit-identical); tests lift that to check the CUDA path's memory on the CPU.
+    cuda_only = True
+
     def __init__(self, use_cudnn: bool = False) -> None:
         self.use_cudnn = use_cudnn
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        if self.use_cudnn and query.is_cuda:
+        if self.use_cudnn and (query.is_cuda or not self.cuda_only):
             return _cudnn_attention(query, key, value)
         return super().attend(query, key, value)
 
@@ -147,12 +127,20 @@ class FastNablaProcessor(Kandinsky6SRAttnProcessor):
     accumulates (kept block pairs, all block pairs) over every call, to report the density actually used.
     """
 
-    # Off CUDA the plain processor runs (bit-identical); experiments may lift that to test the flex path.
+    # Off CUDA the plain processor runs (bit-identical); tests lift that to check the CUDA path's memory on the CPU.
     cuda_only = True
 
-    def __init__(self, threshold: float | None = None, stats: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        threshold: float | None = None,
+        stats: torch.Tensor | None = None,
+        flex: Callable[..., torch.Tensor] = flex_attention,
+    ) -> None:
         self.threshold = threshold
         self.stats = stats
+        # Plain `flex_attention` when the blocks around it are compiled (it is traced into their graph), else
+        # `compiled_flex_attention()`: never the eager one, which builds the whole attention matrix.
+        self.flex = flex
 
     def __call__(
         self, attn: Any, hidden_states: torch.Tensor, rotary_emb: torch.Tensor, sparse_params: dict[str, Any]
@@ -172,8 +160,22 @@ class FastNablaProcessor(Kandinsky6SRAttnProcessor):
         options = dict(FLEX_KERNEL_OPTIONS) if hidden_states.is_cuda else None
         if options is None:  # Inductor's CPU flex template wants contiguous inputs
             query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-        out = flex_attention(query, key, value, block_mask=block_mask, kernel_options=options)
+        out = self.flex(query, key, value, block_mask=block_mask, kernel_options=options)
         return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
+
+
+@functools.cache
+def compiled_flex_attention() -> Callable[..., torch.Tensor]:
+    """Flex attention compiled on its own (PyTorch's documented way to run it outside a compiled model): a fused
+    kernel that never holds the attention matrix. One per process, so each tile shape compiles once."""
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+def fast_processor(mode: AttentionMode, *, compiled_blocks: bool, use_cudnn: bool) -> Any:
+    """The processor the fast path gives each attention layer for `mode` (on CUDA; the plain one runs elsewhere)."""
+    if mode == "dense":
+        return FastDenseProcessor(use_cudnn)
+    return FastNablaProcessor(flex=flex_attention if compiled_blocks else compiled_flex_attention())
 
 
 def _attention_modules(transformer: Any) -> list[Any]:
@@ -190,13 +192,12 @@ class AttentionSwitch:
     every switch would mean a recompile on every switch.
     """
 
-    def __init__(self, transformer: Any, use_cudnn: bool = False) -> None:
+    def __init__(self, transformer: Any, *, compiled_blocks: bool, use_cudnn: bool = False) -> None:
         self.transformer = transformer
         modules = _attention_modules(transformer)
-        nabla_cls = FastNablaProcessor
         self.processors: dict[str, list[Any]] = {
-            "dense": [FastDenseProcessor(use_cudnn) for _ in modules],
-            "nabla": [nabla_cls() for _ in modules],
+            mode: [fast_processor(mode, compiled_blocks=compiled_blocks, use_cudnn=use_cudnn) for _ in modules]
+            for mode in ("dense", "nabla")
         }
 
     def __call__(self, mode: AttentionMode) -> None:
@@ -221,6 +222,7 @@ class FastPath:
     device: str
     compiled_dit: bool = False
     compiled_decoder: bool = False
+    compiled_flex: bool = False
     cache_dir: str | None = None
     cudnn_attention: bool = False
     deterministic: bool = False
@@ -231,17 +233,18 @@ class FastPath:
 def compile_bundle(
     bundle: ModelBundle,
     *,
-    compile_dit: bool = True,
-    compile_decoder: bool = True,
+    compiled: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
     deterministic: bool = True,
     on_cpu: bool = False,
 ) -> FastPath:
     """Prepare `bundle` in place for fast inference; returns what was done. Idempotent.
 
-    `deterministic` keeps Inductor from choosing kernels by timing them, so every process (every worker of a clip)
-    compiles the same kernels. On a CPU this compiles nothing (unless `on_cpu`, for experiments) and leaves the
-    arithmetic untouched, so outputs stay bit-identical.
+    On CUDA: the fast attention processors always (NABLA's flex attention compiled on its own when the blocks are
+    not), and with `compiled` the DiT blocks and the KVAE decoder compiled too. `deterministic` keeps Inductor from
+    choosing kernels by timing them, so every process (every worker of a clip) compiles the same kernels. On a CPU
+    this compiles nothing (unless `on_cpu`, for experiments) and leaves the arithmetic untouched, so outputs stay
+    bit-identical.
     """
     existing = getattr(bundle, "fast_path", None)
     if existing is not None:
@@ -249,22 +252,28 @@ def compile_bundle(
     device = bundle.device
     cuda = device.type == "cuda"
     path = FastPath(device=str(device))
-    compiling = (cuda or on_cpu) and (compile_dit or compile_decoder)
-    if compiling:
-        path.cache_dir = str(enable_compile_cache(cache_dir))
+    if cuda or on_cpu:
+        import_configured_artifacts()
+        root = Path(cache_dir) if cache_dir is not None else compile_cache_dir()
+        enable_compile_cache(root)
+        path.cache_dir = str(root)
         _raise_recompile_limit()
         path.deterministic = _deterministic_inductor() if deterministic else False
     path.cudnn_attention = cudnn_attention_works(device) if cuda else False
-    switch = AttentionSwitch(bundle.transformer, use_cudnn=path.cudnn_attention)
+    compile_networks = compiled and (cuda or on_cpu)
+    if path.cache_dir is not None:
+        # What compiles at a new shape: everything, or NABLA's flex attention alone (`stages` calls the watch).
+        watched = {("DiT", None), ("KVAE decoder", None)} if compile_networks else {("DiT", "nabla")}
+        bundle.compile_watch = CompileWatch(Path(path.cache_dir), watched)  # type: ignore[attr-defined]
+    path.compiled_flex = cuda and not compile_networks
+    switch = AttentionSwitch(bundle.transformer, compiled_blocks=compile_networks, use_cudnn=path.cudnn_attention)
     # The hook `stages.denoise_chunk` calls after the plain `set_attention` (see stages.use_attention).
     bundle.attention_hook = switch  # type: ignore[attr-defined]
-    if compiling and compile_dit:
+    if compile_networks:
         bundle.transformer.compile_repeated_blocks(fullgraph=True, dynamic=False)
-        path.compiled_dit = True
-    if compiling and compile_decoder:
         # Graph breaks are allowed: the decoder's Python-side segment bookkeeping stays eager where it must.
         bundle.vae.decoder.compile(dynamic=False)
-        path.compiled_decoder = True
+        path.compiled_dit = path.compiled_decoder = True
     if not cuda:
         path.notes.append("CPU: nothing compiled; processors fall back to the plain arithmetic")
     bundle.fast_path = path  # type: ignore[attr-defined]

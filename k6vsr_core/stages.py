@@ -12,9 +12,11 @@ between them and must get exactly what the in-memory runner gets.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Literal
 
@@ -136,6 +138,15 @@ def use_attention(bundle: ModelBundle, mode: AttentionMode) -> None:
         hook(mode)
 
 
+def compile_watch(
+    bundle: ModelBundle, component: str, shape: tuple[int, ...], detail: str = ""
+) -> AbstractContextManager[None]:
+    """Wraps a call of a network the fast path compiles (`k6vsr_core.compile_cache.CompileWatch`): the first call of
+    a shape this machine never compiled says so. The plain path has no watch."""
+    watch = getattr(bundle, "compile_watch", None)
+    return watch(component, shape, detail) if watch is not None else contextlib.nullcontext()
+
+
 @torch.no_grad()
 def denoise_chunk(
     bundle: ModelBundle,
@@ -169,7 +180,8 @@ def _denoise(
     anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), device=device, dtype=dtype)
     for step, timestep in enumerate(_timesteps(scheduler, plan, device)):
         model_input = torch.cat([latents.to(dtype), anchor], dim=-1)
-        prediction = dit(model_input, timestep.float().expand(latents.shape[0]), return_dict=False)[0]
+        with compile_watch(bundle, "DiT", tuple(model_input.shape), plan.params.attention):
+            prediction = dit(model_input, timestep.float().expand(latents.shape[0]), return_dict=False)[0]
         latents = scheduler.step(prediction.float(), timestep, latents, return_dict=False)[0]
         if on_step is not None:
             on_step(step)
@@ -191,7 +203,8 @@ def decode_tile(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
     with bundle.turn():
         z = latent.unsqueeze(0).to(bundle.device) / vae.config.scaling_factor
         # In chunks, each piece becomes uint8 on the CPU as it is decoded: the GPU never holds the decoded tile.
-        return kvae.decode(vae, z.to(vae.dtype), chunk, to_pixels)[0]
+        with compile_watch(bundle, "KVAE decoder", tuple(z.shape), f"chunk {chunk}"):
+            return kvae.decode(vae, z.to(vae.dtype), chunk, to_pixels)[0]
 
 
 def blend(plan: ClipPlan, tiles: list[tuple[int, torch.Tensor]], window: Window) -> torch.Tensor:

@@ -32,8 +32,10 @@ class RunRef(BaseModel):
 class ModelSpec(BaseModel):
     """Which model a worker loads, and how it runs it: none of these change a computed value, so none enter run keys.
 
-    `device` "auto" means the worker's first GPU if it has one, else the CPU. `memory` is the GPU memory budget
-    (`k6vsr_core.memory`); "auto" lets each worker choose from the free memory of its own GPU.
+    `device` "auto" means the worker's first GPU if it has one, else the CPU. `compile` (on CUDA only) compiles the
+    DiT blocks and the KVAE decoder; off, they run eagerly (NABLA's flex attention is compiled either way).
+    `memory` is the GPU memory budget (`k6vsr_core.memory`); "auto" lets each worker choose from the free memory of
+    its own GPU.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -42,7 +44,7 @@ class ModelSpec(BaseModel):
     revision: str | None = None
     model_id: str | None = None
     device: str = "auto"
-    compile: bool = False
+    compile: bool = True
     memory: MemoryMode = "auto"
 
 

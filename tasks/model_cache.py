@@ -27,6 +27,7 @@ import torch
 from pydantic import BaseModel
 
 from k6vsr_core.bundle import ModelBundle, load_bundle
+from k6vsr_core.fast import compile_bundle
 from k6vsr_core.memory import apply_budget, check_budget, choose_budget, free_gpu_bytes
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec
@@ -63,7 +64,7 @@ def resolve_device(device: str) -> str:
 
 
 def _identity(spec: ModelSpec) -> str:
-    return f"{spec.model_id or spec.model}@{spec.revision or ''}{' compiled' if spec.compile else ''} on {spec.device}"
+    return f"{spec.model_id or spec.model}@{spec.revision or ''}{'' if spec.compile else ' eager'} on {spec.device}"
 
 
 def _evict_to(size: int) -> None:
@@ -90,10 +91,8 @@ def get_bundle(spec: ModelSpec, plan: ClipPlan | None = None) -> ModelBundle:
             device = torch.device(resolve_device(spec.device))
             _FREE_BEFORE_LOAD[spec] = free_gpu_bytes(device)
             bundle = load_bundle(spec.model, spec.revision, model_id=spec.model_id, device=device)
-            if spec.compile:
-                from k6vsr_core.fast import compile_bundle
-
-                compile_bundle(bundle)
+            # On CUDA always: eager NABLA without it would build the whole attention matrix (k6vsr_core.fast).
+            compile_bundle(bundle, compiled=spec.compile)
             _BUNDLES[spec] = bundle
             _LOADS.append(_identity(spec))
         _BUNDLES.move_to_end(spec)

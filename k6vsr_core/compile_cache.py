@@ -1,0 +1,274 @@
+"""The compile cache: where compiled kernels are kept, the one-line notice of a cold compile, and a portable file.
+
+A cold compile of the DiT blocks and the KVAE decoder at W1's shapes takes about three minutes on an H200; with
+Inductor's persistent caches (FX graph, AOT autograd, Triton kernels) in a per-user folder, a later process on the
+same machine is compiled in about 20 s. Three things here make that visible and portable:
+
+- `CompileWatch` tells, once per process and shape, that kernels are being compiled for a shape this machine has
+  never run (a marker per shape in the cache folder), with the usual cost and the way to avoid it.
+- `save_process_artifacts` keeps what this process compiled or loaded as PyTorch's own cache artefacts
+  (`torch.compiler.save_cache_artifacts`), one file per process, newest kept.
+- `export_cache(FILE)` packs those artefacts and the shape markers into one zip; `import_cache(FILE)` loads them
+  (`torch.compiler.load_cache_artifacts`) into this machine's caches. `$K6VSR_COMPILE_ARTIFACTS` names such a file
+  for every process that compiles (deployments, warm workers, the HTTP server): it is imported once, before the
+  first compile. The artefacts only hit on the same torch, Triton, CUDA and GPU model: the file records them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import threading
+import time
+import warnings
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+CACHE_ENV = "K6VSR_COMPILE_CACHE"
+ARTIFACTS_ENV = "K6VSR_COMPILE_ARTIFACTS"
+# Measured on an H200 (bench/RESULTS.md): DiT blocks and KVAE decoder at W1's shapes, empty cache.
+COLD_COMPILE_NOTE = "about 3 minutes on an H200 for a new tile shape"
+KEEP_PROCESS_FILES = 16
+ARCHIVE_MANIFEST = "k6vsr-compile-cache.json"
+
+log = logging.getLogger("k6vsr.compile")
+
+
+class CompileNotice(UserWarning):
+    """Kernels are being compiled for a shape this machine has not run before (shown once per shape)."""
+
+
+class CacheManifest(BaseModel):
+    """What an exported cache file holds and where its artefacts can hit."""
+
+    torch: str
+    cuda: str | None
+    triton: str | None
+    device: str | None
+    machine: str
+    shapes: list[str]
+    artifacts: list[str]
+    created_at: float
+
+
+# ---------------------------------------------------------------------------------------------------- folders
+
+
+def compile_cache_dir() -> Path:
+    """`$K6VSR_COMPILE_CACHE`, else `<XDG cache or ~/.cache>/k6vsr/compile`."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "k6vsr" / "compile"
+
+
+def enable_compile_cache(path: str | os.PathLike[str] | None = None) -> Path:
+    """Point Inductor's persistent caches at `path` (default `compile_cache_dir()`), unless already set.
+
+    Call before the first compile of the process: Inductor picks its cache folder when it first needs it. An
+    explicit `TORCHINDUCTOR_CACHE_DIR` wins.
+    """
+    root = Path(path) if path is not None else compile_cache_dir()
+    inductor = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor")))
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    inductor.mkdir(parents=True, exist_ok=True)
+    from torch._inductor import config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    if hasattr(inductor_config, "autograd_cache"):
+        inductor_config.autograd_cache = True  # type: ignore[attr-defined]
+    return inductor
+
+
+def _stack() -> dict[str, str | None]:
+    """What compiled kernels depend on: a marker or an artefact from another stack never hits."""
+    try:
+        import triton
+
+        triton_version: str | None = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version, "device": device}
+
+
+# ---------------------------------------------------------------------------------------------------- cold-start notice
+
+
+def shape_key(component: str, shape: tuple[int, ...], detail: str = "") -> str:
+    stack = _stack()
+    return f"{component} {'x'.join(map(str, shape))} {detail} | torch {stack['torch']} | {stack['device']}".strip()
+
+
+def _marker(root: Path, key: str) -> Path:
+    return root / "shapes" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+
+def _write_marker(root: Path, key: str) -> None:
+    path = _marker(root, key)
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_suffix(f".{os.getpid()}.tmp")
+    temp.write_text(json.dumps({"key": key, "at": time.time()}))
+    os.replace(temp, path)
+
+
+def known_shapes(root: Path | None = None) -> list[str]:
+    folder = (root or compile_cache_dir()) / "shapes"
+    keys = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            keys.append(json.loads(path.read_text())["key"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return keys
+
+
+class CompileWatch:
+    """Wraps each call of a compiled network: before the first call of a shape in this process, says whether the
+    machine must compile it; after it, marks the shape compiled and keeps the process's cache artefacts."""
+
+    def __init__(self, root: Path, watched: set[tuple[str, str | None]]) -> None:
+        self.root = root
+        # (component, detail) pairs that compile; a detail of None stands for every detail of that component.
+        self.watched = watched
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def compiles(self, component: str, detail: str) -> bool:
+        return (component, None) in self.watched or (component, detail) in self.watched
+
+    @contextmanager
+    def __call__(self, component: str, shape: tuple[int, ...], detail: str = "") -> Iterator[None]:
+        if not self.compiles(component, detail):
+            yield
+            return
+        key = shape_key(component, shape, detail)
+        with self._lock:
+            first_here = key not in self._seen
+            self._seen.add(key)
+        if first_here and not _marker(self.root, key).exists():
+            warnings.warn(
+                f"compiling GPU kernels for the {component} at {'x'.join(map(str, shape))} "
+                f"(first run on this machine for this shape: {COLD_COMPILE_NOTE}; later runs reuse "
+                f"{self.root}; `k6vsr cache import FILE` brings another machine's kernels)",
+                CompileNotice,
+                stacklevel=3,
+            )
+        yield
+        if first_here:
+            _write_marker(self.root, key)
+            save_process_artifacts(self.root)
+
+
+# ---------------------------------------------------------------------------------------------------- artefacts
+
+
+def save_process_artifacts(root: Path | None = None) -> Path | None:
+    """This process's compiled and loaded artefacts, as one file in `<cache>/artifacts` (replaced atomically)."""
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return None
+    data, _info = saved
+    folder = (root or compile_cache_dir()) / "artifacts"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{platform.node() or 'host'}-{os.getpid()}.bin"
+    temp = path.with_suffix(".tmp")
+    temp.write_bytes(data)
+    os.replace(temp, path)
+    for old in sorted(folder.glob("*.bin"), key=lambda p: p.stat().st_mtime)[:-KEEP_PROCESS_FILES]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def export_cache(destination: Path, root: Path | None = None) -> CacheManifest:
+    """Pack the cache's artefact files and shape markers into one zip, written atomically."""
+    root = root or compile_cache_dir()
+    files = sorted((root / "artifacts").glob("*.bin")) if (root / "artifacts").is_dir() else []
+    if not files:
+        raise FileNotFoundError(
+            f"{root} holds no compiled kernels to export: run a clip on this machine's GPU first"
+        )
+    stack = _stack()
+    manifest = CacheManifest(
+        torch=str(stack["torch"]),
+        cuda=stack["cuda"],
+        triton=stack["triton"],
+        device=stack["device"],
+        machine=platform.machine(),
+        shapes=known_shapes(root),
+        artifacts=[f.name for f in files],
+        created_at=time.time(),
+    )
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    temp = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
+    with zipfile.ZipFile(temp, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr(ARCHIVE_MANIFEST, manifest.model_dump_json(indent=2))
+        for path in files:
+            archive.write(path, f"artifacts/{path.name}")
+    os.replace(temp, destination)
+    return manifest
+
+
+def read_manifest(source: Path) -> CacheManifest:
+    try:
+        with zipfile.ZipFile(source) as archive:
+            return CacheManifest.model_validate_json(archive.read(ARCHIVE_MANIFEST))
+    except (zipfile.BadZipFile, KeyError, ValueError) as err:
+        raise ValueError(f"{source} is not a k6vsr compile cache file ({err})") from None
+
+
+def import_cache(source: Path, root: Path | None = None) -> dict[str, Any]:
+    """Load an exported file's artefacts into this machine's caches; marks its shapes compiled where they hit.
+
+    A file made on another torch or GPU model is refused: none of its kernels could hit here.
+    """
+    manifest = read_manifest(source)
+    stack = _stack()
+    mismatched = [
+        f"{name} {getattr(manifest, name)} (here {stack[name]})"
+        for name in ("torch", "device")
+        if getattr(manifest, name) != stack[name]
+    ]
+    if mismatched:
+        raise ValueError(f"{source} was compiled for another stack: {', '.join(mismatched)}")
+    root = root or compile_cache_dir()
+    enable_compile_cache(root)
+    loaded = 0
+    with zipfile.ZipFile(source) as archive:
+        for name in manifest.artifacts:
+            if torch.compiler.load_cache_artifacts(archive.read(f"artifacts/{name}")) is not None:
+                loaded += 1
+    for key in manifest.shapes:
+        _write_marker(root, key)
+    return {"file": str(source), "artifact_files": loaded, "shapes": manifest.shapes, "cache": str(root)}
+
+
+_IMPORTED: set[str] = set()
+
+
+def import_configured_artifacts() -> dict[str, Any] | None:
+    """Import `$K6VSR_COMPILE_ARTIFACTS` once per process (deployments and warm workers set it)."""
+    source = os.environ.get(ARTIFACTS_ENV)
+    if not source or source in _IMPORTED:
+        return None
+    _IMPORTED.add(source)
+    try:
+        result = import_cache(Path(source).expanduser())
+    except (OSError, ValueError) as err:
+        log.warning("%s=%s not imported: %s", ARTIFACTS_ENV, source, err)
+        return None
+    log.info("compile cache imported from %s: %d artefact files", source, result["artifact_files"])
+    return result

@@ -1,0 +1,104 @@
+"""The compile cache on the CPU: the cold-compile notice once per new shape, and `k6vsr cache export`/`import`
+carrying PyTorch's cache artefacts to a machine whose cache is empty, where the compile then hits them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from k6vsr_core import compile_cache
+
+# Compiles a small function with Inductor (C++ on the CPU) under the watch, as a stage would call a network.
+COMPILE_ONCE = """
+import json, sys, warnings
+import torch
+from torch._dynamo.utils import counters
+from k6vsr_core import compile_cache
+root = compile_cache.compile_cache_dir()
+compile_cache.enable_compile_cache(root)
+watch = compile_cache.CompileWatch(root, {("DiT", None)})
+f = torch.compile(lambda x: (x.sin() * 2).cumsum(0), dynamic=False)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with watch("DiT", (8,), "dense"):
+        f(torch.ones(8))
+print(json.dumps({"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"],
+                  "notices": [str(w.message) for w in caught if w.category is compile_cache.CompileNotice]}))
+"""
+
+
+def _compile_in_fresh_process(cache: Path, tmp: Path) -> dict:
+    env = {**os.environ, compile_cache.CACHE_ENV: str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    env.pop(compile_cache.ARTIFACTS_ENV, None)
+    env["TMPDIR"] = str(tmp)  # Inductor's default temporary caches stay out of the way
+    done = subprocess.run([sys.executable, "-c", COMPILE_ONCE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, compile_cache.CACHE_ENV: str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    return subprocess.run(
+        [sys.executable, "-m", "entrypoints.cli", "cache", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.slow
+def test_exported_kernels_hit_in_an_empty_cache_after_import(tmp_path: Path) -> None:
+    first, second = tmp_path / "machine-a", tmp_path / "machine-b"
+    cold = _compile_in_fresh_process(first, tmp_path)
+    assert cold["misses"] >= 1 and cold["hits"] == 0
+    assert len(cold["notices"]) == 1 and "first run on this machine" in cold["notices"][0]
+
+    warm = _compile_in_fresh_process(first, tmp_path)
+    assert warm["hits"] >= 1 and warm["notices"] == []  # same machine: the shape is known, the kernels cached
+
+    exported = _cli("export", str(tmp_path / "kernels.zip"), cache=first)
+    assert exported.returncode == 0, exported.stderr
+    with zipfile.ZipFile(tmp_path / "kernels.zip") as archive:
+        manifest = json.loads(archive.read(compile_cache.ARCHIVE_MANIFEST))
+    assert manifest["shapes"] and manifest["artifacts"]
+
+    imported = _cli("import", str(tmp_path / "kernels.zip"), cache=second)
+    assert imported.returncode == 0, imported.stderr
+    after = _compile_in_fresh_process(second, tmp_path)
+    assert after["hits"] >= 1 and after["misses"] == 0
+    assert after["notices"] == []
+
+
+def test_export_of_an_empty_cache_and_import_of_a_foreign_file_are_refused(tmp_path: Path) -> None:
+    empty = _cli("export", str(tmp_path / "out.zip"), cache=tmp_path / "empty")
+    assert empty.returncode == 2 and "no compiled kernels" in empty.stderr
+    assert not (tmp_path / "out.zip").exists()
+
+    (tmp_path / "junk.zip").write_bytes(b"not a zip")
+    junk = _cli("import", str(tmp_path / "junk.zip"), cache=tmp_path / "c")
+    assert junk.returncode == 2 and "not a k6vsr compile cache file" in junk.stderr
+
+    foreign = tmp_path / "foreign.zip"
+    manifest = compile_cache.CacheManifest(
+        torch="0.0.1", cuda=None, triton=None, device=None, machine="x", shapes=[], artifacts=[], created_at=0
+    )
+    with zipfile.ZipFile(foreign, "w") as archive:
+        archive.writestr(compile_cache.ARCHIVE_MANIFEST, manifest.model_dump_json())
+    refused = _cli("import", str(foreign), cache=tmp_path / "c")
+    assert refused.returncode == 2 and "compiled for another stack: torch 0.0.1" in refused.stderr
+
+
+def test_the_watch_says_nothing_for_what_does_not_compile(tmp_path: Path) -> None:
+    watch = compile_cache.CompileWatch(tmp_path, {("DiT", "nabla")})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with watch("DiT", (1, 2), "dense"):
+            pass
+        with watch("KVAE decoder", (1, 2), "chunk 1"):
+            pass
+    assert caught == []
+    assert compile_cache.known_shapes(tmp_path) == []
