@@ -198,9 +198,7 @@ def export_cache(destination: Path, root: Path | None = None) -> CacheManifest:
     root = root or compile_cache_dir()
     files = sorted((root / "artifacts").glob("*.bin")) if (root / "artifacts").is_dir() else []
     if not files:
-        raise FileNotFoundError(
-            f"{root} holds no compiled kernels to export: run a clip on this machine's GPU first"
-        )
+        raise FileNotFoundError(f"{root} holds no compiled kernels to export: run a clip on this machine's GPU first")
     stack = _stack()
     manifest = CacheManifest(
         torch=str(stack["torch"]),

@@ -29,8 +29,9 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     with watch("DiT", (8,), "dense"):
         f(torch.ones(8))
-print(json.dumps({"hits": counters["inductor"]["fxgraph_cache_hit"], "misses": counters["inductor"]["fxgraph_cache_miss"],
-                  "notices": [str(w.message) for w in caught if w.category is compile_cache.CompileNotice]}))
+inductor = counters["inductor"]
+notices = [str(w.message) for w in caught if w.category is compile_cache.CompileNotice]
+print(json.dumps({"hits": inductor["fxgraph_cache_hit"], "misses": inductor["fxgraph_cache_miss"], "notices": notices}))
 """
 
 
