@@ -111,7 +111,6 @@ def main() -> int:
     bundle = args.work / "bundle"
     if not (bundle / "model_index.json").is_file():
         run_bench.write_full_bundle(bundle, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    run_bench._add_tile_sizes(bundle)
     clip = args.work / f"w4-{args.seconds}s.mp4"
     if not clip.is_file():
         make_sample_clip(clip.with_suffix(".part.mp4"), width=WIDTH, height=HEIGHT, num_frames=args.seconds * FPS)

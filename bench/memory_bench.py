@@ -139,8 +139,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     record["budget"] = {**budget.model_dump(mode="json", exclude={"footprint"}), "summary": budget.summary()}
     started = time.perf_counter()
     bundle = load_bundle(str(bench.bundle_path), device=device)
-    if not args.eager:
-        compile_bundle(bundle)
+    compile_bundle(bundle, compiled=not args.eager)
     apply_budget(bundle, budget)
     record["load_s"] = round(time.perf_counter() - started, 2)
     record["warm_s"] = round(run_bench.warm_shapes(bench, bundle, "W1", "dense"), 2)
@@ -279,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         torch.manual_seed(0)
         if torch.cuda.is_available() and not args.tiny:
-            from k6vsr_core.fast import enable_compile_cache
+            from k6vsr_core.compile_cache import enable_compile_cache
 
             enable_compile_cache()
         try:

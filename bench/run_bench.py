@@ -387,24 +387,11 @@ def write_full_bundle(path: Path, device: torch.device, seed: int = 0) -> dict[s
     (tmp / "scheduler" / "scheduler_config.json").write_text(json.dumps(configs["scheduler"], indent=2))
     (tmp / MODEL_INDEX).write_text(json.dumps(configs["index"], indent=2))
     tmp.rename(path)
-    _add_tile_sizes(path)
     return {"parameters": counts, "bytes": sum(f.stat().st_size for f in path.rglob("*") if f.is_file())}
-
-
-def _add_tile_sizes(path: Path) -> None:
-    """Work around k6vsr_core/bundle.py `inspect_bundle`: without `tile_sizes` in the DiT config (the released file
-    has none) it reads `Kandinsky6SRTransformer3DModel.__init__.__defaults__`, which is None under diffusers'
-    `register_to_config` wrapper. Writing the class default (= the release's tiles) explicitly avoids that path."""
-    config_path = path / "transformer" / "config.json"
-    config = json.loads(config_path.read_text())
-    if "tile_sizes" not in config:
-        config["tile_sizes"] = [[512, 512], [512, 768], [768, 512]]
-        config_path.write_text(json.dumps(config, indent=2))
 
 
 def ensure_bundle(bench: Bench) -> None:
     if (bench.bundle_path / "model_index.json").exists():
-        _add_tile_sizes(bench.bundle_path)
         return
     started = time.perf_counter()
     if bench.tiny:
@@ -1301,7 +1288,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     torch.manual_seed(0)
     if bench.device.type == "cuda":
-        from k6vsr_core.fast import enable_compile_cache
+        from k6vsr_core.compile_cache import enable_compile_cache
 
         enable_compile_cache()
     print(json.dumps(bench.results["env"]), flush=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -63,11 +64,24 @@ class CompletionRecord(BaseModel):
     attempt: str = ""  # the run attempt that wrote it (a flow-run id): what this attempt computed, not reused
 
 
+def _cuda_peak_gib() -> float | None:
+    """The process's peak reserved CUDA memory so far, where torch is loaded and CUDA in use; None elsewhere.
+
+    Read through `sys.modules` so that the store never imports torch itself."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return round(torch.cuda.max_memory_reserved() / 2**30, 2)
+
+
 class RecordBook:
-    """The records of one run: `done/<stage>/<item>.json`."""
+    """The records of one run: `done/<stage>/<item>.json`, and `timeline.jsonl` beside `done/`: one line per computed
+    item (stage, item, wall-clock start and end, process, peak CUDA memory), appended as its record is written, so
+    that when each task ran and what it held can be read back after the run (the device check does)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.timeline = root.parent / "timeline.jsonl"
 
     def path(self, stage: str, item: str) -> Path:
         return self.root / stage / f"{item}.json"
@@ -77,6 +91,12 @@ class RecordBook:
             stage=stage, item=item, checksum=checksum, seconds=seconds, written_at=time.time(), attempt=attempt
         )
         atomic_write_json(self.path(stage, item), record.model_dump())
+        if seconds > 0:
+            line = {"stage": stage, "item": item, "start": record.written_at - seconds, "end": record.written_at}
+            line.update(pid=os.getpid(), cuda_peak_gib=_cuda_peak_gib(), attempt=attempt)
+            # One write of one short line in append mode: lines from concurrent tasks never interleave.
+            with open(self.timeline, "a", encoding="utf-8") as log:
+                log.write(json.dumps(line) + "\n")
         return record
 
     def read(self, stage: str, item: str) -> CompletionRecord | None:

@@ -1,0 +1,334 @@
+"""The device check: the README's GPU command, as the README writes it, on a GPU machine, measured.
+
+One call of at most 9 minutes on a fresh GPU machine (see bench/README.md, "Device check"):
+
+1. writes the full-size random-weight bundle in the released layout and the W1 and W2 clips (once per machine);
+2. optionally imports a compile cache (`k6vsr cache import`), or wipes the machine's compile cache and imports the
+   file the same call exported (`--reimport`: a fresh machine's first run with an imported cache);
+3. runs the README's GPU command, taken from README.md, with `K6VSR_MODEL` pointing at the bundle: on W1 (cold or
+   imported cache), W2, then again with warm workers (`k6vsr workers start --model ...`, first and second run,
+   `k6vsr workers stop`), each run with a store of its own so that nothing is reused;
+4. prints and writes (`--out`) a table: wall time, the stage timeline (first start and last end of each stage, from
+   the run's `timeline.jsonl`), peak GPU memory (the processes' own `max_memory_reserved` and NVML's device-wide
+   figure, sampled every 0.1 s), the output's md5, the compile notices, and pass or fail against the open GPU
+   issues' targets.
+
+Runs that would not finish before `--deadline` are skipped and listed. Later GPU issues add their runs here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WORKLOADS = {"W1": (768, 512, 121), "W2": (384, 256, 33)}
+# `--tiny`: the same runs on the CPU with the tiny random bundle and small clips (a smoke test of this script).
+TINY_WORKLOADS = {"W1": (96, 64, 9), "W2": (64, 64, 9)}
+# Rough seconds each run takes on an H200 (cold compile for the first), to skip what cannot finish in time.
+COST = {"oneshot-cold": 260, "oneshot": 130, "W2": 60, "workers-start": 90, "workers-run": 180, "workers-stop": 30}
+# Targets of the open GPU issues this check measures (ratios against runs of the same call).
+TARGETS = {
+    "peak_reserved_gib": 32.0,  # GPU memory budget at defaults, W1 (memory issue)
+    "workers_vs_oneshot_warm": 1.05,  # warm workers at most 1.05x the in-memory runner (streaming issue)
+}
+
+
+def readme_gpu_command() -> list[str]:
+    """The command in the README's block after "With the released weights", split as a shell would."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"With the released weights.*?```bash\n(.+?)\n```", text, re.S)
+    if match is None:
+        raise SystemExit("README.md has no GPU command after 'With the released weights'")
+    return shlex.split(match.group(1).strip())
+
+
+def as_run(command: list[str], clip: Path, out_dir: Path) -> list[str]:
+    """The README's command with its program run from this checkout and its clip and output folder substituted."""
+    args = []
+    for word in command[1:]:
+        args.append(str(clip) if word == "clip.mp4" else str(out_dir) + "/" if word == "out/" else word)
+    return [sys.executable, "-m", "entrypoints.cli", *args]
+
+
+class NvmlPeak:
+    """Device-wide used memory, sampled every 0.1 s while a run lasts (NVML sees every process on the GPU)."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml = pynvml
+        except Exception:  # noqa: BLE001 - no NVML: the column stays empty
+            self._nvml = None
+
+    def __enter__(self) -> NvmlPeak:
+        self.peak = 0
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while self._nvml is not None and not self._stop.wait(0.1):
+            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
+            self.peak = max(self.peak, used)
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def gib(self) -> float | None:
+        return round(self.peak / 2**30, 2) if self._nvml is not None else None
+
+
+def md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def timeline(store: Path, started: float) -> tuple[dict[str, list[float]], float | None]:
+    """Per stage: [first start, last end, tasks] in seconds from the command's start; the largest process peak."""
+    stages: dict[str, list[float]] = {}
+    peak = None
+    for path in store.glob("runs/*/timeline.jsonl"):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            span = stages.setdefault(row["stage"], [row["start"] - started, row["end"] - started, 0])
+            span[0] = min(span[0], row["start"] - started)
+            span[1] = max(span[1], row["end"] - started)
+            span[2] += 1
+            if row.get("cuda_peak_gib") is not None:
+                peak = max(peak or 0.0, row["cuda_peak_gib"])
+    return {k: [round(v[0], 1), round(v[1], 1), int(v[2])] for k, v in stages.items()}, peak
+
+
+class Check:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = Path(args.work)
+        self.out = Path(args.out)
+        self.deadline = time.monotonic() + args.deadline
+        self.rows: list[dict[str, Any]] = []
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "K6VSR_MODEL": str(self.work / "bundle"),
+            "K6VSR_HOME": str(self.work / "home"),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        }
+
+    def fits(self, key: str) -> bool:
+        return time.monotonic() + COST[key] < self.deadline
+
+    def log(self, text: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+    def command(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+        """Run one command; its wall time, exit code and the tail of its output."""
+        self.log(f"{label}: {shlex.join(argv[2:] if argv[0] == sys.executable else argv)}")
+        started = time.time()
+        done = subprocess.run(
+            argv, env=env or self.env, cwd=self.work, capture_output=True, text=True, timeout=max(30, self.left())
+        )
+        wall = time.time() - started
+        (self.out / f"{label}.log").write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+        self.log(f"{label}: exit {done.returncode} in {wall:.1f} s")
+        return {"label": label, "wall_s": round(wall, 1), "rc": done.returncode, "stderr": done.stderr}
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def upscale(self, label: str, workload: str, note: str) -> dict[str, Any]:
+        """The README's GPU command on `workload`, with a store of its own; the row for the table."""
+        store = self.work / f"store-{label}"
+        out_dir = self.work / f"out-{label}"
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        env = {**self.env, "K6VSR_STORE": str(store)}
+        argv = as_run(readme_gpu_command(), self.clip(workload), out_dir)
+        started = time.time()
+        with NvmlPeak() as nvml:
+            result = self.command(label, argv, env)
+        stages, process_peak = timeline(store, started)
+        outputs = sorted(out_dir.glob("*.mp4"))
+        row = {
+            "run": label,
+            "workload": workload,
+            "note": note,
+            "wall_s": result["wall_s"],
+            "rc": result["rc"],
+            "stages": stages,
+            "peak_reserved_gib": process_peak,
+            "nvml_peak_gib": nvml.gib,
+            "md5": md5(outputs[-1]) if outputs else None,
+            "compile_notices": result["stderr"].count("compiling GPU kernels"),
+            "error": None if result["rc"] == 0 else result["stderr"].strip().splitlines()[-1:],
+        }
+        self.rows.append(row)
+        self.save()
+        return row
+
+    def clip(self, workload: str) -> Path:
+        width, height, frames = (TINY_WORKLOADS if self.args.tiny else WORKLOADS)[workload]
+        path = self.work / f"clip-{workload}.mp4"
+        if not path.exists():
+            from k6vsr_core.sample import make_sample_clip
+
+            make_sample_clip(path.with_suffix(".part.mp4"), width=width, height=height, num_frames=frames, fps=24)
+            path.with_suffix(".part.mp4").rename(path)
+        return path
+
+    def bundle(self) -> None:
+        if (self.work / "bundle" / "model_index.json").exists():
+            return
+        if self.args.tiny:
+            from k6vsr_core.bundle import make_tiny_bundle
+
+            make_tiny_bundle(self.work / "bundle")
+            return
+        import torch
+
+        from bench.run_bench import write_full_bundle
+
+        started = time.time()
+        info = write_full_bundle(self.work / "bundle", torch.device("cuda"))
+        self.rows.append({"run": "write bundle", "wall_s": round(time.time() - started, 1), "note": str(info)})
+        torch.cuda.empty_cache()
+
+    def cli(self, label: str, *args: str) -> dict[str, Any]:
+        result = self.command(label, [sys.executable, "-m", "entrypoints.cli", *args])
+        self.rows.append({"run": label, "wall_s": result["wall_s"], "rc": result["rc"], "note": " ".join(args)})
+        self.save()
+        return result
+
+    def save(self) -> None:
+        (self.out / "device-check.json").write_text(
+            json.dumps({"rows": self.rows, "verdicts": self.verdicts()}, indent=2)
+        )
+        (self.out / "device-check.md").write_text(self.render())
+
+    def verdicts(self) -> list[dict[str, Any]]:
+        runs = {row["run"]: row for row in self.rows if "workload" in row}
+        verdicts = []
+        for row in runs.values():
+            verdicts.append({"target": f"{row['run']} completes", "measured": row["rc"], "pass": row["rc"] == 0})
+            if row["workload"] == "W1" and row.get("peak_reserved_gib") is not None:
+                goal = TARGETS["peak_reserved_gib"]
+                verdicts.append(
+                    {
+                        "target": f"{row['run']}: peak reserved <= {goal} GiB",
+                        "measured": row["peak_reserved_gib"],
+                        "pass": row["peak_reserved_gib"] <= goal,
+                    }
+                )
+        w1 = [row for row in runs.values() if row["workload"] == "W1" and row["md5"]]
+        if len(w1) > 1:
+            same = len({row["md5"] for row in w1}) == 1
+            verdicts.append(
+                {"target": "W1: one md5 for every process", "measured": len({r["md5"] for r in w1}), "pass": same}
+            )
+        warm, second = runs.get("oneshot-W1-warm"), runs.get("workers-W1-2")
+        if warm and second and warm["rc"] == 0 and second["rc"] == 0:
+            ratio = round(second["wall_s"] / warm["wall_s"], 3)
+            goal = TARGETS["workers_vs_oneshot_warm"]
+            verdicts.append(
+                {"target": f"warm workers W1 <= {goal}x warm one-shot", "measured": ratio, "pass": ratio <= goal}
+            )
+        return verdicts
+
+    def render(self) -> str:
+        lines = [
+            "| run | workload | wall s | rc | stages: first start-last end s (tasks) | peak reserved GiB "
+            "| NVML peak GiB | md5 | compile notices | note |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in self.rows:
+            stages = "; ".join(f"{k} {v[0]}-{v[1]} ({v[2]})" for k, v in row.get("stages", {}).items())
+            lines.append(
+                f"| {row['run']} | {row.get('workload', '')} | {row['wall_s']} | {row.get('rc', '')} | {stages} "
+                f"| {row.get('peak_reserved_gib', '')} | {row.get('nvml_peak_gib', '')} | {row.get('md5', '') or ''} "
+                f"| {row.get('compile_notices', '')} | {row.get('note', '')} {row.get('error') or ''} |"
+            )
+        lines += ["", "| target | measured | verdict |", "|---|---|---|"]
+        lines += [f"| {v['target']} | {v['measured']} | {'pass' if v['pass'] else 'FAIL'} |" for v in self.verdicts()]
+        return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="/tmp/k6vsr-check", help="bundle, clips, stores (kept between calls)")
+    parser.add_argument("--out", default=os.environ.get("OUT", "device-check-out"))
+    parser.add_argument("--deadline", type=float, default=540, help="seconds this call may take")
+    parser.add_argument(
+        "--runs",
+        default="oneshot,W2,workers",
+        help="comma-separated: oneshot (W1, cold or imported cache), reimport (export, wipe, import, W1 again), "
+        "W2, workers (start, W1 twice, stop), warm (W1 one-shot with the warm cache)",
+    )
+    parser.add_argument("--cache-import", default=None, help="a `k6vsr cache export` file to import first")
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny bundle, small clips")
+    args = parser.parse_args(argv)
+    check = Check(args)
+    check.out.mkdir(parents=True, exist_ok=True)
+    check.work.mkdir(parents=True, exist_ok=True)
+    runs = args.runs.split(",")
+    check.log(f"README GPU command: {shlex.join(readme_gpu_command())}")
+    check.bundle()
+    check.clip("W1"), check.clip("W2")
+    if args.cache_import:
+        check.cli("cache-import", "cache", "import", str(Path(args.cache_import).absolute()))
+    if "oneshot" in runs:
+        note = "imported cache" if args.cache_import else "cold compile cache"
+        check.upscale("oneshot-W1", "W1", note)
+    if "reimport" in runs and check.fits("oneshot"):
+        exported = check.out / "compile-cache.zip"
+        check.cli("cache-export", "cache", "export", str(exported))
+        from k6vsr_core.compile_cache import compile_cache_dir
+
+        shutil.rmtree(compile_cache_dir(), ignore_errors=True)
+        for stray in Path("/tmp").glob("torchinductor_*"):
+            shutil.rmtree(stray, ignore_errors=True)
+        check.cli("cache-import", "cache", "import", str(exported))
+        check.upscale("oneshot-W1-imported", "W1", "compile cache wiped, then the exported file imported")
+    if "W2" in runs and check.fits("W2"):
+        check.upscale("oneshot-W2", "W2", "")
+    if "warm" in runs and check.fits("oneshot"):
+        check.upscale("oneshot-W1-warm", "W1", "warm compile cache")
+    if "workers" in runs and check.fits("workers-start"):
+        check.cli("workers-start", "workers", "start", "--model", str(check.work / "bundle"))
+        for n in (1, 2):
+            if check.fits("workers-run"):
+                check.upscale(f"workers-W1-{n}", "W1", "warm workers")
+        check.cli("workers-stop", "workers", "stop")
+    skipped = [r for r in runs if not any(row["run"].startswith(r) or r in row["run"] for row in check.rows)]
+    if skipped:
+        check.log(f"not run (deadline or not asked): {skipped}")
+    check.save()
+    print(check.render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
