@@ -212,7 +212,7 @@ def export_cache(destination: Path, root: Path | None = None) -> CacheManifest:
     )
     destination.parent.mkdir(parents=True, exist_ok=True)
     temp = destination.with_name(f".{destination.name}.{os.getpid()}.tmp")
-    with zipfile.ZipFile(temp, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+    with zipfile.ZipFile(temp, "w", compression=zipfile.ZIP_LZMA) as archive:
         archive.writestr(ARCHIVE_MANIFEST, manifest.model_dump_json(indent=2))
         for path in files:
             archive.write(path, f"artifacts/{path.name}")
