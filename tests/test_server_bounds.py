@@ -1,0 +1,258 @@
+"""What a job costs the server, bounded: a job that cannot run is refused at submit, records and flow-run parameters
+stay small, listing reads only what it lists, slow uploads are cut off and cannot starve another key, and finished
+jobs keep a bounded disk.
+
+The app runs in this process without its job runner (jobs are queued, never run): everything here is decided
+before a job runs. The tests that need several connections at once serve it with uvicorn on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import av
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from http_harness import error_of, free_port
+
+from entrypoints.http_api import Limits, ServerConfig, create_app, error_response, key_owner
+from entrypoints.jobs import MAX_MESSAGE_CHARS, JobRunner, JobStore, _error_of, job_message
+from k6vsr_core.errors import MediaError
+from k6vsr_core.sample import make_sample_clip
+from service.runs import ModelSpec
+
+KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
+LIMITS = Limits(
+    max_upload_bytes=1 << 20,
+    max_fields=8,
+    max_fields_bytes=8 << 10,
+    max_queued=4,
+    input_quota_bytes=8 << 20,
+    max_output_pixels=2048 * 10**6,  # the default of --max-output-mpx
+    retention_s=3600.0,
+)
+
+
+def huge_declared_clip(path: Path, width: int = 6400, height: int = 6248, frames: int = 9) -> Path:
+    """A ~120 KB MP4 of `frames` black frames of `width` x `height`."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"preset": "ultrafast"}
+        frame = av.VideoFrame(width, height, "yuv420p")
+        for plane in frame.planes:
+            plane.update(bytes(plane.buffer_size))
+        for _ in range(frames):
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def app_for(store: Path, bundle: Path, limits: Limits = LIMITS, keys: tuple[str, ...] = (KEY_A, KEY_B)):
+    config = ServerConfig(store_root=store, limits=limits, api_keys=keys)
+    return create_app(config, ModelSpec(model=str(bundle), device="cpu"))
+
+
+def upload(client: TestClient, clip: Path, key: str, **fields: str):
+    files = {"video_reference": ("x.mp4", clip.read_bytes(), "video/mp4")}
+    return client.post("/v1/videos", files=files, data=fields, headers={"Authorization": f"Bearer {key}"})
+
+
+# ------------------------------------------------------------------------------------------- refused at submit
+
+
+def test_small_upload_declared_huge_is_refused_at_submit(tmp_path: Path, tiny_bundle_path: Path) -> None:
+    """The probe: 9 frames declared 6400x6248 (about 120 KB, under the output-pixel cap) plan tens of thousands of
+    tiles; the job could never run, so it is refused at once, and leaves nothing behind."""
+    clip = huge_declared_clip(tmp_path / "huge.mp4")
+    assert clip.stat().st_size < LIMITS.max_upload_bytes
+    store = tmp_path / "store"
+    client = TestClient(app_for(store, tiny_bundle_path))
+    error = error_of(upload(client, clip, KEY_A), 400, [str(tmp_path)])
+    assert error["code"] == "too_many_tiles" and error["type"] == "invalid_request_error", error
+    assert "--max-tiles" in error["message"] and len(error["message"]) <= MAX_MESSAGE_CHARS
+    assert not list((store / "jobs").iterdir())
+
+    # The window cap: 300 frames are 3 windows, refused under --max-windows 2.
+    long_clip = make_sample_clip(tmp_path / "long.mp4", width=64, height=64, num_frames=300, audio=False)
+    few_windows = TestClient(app_for(store, tiny_bundle_path, replace(LIMITS, max_windows=2)))
+    error = error_of(upload(few_windows, long_clip, KEY_A, sr_resolution_scale="2"), 400)
+    assert error["code"] == "too_many_windows" and "--max-windows" in error["message"], error
+
+
+def test_record_and_flow_parameters_hold_no_plan(tmp_path: Path, tiny_bundle_path: Path) -> None:
+    """A job of hundreds of tiles: its record and what its flow run is handed are a few hundred bytes each (a run
+    key and the request), not its plan, which grows with the tiles."""
+    clip = make_sample_clip(tmp_path / "big.mp4", width=512, height=512, num_frames=9, audio=False)
+    store = tmp_path / "store"
+    client = TestClient(app_for(store, tiny_bundle_path))
+    response = upload(client, clip, KEY_A, sr_resolution_scale="4")
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["tiles"]["total"] > 100, job["tiles"]
+    record = store / "jobs" / f"{job['id']}.json"
+    assert record.stat().st_size < 2048, record.stat().st_size
+    stored = json.loads(record.read_text())
+    assert "prepared" not in stored and stored["run_key"] == job["run_key"]
+    message = job_message(JobStore(store, 1 << 20), stored)
+    assert set(message) == {"id", "source", "output", "params", "store_root", "latent_fps"}
+    assert len(json.dumps(message)) < 2048
+
+
+def test_error_messages_are_short_and_typed() -> None:
+    huge = "x " * 1_100_000  # a library's message of megabytes
+    internal = _error_of(RuntimeError(huge))
+    assert internal["type"] == "server_error" and len(internal["message"]) <= MAX_MESSAGE_CHARS
+    user = _error_of(MediaError("the clip", "no video stream"))
+    assert user == {"message": user["message"], "type": "invalid_request_error", "code": "invalid_video"}
+    body = json.loads(error_response(400, huge).body)
+    assert len(body["error"]["message"]) <= MAX_MESSAGE_CHARS
+
+
+# -------------------------------------------------------------------------------------------------- listing
+
+
+def test_submit_and_cancel_rounds_keep_records_small_and_listing_flat(
+    tmp_path: Path, tiny_bundle_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """30 rounds of submit-and-cancel by key B: every record stays small, and key A's list reads none of them (a
+    list costs the jobs it lists), so its time does not grow with B's records."""
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=256, height=256, num_frames=9, audio=False)
+    store = tmp_path / "store"
+    client = TestClient(app_for(store, tiny_bundle_path))
+    a, b = {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}
+    mine = upload(client, clip, KEY_A, seed="1").json()["id"]
+    reads: list[str] = []
+    get = JobStore.get
+    monkeypatch.setattr(JobStore, "get", lambda self, job_id: reads.append(job_id) or get(self, job_id))
+    latencies = []
+    for round_ in range(30):
+        posted = upload(client, clip, KEY_B, seed=str(100 + round_))
+        assert posted.status_code == 200, posted.text
+        assert client.delete(f"/v1/videos/{posted.json()['id']}", headers=b).json()["status"] == "cancelled"
+        reads.clear()
+        started = time.perf_counter()
+        listed = client.get("/v1/videos", headers=a).json()["data"]
+        latencies.append(time.perf_counter() - started)
+        assert [job["id"] for job in listed] == [mine] and reads == [mine]
+    sizes = [path.stat().st_size for path in (store / "jobs").glob("video_*.json")]
+    assert len(sizes) == 31 and max(sizes) < 2048, sizes
+    assert len(client.get("/v1/videos", headers=b).json()["data"]) == 30
+    assert max(latencies[-5:]) < 10 * min(latencies[:5]) + 0.25, latencies
+
+
+# ---------------------------------------------------------------------------------------- slow uploads, fairness
+
+
+@pytest.fixture
+def served(tmp_path: Path, tiny_bundle_path: Path) -> Iterator[int]:
+    """The app on a loopback port (uvicorn in a thread), with a 2 s body deadline and one upload a key at once."""
+    limits = replace(LIMITS, upload_timeout_s=2.0, uploads_per_key=1)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app_for(tmp_path / "store", tiny_bundle_path, limits),
+            host="127.0.0.1",
+            port=port,
+            lifespan="off",
+            log_level="warning",
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield port
+    server.should_exit = True
+    thread.join(timeout=15)
+
+
+def stalled_upload(port: int, key: str) -> socket.socket:
+    """A chunked multipart upload that sends its head and a first chunk of the clip, then nothing."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    head = (
+        "POST /v1/videos HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Type: multipart/form-data; boundary=b0undary\r\n\r\n"
+    )
+    part = b'--b0undary\r\nContent-Disposition: form-data; name="video_reference"; filename="x"\r\n\r\n' + b"\0" * 1000
+    sock.sendall(head.encode() + b"%x\r\n" % len(part) + part + b"\r\n")
+    return sock
+
+
+def answer_of(sock: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+def test_stalled_uploads_of_one_key_neither_starve_another_nor_last(served: int, tmp_path: Path) -> None:
+    """The probe: one key opens as many never-finishing uploads as there are admission slots. Past its share it
+    gets 429 at once; the other key's upload is taken; the stalled one is cut off with 408 at its deadline."""
+    import httpx
+
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
+    started = time.monotonic()
+    stalled = [stalled_upload(served, KEY_A) for _ in range(LIMITS.max_queued)]
+    try:
+        time.sleep(0.3)  # the first is admitted and reading
+        refused = [answer_of(sock) for sock in stalled[1:]]
+        assert all(status == 429 and body["error"]["code"] == "too_many_uploads" for status, body in refused), refused
+
+        with httpx.Client(base_url=f"http://127.0.0.1:{served}", timeout=15) as client:
+            files = {"video_reference": ("x.mp4", clip.read_bytes(), "video/mp4")}
+            other = client.post("/v1/videos", files=files, headers={"Authorization": f"Bearer {KEY_B}"})
+            assert other.status_code == 200, other.text
+
+            status, body = answer_of(stalled[0])
+            assert status == 408 and body["error"]["code"] == "request_timeout", body
+            assert time.monotonic() - started < 2.0 + 10
+            again = client.post("/v1/videos", files=files, headers={"Authorization": f"Bearer {KEY_A}"})
+            assert again.status_code == 200, again.text  # its slot and quota were given back
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+# -------------------------------------------------------------------------------------------- finished jobs
+
+
+def test_finished_jobs_keep_a_bounded_disk_oldest_deleted_first(tmp_path: Path) -> None:
+    store = JobStore(tmp_path, 1 << 20)
+    runner = JobRunner(
+        store, ModelSpec(model="unused"), workers=1, max_queued=4, retention_s=3600.0, finished_quota_bytes=250
+    )
+    now = int(time.time())
+    for index, (status, size) in enumerate([("completed", 100), ("failed", 0), ("completed", 100), ("completed", 100)]):
+        job_id = f"video_{'abcdefghijklmnop'}{index}"
+        store.put(
+            {
+                "id": job_id,
+                "owner": key_owner(KEY_A),
+                "status": status,
+                "run_key": f"run{index}",
+                "created_ns": index,
+                "completed_at": now - 100 + index,
+                "disk_bytes": size,
+            }
+        )
+    assert runner.expire() == ["video_abcdefghijklmnop0"]  # 300 bytes kept: the oldest completed goes
+    assert [entry.id[-1] for entry in store.entries()] == ["1", "2", "3"]
+    runner.finished_quota_bytes = 10
+    assert runner.expire() == ["video_abcdefghijklmnop2"]  # the newest stays whatever its size
+    assert JobStore(tmp_path, 1 << 20).entries() == store.entries()  # the index is the records'
