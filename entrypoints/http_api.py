@@ -98,6 +98,8 @@ RATE_FIELD = "fps"
 FILE_FIELDS = (FILE_FIELD, LATENT_FIELD)
 MAX_PART_HEADER_BYTES = 16 << 10
 RETRY_AFTER_S = 30
+# The folder of the store that holds the service's own Prefect server (`flows.prefect_server`).
+PREFECT_HOME = "prefect-server"
 # At most this many of a request's field problems are spelled out in one message.
 PROBLEMS_SHOWN = 3
 
@@ -1056,8 +1058,9 @@ def serve(args: Any, spec: ModelSpec, store_root: Path) -> None:
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process would die on the
     # spot, skipping the exit handlers that stop the job processes. Exit through Python instead.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    # Job processes report to one Prefect API: the configured one, else the local server (started if absent).
-    with prefect_api():
+    # Job processes report to one Prefect API: the configured one, else a server of this service's own, in the store,
+    # on loopback behind an auth string that no HTTP client sees: the jobs' flow runs are no client's to read.
+    with prefect_api(Path(store_root) / PREFECT_HOME, secured=True):
         uvicorn.run(
             create_app(config, spec),
             host=args.host,

@@ -256,3 +256,43 @@ def test_finished_jobs_keep_a_bounded_disk_oldest_deleted_first(tmp_path: Path) 
     runner.finished_quota_bytes = 10
     assert runner.expire() == ["video_abcdefghijklmnop2"]  # the newest stays whatever its size
     assert JobStore(tmp_path, 1 << 20).entries() == store.entries()  # the index is the records'
+
+
+# ---------------------------------------------------------------------------------------------- Prefect server
+
+
+def test_the_services_prefect_server_answers_only_with_its_auth_string(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve`'s own Prefect server: on loopback, on a port of its own, and every API call but the health check
+    needs the auth string kept owner-only in its folder, which its job processes inherit."""
+    import base64
+    import os
+    from urllib.parse import urlparse
+
+    import httpx
+
+    from flows import prefect_server
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    home = tmp_path / "prefect-server"
+    try:
+        with prefect_server.prefect_api(home, secured=True) as url:
+            auth = prefect_server.server_auth(home)
+            assert auth and (home / "auth").stat().st_mode & 0o777 == 0o600
+            assert urlparse(url).hostname == "127.0.0.1" and urlparse(url).port != prefect_server.DEFAULT_PORT
+            assert os.environ["PREFECT_API_AUTH_STRING"] == auth and os.environ["PREFECT_API_URL"] == url
+            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+            for headers in ({}, {"Authorization": "Basic " + base64.b64encode(b"guess").decode()}):
+                assert httpx.post(f"{url}/flow_runs/filter", json={}, headers=headers, timeout=10).status_code == 401
+            token = base64.b64encode(auth.encode()).decode()
+            answer = httpx.post(f"{url}/flow_runs/filter", json={}, headers={"Authorization": f"Basic {token}"})
+            assert answer.status_code == 200, answer.text
+
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:  # the settings a job process inherits
+                assert client.read_flow_runs() == []
+        assert "PREFECT_API_AUTH_STRING" not in os.environ
+    finally:
+        prefect_server.stop_server(home)
