@@ -118,6 +118,23 @@ def test_error_messages_are_short_and_typed() -> None:
     assert len(body["error"]["message"]) <= MAX_MESSAGE_CHARS
 
 
+def test_a_permanent_media_error_is_not_retried() -> None:
+    """A stage task retries what may pass (an I/O error), never the decoder's verdict on the same bytes."""
+    from tasks.stage_tasks import _retry_transient
+
+    class Failed:
+        def __init__(self, err: BaseException) -> None:
+            self.err = err
+
+        def result(self) -> None:
+            raise self.err
+
+    for permanent in (av.error.EOFError(541478725, "End of file"), MediaError("clip", "decoding failed")):
+        assert not _retry_transient(None, None, Failed(permanent)), permanent
+    for transient in (OSError(5, "Input/output error"), RuntimeError("CUDA error: an illegal memory access")):
+        assert _retry_transient(None, None, Failed(transient)), transient
+
+
 # -------------------------------------------------------------------------------------------------- listing
 
 
