@@ -336,7 +336,10 @@ class WorkerSlot:
             if job is None or job["status"] != QUEUED:
                 return  # cancelled or deleted while it waited
             self.current = job_id
-            store.update(job_id, status=IN_PROGRESS, started_at=int(time.time()))
+            found = job.get("tiles_found")
+            if found is None:  # a job resumed after a restart keeps the count of its first start
+                found = _tiles_decoded(store.store_root, job["run_key"])
+            store.update(job_id, status=IN_PROGRESS, started_at=int(time.time()), tiles_found=found)
         if not self._alive():
             self._spawn()
         assert self.process is not None and self.process.stdin is not None and self.process.stdout is not None
@@ -399,11 +402,7 @@ class WorkerSlot:
                     "has_audio": reply.get("has_audio"),
                     "bytes": output.stat().st_size if output.is_file() else None,
                 },
-                tiles={
-                    "total": summary["tiles_total"],
-                    "computed": summary["tiles_computed"],
-                    "reused": summary["tiles_reused"],
-                },
+                tiles=tile_counts(summary, (store.get(job_id) or {}).get("tiles_found")),
                 disk_bytes=sum(_bytes_under(path) for path in kept),
             )
         else:  # failed, or the child could not start (fatal)
@@ -649,6 +648,24 @@ def job_message(store: JobStore, job: dict[str, Any]) -> dict[str, Any]:
         "store_root": str(store.store_root),
         "latent_fps": job.get("latent_fps"),
     }
+
+
+def tile_counts(summary: dict[str, Any], found: int | None) -> dict[str, int]:
+    """A finished job's tiles: those its run held when the job first started were reused, the others computed.
+
+    The flow's summary counts its own attempt only: after a restart it would call the tiles the killed attempt
+    computed "reused". `found` (None: unknown) corrects that; a tile another job computed meanwhile on the same run
+    counts as this job's."""
+    total, computed = summary["tiles_total"], summary["tiles_computed"]
+    if found is not None:
+        computed = min(total, max(computed, total - found))
+    return {"total": total, "computed": computed, "reused": total - computed}
+
+
+def _tiles_decoded(store_root: Path, run_key: str) -> int:
+    from storage import RunStore
+
+    return RunStore(store_root, run_key).tiles_decoded()
 
 
 def _bytes_under(path: Path) -> int:

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 from http_harness import error_of, free_port
 
 from entrypoints.http_api import Limits, ServerConfig, create_app, error_response, key_owner
-from entrypoints.jobs import MAX_MESSAGE_CHARS, JobRunner, JobStore, _error_of, job_message
+from entrypoints.jobs import MAX_MESSAGE_CHARS, JobRunner, JobStore, _error_of, job_message, tile_counts
 from k6vsr_core.errors import MediaError
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
@@ -133,6 +133,20 @@ def test_a_permanent_media_error_is_not_retried() -> None:
         assert not _retry_transient(None, None, Failed(permanent)), permanent
     for transient in (OSError(5, "Input/output error"), RuntimeError("CUDA error: an illegal memory access")):
         assert _retry_transient(None, None, Failed(transient)), transient
+
+
+def test_tile_counts_stay_honest_across_a_restart() -> None:
+    """49 tiles, none stored when the job first started; the killed attempt computed 39, the resumed one the other
+    10. The resumed attempt's own summary says 10 computed, 39 reused; the job says 49 computed."""
+    resumed = {"tiles_total": 49, "tiles_computed": 10}
+    assert tile_counts(resumed, found=0) == {"total": 49, "computed": 49, "reused": 0}
+    # A job that found 30 tiles of an earlier job's run, and was never restarted: the summary is right as it is.
+    assert tile_counts({"tiles_total": 49, "tiles_computed": 19}, found=30) == {
+        "total": 49,
+        "computed": 19,
+        "reused": 30,
+    }
+    assert tile_counts({"tiles_total": 49, "tiles_computed": 0}, found=49)["reused"] == 49
 
 
 # -------------------------------------------------------------------------------------------------- listing
