@@ -708,6 +708,17 @@ def job_view(job: dict[str, Any], caller: Caller, store_root: Path, retention_s:
 def check_work(plan: Any, limits: Limits) -> None:
     """The work a job asks for, bounded before it is queued: frames x width x height of the model's result, its
     windows, and its tile tasks (a small clip declared huge makes a plan of tens of thousands of tiles)."""
+    height, width = plan.sr_size
+    pixels = plan.num_frames * height * width
+    if pixels > limits.max_output_pixels:
+        raise ApiError(
+            400,
+            f"this job would make {plan.num_frames} frame(s) of {width}x{height} ({pixels / 1e6:.1f} "
+            f"megapixels); this server makes at most {limits.max_output_pixels / 1e6:g} megapixels a job "
+            "(--max-output-mpx): lower sr_resolution_scale, set max_frames or send a smaller clip",
+            param="sr_resolution_scale",
+            code="output_too_large",
+        )
     if plan.num_windows > limits.max_windows:
         raise ApiError(
             400,
@@ -722,20 +733,9 @@ def check_work(plan: Any, limits: Limits) -> None:
             400,
             f"this job would run {tiles} tiles ({plan.num_tiles} a window x {plan.num_windows} window(s)); this "
             f"server runs at most {limits.max_tiles} a job (--max-tiles): lower sr_resolution_scale, set "
-            "sr_target_resolution or max_frames, or send a smaller clip",
+            "max_frames or send a smaller clip",
             param="sr_resolution_scale",
             code="too_many_tiles",
-        )
-    height, width = plan.sr_size
-    pixels = plan.num_frames * height * width
-    if pixels > limits.max_output_pixels:
-        raise ApiError(
-            400,
-            f"this job would make {plan.num_frames} frame(s) of {width}x{height} ({pixels / 1e6:.1f} "
-            f"megapixels); this server makes at most {limits.max_output_pixels / 1e6:g} megapixels a job "
-            "(--max-output-mpx): lower sr_resolution_scale, set max_frames or send a smaller clip",
-            param="sr_resolution_scale",
-            code="output_too_large",
         )
 
 
