@@ -310,7 +310,7 @@ def ensure_server(home: Path | None = None, secured: bool = False) -> str:
     Flow runs whose process died without ending them are marked Crashed on the way.
     """
     url = configured_api_url() or start_server(home, secured)
-    mark_crashed_runs(url, auth=api_auth(home))
+    mark_crashed_runs(url, home)
     return url
 
 
@@ -468,9 +468,9 @@ def _dead_leases(folder: StateFolder, api_url: str) -> Iterator[tuple[Path, Leas
         yield path, lease
 
 
-def mark_crashed_runs(api_url: str, home: Path | None = None, auth: str | None = None) -> list[str]:
-    """Mark Crashed the runs on `api_url` (reached with the auth string `auth`, else the environment's) whose
-    process died holding their lease; never raises.
+def mark_crashed_runs(api_url: str, home: Path | None = None) -> list[str]:
+    """Mark Crashed the runs on `api_url` whose process died holding their lease; never raises. The local server of
+    `home` is reached with its auth string, if secured; another API with the environment's.
 
     Returns the ids of the runs marked. A run already in a final state (its process ended it, then died) is left.
     """
@@ -483,7 +483,8 @@ def mark_crashed_runs(api_url: str, home: Path | None = None, auth: str | None =
     if not dead:
         return []
     try:
-        return _mark(api_url, dead, auth)
+        local = _api_identity(api_url, folder).startswith("local:")
+        return _mark(api_url, dead, server_auth(home) if local else None)
     except Exception as err:  # noqa: BLE001 - marking is a courtesy to the UI: a command never fails over it
         log.warning("could not mark crashed flow runs on %s: %s", api_url, err)
         return []

@@ -299,9 +299,11 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
     needs the auth string kept owner-only in its folder, which its job processes inherit."""
     import base64
     import os
+    import subprocess
     from urllib.parse import urlparse
 
     import httpx
+    from prefect import flow
 
     from flows import prefect_server
 
@@ -324,6 +326,23 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
 
             with get_client(sync_client=True) as client:  # the settings a job process inherits
                 assert client.read_flow_runs() == []
+                run = client.create_flow_run(flow(name="k6vsr-test-noop")(lambda: None))
+
+        # Outside the block, as the next command: a run whose process died is still marked Crashed, with the
+        # auth string the server's folder holds.
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        lease = prefect_server.Lease(
+            flow_run_id=str(run.id),
+            pid=gone.pid,
+            host=socket.gethostname(),
+            api_url=url,
+            api=f"local:{home.resolve()}",
+            started_at="2026-01-01T00:00:00+00:00",
+        )
+        (home / "leases").mkdir(exist_ok=True)
+        (home / "leases" / f"{run.id}.json").write_text(lease.model_dump_json())
         assert "PREFECT_API_AUTH_STRING" not in os.environ
+        assert prefect_server.mark_crashed_runs(url, home) == [str(run.id)]
     finally:
         prefect_server.stop_server(home)
