@@ -668,6 +668,16 @@ def _tiles_decoded(store_root: Path, run_key: str) -> int:
     return RunStore(store_root, run_key).tiles_decoded()
 
 
+@contextmanager
+def results_beside(output: str) -> Iterator[None]:
+    """Prefect persists a failed flow run's exception, pickled, with the server's paths in it: into the job's own
+    folder (beside its `output`), deleted with the job, instead of PREFECT_HOME, where nothing ever deletes it."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: Path(output).parent / "prefect-results"}):
+        yield
+
+
 def _bytes_under(path: Path) -> int:
     """Bytes of the files under `path` (0 if it is gone)."""
     total = 0
@@ -752,14 +762,15 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            summary = upscale_clip.with_options(flow_run_name=job["id"], task_runner=make_task_runner())(
-                source=job["source"],
-                output=job["output"],
-                params=UpscaleParams(**job["params"]),
-                model=spec,
-                store_root=job["store_root"],
-                latent_fps=job["latent_fps"],  # a latent job's input is a latent
-            )
+            with results_beside(job["output"]):
+                summary = upscale_clip.with_options(flow_run_name=job["id"], task_runner=make_task_runner())(
+                    source=job["source"],
+                    output=job["output"],
+                    params=UpscaleParams(**job["params"]),
+                    model=spec,
+                    store_root=job["store_root"],
+                    latent_fps=job["latent_fps"],  # a latent job's input is a latent
+                )
             has_audio = RunStore(job["store_root"], summary.run_key).read_manifest().has_audio
             reply(event="done", id=job["id"], summary=summary.model_dump(mode="json"), has_audio=has_audio)
         except Exception as err:  # noqa: BLE001 - the job fails, the process serves the next one

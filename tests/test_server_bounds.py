@@ -23,7 +23,15 @@ from fastapi.testclient import TestClient
 from http_harness import error_of, free_port
 
 from entrypoints.http_api import Limits, ServerConfig, create_app, error_response, key_owner
-from entrypoints.jobs import MAX_MESSAGE_CHARS, JobRunner, JobStore, _error_of, job_message, tile_counts
+from entrypoints.jobs import (
+    MAX_MESSAGE_CHARS,
+    JobRunner,
+    JobStore,
+    _error_of,
+    job_message,
+    results_beside,
+    tile_counts,
+)
 from k6vsr_core.errors import MediaError
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
@@ -147,6 +155,25 @@ def test_tile_counts_stay_honest_across_a_restart() -> None:
         "reused": 30,
     }
     assert tile_counts({"tiles_total": 49, "tiles_computed": 0}, found=49)["reused"] == 49
+
+
+def test_a_failed_jobs_pickled_exception_stays_in_its_folder(prefect_server: str, tmp_path: Path) -> None:
+    """What Prefect persists of a failed flow run lands in the job's folder, which goes with the job."""
+    from prefect import flow
+    from prefect.settings import get_current_settings
+
+    default = Path(get_current_settings().results.local_storage_path)
+    before = set(default.iterdir()) if default.is_dir() else set()
+
+    @flow(name="k6vsr-test-failing")
+    def failing() -> None:
+        raise RuntimeError("/srv/k6vsr/store/jobs/video_x/input: no video stream")
+
+    job_dir = tmp_path / "jobs" / "video_abcdefghijklmnopq"
+    with results_beside(str(job_dir / "output.mp4")):
+        assert failing(return_state=True).is_failed()
+    assert [path.is_file() for path in (job_dir / "prefect-results").iterdir()] == [True]
+    assert (set(default.iterdir()) if default.is_dir() else set()) == before
 
 
 # -------------------------------------------------------------------------------------------------- listing
