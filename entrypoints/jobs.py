@@ -386,7 +386,7 @@ class WorkerSlot:
             summary = reply["summary"]
             width, height = summary["size"]
             output = store.output_path(job_id)
-            kept = (store.job_dir(job_id), store.store_root / "runs" / summary["run_key"])
+            written = output.stat().st_size if output.is_file() else None
             store.update(
                 job_id,
                 only_if=(IN_PROGRESS,),
@@ -400,10 +400,11 @@ class WorkerSlot:
                     "frames": summary["frames"],
                     "fps": summary["fps"],
                     "has_audio": reply.get("has_audio"),
-                    "bytes": output.stat().st_size if output.is_file() else None,
+                    "bytes": written,
                 },
                 tiles=tile_counts(summary, (store.get(job_id) or {}).get("tiles_found")),
-                disk_bytes=sum(_bytes_under(path) for path in kept),
+                # What the job keeps once its input is dropped: its output and its run.
+                disk_bytes=(written or 0) + _run_bytes(store.store_root, summary["run_key"]),
             )
         else:  # failed, or the child could not start (fatal)
             error = {**reply["error"], "message": short_message(self.runner.scrub(job_id, reply["error"]["message"]))}
@@ -678,16 +679,13 @@ def results_beside(output: str) -> Iterator[None]:
         yield
 
 
-def _bytes_under(path: Path) -> int:
-    """Bytes of the files under `path` (0 if it is gone)."""
-    total = 0
-    for folder, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(folder, name)).st_size
-            except OSError:
-                continue
-    return total
+def _run_bytes(store_root: Path, run_key: str) -> int:
+    """Bytes of a run's folder in the run store (0 if it is gone)."""
+    from storage import RunStore
+    from storage.run_store import run_size
+
+    path = RunStore(store_root, run_key).path
+    return run_size(path) if path.is_dir() else 0
 
 
 def _mark_crashed_runs() -> None:
