@@ -15,7 +15,9 @@ no orphan computing on its own.
 What jobs may hold is bounded: at most `max_queued` jobs wait; the inputs on disk (uploads, and the copies of path
 sources) are charged to a quota as they are written and freed as soon as a job no longer needs them (once it ran,
 or at once when it is cancelled); a cancelled or deleted job's run is reclaimed from the run store unless another
-job still refers to it; and finished jobs are deleted `retention_s` after they finished.
+job still refers to it; and finished jobs are deleted `retention_s` after they finished, or sooner, oldest first,
+while they keep more than their disk budget. A record holds the request and the run key, never the plan (the child's
+flow plans the job's own input again), so records, and what the child and its flow run are handed, stay small.
 """
 
 from __future__ import annotations
