@@ -75,6 +75,21 @@ def upload(client: TestClient, clip: Path, key: str, **fields: str):
     return client.post("/v1/videos", files=files, data=fields, headers={"Authorization": f"Bearer {key}"})
 
 
+def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
+    from entrypoints.cli import build_parser
+    from entrypoints.http_api import config_from
+
+    defaults = config_from(build_parser().parse_args(["serve"]), tmp_path, "m").limits
+    assert (defaults.max_tiles, defaults.max_windows, defaults.upload_timeout_s) == (2048, 512, 900)
+    assert (defaults.uploads_per_key, defaults.finished_quota_bytes) == (4, 51200 << 20)
+    flags = "--max-tiles 10 --max-windows 2 --upload-timeout-s 1.5 --max-uploads-per-key 1 --finished-quota-mb 3"
+    limits = config_from(build_parser().parse_args(["serve", *flags.split()]), tmp_path, "m").limits
+    assert (limits.max_tiles, limits.max_windows, limits.upload_timeout_s) == (10, 2, 1.5)
+    assert (limits.uploads_per_key, limits.finished_quota_bytes) == (1, 3 << 20)
+    with pytest.raises(ValueError, match="--max-tiles"):
+        config_from(build_parser().parse_args(["serve", "--max-tiles", "0"]), tmp_path, "m")
+
+
 # ------------------------------------------------------------------------------------------- refused at submit
 
 
