@@ -347,45 +347,50 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
 
     import httpx
     from prefect import flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows import prefect_server
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    home = tmp_path / "prefect-server"
-    try:
-        with prefect_server.prefect_api(home, secured=True) as url:
-            auth = prefect_server.server_auth(home)
-            assert auth and (home / "auth").stat().st_mode & 0o777 == 0o600
-            assert urlparse(url).hostname == "127.0.0.1" and urlparse(url).port != prefect_server.DEFAULT_PORT
-            assert os.environ["PREFECT_API_AUTH_STRING"] == auth and os.environ["PREFECT_API_URL"] == url
-            assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-            for headers in ({}, {"Authorization": "Basic " + base64.b64encode(b"guess").decode()}):
-                assert httpx.post(f"{url}/flow_runs/filter", json={}, headers=headers, timeout=10).status_code == 401
-            token = base64.b64encode(auth.encode()).decode()
-            answer = httpx.post(f"{url}/flow_runs/filter", json={}, headers={"Authorization": f"Basic {token}"})
-            assert answer.status_code == 200, answer.text
+    # Whatever API a test session set up (conftest's `prefect_server`), serve's own server is what is tested.
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        home = tmp_path / "prefect-server"
+        try:
+            with prefect_server.prefect_api(home, secured=True) as url:
+                auth = prefect_server.server_auth(home)
+                assert auth and (home / "auth").stat().st_mode & 0o777 == 0o600
+                assert urlparse(url).hostname == "127.0.0.1" and urlparse(url).port != prefect_server.DEFAULT_PORT
+                assert os.environ["PREFECT_API_AUTH_STRING"] == auth and os.environ["PREFECT_API_URL"] == url
+                assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+                for headers in ({}, {"Authorization": "Basic " + base64.b64encode(b"guess").decode()}):
+                    assert (
+                        httpx.post(f"{url}/flow_runs/filter", json={}, headers=headers, timeout=10).status_code == 401
+                    )
+                token = base64.b64encode(auth.encode()).decode()
+                answer = httpx.post(f"{url}/flow_runs/filter", json={}, headers={"Authorization": f"Basic {token}"})
+                assert answer.status_code == 200, answer.text
 
-            from prefect.client.orchestration import get_client
+                from prefect.client.orchestration import get_client
 
-            with get_client(sync_client=True) as client:  # the settings a job process inherits
-                assert client.read_flow_runs() == []
-                run = client.create_flow_run(flow(name="k6vsr-test-noop")(lambda: None))
+                with get_client(sync_client=True) as client:  # the settings a job process inherits
+                    assert client.read_flow_runs() == []
+                    run = client.create_flow_run(flow(name="k6vsr-test-noop")(lambda: None))
 
-        # Outside the block, as the next command: a run whose process died is still marked Crashed, with the
-        # auth string the server's folder holds.
-        gone = subprocess.Popen(["true"])
-        gone.wait()
-        lease = prefect_server.Lease(
-            flow_run_id=str(run.id),
-            pid=gone.pid,
-            host=socket.gethostname(),
-            api_url=url,
-            api=f"local:{home.resolve()}",
-            started_at="2026-01-01T00:00:00+00:00",
-        )
-        (home / "leases").mkdir(exist_ok=True)
-        (home / "leases" / f"{run.id}.json").write_text(lease.model_dump_json())
-        assert "PREFECT_API_AUTH_STRING" not in os.environ
-        assert prefect_server.mark_crashed_runs(url, home) == [str(run.id)]
-    finally:
-        prefect_server.stop_server(home)
+            # Outside the block, as the next command: a run whose process died is still marked Crashed, with the
+            # auth string the server's folder holds.
+            gone = subprocess.Popen(["true"])
+            gone.wait()
+            lease = prefect_server.Lease(
+                flow_run_id=str(run.id),
+                pid=gone.pid,
+                host=socket.gethostname(),
+                api_url=url,
+                api=f"local:{home.resolve()}",
+                started_at="2026-01-01T00:00:00+00:00",
+            )
+            (home / "leases").mkdir(exist_ok=True)
+            (home / "leases" / f"{run.id}.json").write_text(lease.model_dump_json())
+            assert "PREFECT_API_AUTH_STRING" not in os.environ
+            assert prefect_server.mark_crashed_runs(url, home) == [str(run.id)]
+        finally:
+            prefect_server.stop_server(home)
