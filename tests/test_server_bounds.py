@@ -112,6 +112,22 @@ def test_small_upload_declared_huge_is_refused_at_submit(tmp_path: Path, tiny_bu
     assert error["code"] == "too_many_windows" and "--max-windows" in error["message"], error
 
 
+def test_a_relative_video_path_is_refused(
+    tmp_path: Path, tiny_bundle_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resolved against the server's working folder it would name a file of the server's: refused, whatever is there."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    make_sample_clip(allowed / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
+    monkeypatch.chdir(allowed)
+    config = ServerConfig(store_root=tmp_path / "store", limits=LIMITS, allow_paths=(allowed,))
+    client = TestClient(create_app(config, ModelSpec(model=str(tiny_bundle_path), device="cpu")))
+    for relative in ("clip.mp4", "./clip.mp4", "../allowed/clip.mp4"):
+        error = error_of(client.post("/v1/videos", json={"video_path": relative}), 400, [str(tmp_path)])
+        assert error["code"] == "path_not_absolute" and error["param"] == "video_path", error
+    assert client.post("/v1/videos", json={"video_path": str(allowed / "clip.mp4")}).status_code == 200
+
+
 def test_record_and_flow_parameters_hold_no_plan(tmp_path: Path, tiny_bundle_path: Path) -> None:
     """A job of hundreds of tiles: its record and what its flow run is handed are a few hundred bytes each (a run
     key and the request), not its plan, which grows with the tiles."""
