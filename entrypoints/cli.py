@@ -274,11 +274,28 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument(
         "--max-output-mpx", type=float, default=2048, help="megapixels of one job's result: frames x width x height"
     )
+    limits.add_argument("--max-tiles", type=int, default=2048, help="tile tasks of one job: tiles a window x windows")
+    limits.add_argument("--max-windows", type=int, default=512, help="windows of frames of one job")
+    limits.add_argument(
+        "--upload-timeout-s", type=float, default=900, help="seconds a request body may take to arrive, then 408"
+    )
+    limits.add_argument(
+        "--max-uploads-per-key",
+        type=int,
+        default=4,
+        help="request bodies one key may send at once (its share of the --max-queued admission slots), then 429",
+    )
     limits.add_argument(
         "--retention-hours",
         type=float,
         default=24,
         help="finished jobs, their files and runs are deleted this long after they finished",
+    )
+    limits.add_argument(
+        "--finished-quota-mb",
+        type=int,
+        default=51200,
+        help="disk that finished jobs (outputs and runs) may keep; past it the oldest finished are deleted first",
     )
     serve.add_argument("--workers", type=int, default=1, help="jobs run at once (each loads the model once)")
     serve.add_argument("--store", default=None)

@@ -56,6 +56,8 @@ def open_confined(raw: object, roots: tuple[Path, ...]) -> ConfinedFile:
             "--allow-path DIR to accept clips under DIR, or upload the clip as 'video_reference'",
             forbidden=True,
         )
+    if not os.path.isabs(raw):  # resolved against the server's working folder, it would name a file of the server's
+        raise PathRefused("path_not_absolute", "video_path must be an absolute path inside a folder the server allows")
     try:
         resolved = Path(raw).resolve()
     except (OSError, RuntimeError, ValueError):  # a NUL byte, a loop of links, a name the system refuses

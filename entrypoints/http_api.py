@@ -19,6 +19,7 @@ stack trace or a path of the server. Jobs, their queue and their worker processe
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import ipaddress
@@ -53,7 +54,9 @@ from entrypoints.jobs import (
     JobRunner,
     JobStore,
     QueueFull,
+    UploadsBusy,
     new_job_id,
+    short_message,
 )
 from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
 from k6vsr_core.latent import check_latent_scale, parse_rate
@@ -95,6 +98,8 @@ RATE_FIELD = "fps"
 FILE_FIELDS = (FILE_FIELD, LATENT_FIELD)
 MAX_PART_HEADER_BYTES = 16 << 10
 RETRY_AFTER_S = 30
+# The folder of the store that holds the service's own Prefect server (`flows.prefect_server`).
+PREFECT_HOME = "prefect-server"
 # At most this many of a request's field problems are spelled out in one message.
 PROBLEMS_SHOWN = 3
 
@@ -111,6 +116,11 @@ class Limits:
     input_quota_bytes: int  # --input-quota-mb: inputs on disk of queued and running jobs
     max_output_pixels: int  # --max-output-mpx: frames x width x height of one job's result
     retention_s: float  # --retention-hours: finished jobs are deleted this long after they finished
+    max_tiles: int = 2048  # --max-tiles: tile tasks of one job (tiles of a window x windows)
+    max_windows: int = 512  # --max-windows: windows of one job
+    upload_timeout_s: float = 900.0  # --upload-timeout-s: a request body must arrive within this time, else 408
+    uploads_per_key: int | None = None  # --max-uploads-per-key: request bodies one key sends at once (None: any)
+    finished_quota_bytes: int | None = None  # --finished-quota-mb: disk finished jobs may keep (None: no budget)
 
     @property
     def max_request_bytes(self) -> int:
@@ -158,6 +168,7 @@ _KIND = {
     413: "invalid_request_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
+    408: "invalid_request_error",
     429: "rate_limit_error",
 }
 _CODE = {404: "not_found", 405: "method_not_allowed"}
@@ -188,7 +199,7 @@ def error_response(
 ) -> JSONResponse:
     body = {
         "error": {
-            "message": " ".join(message.split()),
+            "message": short_message(message),
             "type": kind or _KIND.get(status, "server_error"),
             "param": param,
             "code": code or _CODE.get(status, "http_error"),
@@ -219,6 +230,15 @@ def _install_error_handlers(app: FastAPI) -> None:
             429,
             f"the queue is full ({err.limit} jobs waiting, --max-queued); retry later",
             code="queue_full",
+            headers=retry,
+        )
+
+    @app.exception_handler(UploadsBusy)
+    async def uploads_busy(_: Request, err: UploadsBusy) -> JSONResponse:
+        return error_response(
+            429,
+            f"this key is already sending {err.limit} request(s) (--max-uploads-per-key); retry once one is done",
+            code="too_many_uploads",
             headers=retry,
         )
 
@@ -376,12 +396,38 @@ def _declared_length(request: Request) -> int | None:
     return int(length) if length.isdigit() else None
 
 
+class UploadTimeout(ApiError):
+    def __init__(self, limit_s: float) -> None:
+        super().__init__(
+            408,
+            f"the request body did not arrive within {limit_s:g} s (--upload-timeout-s)",
+            code="request_timeout",
+            headers={"Connection": "close"},  # the rest of the body is never read
+        )
+
+
+async def body_chunks(request: Request, limits: Limits) -> AsyncIterator[bytes]:
+    """The request body as it arrives, all of it within `upload_timeout_s`: a client that trickles or stalls gives
+    back its admission slot and its quota at the deadline. (Neither uvicorn nor Starlette bounds a body's time.)"""
+    deadline = asyncio.get_running_loop().time() + limits.upload_timeout_s
+    chunks = request.stream()
+    while True:
+        try:
+            async with asyncio.timeout_at(deadline):
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            raise UploadTimeout(limits.upload_timeout_s) from None
+        yield chunk
+
+
 async def read_json(request: Request, limits: Limits) -> dict[str, Any]:
     length = _declared_length(request)
     if length is not None and length > limits.max_fields_bytes:
         raise _fields_too_large(limits)
     body = bytearray()
-    async for chunk in request.stream():
+    async for chunk in body_chunks(request, limits):
         body += chunk
         if len(body) > limits.max_fields_bytes:
             raise _fields_too_large(limits)
@@ -538,7 +584,7 @@ async def read_form(request: Request, open_input: Callable[[str], InputFile], li
     parser = MultipartParser(boundary, receiver.callbacks(), max_header_size=MAX_PART_HEADER_BYTES)
     received = 0
     try:
-        async for chunk in request.stream():
+        async for chunk in body_chunks(request, limits):
             received += len(chunk)
             parser.write(chunk)
             if received - receiver.file_bytes > limits.max_fields_bytes:
@@ -659,8 +705,9 @@ def job_view(job: dict[str, Any], caller: Caller, store_root: Path, retention_s:
     }
 
 
-def check_output_size(plan: Any, limits: Limits) -> None:
-    """The work a job asks for, bounded before it is queued: frames x width x height of the model's result."""
+def check_work(plan: Any, limits: Limits) -> None:
+    """The work a job asks for, bounded before it is queued: frames x width x height of the model's result, its
+    windows, and its tile tasks (a small clip declared huge makes a plan of tens of thousands of tiles)."""
     height, width = plan.sr_size
     pixels = plan.num_frames * height * width
     if pixels > limits.max_output_pixels:
@@ -671,6 +718,24 @@ def check_output_size(plan: Any, limits: Limits) -> None:
             "(--max-output-mpx): lower sr_resolution_scale, set max_frames or send a smaller clip",
             param="sr_resolution_scale",
             code="output_too_large",
+        )
+    if plan.num_windows > limits.max_windows:
+        raise ApiError(
+            400,
+            f"this job would run {plan.num_windows} windows of frames; this server runs at most "
+            f"{limits.max_windows} a job (--max-windows): set max_frames or send a shorter clip",
+            param="max_frames",
+            code="too_many_windows",
+        )
+    tiles = plan.num_tiles * plan.num_windows
+    if tiles > limits.max_tiles:
+        raise ApiError(
+            400,
+            f"this job would run {tiles} tiles ({plan.num_tiles} a window x {plan.num_windows} window(s)); this "
+            f"server runs at most {limits.max_tiles} a job (--max-tiles): lower sr_resolution_scale, set "
+            "max_frames or send a smaller clip",
+            param="sr_resolution_scale",
+            code="too_many_tiles",
         )
 
 
@@ -689,7 +754,13 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
     limits = config.limits
     store = JobStore(config.store_root, limits.input_quota_bytes)
     runner = JobRunner(
-        store, spec, workers=config.workers, max_queued=limits.max_queued, retention_s=limits.retention_s
+        store,
+        spec,
+        workers=config.workers,
+        max_queued=limits.max_queued,
+        retention_s=limits.retention_s,
+        uploads_per_key=limits.uploads_per_key,
+        finished_quota_bytes=limits.finished_quota_bytes,
     )
 
     @asynccontextmanager
@@ -791,12 +862,12 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
                 code="unsupported_media_type",
             )
         job_id = new_job_id()
-        with runner.admission():
+        with runner.admission(caller.owner):
             try:
                 received = await receive(request, media_type, job_id)
                 params, origin = received.params, received.origin
                 prepared = await run_in_threadpool(prepare, job_id, received)
-                check_output_size(prepared.plan, limits)
+                check_work(prepared.plan, limits)
                 plan = prepared.plan
                 job = await run_in_threadpool(
                     store.put,
@@ -812,8 +883,10 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
                         "started_at": None,
                         "completed_at": None,
                         "error": None,
+                        # The run is found by its key, its plan in the run's manifest: the record stays small.
                         "run_key": prepared.run.run_key,
                         "request": params.model_dump(mode="json"),
+                        "latent_fps": received.latent_fps,
                         "source": origin,
                         "output": {
                             "width": plan.delivery_size[1],
@@ -824,8 +897,7 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
                             "has_audio": prepared.probe is not None and prepared.probe.has_audio,
                             "bytes": None,
                         },
-                        "tiles": {"total": plan.num_tiles, "computed": None, "reused": None},
-                        "prepared": prepared.model_dump(mode="json"),  # the plan the job's flow runs; never shown
+                        "tiles": {"total": plan.num_tiles * plan.num_windows, "computed": None, "reused": None},
                     },
                 )
             except BaseException:
@@ -846,7 +918,8 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
                 "--list-jobs, or with API keys so that each key lists its own jobs)",
                 code="listing_disabled",
             )
-        return {"object": "list", "data": [view(job, caller) for job in store.all() if caller.sees(job)]}
+        # Only the caller's records are read (every one for an admin): a list costs what it lists.
+        return {"object": "list", "data": [view(job, caller) for job in store.jobs(caller.owner, caller.admin)]}
 
     @app.get("/v1/videos/{video_id}")
     def get_video(request: Request, video_id: str) -> dict[str, Any]:
@@ -935,6 +1008,11 @@ def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
         << 20,
         max_output_pixels=int(_at_least(args.max_output_mpx, 0.001, "--max-output-mpx") * 10**6),
         retention_s=_at_least(args.retention_hours, 0, "--retention-hours") * 3600.0,
+        max_tiles=int(_at_least(args.max_tiles, 1, "--max-tiles")),
+        max_windows=int(_at_least(args.max_windows, 1, "--max-windows")),
+        upload_timeout_s=_at_least(args.upload_timeout_s, 0.1, "--upload-timeout-s"),
+        uploads_per_key=int(_at_least(args.max_uploads_per_key, 1, "--max-uploads-per-key")),
+        finished_quota_bytes=int(_at_least(args.finished_quota_mb, 0, "--finished-quota-mb")) << 20,
     )
     try:
         umask = int(args.umask, 8)
@@ -980,8 +1058,9 @@ def serve(args: Any, spec: ModelSpec, store_root: Path) -> None:
     # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler the process would die on the
     # spot, skipping the exit handlers that stop the job processes. Exit through Python instead.
     signal.signal(signal.SIGTERM, _exit_on_signal)
-    # Job processes report to one Prefect API: the configured one, else the local server (started if absent).
-    with prefect_api():
+    # Job processes report to one Prefect API: the configured one, else a server of this service's own, in the store,
+    # on loopback behind an auth string that no HTTP client sees: the jobs' flow runs are no client's to read.
+    with prefect_api(Path(store_root) / PREFECT_HOME, secured=True):
         uvicorn.run(
             create_app(config, spec),
             host=args.host,

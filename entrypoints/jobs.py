@@ -15,7 +15,9 @@ no orphan computing on its own.
 What jobs may hold is bounded: at most `max_queued` jobs wait; the inputs on disk (uploads, and the copies of path
 sources) are charged to a quota as they are written and freed as soon as a job no longer needs them (once it ran,
 or at once when it is cancelled); a cancelled or deleted job's run is reclaimed from the run store unless another
-job still refers to it; and finished jobs are deleted `retention_s` after they finished.
+job still refers to it; and finished jobs are deleted `retention_s` after they finished, or sooner, oldest first,
+while they keep more than their disk budget. A record holds the request and the run key, never the plan (the child's
+flow plans the job's own input again), so records, and what the child and its flow run are handed, stay small.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +59,14 @@ ACTIVE = (QUEUED, IN_PROGRESS)
 FINISHED = (COMPLETED, FAILED, CANCELLED)
 
 TERMINATE_GRACE_S = 3.0
+# A job's error message, as stored and as answered, is one line of at most this many characters: a library's error
+# can be megabytes (one named every parameter of a refused flow run).
+MAX_MESSAGE_CHARS = 500
+
+
+def short_message(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= MAX_MESSAGE_CHARS else line[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
 def _write_record(path: Path, job: dict[str, Any]) -> None:
@@ -82,6 +93,14 @@ class QueueFull(Exception):
 class InputQuotaFull(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"the inputs of queued and running jobs already take the quota of {limit} bytes")
+        self.limit = limit
+
+
+class UploadsBusy(Exception):
+    """One key already sends as many request bodies as its share of the admission slots."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this key already sends {limit} requests")
         self.limit = limit
 
 
@@ -136,9 +155,36 @@ class InputFile:
         self._file.close()
 
 
+@dataclass(frozen=True)
+class JobEntry:
+    """What listing, cancelling, sharing runs and expiring need of a job, kept in memory: they never read a record
+    to decide, so they cost O(jobs they touch), whatever the records hold."""
+
+    id: str
+    owner: str | None
+    status: str
+    run_key: str
+    created_ns: int
+    completed_at: int | None
+    disk_bytes: int  # what a finished job keeps on disk (its output and its run); 0 until it finishes
+
+    @classmethod
+    def of(cls, job: dict[str, Any]) -> JobEntry:
+        return cls(
+            id=job["id"],
+            owner=job.get("owner"),
+            status=job["status"],
+            run_key=job["run_key"],
+            created_ns=job.get("created_ns", 0),
+            completed_at=job.get("completed_at"),
+            disk_bytes=job.get("disk_bytes") or 0,
+        )
+
+
 class JobStore:
-    """The job records of one store root. Every read-modify-write holds one lock, so the HTTP handlers and the
-    worker threads never lose each other's updates (one server per store)."""
+    """The job records of one store root, and their index in memory (read once, at start). Every read-modify-write
+    holds one lock, so the HTTP handlers and the worker threads never lose each other's updates (one server per
+    store)."""
 
     def __init__(self, store_root: str | Path, input_quota_bytes: int) -> None:
         self.store_root = Path(store_root)
@@ -146,6 +192,11 @@ class JobStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.lock = threading.RLock()
         self.quota = InputQuota(input_quota_bytes)
+        self._index: dict[str, JobEntry] = {}
+        for path in self.root.glob(f"{ID_PREFIX}*.json"):
+            job = self.get(path.stem)
+            if job is not None:
+                self._index[job["id"]] = JobEntry.of(job)
 
     def record_path(self, job_id: str) -> Path:
         return self.root / f"{job_id}.json"
@@ -170,6 +221,7 @@ class JobStore:
     def put(self, job: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             _write_record(self.record_path(job["id"]), job)
+            self._index[job["id"]] = JobEntry.of(job)
         return job
 
     def update(self, job_id: str, only_if: tuple[str, ...] | None = None, **changes: Any) -> dict[str, Any] | None:
@@ -180,22 +232,26 @@ class JobStore:
                 return None
             if only_if is None or job["status"] in only_if:
                 job.update(changes)
-                _write_record(self.record_path(job_id), job)
+                self.put(job)
             return job
 
-    def all(self) -> list[dict[str, Any]]:
-        jobs = []
-        for path in self.root.glob(f"{ID_PREFIX}*.json"):
-            job = self.get(path.stem)
-            if job is not None:
-                jobs.append(job)
-        return sorted(jobs, key=lambda job: (job.get("created_ns", 0), job["id"]))
+    def entries(self, owner: str | None = None, everyone: bool = True) -> list[JobEntry]:
+        """The index, oldest first: every job's, or (`everyone=False`) those of `owner` only."""
+        with self.lock:
+            found = [entry for entry in self._index.values() if everyone or entry.owner == owner]
+        return sorted(found, key=lambda entry: (entry.created_ns, entry.id))
+
+    def jobs(self, owner: str | None = None, everyone: bool = True) -> list[dict[str, Any]]:
+        """The records of `entries(owner, everyone)`: only those are read."""
+        found = (self.get(entry.id) for entry in self.entries(owner, everyone))
+        return [job for job in found if job is not None]
 
     def remove(self, job_id: str) -> None:
         """Delete the record and the job's own files (never the shared run store)."""
         with self.lock:
             self.discard_dir(job_id)
             self.record_path(job_id).unlink(missing_ok=True)
+            self._index.pop(job_id, None)
 
     def open_input(self, job_id: str, cap: int, too_large: Callable[[], Exception]) -> InputFile:
         return InputFile(self.input_path(job_id), job_id, self.quota, cap, too_large)
@@ -269,7 +325,7 @@ class WorkerSlot:
                     only_if=ACTIVE,
                     status=FAILED,
                     completed_at=int(time.time()),
-                    error={"message": "internal error in the job worker", "type": "server_error"},
+                    error={"message": "internal error in the job worker", "type": "server_error", "code": "job_failed"},
                 )
             finally:
                 self.current = None
@@ -282,18 +338,14 @@ class WorkerSlot:
             if job is None or job["status"] != QUEUED:
                 return  # cancelled or deleted while it waited
             self.current = job_id
-            store.update(job_id, status=IN_PROGRESS, started_at=int(time.time()))
+            found = job.get("tiles_found")
+            if found is None:  # a job resumed after a restart keeps the count of its first start
+                found = _tiles_decoded(store.store_root, job["run_key"])
+            store.update(job_id, status=IN_PROGRESS, started_at=int(time.time()), tiles_found=found)
         if not self._alive():
             self._spawn()
         assert self.process is not None and self.process.stdin is not None and self.process.stdout is not None
-        message = {
-            "id": job_id,
-            "source": str(store.input_path(job_id)),  # the job's own copy: nothing a client can swap
-            "output": str(store.output_path(job_id)),
-            "params": job["request"],
-            "store_root": str(store.store_root),
-            "prepared": job.get("prepared"),
-        }
+        message = job_message(store, job)
         reply: dict[str, Any] | None = None
         try:
             self.process.stdin.write(json.dumps(message) + "\n")
@@ -328,6 +380,7 @@ class WorkerSlot:
                     "message": f"the worker process exited (code {code}) during the job; resubmit the same "
                     "request to resume from its finished tiles",
                     "type": "server_error",
+                    "code": "worker_exited",
                 },
             )
             self._spawn()  # warm up the next child while the queue is idle
@@ -335,6 +388,7 @@ class WorkerSlot:
             summary = reply["summary"]
             width, height = summary["size"]
             output = store.output_path(job_id)
+            written = output.stat().st_size if output.is_file() else None
             store.update(
                 job_id,
                 only_if=(IN_PROGRESS,),
@@ -348,16 +402,14 @@ class WorkerSlot:
                     "frames": summary["frames"],
                     "fps": summary["fps"],
                     "has_audio": reply.get("has_audio"),
-                    "bytes": output.stat().st_size if output.is_file() else None,
+                    "bytes": written,
                 },
-                tiles={
-                    "total": summary["tiles_total"],
-                    "computed": summary["tiles_computed"],
-                    "reused": summary["tiles_reused"],
-                },
+                tiles=tile_counts(summary, (store.get(job_id) or {}).get("tiles_found")),
+                # What the job keeps once its input is dropped: its output and its run.
+                disk_bytes=(written or 0) + _run_bytes(store.store_root, summary["run_key"]),
             )
         else:  # failed, or the child could not start (fatal)
-            error = {**reply["error"], "message": self.runner.scrub(job_id, reply["error"]["message"])}
+            error = {**reply["error"], "message": short_message(self.runner.scrub(job_id, reply["error"]["message"]))}
             store.update(job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now, error=error)
             if reply["event"] == "fatal":
                 self._reap()
@@ -400,16 +452,31 @@ class WorkerSlot:
 
 class JobRunner:
     """The queue and its worker slots (`workers` jobs run at once; default 1, so jobs run in order), and the janitor
-    that deletes finished jobs `retention_s` after they finished."""
+    that deletes finished jobs `retention_s` after they finished, or sooner, oldest first, while finished jobs keep
+    more than `finished_quota_bytes` on disk.
 
-    def __init__(self, store: JobStore, spec: ModelSpec, workers: int, max_queued: int, retention_s: float) -> None:
+    A request being read holds one of the `max_queued` admission slots; one key holds at most `uploads_per_key` of
+    them at once, so a key whose uploads stall (until their deadline) never leaves another key without a slot."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        spec: ModelSpec,
+        workers: int,
+        max_queued: int,
+        retention_s: float,
+        uploads_per_key: int | None = None,
+        finished_quota_bytes: int | None = None,
+    ) -> None:
         self.store = store
         self.spec = spec
         self.max_queued = max_queued
         self.retention_s = retention_s
+        self.uploads_per_key = uploads_per_key or max_queued
+        self.finished_quota_bytes = finished_quota_bytes
         self.queue: queue.Queue[str | None] = queue.Queue()
         self.waiting: set[str] = set()  # queued jobs no worker has taken yet (guarded by store.lock)
-        self._admitting = 0  # requests being read that will queue a job
+        self._admitting: dict[str | None, int] = {}  # requests being read that will queue a job, by key
         self.stopping = threading.Event()
         self.slots = [WorkerSlot(self, i) for i in range(max(1, workers))]
         self.janitor = threading.Thread(target=self._janitor_loop, name="k6vsr-job-janitor", daemon=True)
@@ -418,13 +485,13 @@ class JobRunner:
         """Requeue the jobs a previous server left queued or running, oldest first, then start the workers."""
         self.store.recount_inputs()
         resumed = []
-        for job in self.store.all():
-            if job["status"] in ACTIVE:
-                self.store.update(job["id"], status=QUEUED)
-                self.submit(job["id"])
-                resumed.append(job["id"])
+        for entry in self.store.entries():
+            if entry.status in ACTIVE:
+                self.store.update(entry.id, status=QUEUED)
+                self.submit(entry.id)
+                resumed.append(entry.id)
             else:
-                self.store.drop_input(job["id"])
+                self.store.drop_input(entry.id)
         for slot in self.slots:
             slot.thread.start()
         self.janitor.start()
@@ -433,17 +500,23 @@ class JobRunner:
         return resumed
 
     @contextmanager
-    def admission(self) -> Iterator[None]:
-        """Hold a place in the queue while a request is read; `QueueFull` when `max_queued` jobs already wait."""
+    def admission(self, owner: str | None = None) -> Iterator[None]:
+        """Hold a place in the queue while a request of `owner` (a key's id; None without keys) is read:
+        `QueueFull` when `max_queued` jobs already wait, `UploadsBusy` when the key already holds its share."""
         with self.store.lock:
-            if len(self.waiting) + self._admitting >= self.max_queued:
+            if len(self.waiting) + sum(self._admitting.values()) >= self.max_queued:
                 raise QueueFull(self.max_queued)
-            self._admitting += 1
+            # Without keys every client is the same one: only the queue bounds it.
+            if owner is not None and self._admitting.get(owner, 0) >= self.uploads_per_key:
+                raise UploadsBusy(self.uploads_per_key)
+            self._admitting[owner] = self._admitting.get(owner, 0) + 1
         try:
             yield
         finally:
             with self.store.lock:
-                self._admitting -= 1
+                self._admitting[owner] -= 1
+                if not self._admitting[owner]:
+                    del self._admitting[owner]
 
     def submit(self, job_id: str) -> None:
         with self.store.lock:
@@ -481,6 +554,8 @@ class JobRunner:
             self.store.discard_dir(job_id)
         if job["status"] == CANCELLED:
             self.reclaim_run(job["run_key"])
+        elif job["status"] == COMPLETED and self.finished_quota_bytes is not None:
+            self.expire()  # its output may take the finished jobs past their disk budget
 
     def delete(self, job_id: str) -> None:
         """Delete a job that no worker runs: its run unless another job refers to it, its files, and its record last
@@ -497,25 +572,36 @@ class JobRunner:
 
         with self.store.lock:
             if any(
-                job["run_key"] == run_key and job["status"] != CANCELLED and job["id"] != leaving
-                for job in self.store.all()
+                entry.run_key == run_key and entry.status != CANCELLED and entry.id != leaving
+                for entry in self.store.entries()
             ):
                 return
         collect_garbage(self.store.store_root, run_keys=(run_key,))
 
     def expire(self) -> list[str]:
-        """Delete the finished jobs that finished `retention_s` ago or earlier."""
+        """Delete the finished jobs that finished `retention_s` ago or earlier, then, oldest first, those that take
+        the finished jobs past `finished_quota_bytes` on disk. The newest finished job is kept whatever its size:
+        its client can still fetch it."""
         deadline = time.time() - self.retention_s
-        expired = [
-            job["id"]
-            for job in self.store.all()
-            if job["status"] in FINISHED and (job.get("completed_at") or 0) <= deadline and not self.running(job["id"])
-        ]
-        for job_id in expired:
-            self.delete(job_id)
+        finished = sorted(
+            (entry for entry in self.store.entries() if entry.status in FINISHED and not self.running(entry.id)),
+            key=lambda entry: (entry.completed_at or 0, entry.created_ns),
+        )
+        expired = [entry for entry in finished if (entry.completed_at or 0) <= deadline]
+        kept = [entry for entry in finished if entry not in expired]
+        if self.finished_quota_bytes is not None:
+            over = sum(entry.disk_bytes for entry in kept) - self.finished_quota_bytes
+            for entry in kept[:-1]:
+                if over <= 0:
+                    break
+                if entry.disk_bytes:
+                    expired.append(entry)
+                    over -= entry.disk_bytes
+        for entry in expired:
+            self.delete(entry.id)
         if expired:
-            log.info("deleted %d job(s) past the retention time", len(expired))
-        return expired
+            log.info("deleted %d finished job(s): past the retention time or the disk budget", len(expired))
+        return [entry.id for entry in expired]
 
     def _janitor_loop(self) -> None:
         interval = min(60.0, max(0.5, self.retention_s / 4))
@@ -553,6 +639,57 @@ class JobRunner:
             self.janitor.join(timeout=TERMINATE_GRACE_S)
 
 
+def job_message(store: JobStore, job: dict[str, Any]) -> dict[str, Any]:
+    """What a job's child is handed, and so all its flow run's parameters hold: the job's own files and the request
+    (a few hundred bytes), never the plan; the flow plans the job's input again, as the server did at
+    submit, and from ingest on runs the plan recorded in the run's manifest."""
+    return {
+        "id": job["id"],
+        "source": str(store.input_path(job["id"])),  # the job's own copy: nothing a client can swap
+        "output": str(store.output_path(job["id"])),
+        "params": job["request"],
+        "store_root": str(store.store_root),
+        "latent_fps": job.get("latent_fps"),
+    }
+
+
+def tile_counts(summary: dict[str, Any], found: int | None) -> dict[str, int]:
+    """A finished job's tiles: those its run held when the job first started were reused, the others computed.
+
+    The flow's summary counts its own attempt only: after a restart it would call the tiles the killed attempt
+    computed "reused". `found` (None: unknown) corrects that; a tile another job computed meanwhile on the same run
+    counts as this job's."""
+    total, computed = summary["tiles_total"], summary["tiles_computed"]
+    if found is not None:
+        computed = min(total, max(computed, total - found))
+    return {"total": total, "computed": computed, "reused": total - computed}
+
+
+def _tiles_decoded(store_root: Path, run_key: str) -> int:
+    from storage import RunStore
+
+    return RunStore(store_root, run_key).tiles_decoded()
+
+
+@contextmanager
+def results_beside(output: str) -> Iterator[None]:
+    """Prefect persists a failed flow run's exception, pickled, with the server's paths in it: into the job's own
+    folder (beside its `output`), deleted with the job, instead of PREFECT_HOME, where nothing ever deletes it."""
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
+
+    with temporary_settings(updates={PREFECT_LOCAL_STORAGE_PATH: Path(output).parent / "prefect-results"}):
+        yield
+
+
+def _run_bytes(store_root: Path, run_key: str) -> int:
+    """Bytes of a run's folder in the run store (0 if it is gone)."""
+    from storage import RunStore
+    from storage.run_store import run_size
+
+    path = RunStore(store_root, run_key).path
+    return run_size(path) if path.is_dir() else 0
+
+
 def _mark_crashed_runs() -> None:
     """A child killed outright left its flow run "Running": mark it Crashed now, not at the next command."""
     url = os.environ.get("PREFECT_API_URL")
@@ -579,12 +716,16 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _error_of(err: BaseException) -> dict[str, str]:
-    from k6vsr_core.errors import describe_error
+    """A failed job's error, typed: the client's fault (its input or values) or the server's, one short line."""
+    from k6vsr_core.errors import MediaError, ParameterError, describe_error
 
     message = describe_error(err)
-    if message is not None:
-        return {"message": message, "type": "invalid_request_error"}
-    return {"message": f"{type(err).__name__}: {err}", "type": "server_error"}
+    if message is None:
+        return {"message": short_message(f"{type(err).__name__}: {err}"), "type": "server_error", "code": "job_failed"}
+    code = "invalid_request"
+    if isinstance(err, (MediaError, ParameterError)):
+        code = "invalid_video" if isinstance(err, MediaError) else "invalid_value"
+    return {"message": short_message(message), "type": "invalid_request_error", "code": code}
 
 
 def _child_main(spec_json: str, parent_pid: int) -> int:
@@ -604,7 +745,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         from flows.runners import make_task_runner
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
-        from service.runs import ModelSpec, PreparedRun
+        from service.runs import ModelSpec
         from storage import RunStore
         from tasks.model_cache import get_bundle
 
@@ -621,16 +762,15 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
     for line in sys.stdin:
         job = json.loads(line)
         try:
-            prepared = PreparedRun.model_validate(job["prepared"]) if job.get("prepared") else None
-            summary = upscale_clip.with_options(flow_run_name=job["id"], task_runner=make_task_runner())(
-                source=job["source"],
-                output=job["output"],
-                params=UpscaleParams(**job["params"]),
-                model=spec,
-                store_root=job["store_root"],
-                prepared=prepared,
-                latent_fps=prepared.latent_fps if prepared is not None else None,  # a latent job's input is a latent
-            )
+            with results_beside(job["output"]):
+                summary = upscale_clip.with_options(flow_run_name=job["id"], task_runner=make_task_runner())(
+                    source=job["source"],
+                    output=job["output"],
+                    params=UpscaleParams(**job["params"]),
+                    model=spec,
+                    store_root=job["store_root"],
+                    latent_fps=job["latent_fps"],  # a latent job's input is a latent
+                )
             has_audio = RunStore(job["store_root"], summary.run_key).read_manifest().has_audio
             reply(event="done", id=job["id"], summary=summary.model_dump(mode="json"), has_audio=has_audio)
         except Exception as err:  # noqa: BLE001 - the job fails, the process serves the next one

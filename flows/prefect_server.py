@@ -8,6 +8,7 @@ Its state folder (`$K6VSR_SERVER_HOME`, else `$K6VSR_HOME/prefect-server`, else
     server.log    what the server prints
     server.lock   held (fcntl) while a command checks or starts the server, so racing commands start one
     leases/       one file per flow run in progress here: the process that runs it
+    auth          a secured server's auth string (owner-only): only a process that reads it reaches the API
 
 The server runs detached, in its own session, so neither a terminal's Ctrl-C nor a killed command stops it. Its
 pid is recorded before it is healthy: a command killed while the server starts leaves a server the next command
@@ -17,6 +18,11 @@ no local server is started.
 A flow run holds a lease (`leased`) while its body runs. A process killed outright (SIGKILL, OOM) cannot tell the
 API its run ended, so the run would show "Running" forever; the next command that reaches the API finds the lease's
 process dead and marks the run Crashed (`mark_crashed_runs`).
+
+`k6vsr serve` runs a server of its own, secured (`prefect_api(home, secured=True)`): on loopback, on a free port of
+its own, behind Prefect's server auth (`PREFECT_SERVER_API_AUTH_STRING`, a fresh random string written to `auth`),
+which its job processes send (`PREFECT_API_AUTH_STRING`) and its HTTP clients never see. So a client of the HTTP API
+that can reach the loopback cannot list, read or delete the jobs' flow runs there.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import functools
 import inspect
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -105,6 +112,18 @@ def _leases(folder: StateFolder) -> Path:
     return folder.path / "leases"
 
 
+def _auth_path(folder: StateFolder) -> Path:
+    return folder.path / "auth"
+
+
+def server_auth(home: Path | None = None) -> str | None:
+    """The auth string of the local server in `home` if it was started secured, else None."""
+    try:
+        return _auth_path(_folder(home)).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
 # --------------------------------------------------------------------------------------------- processes
 
 
@@ -125,8 +144,10 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _pick_port() -> int:
-    wanted = int(os.environ.get("K6VSR_SERVER_PORT", DEFAULT_PORT))
+def _pick_port(secured: bool = False) -> int:
+    """The default port while it is free (the UI stays at one address); a secured server takes a free one of its
+    own, never the port of the user's server."""
+    wanted = 0 if secured else int(os.environ.get("K6VSR_SERVER_PORT", DEFAULT_PORT))
     if wanted and _port_free(wanted):
         return wanted
     with socket.socket() as sock:
@@ -134,13 +155,16 @@ def _pick_port() -> int:
         return sock.getsockname()[1]
 
 
-def _server_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_PROFILE")}
+def _server_env(home: Path, auth: str | None) -> dict[str, str]:
+    dropped = ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(
         PREFECT_HOME=str(home / "prefect"),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",  # offline they would only log connection errors
         PREFECT_SERVER_API_HOST=HOST,
     )
+    if auth is not None:
+        env["PREFECT_SERVER_API_AUTH_STRING"] = auth
     return env
 
 
@@ -170,13 +194,18 @@ os.replace(partial, record_path)
 """
 
 
-def _launch(folder: StateFolder, port: int) -> _Record:
+def _launch(folder: StateFolder, port: int, secured: bool) -> _Record:
     (folder.path / "prefect").mkdir(parents=True, exist_ok=True)
+    auth = secrets.token_urlsafe(32) if secured else None
+    if auth is None:
+        _auth_path(folder).unlink(missing_ok=True)
+    else:
+        atomic_write_bytes(_auth_path(folder), auth.encode())  # owner-only (mkstemp), before the server can answer
     folder.rotate_log()
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
     launcher = subprocess.run(
         [sys.executable, "-c", _LAUNCHER, str(folder.record_path), str(folder.log_path), str(port), now(), *command],
-        env=_server_env(folder.path),
+        env=_server_env(folder.path, auth),
         cwd=folder.path,  # never the command's folder, which the server would otherwise keep busy for its lifetime
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -229,15 +258,28 @@ def configured_api_url() -> str | None:
     return PREFECT_API_URL.value() or None
 
 
-def start_server(home: Path | None = None) -> str:
-    """The local server's API URL: the running one, else one started now (exactly one, however many race)."""
+def start_server(home: Path | None = None, secured: bool = False) -> str:
+    """The local server's API URL: the running one, else one started now (exactly one, however many race).
+
+    `secured`: the server must ask for its auth string (`server_auth(home)`); one found running without it is
+    replaced."""
     folder = _folder(home)
     record = folder.read(_Record)
-    if record and alive(record.pid, record.process_start) and _healthy(record.url):
+    if (
+        record
+        and (not secured or server_auth(home))
+        and alive(record.pid, record.process_start)
+        and _healthy(record.url)
+    ):
         return record.url
     with folder.locked():
         record = folder.read(_Record)
-        if record and alive(record.pid, record.process_start):
+        if record and secured and server_auth(home) is None:
+            log.warning(
+                "the Prefect server %d at %s asks for no auth string; restarting it secured", record.pid, record.url
+            )
+            _terminate(record)
+        elif record and alive(record.pid, record.process_start):
             # Started by a command that was killed before it was healthy, or busy: give it the start timeout.
             if _wait_healthy(record, START_TIMEOUT_S):
                 return record.url
@@ -246,7 +288,7 @@ def start_server(home: Path | None = None) -> str:
         folder.remove_record()
         last_error = ""
         for _attempt in range(2):  # a port taken between the check and the bind: once more on another port
-            record = _launch(folder, _pick_port())
+            record = _launch(folder, _pick_port(secured), secured)
             if _wait_healthy(record, START_TIMEOUT_S):
                 return record.url
             still_running = alive(record.pid, record.process_start)
@@ -261,14 +303,21 @@ def start_server(home: Path | None = None) -> str:
         raise ServerError(f"the Prefect server exited while starting; its log {folder.log_path} ends:\n{last_error}")
 
 
-def ensure_server() -> str:
-    """The API URL every command reports to: `PREFECT_API_URL` if set, else the local server (started if absent).
+def ensure_server(home: Path | None = None, secured: bool = False) -> str:
+    """The API URL every command reports to: `PREFECT_API_URL` if set, else the local server in `home` (started if
+    absent; `secured`: behind an auth string, `api_auth(home)`).
 
     Flow runs whose process died without ending them are marked Crashed on the way.
     """
-    url = configured_api_url() or start_server()
-    mark_crashed_runs(url)
+    url = configured_api_url() or start_server(home, secured)
+    mark_crashed_runs(url, home)
     return url
+
+
+def api_auth(home: Path | None = None) -> str | None:
+    """The auth string `ensure_server(home)`'s API takes: None for a configured `PREFECT_API_URL` (its profile says
+    what it needs), else the local server's, if secured."""
+    return None if configured_api_url() else server_auth(home)
 
 
 def stop_server(home: Path | None = None) -> bool:
@@ -304,21 +353,35 @@ def server_status(home: Path | None = None) -> ServerStatus:
 
 
 @contextlib.contextmanager
-def prefect_api() -> Iterator[str]:
-    """Report to `ensure_server()`'s API for the block; child processes (Dask workers, job processes) inherit it."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, temporary_settings
+def prefect_api(home: Path | None = None, secured: bool = False) -> Iterator[str]:
+    """Report to `ensure_server(home, secured)`'s API for the block; child processes (Dask workers, job processes)
+    inherit it, its auth string and its home."""
+    from prefect.settings import (
+        PREFECT_API_AUTH_STRING,
+        PREFECT_API_URL,
+        PREFECT_SERVER_ANALYTICS_ENABLED,
+        temporary_settings,
+    )
 
-    url = ensure_server()
-    saved = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = url
+    url = ensure_server(home, secured)
+    auth = api_auth(home)
+    exported = {"PREFECT_API_URL": url, **({"PREFECT_API_AUTH_STRING": auth} if auth else {})}
+    if home is not None:  # flow runs hold their leases beside the server they report to
+        exported[HOME_ENV] = str(home)
+    saved = {name: os.environ.get(name) for name in exported}
+    os.environ.update(exported)
+    updates = {PREFECT_API_URL: url, PREFECT_SERVER_ANALYTICS_ENABLED: False}
+    if auth:
+        updates[PREFECT_API_AUTH_STRING] = auth
     try:
-        with temporary_settings(updates={PREFECT_API_URL: url, PREFECT_SERVER_ANALYTICS_ENABLED: False}):
+        with temporary_settings(updates=updates):
             yield url
     finally:
-        if saved is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 # ------------------------------------------------------------------------------------------------- leases
@@ -406,7 +469,8 @@ def _dead_leases(folder: StateFolder, api_url: str) -> Iterator[tuple[Path, Leas
 
 
 def mark_crashed_runs(api_url: str, home: Path | None = None) -> list[str]:
-    """Mark Crashed the runs on `api_url` whose process died holding their lease; never raises.
+    """Mark Crashed the runs on `api_url` whose process died holding their lease; never raises. The local server of
+    `home` is reached with its auth string, if secured; another API with the environment's.
 
     Returns the ids of the runs marked. A run already in a final state (its process ended it, then died) is left.
     """
@@ -419,22 +483,24 @@ def mark_crashed_runs(api_url: str, home: Path | None = None) -> list[str]:
     if not dead:
         return []
     try:
-        return _mark(api_url, dead)
+        local = _api_identity(api_url, folder).startswith("local:")
+        return _mark(api_url, dead, server_auth(home) if local else None)
     except Exception as err:  # noqa: BLE001 - marking is a courtesy to the UI: a command never fails over it
         log.warning("could not mark crashed flow runs on %s: %s", api_url, err)
         return []
 
 
-def _mark(api_url: str, dead: list[tuple[Path, Lease]]) -> list[str]:
+def _mark(api_url: str, dead: list[tuple[Path, Lease]], auth: str | None) -> list[str]:
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
     from prefect.states import Crashed
 
     marked = []
-    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+    updates = {PREFECT_API_URL: api_url, **({PREFECT_API_AUTH_STRING: auth} if auth else {})}
+    with temporary_settings(updates=updates), get_client(sync_client=True) as client:
         for path, lease in dead:
             try:
                 run = client.read_flow_run(UUID(lease.flow_run_id))

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import av
 import numpy as np
 import torch
 from prefect import task
@@ -40,6 +41,10 @@ def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
         state.result()
     except PERMANENT_ERRORS:
         return False
+    except av.error.FFmpegError as err:
+        # The decoder's verdict on the same bytes (end of file, bad data) is the same next time; only the system's
+        # I/O errors (an OSError) may pass on a retry.
+        return isinstance(err, OSError)
     except Exception:  # noqa: BLE001 - anything else (CUDA, I/O hiccups) may pass on a retry
         return True
     return False

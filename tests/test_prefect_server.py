@@ -236,7 +236,8 @@ def _alive(pid: int) -> bool:
 def test_a_killed_http_server_orphans_no_prefect_server(
     home: Path, url: str, tiny_bundle_path: Path, tmp_path: Path
 ) -> None:
-    """`k6vsr serve` SIGKILLed: no process of its own survives, and the Prefect server it used is the lasting one."""
+    """`k6vsr serve` SIGKILLed: no process of its own survives but the Prefect server it used, the secured one that
+    lasts in its store (the next `serve` on that store reuses it); the user's server is left alone."""
     import httpx
 
     servers = set(_servers_of(home))
@@ -263,11 +264,14 @@ def test_a_killed_http_server_orphans_no_prefect_server(
         deadline = time.monotonic() + 20
         while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.2)
+        own = tmp_path / "store" / "prefect-server"
+        assert prefect_server.server_status(own).running and prefect_server.server_auth(own)
         assert not [pid for pid in children if _alive(pid)], "a process of the killed server survived it"
         assert set(_servers_of(home)) == servers and prefect_server.server_status(home).running
     finally:
         if serve.poll() is None:
             serve.kill()
+        prefect_server.stop_server(tmp_path / "store" / "prefect-server")
 
 
 def test_server_command_stops_it_and_leaves_no_process(home: Path, url: str) -> None:

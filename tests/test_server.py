@@ -524,7 +524,9 @@ def test_video_path_is_opened_only_inside_the_allowed_folders(tmp_path: Path) ->
         assert os.read(opened.fd, 64) == clip.read_bytes()[:64]
         os.close(opened.fd)
     for raw, code in [
-        ("a\0b", "invalid_path"),
+        (str(allowed) + "/a\0b", "invalid_path"),
+        ("a\0b", "path_not_absolute"),
+        ("sub/a.mp4", "path_not_absolute"),  # never resolved against the server's working folder
         (str(allowed / "none.mp4"), "path_not_found"),
         (str(allowed / ("n" * 300)), "invalid_path"),
         (str(allowed / "sub"), "path_not_a_file"),

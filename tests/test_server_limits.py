@@ -144,6 +144,8 @@ def test_runs_are_reclaimed_and_finished_jobs_expire(server: Server, stack: dict
     kept = completed(server, server.post_json(video_path=square, sr_resolution_scale=2, seed=81))
     assert (store / "runs" / kept["run_key"]).is_dir() and (store / "jobs" / kept["id"] / "output.mp4").is_file()
     assert kept["expires_at"] == int(kept["completed_at"] + RETENTION_S)
+    record = json.loads((store / "jobs" / f"{kept['id']}.json").read_text())  # what the disk budget counts
+    assert record["disk_bytes"] > kept["output"]["bytes"] > 0 and "prepared" not in record
 
     deleted = completed(server, server.post_json(video_path=square, sr_resolution_scale=2, seed=82))
     assert server.client.delete(f"/v1/videos/{deleted['id']}").json()["deleted"] is True

@@ -1,0 +1,412 @@
+"""What a job costs the server, bounded: a job that cannot run is refused at submit, records and flow-run parameters
+stay small, listing reads only what it lists, slow uploads are cut off and cannot starve another key, and finished
+jobs keep a bounded disk.
+
+The app runs in this process without its job runner (jobs are queued, never run): everything here is decided
+before a job runs. The tests that need several connections at once serve it with uvicorn on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import av
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+from http_harness import error_of, free_port
+
+from entrypoints.http_api import Limits, ServerConfig, create_app, error_response, key_owner
+from entrypoints.jobs import (
+    MAX_MESSAGE_CHARS,
+    JobRunner,
+    JobStore,
+    _error_of,
+    job_message,
+    results_beside,
+    tile_counts,
+)
+from k6vsr_core.errors import MediaError
+from k6vsr_core.sample import make_sample_clip
+from service.runs import ModelSpec
+
+KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
+LIMITS = Limits(
+    max_upload_bytes=1 << 20,
+    max_fields=8,
+    max_fields_bytes=8 << 10,
+    max_queued=4,
+    input_quota_bytes=8 << 20,
+    max_output_pixels=2048 * 10**6,  # the default of --max-output-mpx
+    retention_s=3600.0,
+)
+
+
+def huge_declared_clip(path: Path, width: int = 6400, height: int = 6248, frames: int = 9) -> Path:
+    """A ~120 KB MP4 of `frames` black frames of `width` x `height`."""
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=24)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"preset": "ultrafast"}
+        frame = av.VideoFrame(width, height, "yuv420p")
+        for plane in frame.planes:
+            plane.update(bytes(plane.buffer_size))
+        for _ in range(frames):
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+def app_for(store: Path, bundle: Path, limits: Limits = LIMITS, keys: tuple[str, ...] = (KEY_A, KEY_B)):
+    config = ServerConfig(store_root=store, limits=limits, api_keys=keys)
+    return create_app(config, ModelSpec(model=str(bundle), device="cpu"))
+
+
+def upload(client: TestClient, clip: Path, key: str, **fields: str):
+    files = {"video_reference": ("x.mp4", clip.read_bytes(), "video/mp4")}
+    return client.post("/v1/videos", files=files, data=fields, headers={"Authorization": f"Bearer {key}"})
+
+
+def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
+    from entrypoints.cli import build_parser
+    from entrypoints.http_api import config_from
+
+    defaults = config_from(build_parser().parse_args(["serve"]), tmp_path, "m").limits
+    assert (defaults.max_tiles, defaults.max_windows, defaults.upload_timeout_s) == (2048, 512, 900)
+    assert (defaults.uploads_per_key, defaults.finished_quota_bytes) == (4, 51200 << 20)
+    flags = "--max-tiles 10 --max-windows 2 --upload-timeout-s 1.5 --max-uploads-per-key 1 --finished-quota-mb 3"
+    limits = config_from(build_parser().parse_args(["serve", *flags.split()]), tmp_path, "m").limits
+    assert (limits.max_tiles, limits.max_windows, limits.upload_timeout_s) == (10, 2, 1.5)
+    assert (limits.uploads_per_key, limits.finished_quota_bytes) == (1, 3 << 20)
+    with pytest.raises(ValueError, match="--max-tiles"):
+        config_from(build_parser().parse_args(["serve", "--max-tiles", "0"]), tmp_path, "m")
+
+
+# ------------------------------------------------------------------------------------------- refused at submit
+
+
+def test_small_upload_declared_huge_is_refused_at_submit(tmp_path: Path, tiny_bundle_path: Path) -> None:
+    """The probe: 9 frames declared 6400x6248 (about 120 KB, under the output-pixel cap) plan tens of thousands of
+    tiles; the job could never run, so it is refused at once, and leaves nothing behind."""
+    clip = huge_declared_clip(tmp_path / "huge.mp4")
+    assert clip.stat().st_size < LIMITS.max_upload_bytes
+    store = tmp_path / "store"
+    client = TestClient(app_for(store, tiny_bundle_path))
+    error = error_of(upload(client, clip, KEY_A), 400, [str(tmp_path)])
+    assert error["code"] == "too_many_tiles" and error["type"] == "invalid_request_error", error
+    assert "--max-tiles" in error["message"] and len(error["message"]) <= MAX_MESSAGE_CHARS
+    assert not list((store / "jobs").iterdir())
+
+    # The window cap: 300 frames are 3 windows, refused under --max-windows 2.
+    long_clip = make_sample_clip(tmp_path / "long.mp4", width=64, height=64, num_frames=300, audio=False)
+    few_windows = TestClient(app_for(store, tiny_bundle_path, replace(LIMITS, max_windows=2)))
+    error = error_of(upload(few_windows, long_clip, KEY_A, sr_resolution_scale="2"), 400)
+    assert error["code"] == "too_many_windows" and "--max-windows" in error["message"], error
+
+
+def test_a_relative_video_path_is_refused(
+    tmp_path: Path, tiny_bundle_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resolved against the server's working folder it would name a file of the server's: refused, whatever is there."""
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    make_sample_clip(allowed / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
+    monkeypatch.chdir(allowed)
+    config = ServerConfig(store_root=tmp_path / "store", limits=LIMITS, allow_paths=(allowed,))
+    client = TestClient(create_app(config, ModelSpec(model=str(tiny_bundle_path), device="cpu")))
+    for relative in ("clip.mp4", "./clip.mp4", "../allowed/clip.mp4"):
+        error = error_of(client.post("/v1/videos", json={"video_path": relative}), 400, [str(tmp_path)])
+        assert error["code"] == "path_not_absolute" and error["param"] == "video_path", error
+    assert client.post("/v1/videos", json={"video_path": str(allowed / "clip.mp4")}).status_code == 200
+
+
+def test_record_and_flow_parameters_hold_no_plan(tmp_path: Path, tiny_bundle_path: Path) -> None:
+    """A job of hundreds of tiles: its record and what its flow run is handed are a few hundred bytes each (a run
+    key and the request), not its plan, which grows with the tiles."""
+    clip = make_sample_clip(tmp_path / "big.mp4", width=512, height=512, num_frames=9, audio=False)
+    store = tmp_path / "store"
+    client = TestClient(app_for(store, tiny_bundle_path))
+    response = upload(client, clip, KEY_A, sr_resolution_scale="4")
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["tiles"]["total"] > 100, job["tiles"]
+    record = store / "jobs" / f"{job['id']}.json"
+    assert record.stat().st_size < 2048, record.stat().st_size
+    stored = json.loads(record.read_text())
+    assert "prepared" not in stored and stored["run_key"] == job["run_key"]
+    message = job_message(JobStore(store, 1 << 20), stored)
+    assert set(message) == {"id", "source", "output", "params", "store_root", "latent_fps"}
+    assert len(json.dumps(message)) < 2048
+
+
+def test_error_messages_are_short_and_typed() -> None:
+    huge = "x " * 1_100_000  # a library's message of megabytes
+    internal = _error_of(RuntimeError(huge))
+    assert internal["type"] == "server_error" and len(internal["message"]) <= MAX_MESSAGE_CHARS
+    user = _error_of(MediaError("the clip", "no video stream"))
+    assert user == {"message": user["message"], "type": "invalid_request_error", "code": "invalid_video"}
+    body = json.loads(error_response(400, huge).body)
+    assert len(body["error"]["message"]) <= MAX_MESSAGE_CHARS
+
+
+def test_a_permanent_media_error_is_not_retried() -> None:
+    """A stage task retries what may pass (an I/O error), never the decoder's verdict on the same bytes."""
+    from tasks.stage_tasks import _retry_transient
+
+    class Failed:
+        def __init__(self, err: BaseException) -> None:
+            self.err = err
+
+        def result(self) -> None:
+            raise self.err
+
+    for permanent in (av.error.EOFError(541478725, "End of file"), MediaError("clip", "decoding failed")):
+        assert not _retry_transient(None, None, Failed(permanent)), permanent
+    for transient in (OSError(5, "Input/output error"), RuntimeError("CUDA error: an illegal memory access")):
+        assert _retry_transient(None, None, Failed(transient)), transient
+
+
+def test_tile_counts_stay_honest_across_a_restart() -> None:
+    """49 tiles, none stored when the job first started; the killed attempt computed 39, the resumed one the other
+    10. The resumed attempt's own summary says 10 computed, 39 reused; the job says 49 computed."""
+    resumed = {"tiles_total": 49, "tiles_computed": 10}
+    assert tile_counts(resumed, found=0) == {"total": 49, "computed": 49, "reused": 0}
+    # A job that found 30 tiles of an earlier job's run, and was never restarted: the summary is right as it is.
+    assert tile_counts({"tiles_total": 49, "tiles_computed": 19}, found=30) == {
+        "total": 49,
+        "computed": 19,
+        "reused": 30,
+    }
+    assert tile_counts({"tiles_total": 49, "tiles_computed": 0}, found=49)["reused"] == 49
+
+
+def test_a_failed_jobs_pickled_exception_stays_in_its_folder(prefect_server: str, tmp_path: Path) -> None:
+    """What Prefect persists of a failed flow run lands in the job's folder, which goes with the job."""
+    from prefect import flow
+    from prefect.settings import get_current_settings
+
+    default = Path(get_current_settings().results.local_storage_path)
+    before = set(default.iterdir()) if default.is_dir() else set()
+
+    @flow(name="k6vsr-test-failing")
+    def failing() -> None:
+        raise RuntimeError("/srv/k6vsr/store/jobs/video_x/input: no video stream")
+
+    job_dir = tmp_path / "jobs" / "video_abcdefghijklmnopq"
+    with results_beside(str(job_dir / "output.mp4")):
+        assert failing(return_state=True).is_failed()
+    assert [path.is_file() for path in (job_dir / "prefect-results").iterdir()] == [True]
+    assert (set(default.iterdir()) if default.is_dir() else set()) == before
+
+
+# -------------------------------------------------------------------------------------------------- listing
+
+
+def test_submit_and_cancel_rounds_keep_records_small_and_listing_flat(
+    tmp_path: Path, tiny_bundle_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """30 rounds of submit-and-cancel by key B: every record stays small, and key A's list reads none of them (a
+    list costs the jobs it lists), so its time does not grow with B's records."""
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=256, height=256, num_frames=9, audio=False)
+    store = tmp_path / "store"
+    client = TestClient(app_for(store, tiny_bundle_path))
+    a, b = {"Authorization": f"Bearer {KEY_A}"}, {"Authorization": f"Bearer {KEY_B}"}
+    mine = upload(client, clip, KEY_A, seed="1").json()["id"]
+    reads: list[str] = []
+    get = JobStore.get
+    monkeypatch.setattr(JobStore, "get", lambda self, job_id: reads.append(job_id) or get(self, job_id))
+    latencies = []
+    for round_ in range(30):
+        posted = upload(client, clip, KEY_B, seed=str(100 + round_))
+        assert posted.status_code == 200, posted.text
+        assert client.delete(f"/v1/videos/{posted.json()['id']}", headers=b).json()["status"] == "cancelled"
+        reads.clear()
+        started = time.perf_counter()
+        listed = client.get("/v1/videos", headers=a).json()["data"]
+        latencies.append(time.perf_counter() - started)
+        assert [job["id"] for job in listed] == [mine] and reads == [mine]
+    sizes = [path.stat().st_size for path in (store / "jobs").glob("video_*.json")]
+    assert len(sizes) == 31 and max(sizes) < 2048, sizes
+    assert len(client.get("/v1/videos", headers=b).json()["data"]) == 30
+    assert max(latencies[-5:]) < 10 * min(latencies[:5]) + 0.25, latencies
+
+
+# ---------------------------------------------------------------------------------------- slow uploads, fairness
+
+
+@pytest.fixture
+def served(tmp_path: Path, tiny_bundle_path: Path) -> Iterator[int]:
+    """The app on a loopback port (uvicorn in a thread), with a 2 s body deadline and one upload a key at once."""
+    limits = replace(LIMITS, upload_timeout_s=2.0, uploads_per_key=1)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app_for(tmp_path / "store", tiny_bundle_path, limits),
+            host="127.0.0.1",
+            port=port,
+            lifespan="off",
+            log_level="warning",
+        )
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    yield port
+    server.should_exit = True
+    thread.join(timeout=15)
+
+
+def stalled_upload(port: int, key: str) -> socket.socket:
+    """A chunked multipart upload that sends its head and a first chunk of the clip, then nothing."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    head = (
+        "POST /v1/videos HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Type: multipart/form-data; boundary=b0undary\r\n\r\n"
+    )
+    part = b'--b0undary\r\nContent-Disposition: form-data; name="video_reference"; filename="x"\r\n\r\n' + b"\0" * 1000
+    sock.sendall(head.encode() + b"%x\r\n" % len(part) + part + b"\r\n")
+    return sock
+
+
+def answer_of(sock: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+def test_stalled_uploads_of_one_key_neither_starve_another_nor_last(served: int, tmp_path: Path) -> None:
+    """The probe: one key opens as many never-finishing uploads as there are admission slots. Past its share it
+    gets 429 at once; the other key's upload is taken; the stalled one is cut off with 408 at its deadline."""
+    import httpx
+
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
+    started = time.monotonic()
+    stalled = [stalled_upload(served, KEY_A)]
+    try:
+        time.sleep(0.5)  # the first is admitted and reading
+        stalled += [stalled_upload(served, KEY_A) for _ in range(LIMITS.max_queued - 1)]
+        refused = [answer_of(sock) for sock in stalled[1:]]
+        assert all(status == 429 and body["error"]["code"] == "too_many_uploads" for status, body in refused), refused
+
+        with httpx.Client(base_url=f"http://127.0.0.1:{served}", timeout=15) as client:
+            files = {"video_reference": ("x.mp4", clip.read_bytes(), "video/mp4")}
+            other = client.post("/v1/videos", files=files, headers={"Authorization": f"Bearer {KEY_B}"})
+            assert other.status_code == 200, other.text
+
+            status, body = answer_of(stalled[0])
+            assert status == 408 and body["error"]["code"] == "request_timeout", body
+            assert time.monotonic() - started < 2.0 + 10
+            again = client.post("/v1/videos", files=files, headers={"Authorization": f"Bearer {KEY_A}"})
+            assert again.status_code == 200, again.text  # its slot and quota were given back
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+# -------------------------------------------------------------------------------------------- finished jobs
+
+
+def test_finished_jobs_keep_a_bounded_disk_oldest_deleted_first(tmp_path: Path) -> None:
+    store = JobStore(tmp_path, 1 << 20)
+    runner = JobRunner(
+        store, ModelSpec(model="unused"), workers=1, max_queued=4, retention_s=3600.0, finished_quota_bytes=250
+    )
+    now = int(time.time())
+    for index, (status, size) in enumerate([("completed", 100), ("failed", 0), ("completed", 100), ("completed", 100)]):
+        job_id = f"video_{'abcdefghijklmnop'}{index}"
+        store.put(
+            {
+                "id": job_id,
+                "owner": key_owner(KEY_A),
+                "status": status,
+                "run_key": f"run{index}",
+                "created_ns": index,
+                "completed_at": now - 100 + index,
+                "disk_bytes": size,
+            }
+        )
+    assert runner.expire() == ["video_abcdefghijklmnop0"]  # 300 bytes kept: the oldest completed goes
+    assert [entry.id[-1] for entry in store.entries()] == ["1", "2", "3"]
+    runner.finished_quota_bytes = 10
+    assert runner.expire() == ["video_abcdefghijklmnop2"]  # the newest stays whatever its size
+    assert JobStore(tmp_path, 1 << 20).entries() == store.entries()  # the index is the records'
+
+
+# ---------------------------------------------------------------------------------------------- Prefect server
+
+
+def test_the_services_prefect_server_answers_only_with_its_auth_string(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve`'s own Prefect server: on loopback, on a port of its own, and every API call but the health check
+    needs the auth string kept owner-only in its folder, which its job processes inherit."""
+    import base64
+    import os
+    import subprocess
+    from urllib.parse import urlparse
+
+    import httpx
+    from prefect import flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows import prefect_server
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    # Whatever API a test session set up (conftest's `prefect_server`), serve's own server is what is tested.
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        home = tmp_path / "prefect-server"
+        try:
+            with prefect_server.prefect_api(home, secured=True) as url:
+                auth = prefect_server.server_auth(home)
+                assert auth and (home / "auth").stat().st_mode & 0o777 == 0o600
+                assert urlparse(url).hostname == "127.0.0.1" and urlparse(url).port != prefect_server.DEFAULT_PORT
+                assert os.environ["PREFECT_API_AUTH_STRING"] == auth and os.environ["PREFECT_API_URL"] == url
+                assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+                for headers in ({}, {"Authorization": "Basic " + base64.b64encode(b"guess").decode()}):
+                    assert (
+                        httpx.post(f"{url}/flow_runs/filter", json={}, headers=headers, timeout=10).status_code == 401
+                    )
+                token = base64.b64encode(auth.encode()).decode()
+                answer = httpx.post(f"{url}/flow_runs/filter", json={}, headers={"Authorization": f"Basic {token}"})
+                assert answer.status_code == 200, answer.text
+
+                from prefect.client.orchestration import get_client
+
+                with get_client(sync_client=True) as client:  # the settings a job process inherits
+                    assert client.read_flow_runs() == []
+                    run = client.create_flow_run(flow(name="k6vsr-test-noop")(lambda: None))
+
+            # Outside the block, as the next command: a run whose process died is still marked Crashed, with the
+            # auth string the server's folder holds.
+            gone = subprocess.Popen(["true"])
+            gone.wait()
+            lease = prefect_server.Lease(
+                flow_run_id=str(run.id),
+                pid=gone.pid,
+                host=socket.gethostname(),
+                api_url=url,
+                api=f"local:{home.resolve()}",
+                started_at="2026-01-01T00:00:00+00:00",
+            )
+            (home / "leases").mkdir(exist_ok=True)
+            (home / "leases" / f"{run.id}.json").write_text(lease.model_dump_json())
+            assert "PREFECT_API_AUTH_STRING" not in os.environ
+            assert prefect_server.mark_crashed_runs(url, home) == [str(run.id)]
+        finally:
+            prefect_server.stop_server(home)
