@@ -1,5 +1,6 @@
-"""The compile cache on the CPU: the cold-compile notice once per new shape, and `k6vsr cache export`/`import`
-carrying PyTorch's cache artefacts to a machine whose cache is empty, where the compile then hits them."""
+"""The compile cache on the CPU: the cold-compile notice once per new shape, and `k6vsr cache export`/`import` (or
+`$K6VSR_COMPILE_ARTIFACTS`) carrying PyTorch's cache artefacts to a machine whose cache is empty, where the compile
+then hits them."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import json, sys, warnings
 import torch
 from torch._dynamo.utils import counters
 from k6vsr_core import compile_cache
+compile_cache.import_configured_artifacts()  # what compile_bundle does first: $K6VSR_COMPILE_ARTIFACTS, if set
 root = compile_cache.compile_cache_dir()
 compile_cache.enable_compile_cache(root)
 watch = compile_cache.CompileWatch(root, {("DiT", None)})
@@ -35,9 +37,11 @@ print(json.dumps({"hits": inductor["fxgraph_cache_hit"], "misses": inductor["fxg
 """
 
 
-def _compile_in_fresh_process(cache: Path, tmp: Path) -> dict:
+def _compile_in_fresh_process(cache: Path, tmp: Path, artifacts: Path | None = None) -> dict:
     env = {**os.environ, compile_cache.CACHE_ENV: str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
     env.pop(compile_cache.ARTIFACTS_ENV, None)
+    if artifacts is not None:
+        env[compile_cache.ARTIFACTS_ENV] = str(artifacts)
     env["TMPDIR"] = str(tmp)  # Inductor's default temporary caches stay out of the way
     done = subprocess.run([sys.executable, "-c", COMPILE_ONCE], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -72,6 +76,10 @@ def test_exported_kernels_hit_in_an_empty_cache_after_import(tmp_path: Path) -> 
     after = _compile_in_fresh_process(second, tmp_path)
     assert after["hits"] >= 1 and after["misses"] == 0
     assert after["notices"] == []
+
+    # The setting deployments and warm workers read: the process imports the file itself before compiling.
+    configured = _compile_in_fresh_process(tmp_path / "machine-c", tmp_path, artifacts=tmp_path / "kernels.zip")
+    assert configured["hits"] >= 1 and configured["misses"] == 0 and configured["notices"] == []
 
 
 def test_export_of_an_empty_cache_and_import_of_a_foreign_file_are_refused(tmp_path: Path) -> None:
