@@ -35,8 +35,9 @@ from pydantic import BaseModel
 
 CACHE_ENV = "K6VSR_COMPILE_CACHE"
 ARTIFACTS_ENV = "K6VSR_COMPILE_ARTIFACTS"
-# Measured on an H200 (bench/RESULTS.md): DiT blocks and KVAE decoder at W1's shapes, empty cache.
-COLD_COMPILE_NOTE = "about 3 minutes on an H200 for a new tile shape"
+# Measured on an H200 (bench/RESULTS.md): DiT blocks and KVAE decoder at W1's shapes, empty cache, about 3 minutes;
+# flex attention alone (`--no-compile`) a few seconds.
+COMPILE_ESTIMATES = {"networks": "about 3 minutes on an H200", "flex attention": "a few seconds"}
 KEEP_PROCESS_FILES = 16
 ARCHIVE_MANIFEST = "k6vsr-compile-cache.json"
 
@@ -140,10 +141,11 @@ class CompileWatch:
     """Wraps each call of a compiled network: before the first call of a shape in this process, says whether the
     machine must compile it; after it, marks the shape compiled and keeps the process's cache artefacts."""
 
-    def __init__(self, root: Path, watched: set[tuple[str, str | None]]) -> None:
+    def __init__(self, root: Path, watched: set[tuple[str, str | None]], estimate: str) -> None:
         self.root = root
         # (component, detail) pairs that compile; a detail of None stands for every detail of that component.
         self.watched = watched
+        self.estimate = estimate
         self._seen: set[str] = set()
         self._lock = threading.Lock()
 
@@ -162,7 +164,7 @@ class CompileWatch:
         if first_here and not _marker(self.root, key).exists():
             warnings.warn(
                 f"compiling GPU kernels for the {component} at {'x'.join(map(str, shape))} "
-                f"(first run on this machine for this shape: {COLD_COMPILE_NOTE}; later runs reuse "
+                f"(first run on this machine for this shape: {self.estimate}; later runs reuse "
                 f"{self.root}; `k6vsr cache import FILE` brings another machine's kernels)",
                 CompileNotice,
                 stacklevel=3,

@@ -42,6 +42,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from k6vsr_core.attention import AttentionMode, DenseSdpaProcessor, project_qkv
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.compile_cache import (
+    COMPILE_ESTIMATES,
     CompileWatch,
     compile_cache_dir,
     enable_compile_cache,
@@ -263,8 +264,11 @@ def compile_bundle(
     compile_networks = compiled and (cuda or on_cpu)
     if path.cache_dir is not None:
         # What compiles at a new shape: everything, or NABLA's flex attention alone (`stages` calls the watch).
-        watched = {("DiT", None), ("KVAE decoder", None)} if compile_networks else {("DiT", "nabla")}
-        bundle.compile_watch = CompileWatch(Path(path.cache_dir), watched)  # type: ignore[attr-defined]
+        if compile_networks:
+            watch = CompileWatch(root, {("DiT", None), ("KVAE decoder", None)}, COMPILE_ESTIMATES["networks"])
+        else:
+            watch = CompileWatch(root, {("DiT", "nabla")}, COMPILE_ESTIMATES["flex attention"])
+        bundle.compile_watch = watch  # type: ignore[attr-defined]
     path.compiled_flex = cuda and not compile_networks
     switch = AttentionSwitch(bundle.transformer, compiled_blocks=compile_networks, use_cudnn=path.cudnn_attention)
     # The hook `stages.denoise_chunk` calls after the plain `set_attention` (see stages.use_attention).

@@ -25,7 +25,7 @@ from k6vsr_core import compile_cache
 compile_cache.import_configured_artifacts()  # what compile_bundle does first: $K6VSR_COMPILE_ARTIFACTS, if set
 root = compile_cache.compile_cache_dir()
 compile_cache.enable_compile_cache(root)
-watch = compile_cache.CompileWatch(root, {("DiT", None)})
+watch = compile_cache.CompileWatch(root, {("DiT", None)}, "about 3 minutes")
 f = torch.compile(lambda x: (x.sin() * 2).cumsum(0), dynamic=False)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -102,7 +102,7 @@ def test_export_of_an_empty_cache_and_import_of_a_foreign_file_are_refused(tmp_p
 
 
 def test_the_watch_says_nothing_for_what_does_not_compile(tmp_path: Path) -> None:
-    watch = compile_cache.CompileWatch(tmp_path, {("DiT", "nabla")})
+    watch = compile_cache.CompileWatch(tmp_path, {("DiT", "nabla")}, "a few seconds")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with watch("DiT", (1, 2), "dense"):
