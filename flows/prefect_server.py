@@ -134,12 +134,18 @@ def _pick_port() -> int:
         return sock.getsockname()[1]
 
 
-def _server_env(home: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_PROFILE")}
+def _server_env(home: Path, port: int) -> dict[str, str]:
+    # A UI setting given to commands (they may point at another server) must not reach this server's UI.
+    dropped = {"PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_UI_URL", "PREFECT_UI_API_URL"}
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(
         PREFECT_HOME=str(home / "prefect"),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",  # offline they would only log connection errors
         PREFECT_SERVER_API_HOST=HOST,
+        PREFECT_SERVER_API_PORT=str(port),
+        # The UI asks `/ui-settings` where its API is; Prefect answers from the settings, not from `--port`, so
+        # without this a server started on another port than 4200 would send its UI to 4200.
+        PREFECT_SERVER_UI_API_URL=f"http://{HOST}:{port}/api",
     )
     return env
 
@@ -176,7 +182,7 @@ def _launch(folder: StateFolder, port: int) -> _Record:
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
     launcher = subprocess.run(
         [sys.executable, "-c", _LAUNCHER, str(folder.record_path), str(folder.log_path), str(port), now(), *command],
-        env=_server_env(folder.path),
+        env=_server_env(folder.path, port),
         cwd=folder.path,  # never the command's folder, which the server would otherwise keep busy for its lifetime
         stdin=subprocess.DEVNULL,
         capture_output=True,

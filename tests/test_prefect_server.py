@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from uuid import UUID
@@ -281,3 +282,35 @@ def test_server_command_stops_it_and_leaves_no_process(home: Path, url: str) -> 
     assert _servers_of(home) == [] and not (home / "server.json").exists()
     assert not prefect_server.server_status(home).running
     assert prefect_server.stop_server(home) is False
+
+
+@pytest.fixture
+def port_4200_taken() -> Iterator[None]:
+    """Prefect's default port held, as by another server: the local server must start on another one."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", prefect_server.DEFAULT_PORT))
+            sock.listen()
+        except OSError:
+            pass  # already taken by something else on this machine: just as good
+        yield
+
+
+def test_the_ui_is_told_its_api_on_whatever_port_the_server_gets(tmp_path: Path, port_4200_taken: None) -> None:
+    """The UI asks `/ui-settings` where its API is: the port the server got, not 4200, even when the command runs
+    with `PREFECT_API_URL` pointing at another server."""
+    home = tmp_path / "server-home"
+    env = _env(home, PREFECT_API_URL="http://127.0.0.1:9/api", PREFECT_UI_API_URL="http://127.0.0.1:9/api")
+    env.pop("K6VSR_SERVER_PORT")  # Prefect's default port, 4200, which is taken
+    cli = [sys.executable, "-m", "entrypoints.cli", "server"]
+    try:
+        start = procs.run([*cli, "start", "--json"], env=env, cwd=ROOT)
+        assert start.returncode == 0, start.stderr[-3000:]
+        status = json.loads(start.stdout)
+        assert status["running"] and f":{prefect_server.DEFAULT_PORT}/" not in status["url"]
+        with urllib.request.urlopen(f"{status['ui_url']}/ui-settings", timeout=30) as response:
+            assert json.loads(response.read())["api_url"] == status["url"]
+    finally:
+        prefect_server.stop_server(home)
+        for pid in _servers_of(home):
+            os.kill(pid, signal.SIGKILL)
