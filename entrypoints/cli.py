@@ -372,15 +372,16 @@ def _check_device(device: str) -> None:
 
 
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
-    from flows.orchestrate import run_clip
-    from flows.upscale_clip import default_output_name
-
     source, latent_fps = input_from(args)
     params = params_from(args)
     spec = model_from(args)
     store = store_from(args)
-    # Plan first: a bad file, value or model fails here, before a server starts or a model loads.
+    # Plan first: a bad file, value or model fails here, before a server starts or a model loads, and before
+    # Prefect is imported (seconds).
     prepared = prepare_run(source, params, spec, store, latent_fps)
+    from flows.orchestrate import run_clip
+    from flows.upscale_clip import default_output_name
+
     if args.dask_address is None:
         _check_device(spec.device)
     out_dir = Path(args.output_dir) if args.output_dir else source.resolve().parent

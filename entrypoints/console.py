@@ -23,12 +23,16 @@ from storage import RunStore
 # Prefect's terminal handler, set through the environment so that every process a command starts (Dask workers, job
 # processes) inherits it; the API handler, which feeds the UI, keeps every line.
 CONSOLE_LEVEL_ENV = "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"
+# Prefect's client telemetry switch (it reads no setting of its own): off, so that a new user's first command shows
+# its output, not Prefect's notice about usage data. Our server's analytics are off too (flows.prefect_server).
+TELEMETRY_ENV = "DO_NOT_TRACK"
 
 
 def configure_terminal(verbose: bool) -> None:
     """Warnings (one line each) and errors on the terminal; every log line too when `verbose`."""
     level = "INFO" if verbose else "WARNING"
     os.environ[CONSOLE_LEVEL_ENV] = level
+    os.environ.setdefault(TELEMETRY_ENV, "1")
     if "prefect.logging.handlers" in sys.modules:  # Prefect already set up its logging here: tell its handlers too
         from prefect.logging.handlers import PrefectConsoleHandler
 
