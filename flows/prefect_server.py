@@ -431,28 +431,49 @@ def mark_crashed_runs(api_url: str, home: Path | None = None) -> list[str]:
         return []
 
 
-def _mark(api_url: str, dead: list[tuple[Path, Lease]]) -> list[str]:
+def _died(lease: Lease) -> str:
+    return (
+        f"process {lease.pid} on {lease.host}, which ran this flow run since {lease.started_at}, "
+        "died without ending it (killed or out of memory)"
+    )
+
+
+def _mark(api_url: str, leases: list[tuple[Path, Lease]], message: Callable[[Lease], str] = _died) -> list[str]:
+    """Mark Crashed each lease's flow run, unless it is final, and every task run of it that is not: the tasks in
+    flight when a process dies never say so themselves. Returns the ids of the flow runs marked."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL, temporary_settings
     from prefect.states import Crashed
 
+    unfinished = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
     marked = []
     with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-        for path, lease in dead:
+        for path, lease in leases:
             try:
                 run = client.read_flow_run(UUID(lease.flow_run_id))
             except ObjectNotFound:
                 path.unlink(missing_ok=True)
                 continue
             if run.state is None or not run.state.is_final():
-                message = (
-                    f"process {lease.pid} on {lease.host}, which ran this flow run since {lease.started_at}, "
-                    "died without ending it (killed or out of memory)"
-                )
-                client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+                client.set_flow_run_state(run.id, Crashed(message=message(lease)), force=True)
                 marked.append(lease.flow_run_id)
+            tasks = client.read_task_runs(
+                task_run_filter=TaskRunFilter(
+                    flow_run_id=TaskRunFilterFlowRunId(any_=[run.id]),
+                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=unfinished)),
+                )
+            )
+            for task_run in tasks:
+                client.set_task_run_state(task_run.id, Crashed(message=message(lease)), force=True)
             path.unlink(missing_ok=True)
     return marked

@@ -16,6 +16,7 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import procs
@@ -118,19 +119,31 @@ def test_prefect_api_url_wins(tmp_path: Path) -> None:
 
 SLEEPY_FLOW = """
 import sys, time
-from prefect import flow
+from prefect import flow, task
 from prefect.runtime import flow_run
 from flows.prefect_server import leased, prefect_api
+
+@task(name="k6vsr-test-nap")
+def nap(seconds: float) -> None:
+    time.sleep(seconds)
 
 @flow(name="k6vsr-test-sleepy")
 @leased
 def sleepy(seconds: float) -> None:
+    napping = nap.submit(seconds)
     print("RUN", flow_run.id, flush=True)
-    time.sleep(seconds)
+    napping.wait()
 
 with prefect_api():
     sleepy(float(sys.argv[1]))
 """
+
+
+def _task_states(client: Any, flow_run_id: str) -> list[str]:
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    runs = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))
+    return [run.state.name for run in runs if run.state is not None]
 
 
 def test_a_killed_run_is_marked_crashed_by_the_next_command(home: Path, url: str) -> None:
@@ -156,6 +169,10 @@ def test_a_killed_run_is_marked_crashed_by_the_next_command(home: Path, url: str
         assert lease.is_file()
         with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
             assert client.read_flow_run(UUID(run_id)).state.name == "Running"
+            deadline = time.monotonic() + 60
+            while _task_states(client, run_id) != ["Running"]:  # the task's state reaches the API as an event
+                assert time.monotonic() < deadline, _task_states(client, run_id)
+                time.sleep(0.2)
             process.kill()
             process.wait(timeout=30)
             assert client.read_flow_run(UUID(run_id)).state.name == "Running"  # nobody told the API
@@ -163,7 +180,9 @@ def test_a_killed_run_is_marked_crashed_by_the_next_command(home: Path, url: str
             _, err = nxt.communicate(timeout=120)
             assert nxt.returncode == 0, err[-3000:]
             state = client.read_flow_run(UUID(run_id)).state
+            task_states = _task_states(client, run_id)
         assert state.name == "Crashed" and f"process {process.pid}" in state.message
+        assert task_states == ["Crashed"]  # the task in flight, too
         assert not lease.exists()
     finally:
         if process.poll() is None:
