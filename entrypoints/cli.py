@@ -12,12 +12,15 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from entrypoints import stopping
 from entrypoints.console import configure_terminal, summary_lines, tile_progress
+from flows import interrupts
 from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
 from k6vsr_core.params import FPS_MODES, UpscaleParams, parse_params
@@ -674,7 +677,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workers": cmd_workers,
     }
     try:
-        result = handlers[args.command](args)
+        with stopping.stop_on_interrupt():
+            result = handlers[args.command](args)
+    except (KeyboardInterrupt, interrupts.Interrupted) as err:  # outside a flow; inside one the flow stops first
+        stopping.stop(interrupts.signal_of(err) or signal.SIGINT)
     except Exception as err:  # noqa: BLE001 - turned into one clear line below
         if args.debug:
             raise

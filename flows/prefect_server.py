@@ -36,12 +36,16 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from pydantic import BaseModel
 
+from flows import interrupts
 from flows.state_folder import StateFolder, alive, now, process_start, state_home
 from storage.records import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from prefect.states import State
 
 log = logging.getLogger("k6vsr.prefect_server")
 
@@ -369,7 +373,11 @@ def leased(fn: Callable[P, R]) -> Callable[P, R]:
         from prefect.runtime import flow_run
 
         with flow_run_lease(flow_run.id):
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as exc:
+                interrupts.surfaced(exc)  # a command stops here, its lease still held (`end_leased_runs`)
+                raise
 
     # Prefect reads the parameters' types from the function it is given, resolving names in that function's module:
     # hand it the types themselves, as `fn`'s module resolves them, not names this module does not know.
@@ -431,16 +439,48 @@ def mark_crashed_runs(api_url: str, home: Path | None = None) -> list[str]:
         return []
 
 
-def _died(lease: Lease) -> str:
-    return (
-        f"process {lease.pid} on {lease.host}, which ran this flow run since {lease.started_at}, "
+def end_leased_runs(pid: int, reason: str, wait_s: float = 30.0, home: Path | None = None) -> list[str]:
+    """Once process `pid` has ended, mark Cancelled (with `reason`) the flow runs it held leases for and their task
+    runs that are not final; for a command that stops on an interrupt without waiting for its tasks. Never raises.
+
+    Run by a helper that outlives the command by a moment: while the command lives, its threads may still start a
+    task run, whose state would land after the marks and stay "Running" in the UI forever.
+    """
+    from prefect.states import Cancelled
+
+    deadline = time.monotonic() + wait_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    folder = _folder(home)
+    by_api: dict[str, list[tuple[Path, Lease]]] = {}
+    try:
+        for path in sorted(_leases(folder).glob("*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                lease = Lease.model_validate_json(path.read_bytes())
+                if lease.pid == pid and lease.host == socket.gethostname() and lease.api_url:
+                    by_api.setdefault(lease.api_url, []).append((path, lease))
+        return [
+            run_id
+            for api_url, leases in by_api.items()
+            for run_id in _mark(api_url, leases, lambda _: Cancelled(message=reason))
+        ]
+    except Exception as err:  # noqa: BLE001 - marking is a courtesy to the UI: the next command marks them Crashed
+        log.warning("could not mark the interrupted flow runs: %s", err)
+        return []
+
+
+def _died(lease: Lease) -> State:
+    from prefect.states import Crashed
+
+    return Crashed(
+        message=f"process {lease.pid} on {lease.host}, which ran this flow run since {lease.started_at}, "
         "died without ending it (killed or out of memory)"
     )
 
 
-def _mark(api_url: str, leases: list[tuple[Path, Lease]], message: Callable[[Lease], str] = _died) -> list[str]:
-    """Mark Crashed each lease's flow run, unless it is final, and every task run of it that is not: the tasks in
-    flight when a process dies never say so themselves. Returns the ids of the flow runs marked."""
+def _mark(api_url: str, leases: list[tuple[Path, Lease]], end: Callable[[Lease], State] = _died) -> list[str]:
+    """Put each lease's flow run in the state `end` gives, unless it is final, and every task run of it that is not:
+    the tasks in flight when a process dies never say so themselves. Returns the ids of the flow runs marked."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
@@ -453,7 +493,6 @@ def _mark(api_url: str, leases: list[tuple[Path, Lease]], message: Callable[[Lea
     from prefect.client.schemas.objects import StateType
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_URL, temporary_settings
-    from prefect.states import Crashed
 
     unfinished = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
     marked = []
@@ -465,7 +504,7 @@ def _mark(api_url: str, leases: list[tuple[Path, Lease]], message: Callable[[Lea
                 path.unlink(missing_ok=True)
                 continue
             if run.state is None or not run.state.is_final():
-                client.set_flow_run_state(run.id, Crashed(message=message(lease)), force=True)
+                client.set_flow_run_state(run.id, end(lease), force=True)
                 marked.append(lease.flow_run_id)
             tasks = client.read_task_runs(
                 task_run_filter=TaskRunFilter(
@@ -474,6 +513,6 @@ def _mark(api_url: str, leases: list[tuple[Path, Lease]], message: Callable[[Lea
                 )
             )
             for task_run in tasks:
-                client.set_task_run_state(task_run.id, Crashed(message=message(lease)), force=True)
+                client.set_task_run_state(task_run.id, end(lease), force=True)
             path.unlink(missing_ok=True)
     return marked
