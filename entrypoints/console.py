@@ -21,8 +21,11 @@ from service.runs import PreparedRun
 from storage import RunStore
 
 # Prefect's terminal handler, set through the environment so that every process a command starts (Dask workers, job
-# processes) inherits it; the API handler, which feeds the UI, keeps every line.
+# processes) inherits it; the API handler, which feeds the UI, keeps every line. Its class keeps a flow or task
+# run's own lines (and tracebacks) off the terminal unless asked for (`entrypoints.console_log`).
 CONSOLE_LEVEL_ENV = "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"
+CONSOLE_CLASS_ENV = "PREFECT_LOGGING_HANDLERS_CONSOLE_CLASS"
+CONSOLE_CLASS = "entrypoints.console_log.CommandConsoleHandler"
 # Prefect's client telemetry switch (it reads no setting of its own): off, so that a new user's first command shows
 # its output, not Prefect's notice about usage data. Our server's analytics are off too (flows.prefect_server).
 TELEMETRY_ENV = "DO_NOT_TRACK"
@@ -33,6 +36,7 @@ def configure_terminal(verbose: bool) -> None:
     level = "INFO" if verbose else "WARNING"
     os.environ[CONSOLE_LEVEL_ENV] = level
     os.environ.setdefault(TELEMETRY_ENV, "1")
+    os.environ[CONSOLE_CLASS_ENV] = CONSOLE_CLASS
     if "prefect.logging.handlers" in sys.modules:  # Prefect already set up its logging here: tell its handlers too
         from prefect.logging.handlers import PrefectConsoleHandler
 
@@ -46,6 +50,7 @@ def configure_terminal(verbose: bool) -> None:
     warnings.filterwarnings("ignore", message=".*flex attention.*")
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     logging.getLogger("diffusers").setLevel(logging.ERROR)
+    os.environ["DIFFUSERS_VERBOSITY"] = "error"  # diffusers sets its level when imported, after this
 
 
 _SHOWN: set[str] = set()
@@ -103,3 +108,72 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         f"store: {summary['store']}",
         f"log: {summary['log']}",
     ]
+
+
+def size_text(size: int) -> str:
+    """Bytes as people read them: 512 B, 40.0 MB, 1.20 GB (decimal units, as disks are sold)."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}" if unit == "GB" else f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
+def _span(first: int, stop: int) -> str:
+    """A half-open range of frames as people count them: 0-120."""
+    return f"{first}-{stop - 1}" if stop - first > 1 else str(first)
+
+
+def _seeds(seeds: list[int]) -> str:
+    consecutive = seeds == list(range(seeds[0], seeds[0] + len(seeds)))
+    return f"{seeds[0]}-{seeds[-1]}" if consecutive and len(seeds) > 1 else ", ".join(map(str, seeds))
+
+
+def plan_lines(plan: dict[str, Any]) -> list[str]:
+    """`k6vsr plan` for people: what goes in and out, the tiles, the windows as a table, the disk and the progress."""
+    size = plan["source_size"]
+    rate = f"{plan['latent_fps']} fps (a latent)" if plan.get("latent_fps") else f"{plan['source_fps']:g} fps"
+    output = plan["output_format"]
+    out = plan["output_size"]
+    quality = f"CRF {output['crf']}" if output.get("crf") is not None else "lossless"
+    preset = f", preset {output['preset']}" if output.get("preset") else ""
+    tile = plan["tile"]
+    grid = f"{len(tile['tops'])}x{len(tile['lefts'])}"
+    base = f"{tile['base'][1]}x{tile['base'][0]}"
+    padding = plan["padding"]
+    seeds = [chunk["seed"] for chunk in plan["chunks"]]
+    estimate = plan["store_estimate"]
+    items = plan["items"]
+    source_frames, kept = plural(plan["source_frames"], "frame"), plural(plan["frames_kept"], "frame")
+    lines = [
+        f"source    {plan['source']}: {size['width']}x{size['height']}, {source_frames} at {rate}",
+        f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
+        f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}, audio {output['audio']}",
+        f"model     {plan['model']}",
+        f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
+        f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "
+        f"{_seeds(seeds)}, {plan['dit_steps_per_tile']} DiT steps a tile",
+        f"windows   {len(plan['windows'])}",
+        "            window  frames        computed as  overlap  segment",
+    ]
+    for window in plan["windows"]:
+        lines.append(
+            f"            {window['window']:<6}  {_span(*window['frames']):<12}  {window['computed_as']:<11}  "
+            f"{window['overlap_before']:<7}  {_span(*window['segment'])}"
+        )
+    peak, window_bytes = size_text(estimate["peak_bytes"]), size_text(estimate["window_bytes"])
+    lines += [
+        f"store     at most about {peak} while it runs ({window_bytes} a window in flight), "
+        f"{size_text(estimate['encoded_bytes'])} of video",
+        f"run       {plan['run_key']}: "
+        + (
+            "finished, the output is in the store"
+            if plan["finished_run_exists"]
+            else f"{items['decoded']} of {items['total']} (window, tile) items done, {items['segments']} of "
+            f"{plural(len(plan['windows']), 'segment')}"
+        ),
+    ]
+    return lines

@@ -210,8 +210,9 @@ def test_tile_failing_once_is_retried(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import tasks.stage_tasks as stage_tasks
+    from k6vsr_core import stages
 
-    plain, failed = stage_tasks.stages.decode_tile, []
+    plain, failed = stages.decode_tile, []
 
     def flaky(bundle, latent):
         if not failed:
@@ -219,7 +220,7 @@ def test_tile_failing_once_is_retried(
             raise RuntimeError("transient device error")
         return plain(bundle, latent)
 
-    monkeypatch.setattr(stage_tasks.stages, "decode_tile", flaky)
+    monkeypatch.setattr(stages, "decode_tile", flaky)
     monkeypatch.setattr(stage_tasks.decode, "retry_delay_seconds", 0)
     summary = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
     assert failed == [True]
