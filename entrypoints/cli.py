@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from entrypoints import stopping
-from entrypoints.console import configure_terminal, plan_lines, plural, size_text, summary_lines, tile_progress
+from entrypoints.console import configure_terminal, plan_lines, plural, size_text, summary_lines
+from entrypoints.progress import archive_progress, run_progress
 from flows import interrupts
 from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
@@ -399,7 +400,7 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     _check_output_dir(out_dir, _estimated_output_bytes(prepared.plan))
     name = output_file_name(args.output_file_name or default_output_name(source, params), params)
     _check_output_file(out_dir / name, source)
-    with tile_progress(prepared, enabled=not args.json):
+    with run_progress(prepared, enabled=not args.json):
         summary = run_clip(
             prepared, str(out_dir / name), spec, workers=args.workers, gpus=args.gpus, dask_address=args.dask_address
         )
@@ -522,7 +523,7 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
     _check_output_dir(output_dir)
     model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
     # One API for every clip flow and worker: the configured one, else the local server (started if absent).
-    with prefect_api():
+    with archive_progress(output_dir / f"{MANIFEST_NAME}.json", enabled=not args.json), prefect_api():
         state = upscale_archive(
             input_dir=str(source),
             output_dir=str(output_dir),
@@ -654,12 +655,10 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
             what = f"{run['reason']}, {size_text(run['bytes'])}"
             print(f"  {'' if run['deleted'] else 'kept '}{run['run_key']}: {what}")
     elif command == "archive":
-        for row in result.get("rows", []) if result.get("plan_only") else []:
-            print(f"  {row.get('status', ''):>8}  {row.get('relative_path', '')}  {row.get('reason') or ''}")
-        if result.get("message"):
-            print(result["message"])
-        counts = result.get("counts", {})
-        print(", ".join(f"{k}: {v}" for k, v in counts.items()) or "nothing to do")
+        for row in result.get("rows", []):  # every clip of a plan; of a run, those that failed, with the cause
+            if result.get("plan_only") or row.get("status") == "failed":
+                print(f"  {row.get('status', ''):>8}  {row.get('relative_path', '')}  {row.get('reason') or ''}")
+        print(result.get("message") or "nothing to do")  # the counts, once
         print(f"manifest: {result.get('manifest_json')}")
 
 

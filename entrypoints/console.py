@@ -1,4 +1,6 @@
-"""What the command line shows: a progress bar over a clip's tiles, warnings one line each, and a short summary.
+"""What the command line shows: warnings one line each, a short summary, the plan as a table, sizes people read.
+
+The progress bar of a run is `entrypoints.progress`.
 
 The lines every task logs go to the Prefect UI and to the run's log file (`flows/run_log.py`), not to the terminal,
 unless asked for with `--verbose`.
@@ -9,16 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
-
-from tqdm import tqdm
-
-from service.runs import PreparedRun
-from storage import RunStore
 
 # Prefect's terminal handler, set through the environment so that every process a command starts (Dask workers, job
 # processes) inherits it; the API handler, which feeds the UI, keeps every line. Its class keeps a flow or task
@@ -66,45 +60,20 @@ def _show_once(
         print(text, file=sys.stderr)
 
 
-@contextmanager
-def tile_progress(prepared: PreparedRun, enabled: bool = True) -> Iterator[None]:
-    """A bar over the run's decoded tiles, read from the store so it works with any task runner."""
-    if not enabled or not sys.stderr.isatty():
-        yield
-        return
-    store = RunStore(prepared.run.store_root, prepared.run.run_key)
-    total = prepared.plan.num_tiles
-    stop = threading.Event()
-    bar = tqdm(total=total, desc="tiles", unit="tile", file=sys.stderr)
-
-    def poll() -> None:
-        while not stop.wait(0.5):
-            bar.n = min(total, store.tiles_decoded())
-            bar.refresh()
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        bar.n = min(total, store.tiles_decoded())
-        bar.close()
-
-
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """Five lines: the output, the tiles, the time by stage, the run's folder and its log."""
     width, height = summary["size"]
     frames = summary["frames"]
     timings = summary["timings"]
+    spans = summary.get("spans", {})
     rate = summary.get("output_format", {}).get("frame_rate", summary["fps"])  # exact: 30000/1001 stays so
     return [
         f"wrote {summary['output']} ({width}x{height}, {frames} frame{'s' * (frames != 1)} at {rate} fps)",
         f"run {summary['run_key']}: {summary['tiles_computed']} of {summary['tiles_total']} tiles computed, "
         f"{summary['tiles_reused']} reused, {summary['dit_calls']} DiT calls"
         + ("; the output was already in the store" if summary["reused_output"] else ""),
-        "seconds by stage: " + ", ".join(f"{stage} {seconds:.1f}" for stage, seconds in timings.items()),
+        "seconds by stage, wall clock (busy): "
+        + ", ".join(f"{stage} {spans.get(stage, 0.0):.1f} ({busy:.1f})" for stage, busy in timings.items()),
         f"store: {summary['store']}",
         f"log: {summary['log']}",
     ]
