@@ -16,7 +16,8 @@ no local server is started.
 
 A flow run holds a lease (`leased`) while its body runs. A process killed outright (SIGKILL, OOM) cannot tell the
 API its run ended, so the run would show "Running" forever; the next command that reaches the API finds the lease's
-process dead and marks the run Crashed (`mark_crashed_runs`).
+process dead and marks the run Crashed, with its task runs that were in flight (`mark_crashed_runs`). A command
+stopped by Ctrl-C leaves a helper that marks its runs Cancelled as soon as it is gone (`end_leased_runs`).
 """
 
 from __future__ import annotations
