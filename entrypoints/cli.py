@@ -12,12 +12,16 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from entrypoints.console import configure_terminal, summary_lines, tile_progress
+from entrypoints import stopping
+from entrypoints.console import configure_terminal, plan_lines, plural, size_text, summary_lines
+from entrypoints.progress import archive_progress, run_progress
+from flows import interrupts
 from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
 from k6vsr_core.params import FPS_MODES, UpscaleParams, parse_params
@@ -198,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--store", default=None)
     gc.add_argument("--keep-outputs", action="store_true", help="keep each run's muxed output and manifest")
     gc.add_argument("--older-than-hours", type=float, default=0.0)
+    gc.add_argument("--dry-run", action="store_true", help="say what would be reclaimed, delete nothing")
     gc.add_argument("--json", action="store_true")
     gc.add_argument("--debug", action="store_true")
 
@@ -329,17 +334,17 @@ def input_from(args: argparse.Namespace) -> tuple[Path, str | None]:
             raise ParameterError(
                 f"--fps {fps}: a video's --fps is contract or source; a frame rate is given only with --latent"
             )
-        return Path(video), None
+        return Path(video).expanduser().absolute(), None  # not resolved: a link's name names the output
     if fps is None:
         raise ParameterError("--latent needs --fps RATE, the latent's frame rate (e.g. 24 or 30000/1001)")
     if fps in FPS_MODES:
         raise ParameterError(f"--fps {fps}: with --latent, --fps is the latent's frame rate (e.g. 24 or 30000/1001)")
-    return Path(latent), fps
+    return Path(latent).expanduser().absolute(), fps
 
 
 def model_from(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(
-        model=args.model,
+        model=_absolute_if_local(args.model),
         revision=args.revision,
         model_id=args.model_id,
         device=getattr(args, "device", "auto"),
@@ -348,8 +353,15 @@ def model_from(args: argparse.Namespace) -> ModelSpec:
     )
 
 
+def _absolute_if_local(model: str) -> str:
+    """An existing local folder as an absolute path, as every path leaving the command: warm workers and job
+    processes resolve paths in their own working folder. A hub repo id stays as it is."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
 def store_from(args: argparse.Namespace) -> Path:
-    return Path(args.store).expanduser() if getattr(args, "store", None) else default_store_root()
+    return Path(args.store).expanduser().resolve() if getattr(args, "store", None) else default_store_root()
 
 
 # Refuse an output folder with less free space than this plus a generous guess of the output's size.
@@ -409,22 +421,23 @@ def _check_device(device: str) -> None:
 
 
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
-    from flows.orchestrate import run_clip
-    from flows.upscale_clip import default_output_name
-
     source, latent_fps = input_from(args)
     params = params_from(args)
     spec = model_from(args)
     store = store_from(args)
-    # Plan first: a bad file, value or model fails here, before a server starts or a model loads.
+    # Plan first: a bad file, value or model fails here, before a server starts or a model loads, and before
+    # Prefect is imported (seconds).
     prepared = prepare_run(source, params, spec, store, latent_fps)
+    from flows.orchestrate import run_clip
+    from flows.upscale_clip import default_output_name
+
     if args.dask_address is None:
         _check_device(spec.device)
-    out_dir = Path(args.output_dir) if args.output_dir else source.resolve().parent
+    out_dir = Path(args.output_dir).expanduser().resolve() if args.output_dir else source.resolve().parent
     _check_output_dir(out_dir, _estimated_output_bytes(prepared.plan))
     name = output_file_name(args.output_file_name or default_output_name(source, params), params)
     _check_output_file(out_dir / name, source)
-    with tile_progress(prepared, enabled=not args.json):
+    with run_progress(prepared, enabled=not args.json):
         summary = run_clip(
             prepared, str(out_dir / name), spec, workers=args.workers, gpus=args.gpus, dask_address=args.dask_address
         )
@@ -519,8 +532,9 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
-    report = collect_garbage(store_from(args), args.keep_outputs, args.older_than_hours * 3600)
-    return {"runs": report, "bytes_reclaimed": sum(r["bytes"] for r in report if r["deleted"])}
+    report = collect_garbage(store_from(args), args.keep_outputs, args.older_than_hours * 3600, dry_run=args.dry_run)
+    reclaimed = sum(r["bytes"] for r in report if r["deleted"])
+    return {"runs": report, "bytes_reclaimed": reclaimed, "dry_run": args.dry_run}
 
 
 def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_root: str | Path) -> dict[str, Any]:
@@ -535,18 +549,18 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
         upscale_archive,
     )
 
-    source = Path(args.input_dir).expanduser()
+    source = Path(args.input_dir).expanduser().resolve()
     if not source.exists():
         raise UserFacingError(f"input {args.input_dir} does not exist")
     if args.max_parallel < 1:
         raise UserFacingError(f"--max-parallel must be at least 1, not {args.max_parallel}")
-    output_dir = Path(args.output_dir).expanduser()
-    if output_dir.resolve() == source.resolve():
+    output_dir = Path(args.output_dir).expanduser().resolve()
+    if output_dir == source:
         raise UserFacingError(f"the output folder {args.output_dir} is the input folder; choose another one")
     _check_output_dir(output_dir)
     model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
     # One API for every clip flow and worker: the configured one, else the local server (started if absent).
-    with prefect_api():
+    with archive_progress(output_dir / f"{MANIFEST_NAME}.json", enabled=not args.json), prefect_api():
         state = upscale_archive(
             input_dir=str(source),
             output_dir=str(output_dir),
@@ -699,17 +713,7 @@ def _print_server(result: dict[str, Any]) -> None:
 
 def _print_human(command: str, result: dict[str, Any]) -> None:
     if command == "plan":
-        for key, value in result.items():
-            if key == "windows":
-                print(f"{key:>22}: {len(value)}")
-                for w in value:
-                    print(
-                        f"{'':>24}{w['window']}: frames {w['frames'][0]}-{w['frames'][1] - 1} (computed as "
-                        f"{w['computed_as']}), overlap {w['overlap_before']}, segment {w['segment'][0]}-"
-                        f"{w['segment'][1] - 1}, seeds {w['seeds']}"
-                    )
-            else:
-                print(f"{key:>22}: {value}")
+        print("\n".join(plan_lines(result)))
     elif command in ("upscale", "demo"):
         print("\n".join(summary_lines(result)))
     elif command == "server":
@@ -719,17 +723,17 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
     elif command == "cache":
         _print_cache(result)
     elif command == "gc":
-        print(f"reclaimed {result['bytes_reclaimed']} bytes from {sum(r['deleted'] for r in result['runs'])} runs")
+        verb = "would reclaim" if result["dry_run"] else "reclaimed"
+        runs = plural(sum(r["deleted"] for r in result["runs"]), "run")
+        print(f"{verb} {size_text(result['bytes_reclaimed'])} from {runs}")
         for run in result["runs"]:
-            if not run["deleted"]:
-                print(f"  kept {run['run_key']}: {run['reason']}")
+            what = f"{run['reason']}, {size_text(run['bytes'])}"
+            print(f"  {'' if run['deleted'] else 'kept '}{run['run_key']}: {what}")
     elif command == "archive":
-        for row in result.get("rows", []) if result.get("plan_only") else []:
-            print(f"  {row.get('status', ''):>8}  {row.get('relative_path', '')}  {row.get('reason') or ''}")
-        if result.get("message"):
-            print(result["message"])
-        counts = result.get("counts", {})
-        print(", ".join(f"{k}: {v}" for k, v in counts.items()) or "nothing to do")
+        for row in result.get("rows", []):  # every clip of a plan; of a run, those that failed, with the cause
+            if result.get("plan_only") or row.get("status") == "failed":
+                print(f"  {row.get('status', ''):>8}  {row.get('relative_path', '')}  {row.get('reason') or ''}")
+        print(result.get("message") or "nothing to do")  # the counts, once
         print(f"manifest: {result.get('manifest_json')}")
 
 
@@ -749,7 +753,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cache": cmd_cache,
     }
     try:
-        result = handlers[args.command](args)
+        with stopping.stop_on_interrupt():
+            result = handlers[args.command](args)
+    except (KeyboardInterrupt, interrupts.Interrupted) as err:  # outside a flow; inside one the flow stops first
+        stopping.stop(interrupts.signal_of(err) or signal.SIGINT)
     except Exception as err:  # noqa: BLE001 - turned into one clear line below
         if args.debug:
             raise

@@ -1,4 +1,6 @@
-"""What the command line shows: a progress bar over a clip's tiles, warnings one line each, and a short summary.
+"""What the command line shows: warnings one line each, a short summary, the plan as a table, sizes people read.
+
+The progress bar of a run is `entrypoints.progress`.
 
 The lines every task logs go to the Prefect UI and to the run's log file (`flows/run_log.py`), not to the terminal,
 unless asked for with `--verbose`.
@@ -9,26 +11,26 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import threading
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from tqdm import tqdm
-
-from service.runs import PreparedRun
-from storage import RunStore
-
 # Prefect's terminal handler, set through the environment so that every process a command starts (Dask workers, job
-# processes) inherits it; the API handler, which feeds the UI, keeps every line.
+# processes) inherits it; the API handler, which feeds the UI, keeps every line. Its class keeps a flow or task
+# run's own lines (and tracebacks) off the terminal unless asked for (`entrypoints.console_log`).
 CONSOLE_LEVEL_ENV = "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"
+CONSOLE_CLASS_ENV = "PREFECT_LOGGING_HANDLERS_CONSOLE_CLASS"
+CONSOLE_CLASS = "entrypoints.console_log.CommandConsoleHandler"
+# Prefect's client telemetry switch (it reads no setting of its own): off, so that a new user's first command shows
+# its output, not Prefect's notice about usage data. Our server's analytics are off too (flows.prefect_server).
+TELEMETRY_ENV = "DO_NOT_TRACK"
 
 
 def configure_terminal(verbose: bool) -> None:
     """Warnings (one line each) and errors on the terminal; every log line too when `verbose`."""
     level = "INFO" if verbose else "WARNING"
     os.environ[CONSOLE_LEVEL_ENV] = level
+    os.environ.setdefault(TELEMETRY_ENV, "1")
+    os.environ[CONSOLE_CLASS_ENV] = CONSOLE_CLASS
     if "prefect.logging.handlers" in sys.modules:  # Prefect already set up its logging here: tell its handlers too
         from prefect.logging.handlers import PrefectConsoleHandler
 
@@ -42,6 +44,7 @@ def configure_terminal(verbose: bool) -> None:
     warnings.filterwarnings("ignore", message=".*flex attention.*")
     warnings.filterwarnings("ignore", category=UserWarning, module="torch")
     logging.getLogger("diffusers").setLevel(logging.ERROR)
+    os.environ["DIFFUSERS_VERBOSITY"] = "error"  # diffusers sets its level when imported, after this
 
 
 _SHOWN: set[str] = set()
@@ -57,45 +60,89 @@ def _show_once(
         print(text, file=sys.stderr)
 
 
-@contextmanager
-def tile_progress(prepared: PreparedRun, enabled: bool = True) -> Iterator[None]:
-    """A bar over the run's decoded tiles, read from the store so it works with any task runner."""
-    if not enabled or not sys.stderr.isatty():
-        yield
-        return
-    store = RunStore(prepared.run.store_root, prepared.run.run_key)
-    total = prepared.plan.num_tiles
-    stop = threading.Event()
-    bar = tqdm(total=total, desc="tiles", unit="tile", file=sys.stderr)
-
-    def poll() -> None:
-        while not stop.wait(0.5):
-            bar.n = min(total, store.tiles_decoded())
-            bar.refresh()
-
-    thread = threading.Thread(target=poll, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        bar.n = min(total, store.tiles_decoded())
-        bar.close()
-
-
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """Five lines: the output, the tiles, the time by stage, the run's folder and its log."""
     width, height = summary["size"]
     frames = summary["frames"]
     timings = summary["timings"]
+    spans = summary.get("spans", {})
     rate = summary.get("output_format", {}).get("frame_rate", summary["fps"])  # exact: 30000/1001 stays so
     return [
         f"wrote {summary['output']} ({width}x{height}, {frames} frame{'s' * (frames != 1)} at {rate} fps)",
         f"run {summary['run_key']}: {summary['tiles_computed']} of {summary['tiles_total']} tiles computed, "
         f"{summary['tiles_reused']} reused, {summary['dit_calls']} DiT calls"
         + ("; the output was already in the store" if summary["reused_output"] else ""),
-        "seconds by stage: " + ", ".join(f"{stage} {seconds:.1f}" for stage, seconds in timings.items()),
+        "seconds by stage, wall clock (busy): "
+        + ", ".join(f"{stage} {spans.get(stage, 0.0):.1f} ({busy:.1f})" for stage, busy in timings.items()),
         f"store: {summary['store']}",
         f"log: {summary['log']}",
     ]
+
+
+def size_text(size: int) -> str:
+    """Bytes as people read them: 512 B, 40.0 MB, 1.20 GB (decimal units, as disks are sold)."""
+    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}" if unit == "GB" else f"{size / scale:.1f} {unit}"
+    return f"{size} B"
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
+def _span(first: int, stop: int) -> str:
+    """A half-open range of frames as people count them: 0-120."""
+    return f"{first}-{stop - 1}" if stop - first > 1 else str(first)
+
+
+def _seeds(seeds: list[int]) -> str:
+    consecutive = seeds == list(range(seeds[0], seeds[0] + len(seeds)))
+    return f"{seeds[0]}-{seeds[-1]}" if consecutive and len(seeds) > 1 else ", ".join(map(str, seeds))
+
+
+def plan_lines(plan: dict[str, Any]) -> list[str]:
+    """`k6vsr plan` for people: what goes in and out, the tiles, the windows as a table, the disk and the progress."""
+    size = plan["source_size"]
+    rate = f"{plan['latent_fps']} fps (a latent)" if plan.get("latent_fps") else f"{plan['source_fps']:g} fps"
+    output = plan["output_format"]
+    out = plan["output_size"]
+    quality = f"CRF {output['crf']}" if output.get("crf") is not None else "lossless"
+    preset = f", preset {output['preset']}" if output.get("preset") else ""
+    tile = plan["tile"]
+    grid = f"{len(tile['tops'])}x{len(tile['lefts'])}"
+    base = f"{tile['base'][1]}x{tile['base'][0]}"
+    padding = plan["padding"]
+    seeds = [chunk["seed"] for chunk in plan["chunks"]]
+    estimate = plan["store_estimate"]
+    items = plan["items"]
+    source_frames, kept = plural(plan["source_frames"], "frame"), plural(plan["frames_kept"], "frame")
+    lines = [
+        f"source    {plan['source']}: {size['width']}x{size['height']}, {source_frames} at {rate}",
+        f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
+        f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}, audio {output['audio']}",
+        f"model     {plan['model']}",
+        f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
+        f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "
+        f"{_seeds(seeds)}, {plan['dit_steps_per_tile']} DiT steps a tile",
+        f"windows   {len(plan['windows'])}",
+        "            window  frames        computed as  overlap  segment",
+    ]
+    for window in plan["windows"]:
+        lines.append(
+            f"            {window['window']:<6}  {_span(*window['frames']):<12}  {window['computed_as']:<11}  "
+            f"{window['overlap_before']:<7}  {_span(*window['segment'])}"
+        )
+    peak, window_bytes = size_text(estimate["peak_bytes"]), size_text(estimate["window_bytes"])
+    lines += [
+        f"store     at most about {peak} while it runs ({window_bytes} a window in flight), "
+        f"{size_text(estimate['encoded_bytes'])} of video",
+        f"run       {plan['run_key']}: "
+        + (
+            "finished, the output is in the store"
+            if plan["finished_run_exists"]
+            else f"{items['decoded']} of {items['total']} (window, tile) items done, {items['segments']} of "
+            f"{plural(len(plan['windows']), 'segment')}"
+        ),
+    ]
+    return lines

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from entrypoints.console import tile_progress
+from entrypoints.progress import run_progress
 from flows.orchestrate import run_clip
 from k6vsr_core.bundle import make_tiny_bundle
 from k6vsr_core.params import UpscaleParams
@@ -31,6 +31,6 @@ def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[
         print(NOTE)
     model = ModelSpec(model=str(bundle), device="cpu")
     prepared = prepare_run(clip, params, model, out_dir / "store")
-    with tile_progress(prepared, enabled=not quiet):
+    with run_progress(prepared, enabled=not quiet):
         summary = run_clip(prepared, str(out_dir / f"sample_sr{params.scale_label}x.mp4"), model)
     return {**summary.model_dump(mode="json"), "note": NOTE}

@@ -17,7 +17,8 @@ no local server is started.
 
 A flow run holds a lease (`leased`) while its body runs. A process killed outright (SIGKILL, OOM) cannot tell the
 API its run ended, so the run would show "Running" forever; the next command that reaches the API finds the lease's
-process dead and marks the run Crashed (`mark_crashed_runs`).
+process dead and marks the run Crashed, with its task runs that were in flight (`mark_crashed_runs`). A command
+stopped by Ctrl-C leaves a helper that marks its runs Cancelled as soon as it is gone (`end_leased_runs`).
 
 `k6vsr serve` runs a server of its own, secured (`prefect_api(home, secured=True)`): on loopback, on a free port of
 its own, behind Prefect's server auth (`PREFECT_SERVER_API_AUTH_STRING`, a fresh random string written to `auth`),
@@ -43,12 +44,16 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from pydantic import BaseModel
 
+from flows import interrupts
 from flows.state_folder import StateFolder, alive, now, process_start, state_home
 from storage.records import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from prefect.states import State
 
 log = logging.getLogger("k6vsr.prefect_server")
 
@@ -155,13 +160,25 @@ def _pick_port(secured: bool = False) -> int:
         return sock.getsockname()[1]
 
 
-def _server_env(home: Path, auth: str | None) -> dict[str, str]:
-    dropped = ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING")
+def _server_env(home: Path, port: int, auth: str | None) -> dict[str, str]:
+    # A UI setting given to commands (they may point at another server) must not reach this server's UI.
+    dropped = {
+        "PREFECT_API_URL",
+        "PREFECT_PROFILE",
+        "PREFECT_UI_URL",
+        "PREFECT_UI_API_URL",
+        "PREFECT_API_AUTH_STRING",
+        "PREFECT_SERVER_API_AUTH_STRING",
+    }
     env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(
         PREFECT_HOME=str(home / "prefect"),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",  # offline they would only log connection errors
         PREFECT_SERVER_API_HOST=HOST,
+        PREFECT_SERVER_API_PORT=str(port),
+        # The UI asks `/ui-settings` where its API is; Prefect answers from the settings, not from `--port`, so
+        # without this a server started on another port than 4200 would send its UI to 4200.
+        PREFECT_SERVER_UI_API_URL=f"http://{HOST}:{port}/api",
     )
     if auth is not None:
         env["PREFECT_SERVER_API_AUTH_STRING"] = auth
@@ -205,7 +222,7 @@ def _launch(folder: StateFolder, port: int, secured: bool) -> _Record:
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
     launcher = subprocess.run(
         [sys.executable, "-c", _LAUNCHER, str(folder.record_path), str(folder.log_path), str(port), now(), *command],
-        env=_server_env(folder.path, auth),
+        env=_server_env(folder.path, port, auth),
         cwd=folder.path,  # never the command's folder, which the server would otherwise keep busy for its lifetime
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -426,7 +443,11 @@ def leased(fn: Callable[P, R]) -> Callable[P, R]:
         from prefect.runtime import flow_run
 
         with flow_run_lease(flow_run.id):
-            return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as exc:
+                interrupts.surfaced(exc)  # a command stops here, its lease still held (`end_leased_runs`)
+                raise
 
     # Prefect reads the parameters' types from the function it is given, resolving names in that function's module:
     # hand it the types themselves, as `fn`'s module resolves them, not names this module does not know.
@@ -483,36 +504,94 @@ def mark_crashed_runs(api_url: str, home: Path | None = None) -> list[str]:
     if not dead:
         return []
     try:
-        local = _api_identity(api_url, folder).startswith("local:")
-        return _mark(api_url, dead, server_auth(home) if local else None)
+        return _mark(api_url, dead, _auth_for(api_url, folder, home))
     except Exception as err:  # noqa: BLE001 - marking is a courtesy to the UI: a command never fails over it
         log.warning("could not mark crashed flow runs on %s: %s", api_url, err)
         return []
 
 
-def _mark(api_url: str, dead: list[tuple[Path, Lease]], auth: str | None) -> list[str]:
+def end_leased_runs(pid: int, reason: str, wait_s: float = 30.0, home: Path | None = None) -> list[str]:
+    """Once process `pid` has ended, mark Cancelled (with `reason`) the flow runs it held leases for and their task
+    runs that are not final; for a command that stops on an interrupt without waiting for its tasks. Never raises.
+
+    Run by a helper that outlives the command by a moment: while the command lives, its threads may still start a
+    task run, whose state would land after the marks and stay "Running" in the UI forever.
+    """
+    from prefect.states import Cancelled
+
+    deadline = time.monotonic() + wait_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    folder = _folder(home)
+    by_api: dict[str, list[tuple[Path, Lease]]] = {}
+    try:
+        for path in sorted(_leases(folder).glob("*.json")):
+            with contextlib.suppress(OSError, ValueError):
+                lease = Lease.model_validate_json(path.read_bytes())
+                if lease.pid == pid and lease.host == socket.gethostname() and lease.api_url:
+                    by_api.setdefault(lease.api_url, []).append((path, lease))
+        return [
+            run_id
+            for api_url, leases in by_api.items()
+            for run_id in _mark(api_url, leases, _auth_for(api_url, folder, home), lambda _: Cancelled(message=reason))
+        ]
+    except Exception as err:  # noqa: BLE001 - marking is a courtesy to the UI: the next command marks them Crashed
+        log.warning("could not mark the interrupted flow runs: %s", err)
+        return []
+
+
+def _died(lease: Lease) -> State:
+    from prefect.states import Crashed
+
+    return Crashed(
+        message=f"process {lease.pid} on {lease.host}, which ran this flow run since {lease.started_at}, "
+        "died without ending it (killed or out of memory)"
+    )
+
+
+def _auth_for(api_url: str, folder: StateFolder, home: Path | None) -> str | None:
+    """The auth string of our own secured server at `api_url`; another API takes the environment's."""
+    return server_auth(home) if _api_identity(api_url, folder).startswith("local:") else None
+
+
+def _mark(
+    api_url: str, leases: list[tuple[Path, Lease]], auth: str | None, end: Callable[[Lease], State] = _died
+) -> list[str]:
+    """Put each lease's flow run in the state `end` gives, unless it is final, and every task run of it that is not:
+    the tasks in flight when a process dies never say so themselves. Returns the ids of the flow runs marked."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
     from prefect.exceptions import ObjectNotFound
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-    from prefect.states import Crashed
 
+    unfinished = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
     marked = []
     updates = {PREFECT_API_URL: api_url, **({PREFECT_API_AUTH_STRING: auth} if auth else {})}
     with temporary_settings(updates=updates), get_client(sync_client=True) as client:
-        for path, lease in dead:
+        for path, lease in leases:
             try:
                 run = client.read_flow_run(UUID(lease.flow_run_id))
             except ObjectNotFound:
                 path.unlink(missing_ok=True)
                 continue
             if run.state is None or not run.state.is_final():
-                message = (
-                    f"process {lease.pid} on {lease.host}, which ran this flow run since {lease.started_at}, "
-                    "died without ending it (killed or out of memory)"
-                )
-                client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+                client.set_flow_run_state(run.id, end(lease), force=True)
                 marked.append(lease.flow_run_id)
+            tasks = client.read_task_runs(
+                task_run_filter=TaskRunFilter(
+                    flow_run_id=TaskRunFilterFlowRunId(any_=[run.id]),
+                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=unfinished)),
+                )
+            )
+            for task_run in tasks:
+                client.set_task_run_state(task_run.id, end(lease), force=True)
             path.unlink(missing_ok=True)
     return marked

@@ -9,8 +9,6 @@ from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from tasks.model_cache import FLOW_THREADS
-
 log = logging.getLogger("k6vsr.workers")
 
 # "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
@@ -70,6 +68,9 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
     """
     dask_address = resolve_address(workers, gpus, dask_address)
     if not uses_processes(workers, gpus, dask_address):
+        # Imported here: the model cache loads torch, which tiles computed in this process need, and nothing else.
+        from tasks.model_cache import FLOW_THREADS
+
         return ThreadPoolTaskRunner(max_workers=FLOW_THREADS)
     from prefect_dask import DaskTaskRunner
 

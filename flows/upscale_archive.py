@@ -266,9 +266,8 @@ def plan_clips(
         if isinstance(result, BaseException):
             rows.append(row.model_copy(update={"status": "skipped", "reason": _describe(result), "output": ""}))
             continue
-        row = row.model_copy(
-            update={"run_key": result.run.run_key, "frames": result.plan.num_frames, "tiles": result.plan.num_tiles}
-        )
+        items = result.plan.num_windows * result.plan.num_tiles  # every (window, tile) item, as the run counts
+        row = row.model_copy(update={"run_key": result.run.run_key, "frames": result.plan.num_frames, "tiles": items})
         if output in claimed:
             reason = f"its output {output} is already the output of {claimed[output]}"
             rows.append(row.model_copy(update={"status": "skipped", "output": "", "reason": reason}))

@@ -53,7 +53,8 @@ class ClipSummary(BaseModel):
     tiles_computed: int
     tiles_reused: int
     dit_calls: int
-    timings: dict[str, float]
+    timings: dict[str, float]  # busy seconds: each stage's task times added up (tasks overlap: more than the run)
+    spans: dict[str, float] = {}  # wall-clock seconds from each stage's first start to its last end
     reused_output: bool
 
 
@@ -184,6 +185,7 @@ def upscale_clip(
         tiles_reused=total - computed,
         dit_calls=sum(result.dit_calls for result in denoised),
         timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
+        spans={span.stage: round(span.span, 3) for span in clock.spans()},
         reused_output=store.attempt_of("mux") != attempt,
     )
     _report(store, summary, clock, plan)

@@ -2,12 +2,45 @@
 
 No Prefect and no Zarr here: this package is the only place that knows the model, and the in-memory runner
 `upscale` is the reference that the orchestrated pipeline must match byte for byte.
+
+The names below are imported on first use (PEP 562): `bundle` and `runner` load torch and diffusers, which take
+seconds, and a command that only parses its flags or plans a run imports `k6vsr_core.errors` or `params` alone.
 """
 
-from k6vsr_core.bundle import DEFAULT_MODEL, DEFAULT_REVISION, BundleError, ModelBundle, load_bundle, make_tiny_bundle
-from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
-from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
-from k6vsr_core.runner import UpscaleResult, upscale
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k6vsr_core.bundle import (
+        DEFAULT_MODEL,
+        DEFAULT_REVISION,
+        BundleError,
+        ModelBundle,
+        load_bundle,
+        make_tiny_bundle,
+    )
+    from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
+    from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
+    from k6vsr_core.runner import UpscaleResult, upscale
+
+_HOMES = {
+    "DEFAULT_MODEL": "bundle",
+    "DEFAULT_REVISION": "bundle",
+    "BundleError": "errors",
+    "ModelBundle": "bundle",
+    "load_bundle": "bundle",
+    "make_tiny_bundle": "bundle",
+    "ParameterError": "errors",
+    "UpscaleParams": "params",
+    "parse_params": "params",
+    "ClipPlan": "plan",
+    "ModelTraits": "plan",
+    "make_plan": "plan",
+    "UpscaleResult": "runner",
+    "upscale": "runner",
+}
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -25,3 +58,10 @@ __all__ = [
     "parse_params",
     "upscale",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

@@ -13,6 +13,7 @@ code on load), every tensor name and shape against the architecture, and the DiT
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -22,25 +23,16 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-# Imported here, once, rather than inside functions: diffusers' lazy module attributes are not safe to resolve
-# from several threads at the same time (seen as spurious ImportErrors when clips are planned in parallel).
-from diffusers import (
-    FlowMatchEulerDiscreteScheduler,
-    Kandinsky6SRLatentUpscalerBank,
-    Kandinsky6SRTransformer3DModel,
-    Kandinsky6SRVAE,
-    PiflowScheduler,
-)
 from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from k6vsr_core.errors import BundleError
 from k6vsr_core.plan import ModelTraits
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
 DEFAULT_REVISION = "3e3e10bcd23659eeeb23cac740258ee4fc14aa7d"
@@ -53,6 +45,32 @@ PIFLOW = "PiflowScheduler"
 FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
 # Settings of the released DiT (`transformer/config.json` `sr_params`), used when a bundle omits them.
 DEFAULT_LQ_NOISE_SCALE = 0.7
+
+
+_DIFFUSERS_LOCK = threading.Lock()
+
+
+@functools.cache
+def _classes() -> dict[str, Any]:
+    """The model and scheduler classes by component and scheduler name, imported on first use: diffusers loads torch,
+    which takes seconds that `k6vsr --help` and the pure modules must not pay. Imported under a lock: diffusers' lazy
+    module attributes are not safe to resolve from several threads at the same time (seen as spurious ImportErrors
+    when clips are planned in parallel)."""
+    with _DIFFUSERS_LOCK:
+        from diffusers import (
+            FlowMatchEulerDiscreteScheduler,
+            Kandinsky6SRLatentUpscalerBank,
+            Kandinsky6SRTransformer3DModel,
+            Kandinsky6SRVAE,
+            PiflowScheduler,
+        )
+    return {
+        "transformer": Kandinsky6SRTransformer3DModel,
+        "vae": Kandinsky6SRVAE,
+        "latent_upscaler": Kandinsky6SRLatentUpscalerBank,
+        PIFLOW: PiflowScheduler,
+        FLOW_EULER: FlowMatchEulerDiscreteScheduler,
+    }
 
 
 class BundleInfo(BaseModel):
@@ -277,6 +295,8 @@ def _check_weights_file(folder: Path, component: str) -> Path:
 
 def _check_tensors(component: str, model_cls: Any, kwargs: dict[str, Any], weights: Path) -> None:
     """Every tensor of the file must exist in the architecture with the same shape, and vice versa."""
+    import torch
+
     with torch.device("meta"):
         model = model_cls(**kwargs)
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
@@ -391,11 +411,7 @@ def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None
             raise BundleError(f"{component}: not listed in {path / MODEL_INDEX}")
     scheduler = _read_json(path / "scheduler" / "scheduler_config.json", "scheduler")
     translators = {"transformer": transformer_kwargs, "vae": vae_kwargs, "latent_upscaler": latent_upscaler_kwargs}
-    classes = {
-        "transformer": Kandinsky6SRTransformer3DModel,
-        "vae": Kandinsky6SRVAE,
-        "latent_upscaler": Kandinsky6SRLatentUpscalerBank,
-    }
+    classes = _classes()
     kwargs: dict[str, dict[str, Any]] = {}
     raw: dict[str, dict[str, Any]] = {}
     for component in COMPONENTS:
@@ -415,10 +431,7 @@ def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None
     is_piflow = scheduler["_class_name"] == PIFLOW
     # The released config has no `tile_sizes`: the class default is the release's (diffusers wraps `__init__`, so
     # its defaults are read through the signature, which follows the wrapper).
-    tile_sizes = (
-        dit.get("tile_sizes")
-        or inspect.signature(Kandinsky6SRTransformer3DModel.__init__).parameters["tile_sizes"].default
-    )
+    tile_sizes = dit.get("tile_sizes") or _default_of(classes["transformer"], "tile_sizes")
     sr_params = raw["transformer"].get("sr_params") or {}
     print_fp = fingerprint(path)
     info = BundleInfo(
@@ -430,7 +443,7 @@ def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None
         lq_noise_scale=float(sr_params.get("lq_noise_scale", DEFAULT_LQ_NOISE_SCALE)),
         tile_sizes=tuple(tuple(int(v) for v in hw) for hw in tile_sizes),
         fingerprint=print_fp,
-        latent_channels=int(kwargs["vae"].get("latent_channels", _default_of(Kandinsky6SRVAE, "latent_channels"))),
+        latent_channels=int(kwargs["vae"].get("latent_channels", _default_of(classes["vae"], "latent_channels"))),
     )
     return _PlannedBundle(path=path, kwargs=kwargs, scheduler_config=scheduler, info=info)
 
@@ -461,6 +474,8 @@ def _quiet(logger_name: str) -> Iterator[None]:
 
 def compute_device(device: torch.device) -> torch.device:
     """`cuda` as the GPU it means (`cuda:N`), so that device comparisons in offload hooks hold."""
+    import torch
+
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -468,6 +483,8 @@ def compute_device(device: torch.device) -> torch.device:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPUs, as the official pipeline runs; fp32 on CPUs, where bf16 convolutions are slow."""
+    import torch
+
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
@@ -480,18 +497,17 @@ def load_bundle(
     dtype: torch.dtype | None = None,
 ) -> ModelBundle:
     """Load and validate a bundle from a Hugging Face repo id (with revision) or a local folder."""
+    import torch
+
     planned = locate_bundle(model, revision, model_id)
     path = planned.path
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
-    classes = {
-        "transformer": Kandinsky6SRTransformer3DModel,
-        "vae": Kandinsky6SRVAE,
-        "latent_upscaler": Kandinsky6SRLatentUpscalerBank,
-    }
+    classes = _classes()
     loaded = {}
     with _quiet("diffusers"):
-        for component, cls in classes.items():
+        for component in COMPONENTS:
+            cls = classes[component]
             try:
                 # fp32 is the checkpoint's own precision: asking for it would only force diffusers' accelerate path.
                 dtype_arg = {} if dtype == torch.float32 else {"torch_dtype": dtype}
@@ -501,8 +517,7 @@ def load_bundle(
             except Exception as err:  # noqa: BLE001 - name the component whatever diffusers raised
                 raise BundleError(f"{component}: loading failed ({type(err).__name__}: {err})") from None
             loaded[component] = module.to(device).eval().requires_grad_(False)
-        scheduler_cls = PiflowScheduler if planned.info.scheduler == PIFLOW else FlowMatchEulerDiscreteScheduler
-        scheduler = _scheduler_from_config(scheduler_cls, planned.scheduler_config)
+        scheduler = _scheduler_from_config(classes[planned.info.scheduler], planned.scheduler_config)
     return ModelBundle(
         loaded["transformer"], loaded["vae"], loaded["latent_upscaler"], scheduler, planned.info, compute_device(device)
     )
@@ -527,6 +542,9 @@ def make_tiny_bundle(
     each latent tile side a multiple of 8 (NABLA's block grid) at both scales. `head_width` overrides the DiT output
     width, to build deliberately inconsistent bundles.
     """
+    import torch
+    from safetensors.torch import save_file
+
     root = Path(path)
     for component in (*COMPONENTS, "scheduler"):
         (root / component).mkdir(parents=True, exist_ok=True)
@@ -644,12 +662,12 @@ def make_tiny_bundle(
         "scheduler": ["diffusers", scheduler_config["_class_name"]],
     }
     modules = {
-        "transformer": (Kandinsky6SRTransformer3DModel, transformer_kwargs(dit_config), dit_config),
-        "vae": (Kandinsky6SRVAE, vae_kwargs(vae_config), vae_config),
-        "latent_upscaler": (Kandinsky6SRLatentUpscalerBank, latent_upscaler_kwargs(lu_config), lu_config),
+        "transformer": (transformer_kwargs(dit_config), dit_config),
+        "vae": (vae_kwargs(vae_config), vae_config),
+        "latent_upscaler": (latent_upscaler_kwargs(lu_config), lu_config),
     }
-    for component, (cls, kwargs, config) in modules.items():
-        module = cls(**kwargs)
+    for component, (kwargs, config) in modules.items():
+        module = _classes()[component](**kwargs)
         state = {}
         for name, tensor in module.state_dict().items():
             # Deterministic, well-scaled random weights: fan-in scaling keeps activations finite through the nets.

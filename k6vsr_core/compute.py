@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import threading
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 THREADS_ENV = "K6VSR_CPU_THREADS"
@@ -44,6 +43,8 @@ def default_profile() -> ComputeProfile:
 
 def apply_profile(profile: ComputeProfile) -> None:
     """Make this process compute as `profile` says; cheap when it already does."""
+    import torch  # here, not above: the manifest records a profile in processes that never compute
+
     with _LOCK:
         if torch.get_num_threads() != profile.cpu_threads:
             torch.set_num_threads(profile.cpu_threads)

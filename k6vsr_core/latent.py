@@ -11,9 +11,7 @@ import os
 import warnings
 from collections.abc import Sequence
 from fractions import Fraction
-
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
 
 from k6vsr_core.errors import ParameterError
 from k6vsr_core.params import UpscaleParams
@@ -21,7 +19,12 @@ from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan, ModelTraits, make_plan
 from k6vsr_core.tiling import SPATIAL_FACTOR
 from k6vsr_core.windows import WINDOW_FRAMES
 
-LATENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported by the functions that touch a tensor: the rules on rates and scales serve planning and the HTTP
+# API's checks, which need no tensor.
+LATENT_DTYPES = ("float32", "float16", "bfloat16")
 # One window: 121 frames are 31 latent frames.
 MAX_LATENT_FRAMES = 1 + (WINDOW_FRAMES - 1) // TEMPORAL_FACTOR
 
@@ -45,13 +48,15 @@ def load_latent(path: str | os.PathLike[str]) -> torch.Tensor:
 
 def check_latent(latent: torch.Tensor, channels: int, params: UpscaleParams, fps: object) -> Fraction:
     """Refuse, with one line, a latent the run cannot take; returns the exact frame rate."""
+    import torch
+
     if not isinstance(latent, torch.Tensor):
         raise ParameterError(f"latent must be a torch tensor, got {type(latent).__name__}")
     check_latent_scale(params)
     if latent.ndim != 4:
         raise ParameterError(f"latent shape {tuple(latent.shape)} is not [T, C, H, W]")
     frames, found, height, width = latent.shape
-    if latent.dtype not in LATENT_DTYPES:
+    if str(latent.dtype).removeprefix("torch.") not in LATENT_DTYPES:
         raise ParameterError(f"latent dtype {latent.dtype} is not supported; allowed: float32, float16, bfloat16")
     if found != channels:
         raise ParameterError(f"latent has {found} channels; this model's KVAE latent has {channels} ([T, C, H, W])")
@@ -105,7 +110,7 @@ def plan_latent(
 ) -> ClipPlan:
     """The plan of a latent's clip (the tensor, or its `[T, C, H, W]` shape): `1 + 4(T - 1)` frames of `16H x 16W`
     pixels at `rate`, every one kept."""
-    shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else tuple(latent)
+    shape = tuple(latent.shape) if hasattr(latent, "shape") else tuple(latent)
     frames = 1 + TEMPORAL_FACTOR * (shape[0] - 1)
     size = (shape[2] * SPATIAL_FACTOR, shape[3] * SPATIAL_FACTOR)
     with warnings.catch_warnings():
@@ -117,6 +122,8 @@ def plan_latent(
 def fit_latent(latent: torch.Tensor, plan: ClipPlan) -> torch.Tensor:
     """A scaled (1, C, t, h, w) latent padded bottom/right onto the plan's tile grid, as the video path pads the
     pixels (reflect, or replicate where the strip is too long). A latent already on the grid is unchanged."""
+    import torch.nn.functional as F
+
     height = plan.grid.padded_size[0] // SPATIAL_FACTOR
     width = plan.grid.padded_size[1] // SPATIAL_FACTOR
     bottom, right = height - latent.shape[-2], width - latent.shape[-1]

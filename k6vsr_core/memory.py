@@ -29,13 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan
 from k6vsr_core.tiling import SPATIAL_FACTOR, Size
 
 if TYPE_CHECKING:
+    import torch
+
     from k6vsr_core.bundle import ModelBundle
 
 MemoryMode = Literal["auto", "fast", "24g", "16g"]
@@ -339,6 +340,8 @@ def free_gpu_bytes(device: torch.device) -> int | None:
     """Free memory this process may still take on `device`: the driver's figure, capped by a per-process fraction."""
     if device.type != "cuda":
         return None
+    import torch  # here, not above: budgets are chosen and checked while planning, before torch is needed
+
     # torch 2.11's per-process fraction calls want an index: a bare "cuda" device is refused.
     index = device.index if device.index is not None else torch.cuda.current_device()
     free, total = torch.cuda.mem_get_info(index)
@@ -379,5 +382,7 @@ def apply_budget(bundle: ModelBundle, budget: MemoryBudget) -> None:
             # Close the ring: each moves the other out before it runs (accelerate chains hooks one way only).
             first_hook.hook.prev_module_hook = second_hook
         if device.type == "cuda":
+            import torch
+
             torch.cuda.empty_cache()
     bundle.memory = budget

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from fractions import Fraction
 from pathlib import Path
@@ -22,19 +21,9 @@ from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.latent import check_latent, fit_latent, latent_params, plan_latent
 from k6vsr_core.params import UpscaleParams
-from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
-from k6vsr_core.windows import Window, segment_frames
-
-
-class SourceClip(BaseModel):
-    """A source probed, scanned and planned: what the first stage hands on (no frames: windows read their own)."""
-
-    model_config = {"arbitrary_types_allowed": True}
-
-    path: str
-    frame_pts: np.ndarray | None  # timestamps of every frame, to seek to a window (media.scan_frames)
-    rotation: int  # display rotation of the source, carried to the output
-    plan: ClipPlan
+from k6vsr_core.plan import ClipPlan
+from k6vsr_core.source import SourceClip, read_source, read_window, source_audio
+from k6vsr_core.windows import segment_frames
 
 
 class UpscaleResult(BaseModel):
@@ -49,40 +38,6 @@ class UpscaleResult(BaseModel):
     frames: np.ndarray | None = None
     audio: np.ndarray | None = None
     audio_rate: int = media.AUDIO_SAMPLE_RATE
-
-
-def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) -> SourceClip:
-    """Probe and scan a source, and plan it on the frames that can actually be decoded."""
-    probe = media.probe(path)
-    count, frame_pts = media.scan_frames(path)
-    if count < probe.num_frames:
-        warnings.warn(
-            f"{path}: only {count} of {probe.num_frames} frame(s) could be decoded (truncated or damaged file?)",
-            stacklevel=2,
-        )
-    try:
-        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate)
-    except ValueError as err:
-        raise media.MediaError(str(path), str(err)) from None
-    return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)
-
-
-def audio_input(source: str | Path, params: UpscaleParams) -> str | None:
-    """The file whose audio is mixed to the contract's format: the source, a separate file, or none."""
-    if params.audio in ("none", "original"):
-        return None  # `original` carries the source's streams as they are, at the join
-    return params.audio_file or str(source)
-
-
-def source_audio(source: str | Path, params: UpscaleParams) -> np.ndarray | None:
-    """The mono 44.1 kHz track the request writes, if any."""
-    path = audio_input(source, params)
-    return None if path is None else media.decode_audio(path)
-
-
-def read_window(source: SourceClip, window: Window) -> np.ndarray:
-    """The source frames of one window, decoded from the file."""
-    return media.read_frames(source.path, source.plan.source_indices(window), source.frame_pts)
 
 
 def upscale(

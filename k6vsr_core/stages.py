@@ -26,8 +26,9 @@ import torch
 from k6vsr_core import kvae, media
 from k6vsr_core.attention import AttentionMode, set_attention
 from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.pixels import TileBlender, pad_video, pre_upscale_video, resize_video
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan, TileChunk
-from k6vsr_core.tiling import SPATIAL_FACTOR, Size, TileBlender, pad_video, pre_upscale_video, resize_video
+from k6vsr_core.tiling import SPATIAL_FACTOR, Size
 from k6vsr_core.windows import Window
 
 # Called after every DiT evaluation, e.g. to count them or to report progress.

@@ -351,9 +351,10 @@ def collect_garbage(
     keep_finished_outputs: bool = False,
     older_than_s: float = 0.0,
     run_keys: Collection[str] | None = None,
+    dry_run: bool = False,
 ) -> list[dict]:
     """Delete run folders (all, or those of `run_keys`) that no live run holds. Returns what was (or was not)
-    reclaimed, per run."""
+    reclaimed, per run; with `dry_run`, what would be, and nothing is deleted."""
     report = []
     runs = Path(root) / RUNS
     if not runs.is_dir():
@@ -373,10 +374,11 @@ def collect_garbage(
                 continue
             if keep_finished_outputs and (path / OUTPUT).is_file():
                 for child in path.iterdir():
-                    if child.name not in (OUTPUT, "manifest.json", "done", ".lock"):
+                    if child.name not in (OUTPUT, "manifest.json", "done", ".lock") and not dry_run:
                         shutil.rmtree(child) if child.is_dir() else child.unlink()
                 report.append({**entry, "deleted": True, "reason": "intermediates reclaimed, output kept"})
             else:
-                shutil.rmtree(path)
+                if not dry_run:
+                    shutil.rmtree(path)
                 report.append({**entry, "deleted": True, "reason": "reclaimed"})
     return report

@@ -19,7 +19,7 @@ from k6vsr_core.compute import apply_profile, default_profile
 from k6vsr_core.latent import plan_latent, read_latent
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
-from k6vsr_core.runner import audio_input, read_source
+from k6vsr_core.source import audio_input, read_source
 from service.runs import RunRef, latent_channels
 from storage import RunManifest, RunStore, source_info
 from storage.manifest import library_versions

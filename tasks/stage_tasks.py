@@ -3,6 +3,9 @@
 Every task returns at once when its completion record is valid, is safe to run twice (and concurrently with a
 twin: writes are per-chunk and records atomic), and retries transient errors. Completed work is recognised from
 the store, not from Prefect's cache, whose default policy is per flow run and cannot see the data.
+
+torch, the stages and the model cache are imported by the task bodies, where they compute: the flows import this
+module to submit its tasks, and a command, the HTTP server or a worker launcher must not pay seconds for torch.
 """
 
 from __future__ import annotations
@@ -10,16 +13,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import av
 import numpy as np
-import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from k6vsr_core import media, stages
-from k6vsr_core.bundle import ModelBundle
+from k6vsr_core import media
 from k6vsr_core.compute import apply_profile
 from k6vsr_core.errors import ParameterError, UserFacingError
 from k6vsr_core.latent import fit_latent, read_latent
@@ -30,7 +31,11 @@ from storage import RunManifest, RunStore, source_info
 from storage import publish as publish_file
 from storage.manifest import library_versions
 from tasks.descriptors import StageResult
-from tasks.model_cache import get_bundle
+
+if TYPE_CHECKING:
+    import torch
+
+    from k6vsr_core.bundle import ModelBundle
 
 # Errors that another attempt cannot fix (a MemoryBudgetError is a ValueError).
 PERMANENT_ERRORS = (UserFacingError, ValueError)
@@ -64,6 +69,13 @@ def _plan(store: RunStore) -> ClipPlan:
     return manifest.plan
 
 
+def _bundle(model: ModelSpec, plan: ClipPlan) -> ModelBundle:
+    """This process's loaded model (`tasks.model_cache`)."""
+    from tasks.model_cache import get_bundle
+
+    return get_bundle(model, plan)
+
+
 class MissingInput(RuntimeError):
     """A stage's input is not (or no longer) in the store; the flow reruns the stage that makes it."""
 
@@ -92,6 +104,8 @@ WINDOW_INTERMEDIATES = ("latent", "tile_latents", "tiles")
 @task(name="encode", task_run_name="encode-window-{window}", **STAGE_TASK)
 def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageResult:
     """KVAE encode of one window's frames, read from the source."""
+    from k6vsr_core import stages
+
     store = _store(run)
     plan = _plan(store)
     if _window_blended(store, plan, window) or store.tile_done("latent", (window,), stage="encode"):
@@ -99,12 +113,12 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
     started = time.perf_counter()
     manifest = store.read_manifest()
     if manifest.latent_fps is not None:
-        latent = _given_latent(get_bundle(model, plan), manifest)
+        latent = _given_latent(_bundle(model, plan), manifest)
     else:
         pts = _require(store.get("frame_pts", stage="ingest"), run, "the source's frame index")
         span = plan.windows[window]
         frames = media.read_frames(manifest.source.path, plan.source_indices(span), pts if len(pts) else None)
-        latent = stages.encode_clip(get_bundle(model, plan), stages.prepare_window(frames, plan, span))
+        latent = stages.encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started
     store.put_tile(
         "latent", (window,), (plan.num_windows,), latent.numpy(), stage="encode", seconds=seconds, attempt=attempt
@@ -115,6 +129,8 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
 def _given_latent(bundle: ModelBundle, manifest: RunManifest) -> torch.Tensor:
     """A latent run's one window: the latent file, scaled and padded onto the tile grid as the video's encode would
     leave it. A file changed since ingest is refused: the run and its key are of the content ingest planned."""
+    from k6vsr_core import stages
+
     path = manifest.source.path
     if source_info(path).sha256 != manifest.source.sha256:
         raise ParameterError(f"latent={path!r} changed since the run was planned; start it again")
@@ -127,6 +143,10 @@ def denoise(
     run: RunRef, model: ModelSpec, window: int, chunk_index: int, attempt: str, tiles_label: str = ""
 ) -> StageResult:
     """Latent upscaler, seeded noise and DiT steps for one chunk of tiles (the seeding unit) of one window."""
+    import torch
+
+    from k6vsr_core import stages
+
     store = _store(run)
     plan = _plan(store)
     chunk = plan.chunks[chunk_index]
@@ -145,7 +165,7 @@ def denoise(
         calls += 1
 
     lr_tiles = stages.cut_tiles(torch.from_numpy(latent), plan, chunk.tiles)
-    denoised = stages.denoise_chunk(get_bundle(model, plan), lr_tiles, chunk, plan, count)
+    denoised = stages.denoise_chunk(_bundle(model, plan), lr_tiles, chunk, plan, count)
     seconds = time.perf_counter() - started
     for index, tile in zip(chunk.tiles, denoised, strict=True):
         store.put_tile(
@@ -165,6 +185,10 @@ def denoise(
 @task(name="decode", task_run_name="decode-window-{window}-tile-{tile}", **STAGE_TASK)
 def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) -> StageResult:
     """KVAE decode of one tile of one window to uint8 pixels; never recomputes the denoised latent it reads."""
+    import torch
+
+    from k6vsr_core import stages
+
     store = _store(run)
     plan = _plan(store)
     key = (window, tile)
@@ -174,7 +198,7 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
     latent = _require(
         store.get_tile("tile_latents", key, stage="denoise"), run, f"the denoised latent of window {window} tile {tile}"
     )
-    pixels = stages.decode_tile(get_bundle(model, plan), torch.from_numpy(latent))
+    pixels = stages.decode_tile(_bundle(model, plan), torch.from_numpy(latent))
     seconds = time.perf_counter() - started
     counts = (plan.num_windows, plan.num_tiles)
     store.put_tile("tiles", key, counts, pixels.numpy(), stage="decode", seconds=seconds, attempt=attempt)
@@ -184,6 +208,10 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
 @task(name="blend", task_run_name="blend-window-{window}", **STAGE_TASK)
 def blend(run: RunRef, window: int, attempt: str) -> StageResult:
     """Hann-blend one window's stored tiles, crop, and downscale to the delivery tier; then drop its tiles."""
+    import torch
+
+    from k6vsr_core import stages
+
     store = _store(run)
     plan = _plan(store)
     if _window_blended(store, plan, window):
@@ -208,6 +236,8 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
 @task(name="segment", task_run_name="segment-window-{window}", **STAGE_TASK)
 def segment(run: RunRef, window: int, attempt: str) -> StageResult:
     """Cross-fade a window with the one before and encode its segment; then drop the frames no one needs."""
+    from k6vsr_core import stages
+
     store = _store(run)
     manifest = store.read_manifest()
     apply_profile(manifest.compute)
@@ -248,6 +278,8 @@ def _audio(store: RunStore, run: RunRef) -> np.ndarray:
 @task(name="mux", task_run_name="mux-{run.run_key}", **STAGE_TASK)
 def mux(run: RunRef, attempt: str) -> StageResult:
     """Join the segments by stream copy, with the audio, into the store's output (temporary name, then rename)."""
+    from k6vsr_core import stages
+
     store = _store(run)
     if store.output_done():
         return StageResult(stage="mux", computed=False)

@@ -246,7 +246,8 @@ def test_plan_writes_the_manifest_and_runs_nothing(
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "planned: 2" in printed and "k6vsr-archive-manifest.json" in printed
+    assert "plan only, nothing run: " in printed and "k6vsr-archive-manifest.json" in printed
+    assert printed.count("2 planned") == 1  # the counts, said once
     manifest = json.loads((out / "k6vsr-archive-manifest.json").read_text())
     assert manifest["plan_only"] is True
     statuses = {r["relative_path"]: r["status"] for r in manifest["rows"]}
@@ -303,3 +304,16 @@ def test_scan_rules(tmp_path: Path, capsys) -> None:
     assert [p.name for p in scan_folder(folder, ["keep/*"], [], skip=None)] == ["d.mkv"]
     assert main(["archive", str(folder), "-o", str(folder), "--plan"]) == 2
     assert "is the input folder" in capsys.readouterr().err
+
+
+def test_the_tiles_column_counts_every_window(prefect_server: str, tiny_bundle_path: Path, tmp_path: Path) -> None:
+    """A clip longer than one window has that many times the tiles of one window to compute."""
+    from entrypoints.cli import main
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    make_sample_clip(folder / "long.mp4", width=64, height=64, num_frames=250, audio=False)  # three windows
+    argv = ["archive", str(folder), "-o", str(tmp_path / "out"), "--model", str(tiny_bundle_path), "--scale", "2"]
+    assert main([*argv, "--device", "cpu", "--store", str(tmp_path / "store"), "--plan", "--json"]) == 0
+    (row,) = json.loads((tmp_path / "out" / "k6vsr-archive-manifest.json").read_text())["rows"]
+    assert row["status"] == "planned" and row["tiles"] == 3  # one 64x64 tile a window, three windows

@@ -201,16 +201,16 @@ class Cli:
 @pytest.fixture
 def cli(tmp_path: Path, tiny_bundle_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Cli:
     """`main([...])` in-process, counting every model load a stage asks for."""
-    import tasks.stage_tasks as stage_tasks
+    import tasks.model_cache as model_cache
 
     loads = [0]
-    original = stage_tasks.get_bundle
+    original = model_cache.get_bundle
 
     def counting(spec: Any, plan: Any = None) -> Any:
         loads[0] += 1
         return original(spec, plan)
 
-    monkeypatch.setattr(stage_tasks, "get_bundle", counting)
+    monkeypatch.setattr(model_cache, "get_bundle", counting)
     return Cli(tmp_path, tiny_bundle_path, capsys, loads)
 
 

@@ -204,6 +204,17 @@ def test_tile_failure_message_gives_the_cause(failed_tile) -> None:
     assert "InjectedFault: injected fault in denoise of tiles [1]" in message
 
 
+def test_a_failed_tile_is_one_line_on_the_terminal(argv, tmp_path: Path) -> None:
+    """Prefect's lines for each failed attempt (with tracebacks) go to the UI and the run's log, not the terminal."""
+    import procs
+
+    command = fault_harness.command(*argv(tmp_path / "store", tmp_path / "out"), specs=("raise@denoise:tile=1",))
+    done = procs.run(command)
+    assert done.returncode == 1, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("k6vsr: error: TileFailure: ") and "(tile 1: InjectedFault: injected fault" in line
+
+
 # ------------------------------------------------------------------------------------------------ damaged store
 
 

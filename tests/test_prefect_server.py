@@ -13,8 +13,10 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from uuid import UUID
 
 import procs
@@ -117,19 +119,31 @@ def test_prefect_api_url_wins(tmp_path: Path) -> None:
 
 SLEEPY_FLOW = """
 import sys, time
-from prefect import flow
+from prefect import flow, task
 from prefect.runtime import flow_run
 from flows.prefect_server import leased, prefect_api
+
+@task(name="k6vsr-test-nap")
+def nap(seconds: float) -> None:
+    time.sleep(seconds)
 
 @flow(name="k6vsr-test-sleepy")
 @leased
 def sleepy(seconds: float) -> None:
+    napping = nap.submit(seconds)
     print("RUN", flow_run.id, flush=True)
-    time.sleep(seconds)
+    napping.wait()
 
 with prefect_api():
     sleepy(float(sys.argv[1]))
 """
+
+
+def _task_states(client: Any, flow_run_id: str) -> list[str]:
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    runs = client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))
+    return [run.state.name for run in runs if run.state is not None]
 
 
 def test_a_killed_run_is_marked_crashed_by_the_next_command(home: Path, url: str) -> None:
@@ -155,6 +169,10 @@ def test_a_killed_run_is_marked_crashed_by_the_next_command(home: Path, url: str
         assert lease.is_file()
         with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
             assert client.read_flow_run(UUID(run_id)).state.name == "Running"
+            deadline = time.monotonic() + 60
+            while _task_states(client, run_id) != ["Running"]:  # the task's state reaches the API as an event
+                assert time.monotonic() < deadline, _task_states(client, run_id)
+                time.sleep(0.2)
             process.kill()
             process.wait(timeout=30)
             assert client.read_flow_run(UUID(run_id)).state.name == "Running"  # nobody told the API
@@ -162,7 +180,9 @@ def test_a_killed_run_is_marked_crashed_by_the_next_command(home: Path, url: str
             _, err = nxt.communicate(timeout=120)
             assert nxt.returncode == 0, err[-3000:]
             state = client.read_flow_run(UUID(run_id)).state
+            task_states = _task_states(client, run_id)
         assert state.name == "Crashed" and f"process {process.pid}" in state.message
+        assert task_states == ["Crashed"]  # the task in flight, too
         assert not lease.exists()
     finally:
         if process.poll() is None:
@@ -285,3 +305,35 @@ def test_server_command_stops_it_and_leaves_no_process(home: Path, url: str) -> 
     assert _servers_of(home) == [] and not (home / "server.json").exists()
     assert not prefect_server.server_status(home).running
     assert prefect_server.stop_server(home) is False
+
+
+@pytest.fixture
+def port_4200_taken() -> Iterator[None]:
+    """Prefect's default port held, as by another server: the local server must start on another one."""
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", prefect_server.DEFAULT_PORT))
+            sock.listen()
+        except OSError:
+            pass  # already taken by something else on this machine: just as good
+        yield
+
+
+def test_the_ui_is_told_its_api_on_whatever_port_the_server_gets(tmp_path: Path, port_4200_taken: None) -> None:
+    """The UI asks `/ui-settings` where its API is: the port the server got, not 4200, even when the command runs
+    with `PREFECT_API_URL` pointing at another server."""
+    home = tmp_path / "server-home"
+    env = _env(home, PREFECT_API_URL="http://127.0.0.1:9/api", PREFECT_UI_API_URL="http://127.0.0.1:9/api")
+    env.pop("K6VSR_SERVER_PORT")  # Prefect's default port, 4200, which is taken
+    cli = [sys.executable, "-m", "entrypoints.cli", "server"]
+    try:
+        start = procs.run([*cli, "start", "--json"], env=env, cwd=ROOT)
+        assert start.returncode == 0, start.stderr[-3000:]
+        status = json.loads(start.stdout)
+        assert status["running"] and f":{prefect_server.DEFAULT_PORT}/" not in status["url"]
+        with urllib.request.urlopen(f"{status['ui_url']}/ui-settings", timeout=30) as response:
+            assert json.loads(response.read())["api_url"] == status["url"]
+    finally:
+        prefect_server.stop_server(home)
+        for pid in _servers_of(home):
+            os.kill(pid, signal.SIGKILL)

@@ -17,8 +17,8 @@ from k6vsr_core import stages
 from k6vsr_core.attention import DenseSdpaProcessor, attention_mode, set_attention
 from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.params import parse_params
+from k6vsr_core.pixels import crop_output, hann_window_2d
 from k6vsr_core.plan import ClipPlan, make_plan
-from k6vsr_core.tiling import crop_output, hann_window_2d
 
 CPU = torch.device("cpu")
 

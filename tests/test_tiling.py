@@ -13,16 +13,13 @@ import pytest
 import torch
 
 from k6vsr_core.bundle import TINY_TILE_SIZES
+from k6vsr_core.pixels import TileBlender, crop_output, hann_window_2d, pad_video
 from k6vsr_core.tiling import (
     RESOLUTIONS,
-    TileBlender,
     TileGrid,
     axis_positions,
     closest_base,
-    crop_output,
-    hann_window_2d,
     lr_tile_size,
-    pad_video,
     padded_size,
     pre_upscale_size,
     target_size,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -145,6 +146,30 @@ def test_a_model_switch_loads_the_other_model(
     # Two models fit the cache: the first one is still there for the next run that wants it.
     assert all(len(info["loaded"]) <= 2 for info in infos.values())
     assert any(str(tiny_bundle_path) in " ".join(info["loaded"]) for info in infos.values())
+
+
+def test_relative_paths_leave_the_command_absolute_for_the_warm_workers(
+    cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """The workers run in their own folder, where a relative `--model` (or store, or source) would name nothing."""
+    from entrypoints.cli import main
+    from tasks import model_cache
+
+    work = tmp_path / "work"
+    shutil.copytree(tiny_bundle_path, work / "model")
+    shutil.copyfile(clip_1f, work / "clip.mp4")
+    monkeypatch.chdir(work)
+    model_cache.clear()
+    capsys.readouterr()
+    argv = ["upscale", "clip.mp4", "--scale", "2", "--model", "model", "--device", "cpu", "--store", "store"]
+    rc = main([*argv, "-o", "out", "--output-file-name", "out.mp4", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    summary = json.loads(captured.out)
+    assert summary["tiles_computed"] == summary["tiles_total"] and summary["store"].startswith(str(work / "store"))
+    assert (work / "out" / "out.mp4").read_bytes() == reference
+    assert model_cache.loaded_count() == 0  # the tiles ran on the workers, with the model named absolutely
+    assert any(str(work / "model") in " ".join(info["loaded"]) for info in _infos(cluster.address).values())
 
 
 def test_a_worker_killed_mid_tile_leaves_the_same_bytes(

@@ -1,0 +1,117 @@
+"""How a `k6vsr` command stops on Ctrl-C or SIGTERM: within seconds, with one line, leaving the truth behind.
+
+It does not wait for the tiles in flight (`flows.interrupts` says why): it ends the processes it started (a local
+Dask cluster's workers) and exits with 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM); a helper it
+leaves behind for a moment marks its flow runs and their unfinished task runs Cancelled in Prefect once it is gone.
+What was finished is in the run store, which a rerun resumes; what was being written sits under a temporary name,
+as after a kill -9, which the store survives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import NoReturn
+
+from flows import interrupts
+
+MESSAGE = "interrupted; finished items are kept, rerun to resume"
+RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
+QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+@contextlib.contextmanager
+def stop_on_interrupt() -> Iterator[None]:
+    """For the block: SIGTERM raises as Ctrl-C does, and an interrupt in a flow's body stops the command there."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    interrupts.on_interrupt(stop)
+    # The resource tracker that a local Dask cluster starts outlives a stop by a moment, and then reports the
+    # semaphores of the killed workers as it frees them: a warning after the one line, about nothing to be done.
+    if QUIET_TRACKER not in os.environ.get("PYTHONWARNINGS", ""):
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), QUIET_TRACKER)))
+    try:
+        yield
+    finally:
+        interrupts.on_interrupt(None)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> NoReturn:
+    raise interrupts.Interrupted(signum)
+
+
+def stop(signum: int) -> NoReturn:
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not break the stop into a traceback
+        with contextlib.suppress(ValueError):  # outside the main thread, where no interrupt is raised anyway
+            signal.signal(sig, signal.SIG_IGN)
+    # The one line is the last: a Dask scheduler in this process would log the workers it loses below.
+    logging.disable(logging.CRITICAL)
+    warnings.simplefilter("ignore")
+    fresh_line = "\n" if sys.stderr.isatty() else ""  # after the progress bar or the terminal's ^C
+    print(f"{fresh_line}k6vsr: {MESSAGE}", file=sys.stderr, flush=True)
+    helper = _end_runs_after_exit(signum) if "flows.prefect_server" in sys.modules else None  # else no flow ran
+    _kill_children(spare=helper)
+    sys.stdout.flush()
+    # Not `sys.exit`: the interpreter would wait for the threads still computing tiles, which nothing can stop.
+    os._exit(128 + signum)
+
+
+def _end_runs_after_exit(signum: int) -> int | None:
+    """Start the helper that marks this command's runs Cancelled once it has exited (`end_leased_runs`): in its own
+    session, so that a second Ctrl-C does not reach it, and silent, so that the one line stays the last."""
+    how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    reason = f"the k6vsr command was interrupted ({how}); finished items are kept, rerun to resume"
+    code = f"from flows.prefect_server import end_leased_runs; end_leased_runs({os.getpid()}, {reason!r})"
+    try:
+        helper = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    except OSError:  # the next command marks them Crashed instead
+        return None
+    return helper.pid
+
+
+def _kill_children(spare: int | None) -> None:
+    """SIGKILL every process this one started, and theirs: Dask workers computing tiles, which the store survives
+    as it survives a kill -9 of the command; a gentler signal would only give a nanny time to restart them.
+
+    Python's resource tracker is left: it exits by itself when this process does, after freeing the shared memory
+    the workers left, and killed it would only be relaunched, to print errors about what it never saw."""
+    for pid in _descendants(os.getpid()):
+        if pid == spare:
+            continue
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                if RESOURCE_TRACKER in (entry / "cmdline").read_bytes():
+                    continue
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found.extend(children)
+        frontier.extend(children)
+    return found

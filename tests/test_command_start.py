@@ -1,0 +1,115 @@
+"""A command answers at once: `--help` and a refused flag in well under a second, because torch and diffusers are
+imported only where tensors are computed, and no Prefect telemetry notice on a new user's first command."""
+
+from __future__ import annotations
+
+import os
+import pty
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import procs
+
+ROOT = Path(__file__).resolve().parents[1]
+# The modules a command, the HTTP server's parent, a job launcher or a flow run imports before any tile is computed.
+LIGHT_MODULES = [
+    "entrypoints.cli",
+    "entrypoints.console",
+    "entrypoints.demo",
+    "entrypoints.http_api",
+    "entrypoints.jobs",
+    "flows.artifacts",
+    "flows.orchestrate",
+    "flows.prefect_server",
+    "flows.run_log",
+    "flows.runners",
+    "flows.stage_clock",
+    "flows.upscale_archive",
+    "flows.upscale_clip",
+    "flows.warm_workers",
+    "k6vsr_core",
+    "k6vsr_core.errors",
+    "k6vsr_core.params",
+    "k6vsr_core.plan",
+    "k6vsr_core.windows",
+    "k6vsr_core.encoding",
+    "k6vsr_core.media",
+    "k6vsr_core.latent",
+    "k6vsr_core.source",
+    "k6vsr_core.memory",
+    "service.runs",
+    "storage",
+    "tasks.ingest",
+    "tasks.stage_tasks",
+]
+# Limits for a busy two-core machine; on an idle one `--help` takes about 0.5 s.
+HELP_LIMIT_S = 1.0
+SLACK_S = 0.5
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra}
+
+
+def test_no_torch_before_a_tensor_is_computed() -> None:
+    code = (
+        "import importlib, sys\n"
+        f"for name in {LIGHT_MODULES!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in ('torch', 'diffusers') if m in sys.modules))\n"
+    )
+    done = procs.run([sys.executable, "-c", code], env=_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
+
+
+def _timed(*argv: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    started = time.monotonic()
+    done = procs.run([sys.executable, "-m", "entrypoints.cli", *argv], env=_env(), cwd=ROOT)
+    return done, time.monotonic() - started
+
+
+def test_help_and_a_refused_flag_answer_within_a_second() -> None:
+    _timed("--help")  # the first start reads the modules from disk; a user's second one finds them cached
+    helped, help_s = _timed("--help")
+    assert helped.returncode == 0 and "upscale" in helped.stdout
+    refused, refused_s = _timed("upscale", "clip.mp4", "--scale", "3")
+    assert refused.returncode == 2 and "scale" in refused.stderr and "Traceback" not in refused.stderr
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    print(f"--help {help_s:.2f} s, a refused --scale {refused_s:.2f} s")
+    assert help_s < HELP_LIMIT_S + SLACK_S and refused_s < HELP_LIMIT_S + SLACK_S
+
+
+def test_no_telemetry_notice_on_a_new_users_first_command(tmp_path: Path) -> None:
+    """Prefect shows its notice once, on a terminal, to a new PREFECT_HOME: the command runs on a pseudo-terminal."""
+    ci_markers = ("CI", "GITHUB_ACTIONS", "GITLAB_CI", "JENKINS_URL", "BUILDKITE", "CI_NAME", "DO_NOT_TRACK")
+    env = {key: value for key, value in _env().items() if key not in ci_markers and key != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), K6VSR_SERVER_HOME=str(tmp_path / "server"))
+    main, child = pty.openpty()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "entrypoints.cli", "server", "status"],
+            stdin=subprocess.DEVNULL,
+            stdout=child,
+            stderr=child,
+            env=env,
+            cwd=ROOT,
+        )
+        os.close(child)
+        output = b""
+        while True:
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:  # the terminal's other end closed: the command ended
+                break
+            if not chunk:
+                break
+            output += chunk
+        assert process.wait(timeout=120) == 0, output.decode(errors="replace")
+    finally:
+        os.close(main)
+    text = output.decode(errors="replace")
+    assert "local Prefect server not running" in text
+    assert "usage data" not in text and "DO_NOT_TRACK" not in text, text
