@@ -291,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="request bodies one key may send at once (its share of the --max-queued admission slots), then 429",
     )
     limits.add_argument(
+        "--max-queued-per-key",
+        type=int,
+        default=8,
+        help="queue places one key may hold, its waiting jobs and its requests being read together, then 429",
+    )
+    limits.add_argument(
         "--retention-hours",
         type=float,
         default=24,

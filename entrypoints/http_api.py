@@ -53,6 +53,7 @@ from entrypoints.jobs import (
     InputQuotaFull,
     JobRunner,
     JobStore,
+    KeyQueueFull,
     QueueFull,
     UploadsBusy,
     new_job_id,
@@ -120,6 +121,7 @@ class Limits:
     max_windows: int = 512  # --max-windows: windows of one job
     upload_timeout_s: float = 900.0  # --upload-timeout-s: a request body must arrive within this time, else 408
     uploads_per_key: int | None = None  # --max-uploads-per-key: request bodies one key sends at once (None: any)
+    queued_per_key: int | None = None  # --max-queued-per-key: queue places one key holds (None: all)
     finished_quota_bytes: int | None = None  # --finished-quota-mb: disk finished jobs may keep (None: no budget)
 
     @property
@@ -230,6 +232,15 @@ def _install_error_handlers(app: FastAPI) -> None:
             429,
             f"the queue is full ({err.limit} jobs waiting, --max-queued); retry later",
             code="queue_full",
+            headers=retry,
+        )
+
+    @app.exception_handler(KeyQueueFull)
+    async def key_queue_full(_: Request, err: KeyQueueFull) -> JSONResponse:
+        return error_response(
+            429,
+            f"this key already has {err.limit} jobs queued or being sent (--max-queued-per-key); retry once one runs",
+            code="key_queue_full",
             headers=retry,
         )
 
@@ -760,6 +771,7 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
         max_queued=limits.max_queued,
         retention_s=limits.retention_s,
         uploads_per_key=limits.uploads_per_key,
+        queued_per_key=limits.queued_per_key,
         finished_quota_bytes=limits.finished_quota_bytes,
     )
 
@@ -903,7 +915,7 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
             except BaseException:
                 store.discard_dir(job_id)  # a partial or refused request leaves nothing behind
                 raise
-            runner.submit(job_id)
+            runner.submit(job_id, caller.owner)
         log.info("job %s queued: run %s, %d tiles", job_id, prepared.run.run_key, plan.num_tiles)
         return JSONResponse(view(job, caller))
 
@@ -1012,6 +1024,7 @@ def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
         max_windows=int(_at_least(args.max_windows, 1, "--max-windows")),
         upload_timeout_s=_at_least(args.upload_timeout_s, 0.1, "--upload-timeout-s"),
         uploads_per_key=int(_at_least(args.max_uploads_per_key, 1, "--max-uploads-per-key")),
+        queued_per_key=int(_at_least(args.max_queued_per_key, 1, "--max-queued-per-key")),
         finished_quota_bytes=int(_at_least(args.finished_quota_mb, 0, "--finished-quota-mb")) << 20,
     )
     try:

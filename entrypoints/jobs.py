@@ -96,6 +96,14 @@ class InputQuotaFull(Exception):
         self.limit = limit
 
 
+class KeyQueueFull(Exception):
+    """One key already holds its share of the queue: jobs of its waiting plus its requests being read."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this key already has {limit} jobs queued or being sent")
+        self.limit = limit
+
+
 class UploadsBusy(Exception):
     """One key already sends as many request bodies as its share of the admission slots."""
 
@@ -333,7 +341,7 @@ class WorkerSlot:
     def _run(self, job_id: str) -> None:
         store = self.runner.store
         with store.lock:
-            self.runner.waiting.discard(job_id)
+            self.runner.waiting.pop(job_id, None)
             job = store.get(job_id)
             if job is None or job["status"] != QUEUED:
                 return  # cancelled or deleted while it waited
@@ -456,7 +464,9 @@ class JobRunner:
     more than `finished_quota_bytes` on disk.
 
     A request being read holds one of the `max_queued` admission slots; one key holds at most `uploads_per_key` of
-    them at once, so a key whose uploads stall (until their deadline) never leaves another key without a slot."""
+    them at once, so a key whose uploads stall (until their deadline) never leaves another key without a slot. And
+    one key holds at most `queued_per_key` places of the queue, its waiting jobs and its requests being read
+    together, so a key that submits many quick jobs never fills the queue for the others."""
 
     def __init__(
         self,
@@ -467,15 +477,17 @@ class JobRunner:
         retention_s: float,
         uploads_per_key: int | None = None,
         finished_quota_bytes: int | None = None,
+        queued_per_key: int | None = None,
     ) -> None:
         self.store = store
         self.spec = spec
         self.max_queued = max_queued
         self.retention_s = retention_s
         self.uploads_per_key = uploads_per_key or max_queued
+        self.queued_per_key = queued_per_key or max_queued
         self.finished_quota_bytes = finished_quota_bytes
         self.queue: queue.Queue[str | None] = queue.Queue()
-        self.waiting: set[str] = set()  # queued jobs no worker has taken yet (guarded by store.lock)
+        self.waiting: dict[str, str | None] = {}  # queued jobs no worker has taken yet, and their owners (store.lock)
         self._admitting: dict[str | None, int] = {}  # requests being read that will queue a job, by key
         self.stopping = threading.Event()
         self.slots = [WorkerSlot(self, i) for i in range(max(1, workers))]
@@ -488,7 +500,7 @@ class JobRunner:
         for entry in self.store.entries():
             if entry.status in ACTIVE:
                 self.store.update(entry.id, status=QUEUED)
-                self.submit(entry.id)
+                self.submit(entry.id, entry.owner)
                 resumed.append(entry.id)
             else:
                 self.store.drop_input(entry.id)
@@ -502,13 +514,17 @@ class JobRunner:
     @contextmanager
     def admission(self, owner: str | None = None) -> Iterator[None]:
         """Hold a place in the queue while a request of `owner` (a key's id; None without keys) is read:
-        `QueueFull` when `max_queued` jobs already wait, `UploadsBusy` when the key already holds its share."""
+        `QueueFull` when `max_queued` jobs already wait, `UploadsBusy` or `KeyQueueFull` when the key already holds
+        its share of the requests being read or of the queue."""
         with self.store.lock:
             if len(self.waiting) + sum(self._admitting.values()) >= self.max_queued:
                 raise QueueFull(self.max_queued)
             # Without keys every client is the same one: only the queue bounds it.
             if owner is not None and self._admitting.get(owner, 0) >= self.uploads_per_key:
                 raise UploadsBusy(self.uploads_per_key)
+            held = self._admitting.get(owner, 0) + sum(1 for who in self.waiting.values() if who == owner)
+            if owner is not None and held >= self.queued_per_key:
+                raise KeyQueueFull(self.queued_per_key)
             self._admitting[owner] = self._admitting.get(owner, 0) + 1
         try:
             yield
@@ -518,9 +534,9 @@ class JobRunner:
                 if not self._admitting[owner]:
                     del self._admitting[owner]
 
-    def submit(self, job_id: str) -> None:
+    def submit(self, job_id: str, owner: str | None) -> None:
         with self.store.lock:
-            self.waiting.add(job_id)
+            self.waiting[job_id] = owner
         self.queue.put(job_id)
 
     def cancel(self, job_id: str) -> dict[str, Any] | None:
@@ -531,7 +547,7 @@ class JobRunner:
             if job is None or job["status"] not in ACTIVE:
                 return job
             job = self.store.update(job_id, status=CANCELLED, completed_at=int(time.time()))
-            self.waiting.discard(job_id)
+            self.waiting.pop(job_id, None)
             slot = next((slot for slot in self.slots if slot.current == job_id), None)
         if slot is not None:
             slot.terminate()
