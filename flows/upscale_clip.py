@@ -141,14 +141,14 @@ def upscale_clip(
         return result
 
     attempt = _attempt_id()
-    with store.in_use(), run_log(store.log_path, attempt):
+    with store.in_use(), store.log_file(attempt) as log_file, run_log(log_file, attempt):
         logger.info(
             "run %s: %d frames in %d windows of %d tiles, store %s",
             run.run_key,
             prepared.plan.num_frames,
             prepared.plan.num_windows,
             prepared.plan.num_tiles,
-            store.path,
+            store.where,
         )
         ingested = ingest_tasks.ingest(
             prepared.source, run, params, prepared.model_info, attempt, latent_fps=prepared.latent_fps
@@ -172,8 +172,8 @@ def upscale_clip(
         source=prepared.source,
         output=str(destination),
         run_key=run.run_key,
-        store=str(store.path),
-        log=str(store.log_path),
+        store=str(store.where),
+        log=str(store.log_location(attempt)),
         frames=plan.num_frames,
         fps=plan.fps,
         windows=plan.num_windows,
