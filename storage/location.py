@@ -13,9 +13,11 @@ import os
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import wraps
 from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
@@ -23,6 +25,14 @@ from fsspec.spec import AbstractFileSystem
 from k6vsr_core.errors import StoreError
 
 BLOCK = 1 << 20
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class StoreUnreachable(StoreError):
+    """The object store did not answer (after its client's own retries): what the run finished stays stored there,
+    and the same command resumes once it answers again."""
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -129,6 +139,10 @@ class Location(ABC):
     def zarr_store(self) -> str:
         """What `zarr.open_group(store=...)` takes for a hierarchy rooted here."""
 
+    @abstractmethod
+    def reaching(self) -> AbstractContextManager[None]:
+        """A block that talks to the store: an unreachable store ends it with a `StoreUnreachable`."""
+
     @contextmanager
     def fetch(self) -> Iterator[Path]:
         """A local file with the content, for readers that need one (PyAV, memory maps): the file itself when
@@ -189,9 +203,31 @@ class LocalLocation(Location):
     def zarr_store(self) -> str:
         return str(self.path)
 
+    def reaching(self) -> AbstractContextManager[None]:
+        return nullcontext()
+
     @contextmanager
     def fetch(self) -> Iterator[Path]:
         yield self.path
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What s3fs's client raises when no endpoint answers (botocore comes with s3fs, an optional dependency)."""
+    try:
+        from botocore.exceptions import ConnectionError, HTTPClientError
+    except ImportError:
+        return ()
+    return (ConnectionError, HTTPClientError)
+
+
+def _reached(method: Callable[P, R]) -> Callable[P, R]:
+    @wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        location: Any = args[0]
+        with location.reaching():
+            return method(*args, **kwargs)
+
+    return wrapper
 
 
 class RemoteLocation(Location):
@@ -216,12 +252,25 @@ class RemoteLocation(Location):
     def local(self) -> Path:
         raise StoreError(f"{self} is in an object store, not on this machine's disk")
 
+    @contextmanager
+    def reaching(self) -> Iterator[None]:
+        try:
+            yield
+        except _connection_errors() as err:
+            raise StoreUnreachable(
+                f"{self}: the object store does not answer ({err}); what the run finished is kept there, "
+                "run the same command again once it answers"
+            ) from None
+
+    @_reached
     def read_bytes(self) -> bytes:
         return self.fs.cat_file(self.path)
 
+    @_reached
     def write_bytes(self, data: bytes) -> None:
         self.fs.pipe_file(self.path, data)
 
+    @_reached
     def put(self, file: Path, *, exclusive: bool = False) -> bool:
         try:
             # s3fs sends `If-None-Match: *` for mode="create": the store, not a check beforehand, refuses the loser.
@@ -230,9 +279,11 @@ class RemoteLocation(Location):
             return False
         return True
 
+    @_reached
     def copy_to(self, file: Path) -> None:
         self.fs.get_file(self.path, str(file))
 
+    @_reached
     def checksum(self) -> str | None:
         digest = hashlib.sha256()
         try:
@@ -243,6 +294,7 @@ class RemoteLocation(Location):
             return None
         return digest.hexdigest()
 
+    @_reached
     def names(self, suffix: str) -> list[str]:
         try:
             found = self.fs.ls(self.path, detail=False)
@@ -250,12 +302,14 @@ class RemoteLocation(Location):
             return []
         return [name.rsplit("/", 1)[-1] for name in found if name.endswith(suffix)]
 
+    @_reached
     def remove(self) -> None:
         try:
             self.fs.rm_file(self.path)
         except FileNotFoundError:
             pass
 
+    @_reached
     def remove_tree(self) -> None:
         try:
             self.fs.rm(self.path, recursive=True)

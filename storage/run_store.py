@@ -34,7 +34,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,15 @@ import zarr
 from zarr.errors import ContainsArrayError
 
 from k6vsr_core.errors import StoreError
-from storage.location import LocalLocation, Location, file_checksum, is_url, location, parse_store_root
+from storage.location import (
+    LocalLocation,
+    Location,
+    StoreUnreachable,
+    file_checksum,
+    is_url,
+    location,
+    parse_store_root,
+)
 from storage.manifest import RunManifest
 from storage.records import RecordBook, array_checksum
 
@@ -120,8 +128,9 @@ class RunStore:
         self, name: str, value: np.ndarray, *, stage: str, item: str = "all", seconds: float = 0.0, attempt: str = ""
     ) -> None:
         """Store a whole array (one writer), then its record, naming the run attempt that computed it."""
-        array = self._array(name, value.shape, value.shape if value.ndim else (1,), value.dtype.str)
-        array[...] = value
+        with self.where.reaching():
+            array = self._array(name, value.shape, value.shape if value.ndim else (1,), value.dtype.str)
+            array[...] = value
         self.records.write(stage, item, array_checksum(value), seconds, attempt)
 
     def get(self, name: str, *, stage: str, item: str = "all") -> np.ndarray | None:
@@ -130,7 +139,10 @@ class RunStore:
         if record is None:
             return None
         try:
-            value = np.asarray(self._group()[name][...])
+            with self.where.reaching():
+                value = np.asarray(self._group()[name][...])
+        except StoreUnreachable:
+            raise  # not an answer about the chunk
         except Exception:  # noqa: BLE001 - a damaged chunk can fail in many ways; all mean 'recompute'
             return None
         return value if array_checksum(value) == record.checksum else None
@@ -148,8 +160,9 @@ class RunStore:
     ) -> None:
         """Store part `key` (e.g. (window, tile)) of an array of `counts` parts, each its own chunk, then its
         record (item `<window>-<tile>`)."""
-        array = self._array(name, (*counts, *value.shape), (*(1 for _ in counts), *value.shape), value.dtype.str)
-        array[key] = value
+        with self.where.reaching():
+            array = self._array(name, (*counts, *value.shape), (*(1 for _ in counts), *value.shape), value.dtype.str)
+            array[key] = value
         self.records.write(stage, item_name(key), array_checksum(value), seconds, attempt)
 
     def get_tile(self, name: str, key: tuple[int, ...], *, stage: str) -> np.ndarray | None:
@@ -158,7 +171,10 @@ class RunStore:
         if record is None:
             return None
         try:
-            value = np.asarray(self._group()[name][key])
+            with self.where.reaching():
+                value = np.asarray(self._group()[name][key])
+        except StoreUnreachable:
+            raise
         except Exception:  # noqa: BLE001 - see get()
             return None
         return value if array_checksum(value) == record.checksum else None
@@ -247,8 +263,14 @@ class RunStore:
         tmp = self.temp_file(destination, ".log")
         try:
             yield tmp
-        finally:
+        except BaseException:
+            # The run's own error says more than a failed upload of its log (often the same unreachable store).
+            with suppress(StoreError):
+                destination.put(tmp)
+            raise
+        else:
             destination.put(tmp)
+        finally:
             tmp.unlink(missing_ok=True)
 
     def output_done(self) -> bool:

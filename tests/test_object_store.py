@@ -6,13 +6,17 @@ bucket without recomputing anything finished, and treats a record whose checksum
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import fault_harness
 import numpy as np
+import procs
 import pytest
 
 from k6vsr_core import UpscaleParams, upscale
@@ -24,34 +28,52 @@ from storage.location import location
 PARAMS = UpscaleParams(scale=2)
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server on 127.0.0.1, and the AWS_* settings that point every client (and child process) at it."""
-    from moto.server import ThreadedMotoServer
+class Endpoint:
+    """moto's S3 server on 127.0.0.1. Its objects live in this process, so a server stopped and started again on the
+    same port serves them again: an endpoint that goes away and comes back."""
 
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        self.host, self.port = self.server.get_host_and_port()
+        self.url = f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
+        self.server.start()
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[Endpoint]:
+    """The endpoint, and the AWS_* settings that point every client (and child process) at it."""
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
+    endpoint = Endpoint()
     settings = {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ENDPOINT_URL": endpoint.url,
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
     }
     saved = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
-    yield settings["AWS_ENDPOINT_URL"]
+    yield endpoint
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    server.stop()
+    endpoint.stop()
 
 
 @pytest.fixture
-def bucket(s3_endpoint: str) -> str:
+def bucket(s3_endpoint: Endpoint) -> str:
     """A fresh bucket; the store is a prefix in it."""
     import s3fs
 
@@ -204,3 +226,64 @@ def test_flow_in_a_bucket_writes_the_local_bytes_and_resumes_from_it(
     assert (tmp_path / "b.mp4").read_bytes() == reference
     assert (again.tiles_computed, again.reused_output, decoded) == (0, False, [])
     assert store.output_done()
+
+
+def test_endpoint_gone_mid_run_fails_clearly_and_the_run_resumes_when_it_is_back(
+    prefect_server: str,
+    s3_endpoint: Endpoint,
+    bucket: str,
+    tiny_bundle_path: Path,
+    clip_1f: Path,
+    reference: bytes,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tasks.stage_tasks as stage_tasks
+    from flows.upscale_clip import TileFailure
+
+    plain = stage_tasks.stages.decode_tile
+
+    def decode_tile(bundle, latent):
+        s3_endpoint.stop()  # the first decode runs with every tile denoised and stored
+        return plain(bundle, latent)
+
+    monkeypatch.setattr(stage_tasks.stages, "decode_tile", decode_tile)
+    try:
+        with pytest.raises(TileFailure, match="the object store does not answer") as failed:
+            _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, bucket)
+    finally:
+        s3_endpoint.start()
+    assert "run the same command again once it answers" in str(failed.value)
+    monkeypatch.setattr(stage_tasks.stages, "decode_tile", plain)
+    again = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, bucket)
+    assert (tmp_path / "a.mp4").read_bytes() == reference
+    assert (again.tiles_computed, again.dit_calls) == (0, 0)
+
+
+def test_killed_command_resumes_from_the_bucket_recomputing_nothing_finished(
+    prefect_server: str, bucket: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """SIGKILL the command just after its first decoded tile is stored in the bucket; the rerun keeps every record
+    the killed one wrote and writes the local store's bytes."""
+    argv = [
+        "upscale", str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--device", "cpu",
+        "--store", bucket, "-o", str(tmp_path), "--output-file-name", "x.mp4", "--json",
+    ]  # fmt: skip
+    killed = procs.run(fault_harness.command(*argv, specs=("kill@tile",)))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    store = RunStore(bucket, prepare_run(clip_1f, PARAMS, model, bucket).run.run_key)
+    finished = {
+        (stage, item): store.attempt_of(stage, item)
+        for stage in ("denoise", "decode")
+        for item in store.records.items(stage)
+    }
+    assert len(store.records.items("decode")) == 1 and not (tmp_path / "x.mp4").exists()
+
+    rerun = procs.run(fault_harness.command(*argv))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summary = json.loads(rerun.stdout)
+    assert (tmp_path / "x.mp4").read_bytes() == reference
+    assert {key: store.attempt_of(*key) for key in finished} == finished  # nothing finished was written again
+    assert summary["tiles_reused"] == sum(stage == "denoise" for stage, _ in finished) >= 1
+    assert summary["dit_calls"] == 2 * summary["tiles_computed"]
