@@ -280,6 +280,15 @@ class RemoteLocation(Location):
         return True
 
     @_reached
+    def create(self, data: bytes) -> bool:
+        """Write `data` only if there is no object yet (a conditional write); False when there was one."""
+        try:
+            self.fs.pipe_file(self.path, data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+
+    @_reached
     def copy_to(self, file: Path) -> None:
         self.fs.get_file(self.path, str(file))
 
@@ -308,6 +317,22 @@ class RemoteLocation(Location):
             self.fs.rm_file(self.path)
         except FileNotFoundError:
             pass
+
+    @_reached
+    def objects(self) -> dict[str, tuple[int, float]]:
+        """Every object under this prefix: its name below it, size and time of last change (seconds)."""
+        found = self.fs.find(self.path, detail=True)
+        return {
+            name.removeprefix(self.path + "/"): (int(info["size"]), info["LastModified"].timestamp())
+            for name, info in found.items()
+            if info["type"] == "file"
+        }
+
+    @_reached
+    def remove_all(self, names: list[str]) -> None:
+        """Delete the objects `names` below this prefix, in as few requests as the store allows."""
+        if names:
+            self.fs.rm([f"{self.path}/{name}" for name in names])
 
     @_reached
     def remove_tree(self) -> None:

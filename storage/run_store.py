@@ -43,12 +43,13 @@ import zarr
 from zarr.errors import ContainsArrayError
 
 from k6vsr_core.errors import StoreError
+from storage import leases
 from storage.location import (
     LocalLocation,
     Location,
+    RemoteLocation,
     StoreUnreachable,
     file_checksum,
-    is_url,
     location,
     parse_store_root,
 )
@@ -304,10 +305,11 @@ class RunStore:
 
     @contextmanager
     def in_use(self) -> Iterator[None]:
-        """Hold the run's shared lock for as long as a run uses it (see `gc`). An object store has no locks; `gc`
-        refuses one (see `collect_garbage`)."""
-        if self.remote:
-            yield
+        """Hold the run's shared lock for as long as a run uses it (see `gc`); in an object store, which has no
+        locks, a lease that expires unless renewed (`storage.leases`)."""
+        if isinstance(self.where, RemoteLocation):
+            with leases.held(self.where):
+                yield
             return
         lock = self.path / ".lock"
         while True:
@@ -427,8 +429,9 @@ def collect_garbage(
 ) -> list[dict]:
     """Delete run folders (all, or those of `run_keys`) that no live run holds. Returns what was (or was not)
     reclaimed, per run."""
-    if is_url(root):
-        raise StoreError(f"gc of an object store ({root}) is not supported: delete its runs/<key>/ prefixes instead")
+    where = location(root)
+    if isinstance(where, RemoteLocation):
+        return leases.collect(where, keep_finished_outputs, older_than_s, run_keys)
     report = []
     runs = Path(root) / RUNS
     if not runs.is_dir():

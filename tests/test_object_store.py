@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ import pytest
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle
 from service.runs import ModelSpec, prepare_run
-from storage import RunStore, StoreError, collect_garbage, default_store_root
+from storage import RunStore, collect_garbage, default_store_root
 from storage.location import location
 
 PARAMS = UpscaleParams(scale=2)
@@ -164,14 +165,56 @@ def test_output_object_is_written_once_whole(bucket: str, tmp_path: Path) -> Non
     assert [name for name in _objects(f"{bucket}/runs/k") if "part" in name] == []
 
 
-def test_store_urls_are_taken_from_the_environment_and_gc_refuses_them(
-    bucket: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_store_url_is_taken_from_the_environment(bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("K6VSR_STORE", bucket + "/")
     assert default_store_root() == bucket
     assert str(RunStore(default_store_root(), "k").where) == f"{bucket}/runs/k"
-    with pytest.raises(StoreError, match="gc of an object store"):
-        collect_garbage(bucket)
+
+
+def _put_run(bucket: str, key: str) -> RunStore:
+    store = RunStore(bucket, key)
+    store.put_tile("tiles", (0, 0), (1, 1), np.ones(4, dtype=np.float32), stage="decode")
+    store.output_path.write_bytes(b"output")
+    store.records.write("mux", "all", "checksum")
+    return store
+
+
+def test_gc_spares_runs_holding_a_lease_and_reclaims_the_rest(bucket: str) -> None:
+    live, _, killed = (_put_run(bucket, key) for key in ("live", "done", "killed"))
+    # A run killed outright leaves its lease, which expires since nobody renews it.
+    (killed.where / "leases" / "dead-host-1.json").write_bytes(json.dumps({"expires_at": time.time() - 1}).encode())
+    assert {r["run_key"]: r["reason"] for r in collect_garbage(bucket, older_than_s=3600)} == dict.fromkeys(
+        ("done", "killed", "live"), "recent"
+    )
+    with live.in_use():
+        (lease,) = _objects(f"{bucket}/runs/live/leases")
+        report = {
+            r["run_key"]: (r["deleted"], r["reason"]) for r in collect_garbage(bucket, keep_finished_outputs=True)
+        }
+    assert report == {
+        "live": (False, "in use by a live run"),
+        "done": (True, "intermediates reclaimed, output kept"),
+        "killed": (True, "intermediates reclaimed, output kept"),
+    }
+    assert _objects(f"{bucket}/runs/done") == ["done/decode/0-0.json", "done/mux/all.json", "output.mp4"]
+    assert "leases/" + lease not in _objects(f"{bucket}/runs/live")  # released at the end of the run
+    collect_garbage(bucket, run_keys=["live"])
+    assert _objects(f"{bucket}/runs/live") == [] and _objects(f"{bucket}/runs/done")
+
+
+def test_lease_is_renewed_and_a_run_waits_for_a_gc_deciding(bucket: str) -> None:
+    from storage import leases
+
+    run = RunStore(bucket, "k").where
+    (run / leases.GC_MARKER).write_bytes(json.dumps({"expires_at": time.time() + 1.5}).encode())
+    started = time.monotonic()
+    with leases.held(run, seconds=0.6, poll_s=0.2):
+        assert time.monotonic() - started >= 1.0  # it waited for the marker (here one that lapses, as a dead gc's)
+        (name,) = (run / "leases").names(".json")
+        first = json.loads((run / "leases" / name).read_bytes())["expires_at"]
+        time.sleep(0.8)
+        assert json.loads((run / "leases" / name).read_bytes())["expires_at"] > first
+    assert (run / "leases").names(".json") == []
 
 
 # --------------------------------------------------------------------------------------------------- the flow
