@@ -32,7 +32,7 @@ from k6vsr_core import media
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
-from storage import RunStore, default_store_root
+from storage import RunStore, StoreUnreachable, default_store_root
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
 from tasks.descriptors import StageResult
@@ -229,6 +229,7 @@ def _windows(
 
     denoised: list[StageResult] = []
     failures: dict[tuple[int, int], str] = {}  # (window, tile or -1 for the window's own stages) -> cause
+    unreachable: StoreUnreachable | None = None  # the store, not a tile, is at fault: said once, not per tile
     decoded = store.decoded_per_window(plan.num_windows)
     # Every task is recorded as it ends, so the stage clock sees when each one finished.
     for future in as_completed(list(what)):
@@ -238,6 +239,8 @@ def _windows(
         except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
             if future.state.is_pending() or isinstance(err, UnfinishedRun):
                 continue  # it never ran: the failure of a task it waited for is the cause, reported as such
+            if isinstance(err, StoreUnreachable):
+                unreachable = err
             message = f"{type(err).__name__}: {err}"
             for key in [(window, tile) for tile in tiles] or [(window, -1)]:
                 failures.setdefault(key, message)
@@ -247,6 +250,8 @@ def _windows(
             progress.update(sum(decoded), [(done, plan.num_tiles) for done in decoded])
         elif stage == "denoise":
             denoised.append(result)
+    if unreachable is not None:
+        raise unreachable
     if failures:
         raise TileFailure(_failure_message(run, plan, failures))
     return denoised

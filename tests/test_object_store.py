@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ import pytest
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle
 from service.runs import ModelSpec, prepare_run
-from storage import RunStore, collect_garbage, default_store_root
+from storage import RunStore, StoreUnreachable, collect_garbage, default_store_root
 from storage.location import location
 
 PARAMS = UpscaleParams(scale=2)
@@ -282,25 +283,29 @@ def test_endpoint_gone_mid_run_fails_clearly_and_the_run_resumes_when_it_is_back
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import tasks.stage_tasks as stage_tasks
-    from flows.upscale_clip import TileFailure
 
-    plain = stage_tasks.stages.decode_tile
+    plain, stopped = stage_tasks.stages.decode_tile, threading.Event()
 
     def decode_tile(bundle, latent):
-        s3_endpoint.stop()  # the first decode runs with every tile denoised and stored
+        if not stopped.is_set():  # at the first decode: some tiles are denoised and stored, perhaps not all
+            stopped.set()
+            s3_endpoint.stop()
         return plain(bundle, latent)
 
     monkeypatch.setattr(stage_tasks.stages, "decode_tile", decode_tile)
     try:
-        with pytest.raises(TileFailure, match="the object store does not answer") as failed:
+        with pytest.raises(StoreUnreachable, match=f"^{bucket}/runs/.*: the object store does not answer") as failed:
             _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, bucket)
     finally:
         s3_endpoint.start()
     assert "run the same command again once it answers" in str(failed.value)
     monkeypatch.setattr(stage_tasks.stages, "decode_tile", plain)
+    store = RunStore(bucket, prepare_run(clip_1f, PARAMS, ModelSpec(model=str(tiny_bundle_path)), bucket).run.run_key)
+    denoised = len(store.records.items("denoise"))
+    assert denoised >= 1 and store.records.items("decode") == []
     again = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, bucket)
     assert (tmp_path / "a.mp4").read_bytes() == reference
-    assert (again.tiles_computed, again.dit_calls) == (0, 0)
+    assert again.tiles_computed == again.tiles_total - denoised and again.dit_calls == 2 * again.tiles_computed
 
 
 def test_killed_command_resumes_from_the_bucket_recomputing_nothing_finished(
