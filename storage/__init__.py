@@ -1,6 +1,6 @@
 """storage: the run store. The only place that knows where bytes live (Zarr arrays, records, published files)."""
 
-from storage.location import StoreUnreachable, is_url, parse_store_root
+from storage.location import StoreUnreachable, parse_store_root
 from storage.manifest import STAGE_FORMAT_VERSION, RunManifest, SourceInfo, run_key, source_info
 from storage.run_store import RunStore, StoreError, collect_garbage, default_store_root, publish
 
@@ -13,7 +13,6 @@ __all__ = [
     "StoreUnreachable",
     "collect_garbage",
     "default_store_root",
-    "is_url",
     "parse_store_root",
     "publish",
     "run_key",

@@ -69,6 +69,7 @@ def parse_store_root(value: str | Path) -> str | Path:
 
 
 def location(root: str | Path) -> Location:
+    """The store root `root` (a folder, or an object-store URL) as a Location."""
     if not is_url(root):
         return LocalLocation(Path(root))
     try:
