@@ -26,7 +26,7 @@ from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
 from k6vsr_core.params import FPS_MODES, UpscaleParams, parse_params
 from service.runs import ModelSpec, model_info, prepare_run
-from storage import RunStore, collect_garbage, default_store_root
+from storage import RunStore, collect_garbage, default_store_root, parse_store_root
 from storage.estimate import store_estimate
 
 EXIT_USAGE = 2
@@ -366,8 +366,13 @@ def _absolute_if_local(model: str) -> str:
     return str(path.resolve()) if path.exists() else model
 
 
-def store_from(args: argparse.Namespace) -> Path:
-    return Path(args.store).expanduser().resolve() if getattr(args, "store", None) else default_store_root()
+def store_from(args: argparse.Namespace) -> str | Path:
+    """`--store`: a folder (made absolute) or an object-store URL (`s3://bucket/prefix`); else K6VSR_STORE or the
+    cache folder."""
+    if not getattr(args, "store", None):
+        return default_store_root()
+    root = parse_store_root(args.store)
+    return root.resolve() if isinstance(root, Path) else root
 
 
 # Refuse an output folder with less free space than this plus a generous guess of the output's size.
@@ -607,8 +612,12 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
     from entrypoints.http_api import serve
 
     spec = model_from(args)
+    store = store_from(args)
+    if not isinstance(store, Path):
+        # Its jobs, inputs and outputs live in files beside the runs.
+        raise UserFacingError(f"--store {store}: the HTTP server needs a folder; an object store is not supported yet")
     _check_device(spec.device)
-    serve(args, spec, store_from(args))
+    serve(args, spec, store)
     return {}
 
 

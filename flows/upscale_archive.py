@@ -47,7 +47,7 @@ from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
-from storage import default_store_root
+from storage import default_store_root, parse_store_root
 from storage.records import atomic_write_bytes
 
 VIDEO_GLOBS = (
@@ -471,7 +471,7 @@ def upscale_archive(
     """
     logger = get_run_logger()
     archive_run_id = flow_run.id
-    root = str(Path(store_root) if store_root else default_store_root())
+    root = str(parse_store_root(store_root) if store_root else default_store_root())
     out_dir = Path(output_dir).expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     include_globs = list(include or VIDEO_GLOBS)

@@ -32,7 +32,7 @@ from k6vsr_core import media
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
-from storage import RunStore, default_store_root
+from storage import RunStore, StoreUnreachable, default_store_root
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
 from tasks.descriptors import StageResult
@@ -142,14 +142,14 @@ def upscale_clip(
         return result
 
     attempt = _attempt_id()
-    with store.in_use(), run_log(store.log_path, attempt):
+    with store.in_use(), store.log_file(attempt) as log_file, run_log(log_file, attempt):
         logger.info(
             "run %s: %d frames in %d windows of %d tiles, store %s",
             run.run_key,
             prepared.plan.num_frames,
             prepared.plan.num_windows,
             prepared.plan.num_tiles,
-            store.path,
+            store.where,
         )
         ingested = ingest_tasks.ingest(
             prepared.source, run, params, prepared.model_info, attempt, latent_fps=prepared.latent_fps
@@ -173,8 +173,8 @@ def upscale_clip(
         source=prepared.source,
         output=str(destination),
         run_key=run.run_key,
-        store=str(store.path),
-        log=str(store.log_path),
+        store=str(store.where),
+        log=str(store.log_location(attempt)),
         frames=plan.num_frames,
         fps=plan.fps,
         windows=plan.num_windows,
@@ -231,6 +231,7 @@ def _windows(
 
     denoised: list[StageResult] = []
     failures: dict[tuple[int, int], str] = {}  # (window, tile or -1 for the window's own stages) -> cause
+    unreachable: StoreUnreachable | None = None  # the store, not a tile, is at fault: said once, not per tile
     decoded = store.decoded_per_window(plan.num_windows)
     # Every task is recorded as it ends, so the stage clock sees when each one finished.
     for future in as_completed(list(what)):
@@ -240,6 +241,8 @@ def _windows(
         except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
             if future.state.is_pending() or isinstance(err, UnfinishedRun):
                 continue  # it never ran: the failure of a task it waited for is the cause, reported as such
+            if isinstance(err, StoreUnreachable):
+                unreachable = err
             message = f"{type(err).__name__}: {err}"
             for key in [(window, tile) for tile in tiles] or [(window, -1)]:
                 failures.setdefault(key, message)
@@ -249,6 +252,8 @@ def _windows(
             progress.update(sum(decoded), [(done, plan.num_tiles) for done in decoded])
         elif stage == "denoise":
             denoised.append(result)
+    if unreachable is not None:
+        raise unreachable
     if failures:
         raise TileFailure(_failure_message(run, plan, failures))
     return denoised

@@ -25,7 +25,7 @@ from storage import RunStore, run_key, source_info
 class RunRef(BaseModel):
     model_config = ConfigDict(frozen=True)
 
-    store_root: str
+    store_root: str  # a folder, or an object-store URL (`s3://bucket/prefix`)
     run_key: str
 
 

@@ -1,5 +1,6 @@
 """storage: the run store. The only place that knows where bytes live (Zarr arrays, records, published files)."""
 
+from storage.location import StoreUnreachable, parse_store_root
 from storage.manifest import STAGE_FORMAT_VERSION, RunManifest, SourceInfo, run_key, source_info
 from storage.run_store import RunStore, StoreError, collect_garbage, default_store_root, publish
 
@@ -9,8 +10,10 @@ __all__ = [
     "RunStore",
     "SourceInfo",
     "StoreError",
+    "StoreUnreachable",
     "collect_garbage",
     "default_store_root",
+    "parse_store_root",
     "publish",
     "run_key",
     "source_info",

@@ -1,8 +1,9 @@
 """Completion records and atomic files: how the store knows that a stage is done, and that its bytes are intact.
 
 A stage is done only when its record exists. The record is written last, atomically (temporary file, fsync,
-rename), and carries the SHA-256 of the bytes it covers, so a torn or corrupted chunk is detected on read and
-recomputed instead of being blended. Zarr attributes are never used for this: concurrent attribute writes lose keys.
+rename; in an object store, one whole object), and carries the SHA-256 of the bytes it covers, so a torn or
+corrupted chunk is detected on read and recomputed instead of being blended. Zarr attributes are never used for
+this: concurrent attribute writes lose keys.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,24 +19,24 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
+from storage.location import LocalLocation, Location, atomic_write_bytes, file_checksum
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+__all__ = [
+    "CompletionRecord",
+    "RecordBook",
+    "array_checksum",
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "file_checksum",
+]
+
+
+def _json(payload: Any) -> bytes:
+    return json.dumps(payload, indent=2, sort_keys=True).encode()
 
 
 def atomic_write_json(path: Path, payload: Any) -> None:
-    atomic_write_bytes(path, json.dumps(payload, indent=2, sort_keys=True).encode())
+    atomic_write_bytes(path, _json(payload))
 
 
 def array_checksum(array: np.ndarray) -> str:
@@ -44,14 +44,6 @@ def array_checksum(array: np.ndarray) -> str:
     contiguous = np.ascontiguousarray(array)
     digest = hashlib.sha256(f"{contiguous.dtype.str}{contiguous.shape}".encode())
     digest.update(memoryview(contiguous).cast("B"))
-    return digest.hexdigest()
-
-
-def file_checksum(path: Path, block: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(block):
-            digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -77,39 +69,48 @@ def _cuda_peak_gib() -> float | None:
 class RecordBook:
     """The records of one run: `done/<stage>/<item>.json`, and `timeline.jsonl` beside `done/`: one line per computed
     item (stage, item, wall-clock start and end, process, peak CUDA memory), appended as its record is written, so
-    that when each task ran and what it held can be read back after the run (the device check does)."""
+    that when each task ran and what it held can be read back after the run (the device check does). An object
+    store cannot append: there each line is its own object, `timeline/<stage>-<item>-<attempt>.json`."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.timeline = root.parent / "timeline.jsonl"
+    def __init__(self, root: Path | Location) -> None:
+        self.root = root if isinstance(root, Location) else LocalLocation(root)
+
+    def location(self, stage: str, item: str) -> Location:
+        return self.root / stage / f"{item}.json"
 
     def path(self, stage: str, item: str) -> Path:
-        return self.root / stage / f"{item}.json"
+        """The record's file, in a local store."""
+        return self.location(stage, item).local()
 
     def write(self, stage: str, item: str, checksum: str, seconds: float = 0.0, attempt: str = "") -> CompletionRecord:
         record = CompletionRecord(
             stage=stage, item=item, checksum=checksum, seconds=seconds, written_at=time.time(), attempt=attempt
         )
-        atomic_write_json(self.path(stage, item), record.model_dump())
+        self.location(stage, item).write_bytes(_json(record.model_dump()))
         if seconds > 0:
             line = {"stage": stage, "item": item, "start": record.written_at - seconds, "end": record.written_at}
             line.update(pid=os.getpid(), cuda_peak_gib=_cuda_peak_gib(), attempt=attempt)
-            # One write of one short line in append mode: lines from concurrent tasks never interleave.
-            with open(self.timeline, "a", encoding="utf-8") as log:
-                log.write(json.dumps(line) + "\n")
+            self._log(line)
         return record
+
+    def _log(self, line: dict[str, Any]) -> None:
+        if isinstance(self.root, LocalLocation):
+            # One write of one short line in append mode: lines from concurrent tasks never interleave.
+            with open(self.root.path.parent / "timeline.jsonl", "a", encoding="utf-8") as log:
+                log.write(json.dumps(line) + "\n")
+        else:
+            name = f"{line['stage']}-{line['item']}-{line['attempt'] or line['pid']}.json"
+            (self.root.parent / "timeline" / name).write_bytes(json.dumps(line).encode())
 
     def read(self, stage: str, item: str) -> CompletionRecord | None:
         """The record, or None when it is missing or unreadable (a damaged record means 'not done')."""
-        path = self.path(stage, item)
         try:
-            return CompletionRecord.model_validate_json(path.read_bytes())
+            return CompletionRecord.model_validate_json(self.location(stage, item).read_bytes())
         except (OSError, ValidationError, ValueError):
             return None
 
     def drop(self, stage: str, item: str) -> None:
-        self.path(stage, item).unlink(missing_ok=True)
+        self.location(stage, item).remove()
 
     def items(self, stage: str) -> list[str]:
-        folder = self.root / stage
-        return sorted(p.stem for p in folder.glob("*.json")) if folder.is_dir() else []
+        return sorted(name.removesuffix(".json") for name in (self.root / stage).names(".json"))

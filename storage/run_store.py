@@ -14,6 +14,10 @@ Layout of one run, under `<root>/runs/<run key>/`:
     run.log                what the flow runs of this run and their tasks logged
     .lock                  held (shared) by every live run, so `gc` never deletes a store in use
 
+The root may also be an object-store URL (`s3://bucket/prefix`, see `storage.location`): the same layout, as
+objects. There every file is written whole (uploaded from a private local file), the store's output only if absent
+(a conditional write), and a run's log goes to `logs/<attempt>.log`, since objects cannot be appended to.
+
 Arrays written by concurrent tasks have exactly one chunk per (window, tile) and no sharding: Zarr supports
 concurrent writes to distinct chunks only. Latents are stored as float32, so a decode reads back exactly what the
 denoise produced. A window's intermediates are deleted once nothing will read them again (see `drop_window`), so the
@@ -23,13 +27,14 @@ store holds a few windows at a time, whatever the length of the video.
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import socket
 import tempfile
 import time
 from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +43,18 @@ import zarr
 from zarr.errors import ContainsArrayError
 
 from k6vsr_core.errors import StoreError
+from storage import leases
+from storage.location import (
+    LocalLocation,
+    Location,
+    RemoteLocation,
+    StoreUnreachable,
+    file_checksum,
+    location,
+    parse_store_root,
+)
 from storage.manifest import RunManifest
-from storage.records import RecordBook, array_checksum, atomic_write_json, file_checksum
+from storage.records import RecordBook, array_checksum
 
 RUNS = "runs"
 OUTPUT = "output.mp4"
@@ -48,34 +63,43 @@ AUDIO = "audio.f32"
 SEGMENTS = "segments"
 
 
-def default_store_root() -> Path:
-    """`$K6VSR_STORE`, else the per-user cache folder."""
+def default_store_root() -> str | Path:
+    """`$K6VSR_STORE` (a folder or an object-store URL), else the per-user cache folder."""
     explicit = os.environ.get("K6VSR_STORE")
     if explicit:
-        return Path(explicit).expanduser()
+        return parse_store_root(explicit)
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "k6vsr" / "store"
 
 
 class RunStore:
-    """One run's folder. Cheap to construct: every method opens what it needs, so any process can use it."""
+    """One run's folder (or prefix). Cheap to construct: every method opens what it needs, so any process can use
+    it."""
 
     def __init__(self, root: str | Path, run_key: str) -> None:
-        self.root = Path(root)
         self.run_key = run_key
-        self.path = self.root / RUNS / run_key
-        self.records = RecordBook(self.path / "done")
+        self.where = location(root) / RUNS / run_key
+        self.records = RecordBook(self.where / "done")
+
+    @property
+    def remote(self) -> bool:
+        return not isinstance(self.where, LocalLocation)
+
+    @property
+    def path(self) -> Path:
+        """The run's folder, in a local store."""
+        return self.where.local()
 
     # ------------------------------------------------------------------------------------------- manifest
 
     @property
-    def manifest_path(self) -> Path:
-        return self.path / "manifest.json"
+    def manifest_path(self) -> Location:
+        return self.where / "manifest.json"
 
     def write_manifest(self, manifest: RunManifest) -> None:
         if manifest.run_key != self.run_key:
             raise StoreError(f"manifest of run {manifest.run_key} cannot go into run {self.run_key}")
-        atomic_write_json(self.manifest_path, manifest.model_dump(mode="json"))
+        self.manifest_path.write_bytes(json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True).encode())
 
     def read_manifest(self) -> RunManifest:
         return RunManifest.model_validate_json(self.manifest_path.read_bytes())
@@ -83,7 +107,7 @@ class RunStore:
     # ------------------------------------------------------------------------------------------- arrays
 
     def _group(self) -> zarr.Group:
-        return zarr.open_group(store=str(self.path / "data.zarr"), mode="a")
+        return zarr.open_group(store=(self.where / "data.zarr").zarr_store(), mode="a")
 
     def _array(self, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str) -> zarr.Array:
         """Open or create an array; creating never overwrites, so a concurrent run's chunks survive."""
@@ -105,8 +129,9 @@ class RunStore:
         self, name: str, value: np.ndarray, *, stage: str, item: str = "all", seconds: float = 0.0, attempt: str = ""
     ) -> None:
         """Store a whole array (one writer), then its record, naming the run attempt that computed it."""
-        array = self._array(name, value.shape, value.shape if value.ndim else (1,), value.dtype.str)
-        array[...] = value
+        with self.where.reaching():
+            array = self._array(name, value.shape, value.shape if value.ndim else (1,), value.dtype.str)
+            array[...] = value
         self.records.write(stage, item, array_checksum(value), seconds, attempt)
 
     def get(self, name: str, *, stage: str, item: str = "all") -> np.ndarray | None:
@@ -115,7 +140,10 @@ class RunStore:
         if record is None:
             return None
         try:
-            value = np.asarray(self._group()[name][...])
+            with self.where.reaching():
+                value = np.asarray(self._group()[name][...])
+        except StoreUnreachable:
+            raise  # not an answer about the chunk
         except Exception:  # noqa: BLE001 - a damaged chunk can fail in many ways; all mean 'recompute'
             return None
         return value if array_checksum(value) == record.checksum else None
@@ -133,8 +161,9 @@ class RunStore:
     ) -> None:
         """Store part `key` (e.g. (window, tile)) of an array of `counts` parts, each its own chunk, then its
         record (item `<window>-<tile>`)."""
-        array = self._array(name, (*counts, *value.shape), (*(1 for _ in counts), *value.shape), value.dtype.str)
-        array[key] = value
+        with self.where.reaching():
+            array = self._array(name, (*counts, *value.shape), (*(1 for _ in counts), *value.shape), value.dtype.str)
+            array[key] = value
         self.records.write(stage, item_name(key), array_checksum(value), seconds, attempt)
 
     def get_tile(self, name: str, key: tuple[int, ...], *, stage: str) -> np.ndarray | None:
@@ -143,7 +172,10 @@ class RunStore:
         if record is None:
             return None
         try:
-            value = np.asarray(self._group()[name][key])
+            with self.where.reaching():
+                value = np.asarray(self._group()[name][key])
+        except StoreUnreachable:
+            raise
         except Exception:  # noqa: BLE001 - see get()
             return None
         return value if array_checksum(value) == record.checksum else None
@@ -152,43 +184,60 @@ class RunStore:
         """Recorded, stored and intact. Without a record (a first run) it reads nothing."""
         return self.get_tile(name, key, stage=stage) is not None
 
-    def _chunk_folder(self, name: str, key: tuple[int, ...]) -> Path:
-        # Zarr v3's default chunk keys: c/<i>/<j>/... under the array's folder.
-        return self.path / "data.zarr" / name / "c" / Path(*(str(part) for part in key))
-
     def drop_window(self, names: Collection[str], window: int) -> None:
         """Delete window `window`'s chunks of the arrays `names` (records stay: they say the work was done)."""
         for name in names:
-            shutil.rmtree(self._chunk_folder(name, (window,)), ignore_errors=True)
+            # Zarr v3's default chunk keys: c/<i>/<j>/... under the array's folder.
+            (self.where / "data.zarr" / name / "c" / str(window)).remove_tree()
 
     # ------------------------------------------------------------------------------------------- files
 
     @property
-    def audio_path(self) -> Path:
-        return self.path / AUDIO
+    def audio_path(self) -> Location:
+        return self.where / AUDIO
 
-    def segment_path(self, window: int) -> Path:
-        return self.path / SEGMENTS / f"{window:06d}.mp4"
+    def segment_path(self, window: int) -> Location:
+        return self.where / SEGMENTS / f"{window:06d}.mp4"
 
-    def temp_file(self, folder: Path, suffix: str) -> Path:
-        """A private temporary name in `folder`, so that the rename into place is atomic; the next writer removes
-        those of dead processes (the name carries host and pid)."""
-        folder.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(folder, ".part.", suffix)
+    def temp_file(self, destination: Location, suffix: str) -> Path:
+        """A private local file to write `destination`'s content into before `commit_file`: beside it in a local
+        store, so that the rename into place is atomic (the next writer removes those of dead processes: the name
+        carries host and pid); in the system's temporary folder for an object store, which uploads it whole."""
+        if isinstance(destination, LocalLocation):
+            folder = destination.path.parent
+            folder.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(folder, ".part.", suffix)
+        else:
+            folder = None
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".part.{_owner()}.", suffix=suffix)
         os.close(fd)
         return Path(tmp)
 
     def commit_file(
-        self, tmp: Path, destination: Path, stage: str, item: str, seconds: float = 0.0, attempt: str = ""
+        self,
+        tmp: Path,
+        destination: Location,
+        stage: str,
+        item: str,
+        seconds: float = 0.0,
+        attempt: str = "",
+        *,
+        exclusive: bool = False,
     ) -> None:
-        os.replace(tmp, destination)
-        self.records.write(stage, item, file_checksum(destination), seconds, attempt)
+        """Put the finished `tmp` in place whole, then its record. `exclusive` (what several runs may publish at
+        once): a conditional write, and a loser accepts the winner's object when its bytes are the same."""
+        checksum = file_checksum(tmp)
+        if not destination.put(tmp, exclusive=exclusive) and destination.checksum() != checksum:
+            # Not a twin's: the leftover of a run whose record was never written (or was damaged). Replace it.
+            destination.remove()
+            if not destination.put(tmp, exclusive=exclusive):
+                raise StoreError(f"run {self.run_key}: {destination} is being written by another run; rerun")
+        self.records.write(stage, item, checksum, seconds, attempt)
 
-    def file_done(self, path: Path, stage: str, item: str) -> bool:
+    def file_done(self, path: Location, stage: str, item: str) -> bool:
         """Recorded, present and intact (its bytes match the record)."""
         record = self.records.read(stage, item)
-        return record is not None and path.is_file() and file_checksum(path) == record.checksum
+        return record is not None and path.checksum() == record.checksum
 
     def segment_done(self, window: int) -> bool:
         return self.file_done(self.segment_path(window), "segment", str(window))
@@ -196,13 +245,34 @@ class RunStore:
     # ------------------------------------------------------------------------------------------- output
 
     @property
-    def output_path(self) -> Path:
-        return self.path / OUTPUT
+    def output_path(self) -> Location:
+        return self.where / OUTPUT
 
-    @property
-    def log_path(self) -> Path:
-        """The run's log: what its flow runs and their tasks logged, appended run after run."""
-        return self.path / LOG
+    def log_location(self, attempt: str) -> Location:
+        """The run's log: what its flow runs and their tasks logged; in a folder one file appended run after run,
+        in an object store one object per attempt."""
+        return self.where / "logs" / f"{attempt}.log" if self.remote else self.where / LOG
+
+    @contextmanager
+    def log_file(self, attempt: str) -> Iterator[Path]:
+        """The local file that attempt `attempt` logs into: the log itself in a folder; for an object store a
+        private file, uploaded whole when the block ends."""
+        destination = self.log_location(attempt)
+        if isinstance(destination, LocalLocation):
+            yield destination.path
+            return
+        tmp = self.temp_file(destination, ".log")
+        try:
+            yield tmp
+        except BaseException:
+            # The run's own error says more than a failed upload of its log (often the same unreachable store).
+            with suppress(StoreError):
+                destination.put(tmp)
+            raise
+        else:
+            destination.put(tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def output_done(self) -> bool:
         return self.file_done(self.output_path, "mux", "all")
@@ -235,7 +305,12 @@ class RunStore:
 
     @contextmanager
     def in_use(self) -> Iterator[None]:
-        """Hold the run's shared lock for as long as a run uses it (see `gc`)."""
+        """Hold the run's shared lock for as long as a run uses it (see `gc`); in an object store, which has no
+        locks, a lease that expires unless renewed (`storage.leases`)."""
+        if isinstance(self.where, RemoteLocation):
+            with leases.held(self.where):
+                yield
+            return
         lock = self.path / ".lock"
         while True:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -313,7 +388,7 @@ def _umask() -> int:
     return mask
 
 
-def publish(source: Path, destination: Path) -> Path:
+def publish(source: Location | Path, destination: Path) -> Path:
     """Copy a finished file to `destination` under a temporary name, then rename: no reader sees half a file.
 
     The file gets the usual permissions of a new file (not the temporary file's owner-only ones). A copy that
@@ -327,7 +402,7 @@ def publish(source: Path, destination: Path) -> Path:
         fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.{_owner()}.", suffix=".partial")
         os.close(fd)
         os.chmod(tmp, 0o666 & ~_umask())
-        shutil.copyfile(source, tmp)
+        (source if isinstance(source, Location) else LocalLocation(source)).copy_to(Path(tmp))
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, destination)
@@ -355,6 +430,9 @@ def collect_garbage(
 ) -> list[dict]:
     """Delete run folders (all, or those of `run_keys`) that no live run holds. Returns what was (or was not)
     reclaimed, per run; with `dry_run`, what would be, and nothing is deleted."""
+    where = location(root)
+    if isinstance(where, RemoteLocation):
+        return leases.collect(where, keep_finished_outputs, older_than_s, run_keys, dry_run)
     report = []
     runs = Path(root) / RUNS
     if not runs.is_dir():

@@ -46,7 +46,7 @@ def _ingested(store: RunStore, manifest: RunManifest, source: str) -> IngestResu
 
 def _store_audio(store: RunStore, source: str, params: UpscaleParams, plan: ClipPlan, attempt: str) -> bool:
     """Stream the audio the request writes (the source's, or a separate file's) into the store; False if none."""
-    tmp = store.temp_file(store.path, ".f32")
+    tmp = store.temp_file(store.audio_path, ".f32")
     try:
         audio_from = audio_input(source, params)
         samples = media.write_audio_track(audio_from, tmp, plan.num_frames, plan.frame_rate) if audio_from else 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -253,10 +255,10 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
         )
     frames = segment_frames(plan.windows, window, current, previous)
     del current, previous
-    audio = _audio(store, run) if plan.num_windows == 1 and manifest.has_audio else None
-    tmp = store.temp_file(store.segment_path(window).parent, ".mp4")
+    tmp = store.temp_file(store.segment_path(window), ".mp4")
     try:
-        stages.write_segment(tmp, frames, plan, audio, manifest.rotation)
+        with _audio(store, run, plan.num_windows == 1 and manifest.has_audio) as audio:
+            stages.write_segment(tmp, frames, plan, audio, manifest.rotation)
         store.commit_file(
             tmp, store.segment_path(window), "segment", str(window), time.perf_counter() - started, attempt
         )
@@ -268,11 +270,17 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
     return StageResult(stage="segment", item=str(window), computed=True, seconds=time.perf_counter() - started)
 
 
-def _audio(store: RunStore, run: RunRef) -> np.ndarray:
-    """The stored audio, mapped rather than read: the muxer takes a segment's span at a time."""
+@contextmanager
+def _audio(store: RunStore, run: RunRef, wanted: bool) -> Iterator[np.ndarray | None]:
+    """The stored audio if `wanted`, mapped rather than read: the muxer takes a segment's span at a time. From an
+    object store it is mapped from a private download, kept while the block runs."""
+    if not wanted:
+        yield None
+        return
     if not store.file_done(store.audio_path, "ingest", "audio"):
         raise MissingInput(f"run {run.run_key}: the audio is missing or damaged")
-    return np.memmap(store.audio_path, dtype=np.float32, mode="r")
+    with store.audio_path.fetch() as path:
+        yield np.memmap(path, dtype=np.float32, mode="r")
 
 
 @task(name="mux", task_run_name="mux-{run.run_key}", **STAGE_TASK)
@@ -287,16 +295,17 @@ def mux(run: RunRef, attempt: str) -> StageResult:
     manifest = store.read_manifest()
     apply_profile(manifest.compute)
     plan = manifest.plan
-    segments = []
     for window in range(plan.num_windows):
         if not store.segment_done(window):
             raise MissingInput(f"run {run.run_key}: the segment of window {window} is missing or damaged")
-        segments.append(str(store.segment_path(window)))
-    audio = _audio(store, run) if manifest.has_audio else None
-    tmp = store.temp_file(store.path, ".mp4")
+    tmp = store.temp_file(store.output_path, ".mp4")
     try:
-        stages.join_segments(segments, tmp, plan, audio, manifest.rotation, manifest.source.path)
-        store.commit_file(tmp, store.output_path, "mux", "all", time.perf_counter() - started, attempt)
+        with ExitStack() as fetched, _audio(store, run, manifest.has_audio) as audio:
+            # Local files for the muxer: the segments themselves, or downloads of them from an object store.
+            segments = [str(fetched.enter_context(store.segment_path(w).fetch())) for w in range(plan.num_windows)]
+            stages.join_segments(segments, tmp, plan, audio, manifest.rotation, manifest.source.path)
+        # Exclusive: two runs of one key may mux at once, and only one object may be published.
+        store.commit_file(tmp, store.output_path, "mux", "all", time.perf_counter() - started, attempt, exclusive=True)
     finally:
         tmp.unlink(missing_ok=True)
     return StageResult(stage="mux", computed=True, seconds=time.perf_counter() - started)
