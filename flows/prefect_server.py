@@ -50,6 +50,7 @@ from pydantic import BaseModel
 
 from flows import interrupts
 from flows.state_folder import StateFolder, alive, now, process_start, state_home
+from k6vsr_core.errors import ServerError
 from storage.records import atomic_write_bytes
 
 if TYPE_CHECKING:
@@ -66,10 +67,6 @@ HOME_ENV = "K6VSR_SERVER_HOME"
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-class ServerError(RuntimeError):
-    """The local Prefect server could not be started or reached."""
 
 
 class ServerStatus(BaseModel):

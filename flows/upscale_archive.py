@@ -44,7 +44,7 @@ from flows import artifacts
 from flows.prefect_server import leased
 from flows.runners import make_task_runner, resolve_address, start_cluster, uses_processes
 from flows.upscale_clip import ClipSummary, upscale_clip
-from k6vsr_core.errors import UserFacingError, describe_error
+from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
 from storage import default_store_root
@@ -105,10 +105,6 @@ class ArchiveSummary(BaseModel):
     manifest_csv: str
     failed: bool
     rows: list[ArchiveRow]
-
-
-class ArchiveFailed(RuntimeError):
-    """Some clips failed; every other clip is finished and the manifest says which failed and why."""
 
 
 # ------------------------------------------------------------------------------------------------ naming

@@ -29,6 +29,7 @@ from flows.run_log import run_log
 from flows.runners import WarmOrThreadsTaskRunner
 from flows.stage_clock import StageClock
 from k6vsr_core import media
+from k6vsr_core.errors import TileFailure, WorkersUnavailable
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
@@ -56,14 +57,6 @@ class ClipSummary(BaseModel):
     timings: dict[str, float]  # busy seconds: each stage's task times added up (tasks overlap: more than the run)
     spans: dict[str, float] = {}  # wall-clock seconds from each stage's first start to its last end
     reused_output: bool
-
-
-class TileFailure(RuntimeError):
-    """Some tiles failed on every attempt; every finished tile stays stored for the next run."""
-
-
-class WorkersUnavailable(RuntimeError):
-    """Worker processes did not run a trivial task in time (not started, or cannot import k6vsr)."""
 
 
 # Long enough for a cluster of GPU workers to start and import torch; a worker that cannot import k6vsr would

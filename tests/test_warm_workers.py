@@ -16,6 +16,7 @@ import pytest
 
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle, make_tiny_bundle
+from k6vsr_core.errors import ParameterError
 from service.runs import ModelSpec, prepare_run
 
 PARAMS = UpscaleParams(scale=2)
@@ -258,5 +259,5 @@ def test_gpu_workers_are_pinned_without_dask_cuda(monkeypatch) -> None:
     path, kwargs = runners.cluster_spec(1, gpus=True)
     assert path == "flows.warm_workers.gpu_cluster" and kwargs == {"n_workers": 0}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    with pytest.raises(warm_workers.WorkersError):
+    with pytest.raises(ParameterError, match="--gpus: no GPU found"):
         warm_workers.gpu_cluster()
