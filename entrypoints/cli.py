@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from entrypoints.progress import archive_progress, run_progress
 from flows import interrupts
 from k6vsr_core.bundle import DEFAULT_MODEL
 from k6vsr_core.errors import ArchiveFailed, ParameterError, ServiceError, UserFacingError, describe_error
-from k6vsr_core.params import FPS_MODES, UpscaleParams, parse_params
+from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from service.runs import ModelSpec, model_info, prepare_run
 from storage import RunStore, collect_garbage, default_store_root
 from storage.estimate import store_estimate
@@ -431,13 +432,12 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     # Prefect is imported (seconds).
     prepared = prepare_run(source, params, spec, store, latent_fps)
     from flows.orchestrate import run_clip
-    from flows.upscale_clip import default_output_name
 
     if args.dask_address is None:
         _check_device(spec.device)
     out_dir = Path(args.output_dir).expanduser().resolve() if args.output_dir else source.resolve().parent
     _check_output_dir(out_dir, _estimated_output_bytes(prepared.plan))
-    name = output_file_name(args.output_file_name or default_output_name(source, params), params)
+    name = output_file_name(args.output_file_name or output_name(source, params, datetime.now()), params)
     _check_output_file(out_dir / name, source)
     with run_progress(prepared, enabled=not args.json):
         summary = run_clip(

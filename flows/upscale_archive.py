@@ -45,7 +45,7 @@ from flows.prefect_server import leased
 from flows.runners import make_task_runner, resolve_address, start_cluster, uses_processes
 from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.params import UpscaleParams, output_name
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
 from storage import default_store_root
 from storage.records import atomic_write_bytes
@@ -108,11 +108,6 @@ class ArchiveSummary(BaseModel):
 
 
 # ------------------------------------------------------------------------------------------------ naming
-
-
-def output_name(source: str | Path, params: UpscaleParams) -> str:
-    """`<stem>_sr<scale>x.mp4`: the clip flow's naming rule without its timestamp, so reruns find the output."""
-    return f"{Path(source).stem}_sr{params.scale_label}x{params.encoding.suffix}"
 
 
 def archive_slug(input_dir: str | Path | None, paths: list[str] | None = None) -> str:

@@ -35,15 +35,16 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from flows.state_folder import StateFolder, alive, now, process_start, state_home
+from flows.state_folder import StateFolder, now, state_home
 from k6vsr_core.errors import ParameterError, WorkersError
+from storage.processes import alive, process_start
+from tasks.worker_preload import MODEL_ENV
 
 log = logging.getLogger("k6vsr.workers")
 
 START_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_START_TIMEOUT", "300"))
 STOP_TIMEOUT_S = 20.0
 HOME_ENV = "K6VSR_WORKERS_HOME"
-MODEL_ENV = "K6VSR_WARM_MODEL"  # a ModelSpec as JSON: the workers load it at start
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
