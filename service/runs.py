@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core import media
 from k6vsr_core.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
-from k6vsr_core.errors import BundleError
+from k6vsr_core.errors import BundleError, MediaError
 from k6vsr_core.latent import plan_latent, read_latent
 from k6vsr_core.memory import MemoryMode
 from k6vsr_core.params import ParameterError, UpscaleParams
@@ -83,7 +83,7 @@ def prepare_run(
     try:
         select_kept_frames(probe.num_frames, probe.fps, params)
     except ValueError as err:  # too few frames for the rate: a property of the file
-        raise media.MediaError(source, str(err)) from None
+        raise MediaError(source, str(err)) from None
     info = model_info(spec)
     try:
         plan = make_plan(
