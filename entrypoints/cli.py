@@ -2,8 +2,10 @@
 
 Flag names follow SGLang's where they overlap, so its users recognise them. Errors a user can fix (a bad file, a bad
 value, a missing model) are printed as one line naming the cause, with exit code 2 and no traceback (unless
-`--debug`); nothing half-written is left in the output directory. The commands that run flows import them (and
-Prefect, which takes seconds to import) when they run, so `plan`, `gc` and `--help` answer at once.
+`--debug`); nothing half-written is left in the output directory. A service that cannot start (the Prefect server,
+the warm workers) is one line too, with exit code 1, as is an internal failure (with its type). The commands that
+run flows import them (and Prefect, which takes seconds to import) when they run, so `plan`, `gc` and `--help`
+answer at once.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import shutil
 import signal
 import sys
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,8 @@ from entrypoints.console import configure_terminal, plan_lines, plural, size_tex
 from entrypoints.progress import archive_progress, run_progress
 from flows import interrupts
 from k6vsr_core.bundle import DEFAULT_MODEL
-from k6vsr_core.errors import ParameterError, UserFacingError, describe_error
-from k6vsr_core.params import FPS_MODES, UpscaleParams, parse_params
+from k6vsr_core.errors import ArchiveFailed, ParameterError, ServiceError, UserFacingError, describe_error
+from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from service.runs import ModelSpec, model_info, prepare_run
 from storage import RunStore, collect_garbage, default_store_root, parse_store_root
 from storage.estimate import store_estimate
@@ -440,13 +443,12 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
     # Prefect is imported (seconds).
     prepared = prepare_run(source, params, spec, store, latent_fps)
     from flows.orchestrate import run_clip
-    from flows.upscale_clip import default_output_name
 
     if args.dask_address is None:
         _check_device(spec.device)
     out_dir = Path(args.output_dir).expanduser().resolve() if args.output_dir else source.resolve().parent
     _check_output_dir(out_dir, _estimated_output_bytes(prepared.plan))
-    name = output_file_name(args.output_file_name or default_output_name(source, params), params)
+    name = output_file_name(args.output_file_name or output_name(source, params, datetime.now()), params)
     _check_output_file(out_dir / name, source)
     with run_progress(prepared, enabled=not args.json):
         summary = run_clip(
@@ -553,7 +555,6 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
     from flows.orchestrate import prefect_api
     from flows.upscale_archive import (
         MANIFEST_NAME,
-        ArchiveFailed,
         ArchiveRow,
         ArchiveSummary,
         _summary,
@@ -649,10 +650,7 @@ def cmd_workers(args: argparse.Namespace) -> dict[str, Any]:
         spec = model_from(args).model_dump_json() if args.model else None
         if args.model:
             model_info(model_from(args))  # a missing or broken model fails here, in one line
-        try:
-            warm_workers.start_workers(args.workers, gpus=gpus, model_json=spec)
-        except warm_workers.WorkersError as err:
-            raise UserFacingError(str(err)) from None
+        warm_workers.start_workers(args.workers, gpus=gpus, model_json=spec)
     elif args.action == "stop":
         was_running = warm_workers.stop_workers()
         return {**warm_workers.workers_status().model_dump(mode="json"), "stopped": was_running}
@@ -775,6 +773,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # noqa: BLE001 - turned into one clear line below
         if args.debug:
             raise
+        if isinstance(err, ServiceError):  # the server or the workers: not the user's doing, but said in one line
+            print(f"k6vsr: error: {err}", file=sys.stderr)
+            return EXIT_FAILED
         message = describe_error(err)
         if message is None:
             print(f"k6vsr: error: {type(err).__name__}: {err} (rerun with --debug for details)", file=sys.stderr)

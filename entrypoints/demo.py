@@ -8,7 +8,7 @@ from typing import Any
 from entrypoints.progress import run_progress
 from flows.orchestrate import run_clip
 from k6vsr_core.bundle import make_tiny_bundle
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec, prepare_run
 
@@ -32,5 +32,5 @@ def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[
     model = ModelSpec(model=str(bundle), device="cpu")
     prepared = prepare_run(clip, params, model, out_dir / "store")
     with run_progress(prepared, enabled=not quiet):
-        summary = run_clip(prepared, str(out_dir / f"sample_sr{params.scale_label}x.mp4"), model)
+        summary = run_clip(prepared, str(out_dir / output_name(clip, params)), model)
     return {**summary.model_dump(mode="json"), "note": NOTE}

@@ -989,14 +989,14 @@ def _keys_in(files: list[str]) -> list[str]:
             lines = Path(name).expanduser().read_text().splitlines()
         except (OSError, UnicodeDecodeError) as err:
             reason = getattr(err, "strerror", None) or err
-            raise ValueError(f"--api-key-file {name}: cannot be read ({reason})") from None
+            raise ParameterError(f"--api-key-file {name}: cannot be read ({reason})") from None
         keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
     return keys
 
 
 def _at_least(value: float, minimum: float, flag: str) -> float:
     if value < minimum:
-        raise ValueError(f"{flag} must be at least {minimum:g}, not {value:g}")
+        raise ParameterError(f"{flag} must be at least {minimum:g}, not {value:g}")
     return value
 
 
@@ -1005,7 +1005,7 @@ def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
     for raw in args.allow_path or []:
         root = Path(raw).expanduser().resolve()
         if not root.is_dir():
-            raise ValueError(f"--allow-path {raw}: not a directory")
+            raise ParameterError(f"--allow-path {raw}: not a directory")
         roots.append(root)
     env_key = os.environ.get("K6VSR_API_KEY")
     api_keys = [*(args.api_key or ([env_key] if env_key else [])), *_keys_in(args.api_key_file or [])]
@@ -1030,9 +1030,9 @@ def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
     try:
         umask = int(args.umask, 8)
     except ValueError:
-        raise ValueError(f"--umask {args.umask!r} is not an octal mask such as 077 or 027") from None
+        raise ParameterError(f"--umask {args.umask!r} is not an octal mask such as 077 or 027") from None
     if not 0 <= umask <= 0o777:
-        raise ValueError(f"--umask {args.umask!r} is not an octal mask such as 077 or 027")
+        raise ParameterError(f"--umask {args.umask!r} is not an octal mask such as 077 or 027")
     return ServerConfig(
         store_root=Path(store_root),
         allow_paths=tuple(roots),

@@ -27,6 +27,7 @@ from uuid import UUID
 import numpy as np
 from PIL import Image
 
+from flows.runners import is_dask_runner
 from flows.stage_clock import StageSpan
 
 THUMB_WIDTH = 320
@@ -269,7 +270,7 @@ def workers_in_use() -> str:
 
     context = FlowRunContext.get()
     runner = context.task_runner if context is not None else None
-    client = getattr(runner, "client", None) if type(runner).__name__ == "DaskTaskRunner" else None
+    client = getattr(runner, "client", None) if is_dask_runner(runner) else None
     if client is not None:
         workers = client.scheduler_info()["workers"].values()
         hosts = sorted({str(worker.get("host", "?")) for worker in workers})

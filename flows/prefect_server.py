@@ -49,7 +49,9 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 from pydantic import BaseModel
 
 from flows import interrupts
-from flows.state_folder import StateFolder, alive, now, process_start, state_home
+from flows.state_folder import StateFolder, now, state_home
+from k6vsr_core.errors import ServerError
+from storage.processes import alive, process_start
 from storage.records import atomic_write_bytes
 
 if TYPE_CHECKING:
@@ -66,10 +68,6 @@ HOME_ENV = "K6VSR_SERVER_HOME"
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-class ServerError(RuntimeError):
-    """The local Prefect server could not be started or reached."""
 
 
 class ServerStatus(BaseModel):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import sys
 from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
@@ -36,6 +37,13 @@ def resolve_address(workers: int, gpus: bool, dask_address: str | None) -> str |
 
 def uses_processes(workers: int, gpus: bool, dask_address: str | None) -> bool:
     return dask_address is not None or workers > 1 or gpus
+
+
+def is_dask_runner(runner: object) -> bool:
+    """Whether a flow run's task runner is prefect-dask's. No such runner exists before prefect_dask is imported, so
+    a run on threads answers without importing Dask (seconds) just to ask."""
+    module = sys.modules.get("prefect_dask")
+    return module is not None and isinstance(runner, module.DaskTaskRunner)
 
 
 def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:

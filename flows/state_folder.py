@@ -8,7 +8,7 @@ folder alone. `<stem>` names each file in it:
     <stem>.lock   held (fcntl) while a command checks, starts or stops the service, so racing commands start one
 
 A recorded pid may outlive its process and be given to another: the record keeps the process's start time too, and
-`alive` asks for both.
+`storage.processes.alive` asks for both.
 """
 
 from __future__ import annotations
@@ -99,33 +99,3 @@ class StateFolder:
 
 def now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
-
-
-# --------------------------------------------------------------------------------------------- processes
-
-
-def process_start(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks since boot): tells a live process from a reused pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19]) if fields[0] != "Z" else None
-
-
-_start_of = process_start  # `alive`'s parameter takes the name: the record's field it is compared with
-
-
-def alive(pid: int, process_start: int | None = None) -> bool:
-    """`pid` runs (not a zombie) and, where its start time was recorded, is the same process."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # some other user's process: alive, and not ours
-    started = _start_of(pid)
-    if started is None:
-        return not Path("/proc").is_dir()  # a zombie on Linux; elsewhere, trust kill(0)
-    return process_start is None or started == process_start

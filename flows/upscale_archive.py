@@ -44,8 +44,8 @@ from flows import artifacts
 from flows.prefect_server import leased
 from flows.runners import make_task_runner, resolve_address, start_cluster, uses_processes
 from flows.upscale_clip import ClipSummary, upscale_clip
-from k6vsr_core.errors import UserFacingError, describe_error
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
+from k6vsr_core.params import UpscaleParams, output_name
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
 from storage import default_store_root, parse_store_root
 from storage.records import atomic_write_bytes
@@ -107,16 +107,7 @@ class ArchiveSummary(BaseModel):
     rows: list[ArchiveRow]
 
 
-class ArchiveFailed(RuntimeError):
-    """Some clips failed; every other clip is finished and the manifest says which failed and why."""
-
-
 # ------------------------------------------------------------------------------------------------ naming
-
-
-def output_name(source: str | Path, params: UpscaleParams) -> str:
-    """`<stem>_sr<scale>x.mp4`: the clip flow's naming rule without its timestamp, so reruns find the output."""
-    return f"{Path(source).stem}_sr{params.scale_label}x{params.encoding.suffix}"
 
 
 def archive_slug(input_dir: str | Path | None, paths: list[str] | None = None) -> str:

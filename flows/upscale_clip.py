@@ -26,10 +26,11 @@ from pydantic import BaseModel
 from flows import artifacts
 from flows.prefect_server import leased
 from flows.run_log import run_log
-from flows.runners import WarmOrThreadsTaskRunner
+from flows.runners import WarmOrThreadsTaskRunner, is_dask_runner
 from flows.stage_clock import StageClock
 from k6vsr_core import media
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.errors import TileFailure, WorkersUnavailable
+from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
@@ -58,14 +59,6 @@ class ClipSummary(BaseModel):
     reused_output: bool
 
 
-class TileFailure(RuntimeError):
-    """Some tiles failed on every attempt; every finished tile stays stored for the next run."""
-
-
-class WorkersUnavailable(RuntimeError):
-    """Worker processes did not run a trivial task in time (not started, or cannot import k6vsr)."""
-
-
 # Long enough for a cluster of GPU workers to start and import torch; a worker that cannot import k6vsr would
 # otherwise be restarted by Dask forever and the run would hang instead of failing.
 WORKERS_READY_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_READY_TIMEOUT", "300"))
@@ -76,7 +69,7 @@ def _check_workers() -> None:
     from prefect.context import FlowRunContext
 
     context = FlowRunContext.get()
-    if context is None or type(context.task_runner).__name__ != "DaskTaskRunner":
+    if context is None or not is_dask_runner(context.task_runner):
         return
     future = stage_tasks.workers_ready.submit()
     future.wait(timeout=WORKERS_READY_TIMEOUT_S)
@@ -86,12 +79,6 @@ def _check_workers() -> None:
             f"(state {future.state.name}): check that k6vsr is installed where the workers run and that they "
             "started (K6VSR_WORKERS_READY_TIMEOUT sets the wait)"
         )
-
-
-def default_output_name(source: str | Path, params: UpscaleParams, now: datetime | None = None) -> str:
-    """`<stem>_sr<scale>x_<timestamp>.mp4`, the name SGLang users know (`.mkv` for FFV1)."""
-    stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S")
-    return f"{Path(source).stem}_sr{params.scale_label}x_{stamp}{params.encoding.suffix}"
 
 
 def _attempt_id() -> str:
@@ -135,7 +122,7 @@ def upscale_clip(
         prepared = prepare_run(source, params, model, store_root or default_store_root(), latent_fps)
     run, params = prepared.run, prepared.plan.params
     store = RunStore(run.store_root, run.run_key)
-    destination = Path(output) if output else Path(source).parent / default_output_name(source, params)
+    destination = Path(output) if output else Path(source).parent / output_name(source, params, datetime.now())
 
     def record(result: StageResult) -> StageResult:
         clock.finished(result.stage, result.seconds)

@@ -35,20 +35,18 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from flows.state_folder import StateFolder, alive, now, process_start, state_home
+from flows.state_folder import StateFolder, now, state_home
+from k6vsr_core.errors import ParameterError, WorkersError
+from storage.processes import alive, process_start
+from tasks.worker_preload import MODEL_ENV
 
 log = logging.getLogger("k6vsr.workers")
 
 START_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_START_TIMEOUT", "300"))
 STOP_TIMEOUT_S = 20.0
 HOME_ENV = "K6VSR_WORKERS_HOME"
-MODEL_ENV = "K6VSR_WARM_MODEL"  # a ModelSpec as JSON: the workers load it at start
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-class WorkersError(RuntimeError):
-    """The warm workers could not be started."""
 
 
 class WorkersRecord(BaseModel):
@@ -158,7 +156,7 @@ def start_workers(
         folder.remove_record()
         devices = gpu_ids() if gpus else []
         if gpus and not devices:
-            raise WorkersError("--gpus: no GPU found (nvidia-smi -L lists none)")
+            raise ParameterError("--gpus: no GPU found (nvidia-smi -L lists none)")
         if gpus and workers:
             devices = devices[:workers]
         count = len(devices) if gpus else max(1, workers)
@@ -354,7 +352,7 @@ def gpu_cluster(n_workers: int = 0) -> Any:
     dask-cuda, whose releases lag `distributed`'s."""
     devices = gpu_ids()
     if not devices:
-        raise WorkersError("--gpus: no GPU found (nvidia-smi -L lists none)")
+        raise ParameterError("--gpus: no GPU found (nvidia-smi -L lists none)")
     devices = devices[:n_workers] if n_workers else devices
     return make_cluster(devices, len(devices))
 

@@ -62,10 +62,3 @@ def set_attention(transformer: Any, mode: AttentionMode) -> None:
     for module in transformer.modules():
         if isinstance(module, Kandinsky6SRAttention) and not isinstance(module.processor, wanted):
             module.set_processor(wanted())
-
-
-def attention_mode(transformer: Any) -> AttentionMode:
-    for module in transformer.modules():
-        if isinstance(module, Kandinsky6SRAttention):
-            return "dense" if isinstance(module.processor, DenseSdpaProcessor) else "nabla"
-    return "nabla"

@@ -348,15 +348,41 @@ FINGERPRINT_SAMPLES = 64
 FINGERPRINT_BLOCK = 64 << 10
 
 
+_FINGERPRINTED = [MODEL_INDEX, "scheduler/scheduler_config.json", *(f"{c}/config.json" for c in COMPONENTS)]
+
+
 def fingerprint(path: Path) -> str:
     """Content identity of a local bundle, so renames keep it and new weights change it.
 
     Hashes the configs, each weights file's header and size, and 64 evenly spaced 64 KiB blocks of its tensor data
     (4 MiB a file): retrained or edited weights change bytes everywhere, and reading all 7 GB on every plan would
-    cost a minute.
+    cost a minute. Hashed once per process and version of the files (as `storage.source_info` hashes a source): an
+    archive or the HTTP server plans every clip with the same bundle.
     """
+    return _fingerprint(path, _file_versions(path))
+
+
+def _file_versions(path: Path) -> tuple[tuple[str, int, int, int] | None, ...]:
+    """Size, modification time and inode of each file the fingerprint reads: another version of any changes these."""
+    versions: list[tuple[str, int, int, int] | None] = []
+    for name in [*_FINGERPRINTED, *(f"{c}/{WEIGHTS}" for c in COMPONENTS)]:
+        try:
+            stat = (path / name).stat()
+        except OSError:
+            versions.append(None)
+            continue
+        versions.append((name, stat.st_size, stat.st_mtime_ns, stat.st_ino))
+    return tuple(versions)
+
+
+@functools.lru_cache(maxsize=32)
+def _fingerprint(path: Path, versions: tuple[tuple[str, int, int, int] | None, ...]) -> str:
+    return _hash_bundle(path)
+
+
+def _hash_bundle(path: Path) -> str:
     digest = hashlib.sha256()
-    for name in [MODEL_INDEX, "scheduler/scheduler_config.json", *(f"{c}/config.json" for c in COMPONENTS)]:
+    for name in _FINGERPRINTED:
         file = path / name
         digest.update(name.encode() + (file.read_bytes() if file.is_file() else b"-"))
     for component in COMPONENTS:
@@ -403,8 +429,15 @@ def model_traits(info: BundleInfo) -> ModelTraits:
     return ModelTraits(tile_sizes=info.tile_sizes, scheduler=info.scheduler, trained_steps=info.trained_steps)
 
 
+# (folder, fingerprint, component) whose weights were found to match the architecture: building the three models on
+# the meta device and reading their headers takes seconds, and its answer changes only with the bundle's content.
+_MATCHING_WEIGHTS: set[tuple[Path, str, str]] = set()
+
+
 def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None = None) -> _PlannedBundle:
-    """Validate a bundle folder without reading any weight data."""
+    """Validate a bundle folder without reading any weight data; the weights against the architecture once per
+    content (`fingerprint`) in a process."""
+    print_fp = fingerprint(path)
     index = _read_json(path / MODEL_INDEX, "model_index")
     for component in (*COMPONENTS, "scheduler"):
         if component not in index:
@@ -422,10 +455,13 @@ def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None
         except (KeyError, TypeError, ValueError) as err:
             raise BundleError(f"{component}: config.json cannot be read as this model ({err})") from None
         defaults = classes[component]  # unknown names fail here rather than deep inside diffusers
+        if (path, print_fp, component) in _MATCHING_WEIGHTS:
+            continue
         try:
             _check_tensors(component, defaults, kwargs[component], weights)
         except TypeError as err:
             raise BundleError(f"{component}: config.json has arguments this model does not take ({err})") from None
+        _MATCHING_WEIGHTS.add((path, print_fp, component))
     dit = kwargs["transformer"]
     _check_head(dit.get("out_visual_dim", 640), dit.get("in_visual_dim", 64), scheduler)
     is_piflow = scheduler["_class_name"] == PIFLOW
@@ -433,7 +469,6 @@ def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None
     # its defaults are read through the signature, which follows the wrapper).
     tile_sizes = dit.get("tile_sizes") or _default_of(classes["transformer"], "tile_sizes")
     sr_params = raw["transformer"].get("sr_params") or {}
-    print_fp = fingerprint(path)
     info = BundleInfo(
         model_id=model_id or f"local:{print_fp}",
         revision=revision,

@@ -17,6 +17,8 @@ import threading
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from k6vsr_core.errors import ParameterError
+
 THREADS_ENV = "K6VSR_CPU_THREADS"
 _LOCK = threading.Lock()
 
@@ -36,7 +38,7 @@ def default_profile() -> ComputeProfile:
         try:
             threads = int(explicit)
         except ValueError:
-            raise ValueError(f"{THREADS_ENV}={explicit!r} is not a whole number of threads") from None
+            raise ParameterError(f"{THREADS_ENV}={explicit!r} is not a whole number of threads") from None
         return ComputeProfile(cpu_threads=threads)
     return ComputeProfile(cpu_threads=len(os.sched_getaffinity(0)))
 

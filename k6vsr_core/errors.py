@@ -1,8 +1,17 @@
-"""The errors a user can fix, and the one line that every entry point shows for any error.
+"""Every error k6vsr raises on purpose, and the one line that every entry point shows for any error.
 
-An error the user can fix (the file, a value, the model, the store, the output folder) is a `UserFacingError`; its
-message names the file or value and the cause. The command line prints it on one line and exits with 2, the HTTP API
-answers it with a 4xx status, the archive writes it into the clip's row. Anything else is an internal failure.
+Three kinds, told apart by what the reader can do:
+
+- `UserFacingError`: the user can fix it (the file, a value, the model, the store, the output folder); its message
+  names the file or value and the cause. The command line prints it on one line and exits with 2, the HTTP API
+  answers it with a 4xx status, the archive writes it into the clip's row; a stage task never retries it.
+- `ServiceError`: a service the command needs (the local Prefect server, the warm workers) could not be started or
+  reached; its message says where to look. The command line prints it on one line and exits with 1.
+- `PipelineError`: k6vsr's own work failed (tiles that failed on every attempt, a stored input that is gone, clips
+  of an archive). Like any other exception it is an internal failure: shown with its type, exit code 1.
+
+A plain `ValueError` is an internal failure too (a broken invariant, a library refusing what k6vsr passed it): a value
+the user gave is checked where it enters and refused as a `ParameterError`.
 """
 
 from __future__ import annotations
@@ -39,11 +48,41 @@ class StoreError(UserFacingError, RuntimeError):
     """The run store is unusable (unwritable root, foreign data under a run key)."""
 
 
+class ServiceError(RuntimeError):
+    """A service a command needs could not be started or reached; the message says which and where its log is."""
+
+
+class ServerError(ServiceError):
+    """The local Prefect server could not be started or reached."""
+
+
+class WorkersError(ServiceError):
+    """The warm workers could not be started."""
+
+
+class WorkersUnavailable(ServiceError):
+    """Worker processes did not run a trivial task in time (not started, or cannot import k6vsr)."""
+
+
+class PipelineError(RuntimeError):
+    """k6vsr's own work did not finish; what was finished stays stored, so a rerun resumes."""
+
+
+class TileFailure(PipelineError):
+    """Some tiles failed on every attempt; every finished tile stays stored for the next run."""
+
+
+class MissingInput(PipelineError):
+    """A stage's input is not (or no longer) in the store; the flow reruns the stage that makes it."""
+
+
+class ArchiveFailed(PipelineError):
+    """Some clips failed; every other clip is finished and the manifest says which failed and why."""
+
+
 def describe_error(err: BaseException) -> str | None:
-    """The one-line message for an error the user can act on; None for an internal failure."""
+    """The one-line message for an error the user can act on; None for an internal failure (or a service's)."""
     if isinstance(err, UserFacingError):
-        return str(err)
-    if isinstance(err, ValueError):  # a value refused by a library (pydantic, torch) before any work
         return str(err)
     if isinstance(err, OSError) and err.filename:  # e.g. a full disk while the output is written
         return f"{err.filename}: {err.strerror}"

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
+from k6vsr_core.errors import UserFacingError
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan
 from k6vsr_core.tiling import SPATIAL_FACTOR, Size
 
@@ -48,7 +49,7 @@ CHUNKS: tuple[int | None, ...] = (None, 3, 2, 1)
 KVAE_SEGMENT_FRAMES = 17
 
 
-class MemoryBudgetError(ValueError):
+class MemoryBudgetError(UserFacingError, ValueError):
     """No budget fits: the message says how much memory is free and how much the smallest budget needs."""
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+from datetime import datetime
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
@@ -182,6 +184,13 @@ class UpscaleParams(BaseModel):
     def scale_label(self) -> str:
         """`2`, `2.25` or `4`, as users write it."""
         return f"{self.scale:g}"
+
+
+def output_name(source: str | os.PathLike[str], params: UpscaleParams, stamped_at: datetime | None = None) -> str:
+    """`<stem>_sr<scale>x.mp4`, the name SGLang users know (`.mkv` for FFV1), `_<timestamp>` before the suffix when
+    `stamped_at` is given: a command's reruns write new files, an archive's find the outputs of earlier ones."""
+    stamp = f"_{stamped_at.strftime('%Y%m%d-%H%M%S')}" if stamped_at is not None else ""
+    return f"{Path(source).stem}_sr{params.scale_label}x{stamp}{params.encoding.suffix}"
 
 
 def parse_params(**values: object) -> UpscaleParams:

@@ -14,6 +14,7 @@ from fractions import Fraction
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core import media
+from k6vsr_core.errors import ParameterError
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.tiling import (
     RESOLUTIONS,
@@ -142,7 +143,7 @@ def make_plan(
 ) -> ClipPlan:
     """Plan a source of `source_frames` frames of `source_size` at `source_fps`.
 
-    Raises ValueError when the selection keeps no frame, or the request does not fit this clip.
+    Raises ValueError when the selection keeps no frame, ParameterError when the request does not fit this clip.
     """
     traits = traits or ModelTraits()
     indices, fps = select_kept_frames(source_frames, source_fps, params)
@@ -173,7 +174,7 @@ def make_plan(
     sr_size = grid.output_size
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
     if params.codec == "hevc" and min(delivery) < media.HEVC_MIN_SIDE:
-        raise ValueError(
+        raise ParameterError(
             f"codec=hevc needs an output of at least {media.HEVC_MIN_SIDE} pixels a side; this one is "
             f"{delivery[1]}x{delivery[0]}: use h264 or ffv1"
         )

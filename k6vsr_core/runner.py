@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from k6vsr_core import media, stages
 from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
-from k6vsr_core.latent import check_latent, fit_latent, latent_params, plan_latent
+from k6vsr_core.latent import check_latent, fit_latent, plan_latent
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.source import SourceClip, read_source, read_window, source_audio
@@ -86,7 +86,7 @@ def upscale(
         if source is not None:
             raise ValueError("give a source video or a latent, not both")
         rate = check_latent(latent, int(bundle.vae.config.latent_channels), params, fps)
-        plan = plan_latent(latent, rate, latent_params(params), model_traits(bundle.info))
+        plan = plan_latent(latent, rate, params, model_traits(bundle.info))
         scaled = fit_latent(stages.scale_latent(bundle, latent), plan)
         audio = None if params.audio_file is None else media.decode_audio(params.audio_file)
         clip = SourceClip(path="", frame_pts=None, rotation=0, plan=plan)

@@ -12,6 +12,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from k6vsr_core import media
+from k6vsr_core.errors import MediaError
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
 from k6vsr_core.windows import Window
@@ -40,7 +41,7 @@ def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) ->
     try:
         plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate)
     except ValueError as err:
-        raise media.MediaError(str(path), str(err)) from None
+        raise MediaError(str(path), str(err)) from None
     return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)
 
 

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core import media
 from k6vsr_core.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
-from k6vsr_core.errors import BundleError
-from k6vsr_core.latent import latent_params, plan_latent, read_latent
+from k6vsr_core.errors import BundleError, MediaError
+from k6vsr_core.latent import plan_latent, read_latent
 from k6vsr_core.memory import MemoryMode
 from k6vsr_core.params import ParameterError, UpscaleParams
 from k6vsr_core.plan import ClipPlan, make_plan, select_kept_frames
@@ -83,7 +83,7 @@ def prepare_run(
     try:
         select_kept_frames(probe.num_frames, probe.fps, params)
     except ValueError as err:  # too few frames for the rate: a property of the file
-        raise media.MediaError(source, str(err)) from None
+        raise MediaError(source, str(err)) from None
     info = model_info(spec)
     try:
         plan = make_plan(
@@ -120,9 +120,8 @@ def prepare_latent_run(
         media.check_audio_file(params.audio_file)
     info = model_info(spec)
     latent, rate = read_latent(source, latent_channels(info), params, fps)
-    computed = latent_params(params)
-    plan = plan_latent(latent.shape, rate, computed, model_traits(info))
-    key = run_key(source_info(source).sha256, computed, info.identity, str(rate))
+    plan = plan_latent(latent.shape, rate, params, model_traits(info))
+    key = run_key(source_info(source).sha256, plan.params, info.identity, str(rate))
     return PreparedRun(
         run=RunRef(store_root=str(store_root), run_key=key),
         source=str(Path(source).resolve()),

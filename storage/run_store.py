@@ -54,6 +54,7 @@ from storage.location import (
     parse_store_root,
 )
 from storage.manifest import RunManifest
+from storage.processes import alive
 from storage.records import RecordBook, array_checksum
 
 RUNS = "runs"
@@ -346,16 +347,6 @@ def _owner() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temps(folder: Path, prefix: str, suffix: str) -> list[Path]:
     """Delete `<prefix><host>-<pid>.*<suffix>` files in `folder` left by dead processes of this host."""
     removed: list[Path] = []
@@ -366,7 +357,7 @@ def remove_stale_temps(folder: Path, prefix: str, suffix: str) -> list[Path]:
         return removed
     for path in candidates:
         pid = path.name[len(mine) :].split(".", 1)[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             try:
                 path.unlink()
                 removed.append(path)

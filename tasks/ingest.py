@@ -15,13 +15,13 @@ from prefect import task
 
 from k6vsr_core import media
 from k6vsr_core.bundle import BundleInfo, model_traits
-from k6vsr_core.compute import apply_profile, default_profile
+from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.latent import plan_latent, read_latent
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.source import audio_input, read_source
 from service.runs import RunRef, latent_channels
-from storage import RunManifest, RunStore, source_info
+from storage import RunManifest, RunStore, SourceInfo, source_info
 from storage.manifest import library_versions
 from tasks.descriptors import IngestResult
 from tasks.stage_tasks import STAGE_TASK
@@ -57,6 +57,36 @@ def _store_audio(store: RunStore, source: str, params: UpscaleParams, plan: Clip
     return samples > 0
 
 
+def _write_manifest(
+    store: RunStore,
+    source: SourceInfo,
+    params: UpscaleParams,
+    info: BundleInfo,
+    plan: ClipPlan,
+    compute: ComputeProfile,
+    attempt: str,
+    rotation: int = 0,
+    latent_fps: str | None = None,
+) -> None:
+    """Store the run's audio, then its manifest: what every later stage reads its plan and inputs from."""
+    has_audio = _store_audio(store, source.path, params, plan, attempt)
+    store.write_manifest(
+        RunManifest(
+            run_key=store.run_key,
+            source=source,
+            params=params,
+            model=info,
+            plan=plan,
+            seeds=[chunk.seed for chunk in plan.chunks],
+            has_audio=has_audio,
+            rotation=rotation,
+            versions=library_versions(),
+            compute=compute,
+            latent_fps=latent_fps,
+        )
+    )
+
+
 @task(name="ingest", task_run_name="ingest-{run.run_key}", **STAGE_TASK)
 def ingest(
     source: str,
@@ -80,20 +110,7 @@ def ingest(
     apply_profile(compute)
     clip = read_source(source, params, model_traits(info))
     plan = clip.plan
-    has_audio = _store_audio(store, source, params, plan, attempt)
-    manifest = RunManifest(
-        run_key=run.run_key,
-        source=source_info(source),
-        params=params,
-        model=info,
-        plan=plan,
-        seeds=[chunk.seed for chunk in plan.chunks],
-        has_audio=has_audio,
-        rotation=clip.rotation,
-        versions=library_versions(),
-        compute=compute,
-    )
-    store.write_manifest(manifest)
+    _write_manifest(store, source_info(source), params, info, plan, compute, attempt, rotation=clip.rotation)
     seconds = time.perf_counter() - started
     # The frame index is the ingest record: written last, after the manifest and the audio. Empty: not seekable.
     pts = clip.frame_pts if clip.frame_pts is not None else np.zeros(0, dtype=np.int64)
@@ -117,21 +134,8 @@ def ingest_latent(
     latent, rate = read_latent(source, latent_channels(info), params, latent_fps)
     plan = plan_latent(latent.shape, rate, params, model_traits(info))
     del latent
-    has_audio = _store_audio(store, source, params, plan, attempt)
     described = source_info(source)
-    manifest = RunManifest(
-        run_key=run.run_key,
-        source=described,
-        params=params,
-        model=info,
-        plan=plan,
-        seeds=[chunk.seed for chunk in plan.chunks],
-        has_audio=has_audio,
-        versions=library_versions(),
-        compute=compute,
-        latent_fps=str(rate),
-    )
-    store.write_manifest(manifest)
+    _write_manifest(store, described, params, info, plan, compute, attempt, latent_fps=str(rate))
     seconds = time.perf_counter() - started
     # The ingest record, written last as for a video: it names the latent file's content it planned.
     store.records.write("ingest", "all", described.sha256, seconds, attempt)

@@ -123,10 +123,6 @@ def stages_at_once() -> int:
         return FLOW_THREADS
 
 
-def loaded_count() -> int:
-    return len(_BUNDLES)
-
-
 def cache_info() -> CacheInfo:
     """What this process keeps and has loaded (the warm workers' status and tests ask every worker for it)."""
     with _LOCK:

@@ -24,7 +24,7 @@ from prefect.cache_policies import NO_CACHE
 
 from k6vsr_core import media
 from k6vsr_core.compute import apply_profile
-from k6vsr_core.errors import ParameterError, UserFacingError
+from k6vsr_core.errors import MissingInput, ParameterError, UserFacingError
 from k6vsr_core.latent import fit_latent, read_latent
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.windows import segment_frames
@@ -39,8 +39,9 @@ if TYPE_CHECKING:
 
     from k6vsr_core.bundle import ModelBundle
 
-# Errors that another attempt cannot fix (a MemoryBudgetError is a ValueError).
-PERMANENT_ERRORS = (UserFacingError, ValueError)
+# Errors that another attempt cannot fix: the user's (a MemoryBudgetError is one). Anything else, a broken invariant
+# (a ValueError) included, may be a fault of this attempt (a damaged stored chunk, a worker's memory) and is retried.
+PERMANENT_ERRORS = (UserFacingError,)
 
 
 def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -76,10 +77,6 @@ def _bundle(model: ModelSpec, plan: ClipPlan) -> ModelBundle:
     from tasks.model_cache import get_bundle
 
     return get_bundle(model, plan)
-
-
-class MissingInput(RuntimeError):
-    """A stage's input is not (or no longer) in the store; the flow reruns the stage that makes it."""
 
 
 def _require(value: Any, run: RunRef, what: str) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 from service.runs import ModelSpec
 
-MODEL_ENV = "K6VSR_WARM_MODEL"
+MODEL_ENV = "K6VSR_WARM_MODEL"  # a ModelSpec as JSON, set by `flows.warm_workers` for the workers it starts
 log = logging.getLogger("k6vsr.workers")
 
 

@@ -29,6 +29,8 @@ import pytest
 
 from entrypoints.cli import main
 from k6vsr_core import media, upscale
+from k6vsr_core.errors import MediaError
+from k6vsr_core.media import probing
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
 
@@ -326,7 +328,7 @@ def test_unusable_frame_rate_stub(
     cli: Cli, corpus: dict[str, Path], monkeypatch: pytest.MonkeyPatch, average: Any, base: Any, cause: str
 ) -> None:
     """PyAV writes no file with a zero, negative or missing rate: the real file's stream reports one instead."""
-    real = media._video_stream
+    real = probing.video_stream
 
     class Stream:
         def __init__(self, stream: Any) -> None:
@@ -336,7 +338,7 @@ def test_unusable_frame_rate_stub(
         def __getattr__(self, name: str) -> Any:
             return getattr(self._stream, name)
 
-    monkeypatch.setattr(media, "_video_stream", lambda container, path: Stream(real(container, path)))
+    monkeypatch.setattr(probing, "video_stream", lambda container, path: Stream(real(container, path)))
     source = corpus["one"]
     assert_refused(cli("upscale", source), cause, names=source)
 
@@ -588,7 +590,7 @@ def test_command_line_prints_one_line_and_no_traceback(corpus: dict[str, Path], 
 
 
 def test_debug_flag_raises_in_process(cli: Cli, corpus: dict[str, Path]) -> None:
-    with pytest.raises(media.MediaError, match="empty file"):
+    with pytest.raises(MediaError, match="empty file"):
         main(["upscale", str(corpus["zero"]), "--debug", "--store", str(cli.store)])
 
 

@@ -532,3 +532,42 @@ def test_released_transformer_config_without_tile_sizes_uses_the_trained_tiles(
     del config["tile_sizes"]
     config_file.write_text(json.dumps(config))
     assert inspect_bundle(path).info.tile_sizes == RESOLUTIONS
+
+
+def test_the_model_is_checked_once_per_content(
+    tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two clips planned with one bundle (an archive, the HTTP server): the weights are hashed and checked against
+    the architecture for the first only; new weights are hashed and checked again."""
+    from k6vsr_core import bundle as bundle_module
+    from k6vsr_core.params import parse_params
+    from k6vsr_core.sample import make_sample_clip
+    from service.runs import ModelSpec, prepare_run
+
+    path = _copy(tiny_bundle_path, tmp_path)  # a folder no earlier test has checked
+    counts = {"hashed": 0, "checked": 0}
+
+    def counted(name: str, real: object) -> object:
+        def call(*args: object, **kwargs: object) -> object:
+            counts[name] += 1
+            return real(*args, **kwargs)  # type: ignore[operator]
+
+        return call
+
+    monkeypatch.setattr(bundle_module, "_hash_bundle", counted("hashed", bundle_module._hash_bundle))
+    monkeypatch.setattr(bundle_module, "_check_tensors", counted("checked", bundle_module._check_tensors))
+    spec, params = ModelSpec(model=str(path), device="cpu"), parse_params(scale=2)
+    clips = [make_sample_clip(tmp_path / f"{n}.mp4", width=64, height=64, num_frames=n) for n in (1, 9)]
+    first, second = (prepare_run(clip, params, spec, tmp_path / "store") for clip in clips)
+    assert counts == {"hashed": 1, "checked": 3}
+    assert first.model_info == second.model_info
+
+    weights = path / "latent_upscaler" / WEIGHTS
+    state = load_file(str(weights))
+    name = sorted(state)[0]
+    state[name] = state[name] + 1.0
+    weights.unlink()  # a new file, as a download or a copy writes it
+    save_file(state, str(weights))
+    again = prepare_run(clips[0], params, spec, tmp_path / "store")
+    assert counts == {"hashed": 2, "checked": 6}
+    assert again.model_info.fingerprint != first.model_info.fingerprint

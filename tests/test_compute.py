@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from k6vsr_core.compute import THREADS_ENV, ComputeProfile, apply_profile, default_profile
+from k6vsr_core.errors import ParameterError
 
 
 def test_default_profile_counts_the_cores_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -22,7 +23,7 @@ def test_threads_env_overrides_and_bad_values_are_refused(monkeypatch: pytest.Mo
     monkeypatch.setenv(THREADS_ENV, "3")
     assert default_profile() == ComputeProfile(cpu_threads=3)
     monkeypatch.setenv(THREADS_ENV, "many")
-    with pytest.raises(ValueError, match="K6VSR_CPU_THREADS='many'"):
+    with pytest.raises(ParameterError, match="K6VSR_CPU_THREADS='many'"):
         default_profile()
 
 

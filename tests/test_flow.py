@@ -281,7 +281,7 @@ def test_plan_command_loads_no_model(tiny_bundle_path: Path, clip_1f: Path, tmp_
         ["plan", str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--store", str(tmp_path), "--json"]
     )
     plan = json.loads(capsys.readouterr().out)
-    assert code == 0 and model_cache.loaded_count() == 0
+    assert code == 0 and model_cache.cache_info().loaded == []
     assert plan["tiles"] == 6 and plan["frames_kept"] == 1 and plan["fps"] == 24
     assert plan["chunks"][1] == {"tiles": [1], "seed": 43}
     assert plan["output_size"] == {"width": 256, "height": 192}

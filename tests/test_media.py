@@ -17,18 +17,20 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from k6vsr_core import media
+from k6vsr_core.errors import MediaError
 from k6vsr_core.media import (
     AUDIO_SAMPLE_RATE,
-    MediaError,
     VideoProbe,
     aligned_frame_count,
     decode_audio,
     decode_frames,
     probe,
+    probing,
+    reading,
     select_frames,
     trim_audio,
     write_video,
+    writing,
 )
 
 # --------------------------------------------------------------------------- #
@@ -303,7 +305,7 @@ def test_media_error_is_value_error_and_pickles() -> None:
 def test_source_fps_rejects_unusable_rates(rates: tuple, cause: str) -> None:
     stream = SimpleNamespace(average_rate=rates[0], base_rate=rates[1])
     with pytest.raises(MediaError, match=cause) as info:
-        media._source_fps(stream, "/in.mp4")
+        probing._source_fps(stream, "/in.mp4")
     assert "frame rate" in str(info.value) and "/in.mp4" in str(info.value)
 
 
@@ -329,7 +331,7 @@ def test_decode_frames_60fps_decodes_only_selected_indices(tmp_path: Path) -> No
 
 def test_decoding_stops_after_last_kept_frame(tmp_path: Path) -> None:
     clip = make_lossless(tmp_path / "long.mkv", num_frames=40)
-    kept, decoded = media._decode_indices(str(clip), [0, 2, 5])
+    kept, decoded = reading._decode_indices(str(clip), [0, 2, 5])
     assert sorted(kept) == [0, 2, 5]
     assert decoded == 6
 
@@ -503,7 +505,7 @@ def test_write_video_pads_odd_size_by_edge_replication(tmp_path: Path) -> None:
 def test_odd_sizes_are_padded_by_replicating_the_edge() -> None:
     rng = np.random.default_rng(2)
     frames = rng.integers(0, 256, (2, 5, 7, 3), dtype=np.uint8)
-    for frame in media._encoder_frames(frames, 24):
+    for frame in writing._encoder_frames(frames, 24):
         assert (frame.width, frame.height, frame.format.name) == (8, 6, "yuv420p")
         # A replicated column/row shares its chroma block with its source, so
         # it converts back to exactly the same RGB; scaling would blend it.

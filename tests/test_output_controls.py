@@ -16,7 +16,7 @@ from entrypoints.cli import main
 from k6vsr_core import UpscaleParams, media, stages, upscale
 from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.encoding import VideoEncoding
-from k6vsr_core.errors import ParameterError
+from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import make_plan
 from k6vsr_core.runner import read_source, read_window
@@ -456,7 +456,7 @@ def test_audio_file_without_audio_is_refused_before_any_work(
     silent = make_sample_clip(tmp_path / "silent.mp4", width=64, height=64, num_frames=1, audio=False)
     out = tmp_path / "out" / "o.mp4"
     out.parent.mkdir()
-    with pytest.raises(media.MediaError, match="no audio stream"):
+    with pytest.raises(MediaError, match="no audio stream"):
         upscale(clip_1f, out, tiny_bundle, UpscaleParams(scale=2, audio=str(silent)))
     assert list(out.parent.iterdir()) == []
 

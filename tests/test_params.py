@@ -109,3 +109,15 @@ def test_parameter_error_is_a_value_error() -> None:
 def test_direct_construction_still_validates() -> None:
     with pytest.raises(pydantic.ValidationError):
         UpscaleParams(scale=3)
+
+
+def test_output_name_is_one_rule_with_or_without_the_timestamp() -> None:
+    """The command's name (stamped: a rerun writes a new file) and the archive's (not: a rerun finds the output)."""
+    from datetime import datetime
+
+    from k6vsr_core.params import output_name
+
+    assert output_name("/clips/a.b.mov", parse_params(scale=2)) == "a.b_sr2x.mp4"
+    assert output_name("clip.mp4", parse_params(scale=2.25, codec="ffv1")) == "clip_sr2.25x.mkv"
+    stamped = output_name("clip.mp4", parse_params(scale=4), datetime(2026, 3, 1, 9, 5, 7))
+    assert stamped == "clip_sr4x_20260301-090507.mp4"

@@ -32,7 +32,8 @@ from entrypoints.jobs import (
     results_beside,
     tile_counts,
 )
-from k6vsr_core.errors import MediaError
+from k6vsr_core.errors import MediaError, ParameterError
+from k6vsr_core.memory import MemoryBudgetError
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
 
@@ -86,7 +87,7 @@ def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
     limits = config_from(build_parser().parse_args(["serve", *flags.split()]), tmp_path, "m").limits
     assert (limits.max_tiles, limits.max_windows, limits.upload_timeout_s) == (10, 2, 1.5)
     assert (limits.uploads_per_key, limits.finished_quota_bytes) == (1, 3 << 20)
-    with pytest.raises(ValueError, match="--max-tiles"):
+    with pytest.raises(ParameterError, match="--max-tiles"):
         config_from(build_parser().parse_args(["serve", "--max-tiles", "0"]), tmp_path, "m")
 
 
@@ -158,7 +159,8 @@ def test_error_messages_are_short_and_typed() -> None:
 
 
 def test_a_permanent_media_error_is_not_retried() -> None:
-    """A stage task retries what may pass (an I/O error), never the decoder's verdict on the same bytes."""
+    """A stage task retries what may pass (an I/O error, a broken invariant), never the decoder's verdict on the same
+    bytes or another error of the user's."""
     from tasks.stage_tasks import _retry_transient
 
     class Failed:
@@ -168,9 +170,18 @@ def test_a_permanent_media_error_is_not_retried() -> None:
         def result(self) -> None:
             raise self.err
 
-    for permanent in (av.error.EOFError(541478725, "End of file"), MediaError("clip", "decoding failed")):
+    for permanent in (
+        av.error.EOFError(541478725, "End of file"),
+        MediaError("clip", "decoding failed"),
+        ParameterError("seed=-1 is out of range"),
+        MemoryBudgetError("8.0 GiB free; memory=16g needs about 12 GiB"),
+    ):
         assert not _retry_transient(None, None, Failed(permanent)), permanent
-    for transient in (OSError(5, "Input/output error"), RuntimeError("CUDA error: an illegal memory access")):
+    for transient in (
+        OSError(5, "Input/output error"),
+        RuntimeError("CUDA error: an illegal memory access"),
+        ValueError("tile 3 was already blended"),
+    ):
         assert _retry_transient(None, None, Failed(transient)), transient
 
 

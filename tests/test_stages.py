@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from k6vsr_core import stages
-from k6vsr_core.attention import DenseSdpaProcessor, attention_mode, set_attention
+from k6vsr_core.attention import DenseSdpaProcessor, set_attention
 from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.params import parse_params
 from k6vsr_core.pixels import crop_output, hann_window_2d
@@ -37,6 +37,12 @@ def _set_processors(transformer: torch.nn.Module, processor_cls: type) -> None:
     for module in transformer.modules():
         if isinstance(module, Kandinsky6SRAttention):
             module.set_processor(processor_cls())
+
+
+def _processor_types(transformer: torch.nn.Module) -> set[type]:
+    from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttention
+
+    return {type(module.processor) for module in transformer.modules() if isinstance(module, Kandinsky6SRAttention)}
 
 
 def _manual_piflow(bundle: ModelBundle, bundle_path: Path, lr_tiles: torch.Tensor, seed: int) -> torch.Tensor:
@@ -157,7 +163,7 @@ def test_denoise_chunk_equals_diffusers_loop_nabla(tiny_bundle: ModelBundle, tin
     result = stages.denoise_chunk(tiny_bundle, lr_tiles, chunk, plan, steps.append)
     assert steps == [0, 1]
     assert result.shape == (1, 64, 1, 8, 8) and result.dtype == torch.float32
-    assert attention_mode(tiny_bundle.transformer) == "nabla"
+    assert DenseSdpaProcessor not in _processor_types(tiny_bundle.transformer)  # NABLA's
     _set_processors(tiny_bundle.transformer, Kandinsky6SRAttnProcessor)
     expected = _manual_piflow(tiny_bundle, tiny_bundle_path, lr_tiles, seed=43)
     assert torch.equal(result, expected)
@@ -170,7 +176,7 @@ def test_denoise_chunk_equals_diffusers_loop_dense(tiny_bundle: ModelBundle, tin
     lr_tiles = _random((1, 64, 1, 4, 4), 6)
     try:
         result = stages.denoise_chunk(tiny_bundle, lr_tiles, plan.chunks[0], plan)
-        assert attention_mode(tiny_bundle.transformer) == "dense"
+        assert _processor_types(tiny_bundle.transformer) == {DenseSdpaProcessor}
         _set_processors(tiny_bundle.transformer, DenseSdpaProcessor)
         expected = _manual_piflow(tiny_bundle, tiny_bundle_path, lr_tiles, seed=42)
     finally:

@@ -16,6 +16,7 @@ import pytest
 
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle, make_tiny_bundle
+from k6vsr_core.errors import ParameterError
 from service.runs import ModelSpec, prepare_run
 
 PARAMS = UpscaleParams(scale=2)
@@ -120,7 +121,7 @@ def test_runs_use_the_warm_workers_and_keep_the_model(
     assert (tmp_path / "a.mp4").read_bytes() == reference
     first = _infos(cluster.address)
     assert any(info["loads"] for info in first.values())  # the tiles ran there,
-    assert model_cache.loaded_count() == 0  # not in this process
+    assert model_cache.cache_info().loaded == []  # not in this process
 
     # Another run (another store, so every tile is computed again), as a deployment starts it: the flow called as
     # it is, with its default runner, which finds the warm workers too. Same processes, nothing loaded again.
@@ -130,7 +131,7 @@ def test_runs_use_the_warm_workers_and_keep_the_model(
     )
     assert again.tiles_computed == again.tiles_total
     assert (tmp_path / "b.mp4").read_bytes() == reference
-    assert model_cache.loaded_count() == 0
+    assert model_cache.cache_info().loaded == []
     second = _infos(cluster.address)
     assert {name: info["pid"] for name, info in second.items()} == {n: i["pid"] for n, i in first.items()}
     assert all(len(info["loads"]) <= 1 for info in second.values())  # each worker loaded the model once
@@ -168,7 +169,7 @@ def test_relative_paths_leave_the_command_absolute_for_the_warm_workers(
     summary = json.loads(captured.out)
     assert summary["tiles_computed"] == summary["tiles_total"] and summary["store"].startswith(str(work / "store"))
     assert (work / "out" / "out.mp4").read_bytes() == reference
-    assert model_cache.loaded_count() == 0  # the tiles ran on the workers, with the model named absolutely
+    assert model_cache.cache_info().loaded == []  # the tiles ran on the workers, with the model named absolutely
     assert any(str(work / "model") in " ".join(info["loaded"]) for info in _infos(cluster.address).values())
 
 
@@ -258,5 +259,19 @@ def test_gpu_workers_are_pinned_without_dask_cuda(monkeypatch) -> None:
     path, kwargs = runners.cluster_spec(1, gpus=True)
     assert path == "flows.warm_workers.gpu_cluster" and kwargs == {"n_workers": 0}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    with pytest.raises(warm_workers.WorkersError):
+    with pytest.raises(ParameterError, match="--gpus: no GPU found"):
         warm_workers.gpu_cluster()
+
+
+def test_a_dask_runner_is_told_by_its_class() -> None:
+    """Not by its class's name: a subclass of prefect-dask's runner is one, a thread pool is not."""
+    from prefect.task_runners import ThreadPoolTaskRunner
+    from prefect_dask import DaskTaskRunner
+
+    from flows.runners import is_dask_runner
+
+    class OurDaskRunner(DaskTaskRunner):
+        pass
+
+    assert is_dask_runner(DaskTaskRunner()) and is_dask_runner(OurDaskRunner())
+    assert not is_dask_runner(ThreadPoolTaskRunner()) and not is_dask_runner(None)

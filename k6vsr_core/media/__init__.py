@@ -1,0 +1,54 @@
+"""Video and audio files for the super-resolution pipeline, one job a module:
+
+    selection   which source frames a clip keeps and the rate they play at (24-fps rule, 1 + 8k frames)
+    probing     what a source file is, before any frame is decoded
+    reading     a source's frames decoded as RGB
+    audio       a file's audio as the contract's mono 44.1 kHz track
+    writing     frames encoded as a reproducible file, segments joined, the audio added
+    streams     the source's own audio and subtitle streams carried into the output (`--audio original`)
+
+Real inputs come at any rate, length, size and pixel format, sometimes with lying or missing metadata; these modules
+are the one place that turns such files into RGB arrays the model can take, and upscaled arrays (plus the audio)
+back into a playable file. All are pure functions over PyAV (no torch), testable without orchestration or storage.
+
+Callers use this package as one namespace (`media.probe`, `media.write_video`): their own names (`probe`, `audio`)
+would shadow a function or module imported by name.
+"""
+
+from k6vsr_core.media.audio import AUDIO_SAMPLE_RATE, check_audio_file, decode_audio, trim_audio, write_audio_track
+from k6vsr_core.media.probing import MAX_SOURCE_PIXELS, MAX_SOURCE_SIDE, VideoProbe, probe
+from k6vsr_core.media.reading import decode_frames, read_frames, scan_frames
+from k6vsr_core.media.selection import (
+    MAX_NUM_FRAMES,
+    RESAMPLE_FPS_TOLERANCE,
+    TARGET_FPS,
+    aligned_frame_count,
+    select_all_frames,
+    select_frames,
+)
+from k6vsr_core.media.writing import HEVC_MIN_SIDE, concat_segments, write_segment, write_video
+
+__all__ = [
+    "AUDIO_SAMPLE_RATE",
+    "HEVC_MIN_SIDE",
+    "MAX_NUM_FRAMES",
+    "MAX_SOURCE_PIXELS",
+    "MAX_SOURCE_SIDE",
+    "RESAMPLE_FPS_TOLERANCE",
+    "TARGET_FPS",
+    "VideoProbe",
+    "aligned_frame_count",
+    "check_audio_file",
+    "concat_segments",
+    "decode_audio",
+    "decode_frames",
+    "probe",
+    "read_frames",
+    "scan_frames",
+    "select_all_frames",
+    "select_frames",
+    "trim_audio",
+    "write_audio_track",
+    "write_segment",
+    "write_video",
+]

@@ -1,0 +1,166 @@
+"""Decoding a source's frames as RGB: every frame scanned once for its timestamps, then the frames a window needs."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import av
+import av.container
+import numpy as np
+
+from k6vsr_core.errors import MediaError
+from k6vsr_core.media import probing
+from k6vsr_core.media.probing import PathLike, VideoProbe, open_input, video_stream
+from k6vsr_core.media.selection import select_frames
+
+
+def _decode_indices(path: str, wanted: list[int]) -> tuple[dict[int, np.ndarray], int]:
+    """Decode frames up to ``max(wanted)``, keeping only the wanted ones as RGB.
+
+    Returns the kept frames by source index and how many frames were decoded,
+    which is the stream's true length when decoding ran out early.
+    """
+    wanted_set = set(wanted)
+    last = max(wanted)
+    kept: dict[int, np.ndarray] = {}
+    decoded = 0
+    with open_input(path) as container:
+        stream = video_stream(container, path)
+        stream.thread_type = "AUTO"
+        try:
+            for index, frame in enumerate(container.decode(stream)):
+                decoded = index + 1
+                if index in wanted_set:
+                    # rgb24 conversion copes with any source pix_fmt: 10-bit,
+                    # alpha (dropped), paletted, full or limited range.
+                    kept[index] = frame.to_ndarray(format="rgb24")
+                if index >= last:
+                    break
+        except av.error.FFmpegError as exc:
+            raise MediaError(path, f"decoding failed after {decoded} frame(s) ({exc})") from exc
+    return kept, decoded
+
+
+def _stack_frames(path: str, indices: list[int], kept: dict[int, np.ndarray]) -> np.ndarray:
+    height, width = kept[indices[0]].shape[:2]
+    out = np.empty((len(indices), height, width, 3), dtype=np.uint8)
+    for position, index in enumerate(indices):
+        # Popping as we copy keeps peak memory near one clip instead of two.
+        frame = kept.pop(index)
+        if frame.shape[:2] != (height, width):
+            raise MediaError(
+                path,
+                f"frame {index} is {frame.shape[1]}x{frame.shape[0]} but frame {indices[0]} is "
+                f"{width}x{height}; resolution changes mid-stream are not supported",
+            )
+        out[position] = frame
+    return out
+
+
+def decode_frames(path: PathLike, probe: VideoProbe | None = None) -> tuple[np.ndarray, int]:
+    """Decode the frames :func:`select_frames` keeps, as RGB.
+
+    Returns a ``(T, H, W, 3)`` uint8 array and the effective frame rate.
+    Decoding stops right after the last kept frame.  If the stream turns out
+    shorter than the probe said, the selection is recomputed on the real count
+    instead of failing, as long as at least one frame survives.
+    """
+    path = os.fspath(path)
+    info = probe if probe is not None else probing.probe(path)
+    try:
+        indices, fps = select_frames(info.num_frames, info.fps)
+    except ValueError as exc:
+        raise MediaError(path, str(exc)) from exc
+
+    kept, decoded = _decode_indices(path, indices)
+    if len(kept) < len(indices):
+        # The stream ended early. No second pass is needed: a smaller count
+        # selects a prefix of the same index sequence, all below the decoded
+        # count, so those frames are already kept.
+        try:
+            indices, fps = select_frames(decoded, info.fps)
+        except ValueError as exc:
+            raise MediaError(
+                path, f"only {decoded} of {info.num_frames} expected frame(s) could be decoded: {exc}"
+            ) from exc
+        # Not an error (the frames that exist are used), but never silent: the output is shorter than the file said.
+        warnings.warn(
+            f"{path}: only {decoded} of {info.num_frames} frame(s) could be decoded (truncated or damaged file?); "
+            f"using {len(indices)}",
+            stacklevel=2,
+        )
+    return _stack_frames(path, indices, kept), fps
+
+
+def scan_frames(path: PathLike) -> tuple[int, np.ndarray | None]:
+    """Decode every frame once (no colour conversion): how many there are, and their timestamps in order.
+
+    The count is the stream's true length, whatever the header says; the timestamps let :func:`read_frames` seek
+    straight to a window. They are ``None`` when the frames carry no usable ones (missing or not increasing):
+    windows are then read by decoding from the start.
+    """
+    path = os.fspath(path)
+    stamps: list[int] = []
+    usable = True
+    with open_input(path) as container:
+        stream = video_stream(container, path)
+        stream.thread_type = "AUTO"
+        try:
+            for frame in container.decode(stream):
+                if frame.pts is None:
+                    usable = False
+                stamps.append(-1 if frame.pts is None else int(frame.pts))
+        except av.error.FFmpegError as exc:
+            if not stamps:
+                raise MediaError(path, f"decoding failed ({exc})") from exc
+            # A damaged tail: the frames before it are the video.
+            warnings.warn(f"{path}: decoding stopped after {len(stamps)} frame(s) ({exc})", stacklevel=2)
+    if not stamps:
+        raise MediaError(path, "video stream has no decodable frames")
+    pts = np.asarray(stamps, dtype=np.int64)
+    if not usable or np.any(np.diff(pts) <= 0):
+        return len(stamps), None
+    return len(stamps), pts
+
+
+def read_frames(path: PathLike, indices: list[int], frame_pts: np.ndarray | None = None) -> np.ndarray:
+    """Decode the source frames at ``indices`` (ascending) as ``(T, H, W, 3)`` RGB.
+
+    With the timestamps of :func:`scan_frames`, decoding starts at the key frame before the first wanted frame;
+    without them, at the start of the stream.
+    """
+    path = os.fspath(path)
+    if not indices:
+        raise ValueError("no frames asked for")
+    if frame_pts is not None and indices[-1] < len(frame_pts):
+        kept = _decode_by_pts(path, indices, frame_pts)
+        if kept is not None:
+            return _stack_frames(path, indices, kept)
+    kept, decoded = _decode_indices(path, indices)
+    if len(kept) < len(indices):
+        raise MediaError(path, f"only {decoded} frame(s) could be decoded, frame {indices[-1]} was asked for")
+    return _stack_frames(path, indices, kept)
+
+
+def _decode_by_pts(path: str, indices: list[int], frame_pts: np.ndarray) -> dict[int, np.ndarray] | None:
+    """Frames at ``indices`` found by timestamp after one seek; None when the stream does not match the scan."""
+    wanted = {int(frame_pts[index]): index for index in indices}
+    last = int(frame_pts[indices[-1]])
+    kept: dict[int, np.ndarray] = {}
+    with open_input(path) as container:
+        stream = video_stream(container, path)
+        stream.thread_type = "AUTO"
+        try:
+            container.seek(int(frame_pts[indices[0]]), stream=stream, backward=True, any_frame=False)
+            for frame in container.decode(stream):
+                if frame.pts is None:
+                    return None
+                index = wanted.get(int(frame.pts))
+                if index is not None:
+                    kept[index] = frame.to_ndarray(format="rgb24")
+                if frame.pts >= last:
+                    break
+        except av.error.FFmpegError:
+            return None
+    return kept if len(kept) == len(indices) else None

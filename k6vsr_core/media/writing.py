@@ -1,0 +1,303 @@
+"""Writing the output: RGB frames (and mono audio) encoded as a reproducible file, a window's frames as a segment,
+and the segments joined by stream copy, with the audio or the source's own streams added."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from fractions import Fraction
+
+import av
+import av.container
+import numpy as np
+from av.video.reformatter import ColorRange, Colorspace
+
+from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core.errors import MediaError
+from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC, AUDIO_SAMPLE_RATE, trim_audio
+from k6vsr_core.media.probing import PathLike
+from k6vsr_core.media.streams import SourceStreams
+
+# FFmpeg's BT.709 code is 1 for the colorspace, primaries and transfer enums alike.
+_BT709 = 1
+
+# The contract's rates are whole numbers; `--fps source` keeps the source's exact rational rate (30000/1001).
+FrameRate = int | Fraction
+_CONTRACT = VideoEncoding()
+HEVC_MIN_SIDE = 128
+
+
+def _check_frames(frames: np.ndarray) -> None:
+    if not isinstance(frames, np.ndarray):
+        raise ValueError(f"frames must be a numpy array, got {type(frames).__name__}")
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"frames must have shape (T, H, W, 3), got {frames.shape}")
+    if frames.dtype != np.uint8:
+        raise ValueError(f"frames must be uint8 RGB, got dtype {frames.dtype}")
+    if frames.shape[0] < 1 or frames.shape[1] < 1 or frames.shape[2] < 1:
+        raise ValueError(f"frames must hold at least one non-empty frame, got shape {frames.shape}")
+
+
+def _prepare_audio(audio: np.ndarray, num_frames: int, fps: int | Fraction) -> np.ndarray | None:
+    audio = np.asarray(audio, dtype=np.float32)
+    if audio.ndim != 1:
+        raise ValueError(f"audio must be a 1-D mono array at {AUDIO_SAMPLE_RATE} Hz, got shape {audio.shape}")
+    audio = np.clip(trim_audio(audio, num_frames, fps), -1.0, 1.0)
+    return audio if audio.size else None
+
+
+def _encoder_frames(frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding = _CONTRACT) -> Iterator[av.VideoFrame]:
+    """Yield frames in the stream's pixel format (BT.709 for YUV), padded to even size for 4:2:0, pts = index."""
+    pad = encoding.needs_even_size
+    pad_h, pad_w = (frames.shape[1] % 2, frames.shape[2] % 2) if pad else (0, 0)
+    time_base = 1 / Fraction(fps)
+    for index, rgb in enumerate(frames):
+        if pad_h or pad_w:
+            rgb = np.pad(rgb, ((0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+        if encoding.is_rgb:
+            frame = frame.reformat(format=encoding.stream_pix_fmt)
+        else:
+            # Convert explicitly so the matrix used matches the BT.709 tags on the
+            # stream; left implicit, swscale would use BT.601 and tag nothing, and
+            # players would guess (usually BT.709 for HD) and shift the colours.
+            frame = frame.reformat(
+                format=encoding.stream_pix_fmt, dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
+            )
+        frame.pts = index
+        frame.time_base = time_base
+        yield frame
+
+
+def _add_video_stream(
+    container: av.container.OutputContainer,
+    width: int,
+    height: int,
+    fps: FrameRate,
+    rotation: int,
+    encoding: VideoEncoding = _CONTRACT,
+) -> av.VideoStream:
+    video = container.add_stream(encoding.encoder, rate=fps, options=encoding.options())
+    if rotation:
+        # Pixels stay as stored (the model never sees rotation); players turn them as they did the source.
+        video.set_display_rotation(rotation)
+    even = encoding.needs_even_size
+    video.width = width + (width % 2 if even else 0)
+    video.height = height + (height % 2 if even else 0)
+    video.pix_fmt = encoding.stream_pix_fmt
+    video.codec_context.time_base = 1 / Fraction(fps)
+    if not encoding.is_rgb:
+        video.codec_context.colorspace = _BT709
+        video.codec_context.color_primaries = _BT709
+        video.codec_context.color_trc = _BT709
+        video.codec_context.color_range = ColorRange.MPEG
+    if encoding.codec == "ffv1":
+        # FFV1's slice layout follows the thread count: one thread keeps the bytes the same on every host.
+        video.codec_context.thread_count = 1
+    return video
+
+
+def _mux(
+    container: av.container.OutputContainer,
+    frames: np.ndarray,
+    fps: FrameRate,
+    audio: np.ndarray | None,
+    rotation: int,
+    encoding: VideoEncoding = _CONTRACT,
+) -> None:
+    video = _add_video_stream(container, frames.shape[2], frames.shape[1], fps, rotation, encoding)
+
+    sound = None
+    if audio is not None:
+        sound = container.add_stream(AUDIO_CODEC, rate=AUDIO_SAMPLE_RATE, layout="mono")
+        sound.bit_rate = AUDIO_BIT_RATE
+
+    for frame in _encoder_frames(frames, fps, encoding):
+        container.mux(video.encode(frame))
+    container.mux(video.encode(None))
+
+    if sound is not None and audio is not None:
+        samples = av.AudioFrame.from_ndarray(audio[np.newaxis, :], format="fltp", layout="mono")
+        samples.sample_rate = AUDIO_SAMPLE_RATE
+        samples.time_base = Fraction(1, AUDIO_SAMPLE_RATE)
+        samples.pts = 0
+        container.mux(sound.encode(samples))
+        container.mux(sound.encode(None))
+
+
+@contextlib.contextmanager
+def _whole_or_removed(path: str, doing: str) -> Iterator[None]:
+    """The file at `path` is whole when the block ends, or gone: a failed or interrupted write leaves no half file."""
+    try:
+        yield
+    except Exception as exc:
+        _remove_quietly(path)
+        raise MediaError(path, f"could not {doing} ({exc})") from exc
+    except BaseException:
+        _remove_quietly(path)
+        raise
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+def _check_rate(fps: object) -> FrameRate:
+    if isinstance(fps, bool) or not isinstance(fps, (int, np.integer, Fraction)) or fps <= 0:
+        raise ValueError(f"fps must be a positive integer or fraction, got {fps!r}")
+    return fps if isinstance(fps, Fraction) and fps.denominator != 1 else int(fps)
+
+
+def _open_output(path: str, encoding: VideoEncoding) -> av.container.OutputContainer:
+    # bitexact drops the muxer's version tag (and Matroska's random ids); faststart puts the MP4 index first so
+    # browsers can start playback before the whole file loads.
+    options = {"fflags": "+bitexact"}
+    if encoding.container == "mp4":
+        options["movflags"] = "+faststart"
+    return av.open(path, mode="w", format=encoding.container, options=options)
+
+
+def write_video(
+    path: PathLike,
+    frames: np.ndarray,
+    fps: FrameRate,
+    audio: np.ndarray | None,
+    rotation: int = 0,
+    encoding: VideoEncoding | None = None,
+) -> None:
+    """Encode RGB frames (and optional mono audio) as a video file at ``path``.
+
+    - ``frames``: ``(T, H, W, 3)`` uint8 RGB; frame ``i`` gets pts ``i`` in a
+      ``1/fps`` time base.  By default video is libx264, yuv420p, CRF 18, tagged
+      BT.709, in MP4 (the contract's file); ``encoding`` picks another codec,
+      quality, preset or pixel format (FFV1 goes in Matroska).
+    - Odd sizes: yuv420p needs even width and height, so an odd dimension is
+      padded by repeating the last row/column (the output is then one pixel
+      larger) rather than cropped, which would lose upscaled content, or
+      rejected, which would fail a whole run over one pixel.
+    - ``audio``: 1-D float at ``AUDIO_SAMPLE_RATE`` (as from
+      :func:`decode_audio`), trimmed with :func:`trim_audio` and encoded as AAC
+      mono 192 kb/s.  ``None``, or audio that trims to nothing, gives a
+      video-only file.
+    - ``rotation``: the source's display rotation (degrees, as :func:`probe`
+      reports it), written as the stream's display matrix.
+    - The container follows ``encoding``, whatever the file name, so callers can
+      write to a temporary name and rename it.  The output is byte-identical for
+      identical inputs (no timestamps or library versions are embedded).
+    - The file is written in place; if encoding fails it is removed and a
+      :class:`MediaError` naming ``path`` is raised.
+    """
+    _check_frames(frames)
+    fps = _check_rate(fps)
+    encoding = encoding or _CONTRACT
+    if encoding.codec == "hevc" and min(frames.shape[1:3]) < HEVC_MIN_SIDE:
+        # x265 gives run-to-run different output below this, and corrupts its heap on smaller frames still.
+        raise ValueError(f"codec=hevc needs frames of at least {HEVC_MIN_SIDE} pixels a side, got {frames.shape[1:3]}")
+    if audio is not None:
+        audio = _prepare_audio(audio, frames.shape[0], fps)
+
+    path = os.fspath(path)
+    with _whole_or_removed(path, "write video"), _open_output(path, encoding) as container:
+        _mux(container, frames, fps, audio, int(rotation), encoding)
+
+
+def write_segment(path: PathLike, frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding | None = None) -> None:
+    """One window's frames as a video-only file that starts on a key frame, for :func:`concat_segments`."""
+    write_video(path, frames, fps, None, encoding=encoding)
+
+
+def concat_segments(
+    segments: list[str],
+    path: PathLike,
+    fps: FrameRate,
+    audio: np.ndarray | None,
+    num_frames: int,
+    rotation: int = 0,
+    encoding: VideoEncoding | None = None,
+    original: str | None = None,
+) -> None:
+    """Join video-only segments by stream copy and add the audio, as :func:`write_video` would have written them.
+
+    Each segment's packets are copied, shifted by the frames before it; the audio (1-D float at
+    ``AUDIO_SAMPLE_RATE``, e.g. a memory map: it is read a segment's span at a time) is trimmed to ``num_frames``
+    and encoded as :func:`write_video` does, interleaved segment by segment. Nothing is decoded or re-encoded, so
+    memory stays one segment's packets, whatever the length. On failure the file is removed.
+
+    ``original``: a source file whose every audio and subtitle stream (and container metadata) is carried over
+    instead, trimmed to the output's span (:class:`SourceStreams`); ``audio`` is then ignored.
+    """
+    if not segments:
+        raise ValueError("no segments to join")
+    path = os.fspath(path)
+    fps = _check_rate(fps)
+    encoding = encoding or _CONTRACT
+    limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
+    frame_base = 1 / Fraction(fps)
+    with _whole_or_removed(path, "join the segments"):
+        with _open_output(path, encoding) as out:
+            with av.open(segments[0]) as first:
+                video = out.add_stream_from_template(first.streams.video[0])
+            video.codec_context.bit_rate = 0
+            if rotation:
+                video.set_display_rotation(int(rotation))
+            sound = None
+            if original is None and audio is not None and min(limit, len(audio)) > 0:
+                sound = out.add_stream(AUDIO_CODEC, rate=AUDIO_SAMPLE_RATE, layout="mono")
+                sound.bit_rate = AUDIO_BIT_RATE
+            carried = SourceStreams(original, out, num_frames * frame_base) if original is not None else None
+            offset = 0
+            sent = 0
+            for segment in segments:
+                offset += _copy_segment(out, video, segment, offset, frame_base)
+                if sound is not None and audio is not None:
+                    upto = min(limit, len(audio), round(offset / fps * AUDIO_SAMPLE_RATE))
+                    sent = _encode_audio(out, sound, audio, sent, upto)
+                if carried is not None:
+                    carried.feed(offset * frame_base)
+            if sound is not None:
+                out.mux(sound.encode(None))
+            if carried is not None:
+                carried.finish()
+    if offset != num_frames:
+        _remove_quietly(path)
+        raise MediaError(path, f"the segments hold {offset} frames, expected {num_frames}")
+
+
+def _copy_segment(
+    out: av.container.OutputContainer, video: av.VideoStream, segment: str, offset: int, frame_base: Fraction
+) -> int:
+    """Mux one segment's packets, shifted by `offset` frames; returns its frame count."""
+    frames = 0
+    with av.open(segment) as source:
+        stream = source.streams.video[0]
+        for packet in source.demux(stream):
+            if packet.size == 0 or packet.pts is None or packet.dts is None:
+                continue
+            # In frames: each segment starts at 0 (its B-frame delay makes the first dts negative).
+            packet.pts = round(packet.pts * stream.time_base / frame_base) + offset
+            packet.dts = round(packet.dts * stream.time_base / frame_base) + offset
+            packet.duration = 1
+            packet.time_base = frame_base
+            packet.stream = video
+            out.mux(packet)
+            frames += 1
+    return frames
+
+
+def _encode_audio(
+    out: av.container.OutputContainer, sound: av.AudioStream, audio: np.ndarray, start: int, stop: int
+) -> int:
+    if stop <= start:
+        return start
+    samples = av.AudioFrame.from_ndarray(
+        np.ascontiguousarray(audio[start:stop], dtype=np.float32)[np.newaxis, :], format="fltp", layout="mono"
+    )
+    samples.sample_rate = AUDIO_SAMPLE_RATE
+    samples.time_base = Fraction(1, AUDIO_SAMPLE_RATE)
+    samples.pts = start
+    out.mux(sound.encode(samples))
+    return stop

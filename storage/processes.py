@@ -1,0 +1,38 @@
+"""Whether a process recorded by its pid still runs: the detached services' records (`flows.state_folder`) and the
+run store's temporary files (named by their writer's pid) both ask.
+
+A recorded pid may outlive its process and be given to another: a record that keeps the process's start time too
+tells the two apart.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def process_start(pid: int) -> int | None:
+    """The kernel's start time of `pid` (clock ticks since boot): tells a live process from a reused pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[19]) if fields[0] != "Z" else None
+
+
+_start_of = process_start  # `alive`'s parameter takes the name: the record's field it is compared with
+
+
+def alive(pid: int, process_start: int | None = None) -> bool:
+    """`pid` runs (not a zombie) and, where its start time was recorded, is the same process."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # some other user's process: alive, and not ours
+    started = _start_of(pid)
+    if started is None:
+        return not Path("/proc").is_dir()  # a zombie on Linux; elsewhere, trust kill(0)
+    return process_start is None or started == process_start

@@ -1,0 +1,71 @@
+"""One error vocabulary: what the user can fix exits 2 in one line, a service that cannot start exits 1 in one line,
+anything else (a broken invariant included) is an internal failure; stage tasks retry all but the user's errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from entrypoints import cli
+from k6vsr_core.errors import (
+    ParameterError,
+    ServerError,
+    WorkersError,
+    describe_error,
+)
+from k6vsr_core.memory import MemoryBudgetError
+
+
+def test_a_plain_value_error_is_not_the_users_fault() -> None:
+    assert describe_error(ValueError("window 3 has 5 frames, expected 9")) is None
+    assert describe_error(ParameterError("scale=3 is not supported")) == "scale=3 is not supported"
+    assert describe_error(MemoryBudgetError("8.0 GiB free")) == "8.0 GiB free"
+    assert describe_error(ServerError("the Prefect server exited while starting")) is None
+
+
+def test_an_internal_invariant_failure_exits_1_as_an_internal_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stage handed frames that do not match the plan is k6vsr's bug, not a usage error."""
+    from k6vsr_core import stages
+
+    def broken(_: Any) -> dict[str, Any]:
+        return {"tensor": stages.frames_to_tensor(np.zeros((2, 4, 4), dtype=np.uint8))}
+
+    monkeypatch.setattr(cli, "cmd_gc", broken)
+    assert cli.main(["gc"]) == cli.EXIT_FAILED
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("k6vsr: error: ValueError: frames must be uint8") and "--debug" in line
+
+
+@pytest.mark.parametrize(
+    ("command", "target", "error"),
+    [
+        (["server", "start"], "flows.prefect_server.start_server", ServerError("the Prefect server exited; see log")),
+        (["workers", "start"], "flows.warm_workers.start_workers", WorkersError("the warm workers exited; see log")),
+    ],
+)
+def test_a_service_that_cannot_start_is_one_clear_line(
+    command: list[str],
+    target: str,
+    error: Exception,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def refuse(*_: Any, **__: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(target, refuse)
+    assert cli.main(command) == cli.EXIT_FAILED
+    assert capsys.readouterr().err == f"k6vsr: error: {error}\n"
+
+
+def test_a_request_the_clip_cannot_take_is_a_parameter_error() -> None:
+    """hevc below x265's smallest side is the user's choice: refused as a ParameterError, for a latent run too."""
+    from k6vsr_core.params import parse_params
+    from k6vsr_core.plan import make_plan
+
+    with pytest.raises(ParameterError, match="codec=hevc needs an output of at least"):
+        make_plan((32, 32), 9, 24.0, parse_params(scale=2, codec="hevc"))

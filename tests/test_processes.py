@@ -1,0 +1,35 @@
+"""storage.processes: a recorded pid is alive only while it runs and is the process recorded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from storage.processes import alive, process_start
+
+
+def test_alive_tells_a_running_process_from_a_dead_zombie_or_reused_pid() -> None:
+    assert alive(os.getpid(), process_start(os.getpid()))
+    assert not alive(os.getpid(), (process_start(os.getpid()) or 0) + 1)  # the pid given to another process
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    while process_start(child.pid) is not None:  # exited and not reaped: a zombie
+        time.sleep(0.01)
+    assert not alive(child.pid)
+    child.wait()
+    assert not alive(child.pid)
+
+
+def test_a_dead_writers_temporary_files_are_removed(tmp_path) -> None:
+    import socket
+
+    from storage.run_store import remove_stale_temps
+
+    host = socket.gethostname()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead, mine = tmp_path / f"x-{host}-{child.pid}.a.tmp", tmp_path / f"x-{host}-{os.getpid()}.b.tmp"
+    dead.touch()
+    mine.touch()
+    assert remove_stale_temps(tmp_path, "x-", ".tmp") == [dead] and mine.exists()
