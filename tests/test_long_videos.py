@@ -247,8 +247,8 @@ def test_kill_mid_window_resumes_the_unfinished_items_with_identical_bytes(
     for stage, items in first.items():
         for item, attempt in items.items():
             assert run.attempt_of(stage, item) == attempt, (stage, item)  # finished items were not redone
-    # The output, its segments (kept to mux again), the manifest, the audio, the frame index and the records: no
-    # window's intermediates are left in the store.
+    # The output, its segments (kept to mux again), the manifest, the audio, the frame index, the records and the
+    # run's log and timeline: no window's intermediates are left in the store.
     leftovers = {p.relative_to(run.path).parts[0] for p in run.path.rglob("*") if p.is_file()}
     assert leftovers <= {
         "manifest.json",
@@ -258,6 +258,7 @@ def test_kill_mid_window_resumes_the_unfinished_items_with_identical_bytes(
         "output.mp4",
         "segments",
         "run.log",
+        "timeline.jsonl",
         ".lock",
     }
     assert sorted(p.name for p in (run.path / "segments").iterdir()) == [f"{w:06d}.mp4" for w in range(3)]
