@@ -322,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             if check.fits("workers-run"):
                 check.upscale(f"workers-W1-{n}", "W1", "warm workers")
         check.cli("workers-stop", "workers", "stop")
+    # The local Prefect server the runs started lasts by design; the check's own home is not the user's: stop it.
+    check.command("server-stop", [sys.executable, "-m", "entrypoints.cli", "server", "stop"])
     skipped = [r for r in runs if not any(row["run"].startswith(r) or r in row["run"] for row in check.rows)]
     if skipped:
         check.log(f"not run (deadline or not asked): {skipped}")
