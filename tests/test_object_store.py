@@ -233,18 +233,19 @@ def test_flow_in_a_bucket_writes_the_local_bytes_and_resumes_from_it(
     """A run that fails on one tile's decode keeps every finished item in the bucket; the rerun decodes only that
     tile and writes the local store's bytes; a run after that reuses everything, and an output record whose
     checksum does not match makes it mux again (the same bytes, accepted by the conditional write)."""
-    import tasks.stage_tasks as stage_tasks
     from flows.upscale_clip import TileFailure
+    from k6vsr_core import stages
+    from k6vsr_core.errors import UserFacingError
 
-    plain, decoded = stage_tasks.stages.decode_tile, []
+    plain, decoded = stages.decode_tile, []
 
     def decode_tile(bundle, latent):
         decoded.append(latent.shape)
         if len(decoded) == 4:
-            raise ValueError("a permanent fault in one tile")
+            raise UserFacingError("a permanent fault in one tile")  # permanent: not retried
         return plain(bundle, latent)
 
-    monkeypatch.setattr(stage_tasks.stages, "decode_tile", decode_tile)
+    monkeypatch.setattr(stages, "decode_tile", decode_tile)
     monkeypatch.chdir(tmp_path)  # a store URL read as a folder would land here
     with pytest.raises(TileFailure, match="1 of 6 tiles failed"):
         _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, bucket)
@@ -282,9 +283,9 @@ def test_endpoint_gone_mid_run_fails_clearly_and_the_run_resumes_when_it_is_back
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import tasks.stage_tasks as stage_tasks
+    from k6vsr_core import stages
 
-    plain, stopped = stage_tasks.stages.decode_tile, threading.Event()
+    plain, stopped = stages.decode_tile, threading.Event()
 
     def decode_tile(bundle, latent):
         if not stopped.is_set():  # at the first decode: some tiles are denoised and stored, perhaps not all
@@ -292,14 +293,14 @@ def test_endpoint_gone_mid_run_fails_clearly_and_the_run_resumes_when_it_is_back
             s3_endpoint.stop()
         return plain(bundle, latent)
 
-    monkeypatch.setattr(stage_tasks.stages, "decode_tile", decode_tile)
+    monkeypatch.setattr(stages, "decode_tile", decode_tile)
     try:
         with pytest.raises(StoreUnreachable, match=f"^{bucket}/runs/.*: the object store does not answer") as failed:
             _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, bucket)
     finally:
         s3_endpoint.start()
     assert "run the same command again once it answers" in str(failed.value)
-    monkeypatch.setattr(stage_tasks.stages, "decode_tile", plain)
+    monkeypatch.setattr(stages, "decode_tile", plain)
     store = RunStore(bucket, prepare_run(clip_1f, PARAMS, ModelSpec(model=str(tiny_bundle_path)), bucket).run.run_key)
     denoised = len(store.records.items("denoise"))
     assert denoised >= 1 and store.records.items("decode") == []

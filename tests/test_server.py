@@ -46,7 +46,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_path: Path, pref
 
 
 def start_server(stack: dict[str, Path], name: str) -> Server:
-    args = ["--allow-path", str(stack["allowed"]), "--api-key", KEY, "--max-upload-mb", "1"]
+    # One client key here: these tests exercise the queue's own bound, so the key may hold all of it (the per-key
+    # share is tested in test_server_bounds).
+    args = [
+        "--allow-path",
+        str(stack["allowed"]),
+        "--api-key",
+        KEY,
+        "--max-upload-mb",
+        "1",
+        "--max-queued-per-key",
+        "16",
+    ]
     return Server(stack["root"], stack["store"], stack["bundle"], name, args, KEY).start()
 
 
