@@ -131,7 +131,7 @@ class TileProgress:
 
     def __init__(self, source: str, run_key: str, flow_run_id: str | UUID | None, total: int) -> None:
         self.total = total
-        self._shown = 0
+        self._shown = -1  # nothing sent by update() yet: even a clip with no tiles left to decode says it is done
         self._id = create(
             "progress", clip_key("tiles", source, run_key), 0.0, tile_progress_text(0, total), flow_run_id
         )
@@ -141,7 +141,7 @@ class TileProgress:
 
         The count is the store's: two tiles that finish together are counted by the first of their updates, and
         the second, which would say the same, is not sent."""
-        if done <= self._shown and done < self.total:
+        if done <= self._shown:
             return
         self._shown = done
         update(self._id, percent(done, self.total), tile_progress_text(done, self.total, windows))

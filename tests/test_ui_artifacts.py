@@ -214,6 +214,21 @@ def test_manifest_table_links_clip_runs_and_puts_long_text_last(tmp_path: Path) 
 # --------------------------------------------------------------------------------------------------- with Prefect
 
 
+def test_tile_progress_sends_each_count_once_even_when_two_tiles_finish_together(monkeypatch) -> None:
+    sent: list[str] = []
+    monkeypatch.setattr(artifacts, "create", lambda *args: "artifact")
+    monkeypatch.setattr(artifacts, "update", lambda artifact_id, data, text: sent.append(text))
+    progress = artifacts.TileProgress("clip.mp4", "key", None, 6)
+    # Two decodes end at once: both futures read the store after both finished, so both see 6.
+    for done in (1, 2, 2, 4, 6, 6):
+        progress.update(done)
+    assert sent == [f"{n} of 6 tiles decoded" for n in (1, 2, 4, 6)]
+    reused = artifacts.TileProgress("clip.mp4", "key", None, 6)
+    reused.update(6)
+    reused.update(6)
+    assert sent[-1:] == ["6 of 6 tiles decoded"] and len(sent) == 5
+
+
 def test_each_clip_run_owns_its_artifacts(
     prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path, monkeypatch
 ) -> None:
