@@ -13,6 +13,10 @@ One call of at most 9 minutes on a fresh GPU machine (see bench/README.md, "Devi
    figure, sampled every 0.1 s), the output's md5, the compile notices, and pass or fail against the open GPU
    issues' targets.
 
+`--runs same-bytes` is the determinism check (`bench/same_bytes.py`): one clip through two one-shot runs, warm
+workers, `--gpus` where there are several, three runs killed and resumed, and the in-memory runner with and without
+the kernel settings; one md5 expected, and the cost of determinism timed.
+
 Runs that would not finish before `--deadline` are skipped and listed. Later GPU issues add their runs here.
 """
 
@@ -29,11 +33,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench import same_bytes  # noqa: E402 - after the checkout is on the path, as for a script
 
 WORKLOADS = {"W1": (768, 512, 121), "W2": (384, 256, 33)}
 # `--tiny`: the same runs on the CPU with the tiny random bundle and small clips (a smoke test of this script).
@@ -131,6 +138,7 @@ class Check:
         self.out = Path(args.out)
         self.deadline = time.monotonic() + args.deadline
         self.rows: list[dict[str, Any]] = []
+        self._lock = threading.RLock()  # the same-bytes runs add rows from several threads
         self.env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -155,19 +163,42 @@ class Check:
         wall = time.time() - started
         (self.out / f"{label}.log").write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
         self.log(f"{label}: exit {done.returncode} in {wall:.1f} s")
-        return {"label": label, "wall_s": round(wall, 1), "rc": done.returncode, "stderr": done.stderr}
+        return {
+            "label": label,
+            "wall_s": round(wall, 1),
+            "rc": done.returncode,
+            "stdout": done.stdout,
+            "stderr": done.stderr,
+        }
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def upscale(self, label: str, workload: str, note: str) -> dict[str, Any]:
-        """The README's GPU command on `workload`, with a store of its own; the row for the table."""
-        store = self.work / f"store-{label}"
-        out_dir = self.work / f"out-{label}"
-        shutil.rmtree(store, ignore_errors=True)
-        shutil.rmtree(out_dir, ignore_errors=True)
-        env = {**self.env, "K6VSR_STORE": str(store)}
-        argv = as_run(readme_gpu_command(), self.clip(workload), out_dir)
+    def upscale(
+        self,
+        label: str,
+        workload: str,
+        note: str,
+        *,
+        extra_env: dict[str, str] | None = None,
+        extra_args: tuple[str, ...] = (),
+        run: str | None = None,
+        fresh: bool = True,
+        wrap: Callable[[list[str]], list[str]] | None = None,
+        group: str | None = None,
+    ) -> dict[str, Any]:
+        """The README's GPU command on `workload`, with a store and an output folder of its own (`run`'s, shared by
+        the steps of a kill and its resume; emptied first when `fresh`), `extra_args` added and `wrap` around it
+        (the fault harness); the row for the table."""
+        store = self.work / f"store-{run or label}"
+        out_dir = self.work / f"out-{run or label}"
+        if fresh:
+            shutil.rmtree(store, ignore_errors=True)
+            shutil.rmtree(out_dir, ignore_errors=True)
+        env = {**self.env, **(extra_env or {}), "K6VSR_STORE": str(store)}
+        argv = [*as_run(readme_gpu_command(), self.clip(workload), out_dir), *extra_args]
+        if wrap is not None:
+            argv = wrap(argv)
         started = time.time()
         with NvmlPeak() as nvml:
             result = self.command(label, argv, env)
@@ -186,9 +217,15 @@ class Check:
             "compile_notices": result["stderr"].count("compiling GPU kernels"),
             "error": None if result["rc"] == 0 else result["stderr"].strip().splitlines()[-1:],
         }
-        self.rows.append(row)
-        self.save()
+        if group is not None:
+            row["group"] = group
+        self.add_row(row)
         return row
+
+    def add_row(self, row: dict[str, Any]) -> None:
+        with self._lock:
+            self.rows.append(row)
+            self.save()
 
     def clip(self, workload: str) -> Path:
         width, height, frames = (TINY_WORKLOADS if self.args.tiny else WORKLOADS)[workload]
@@ -219,20 +256,22 @@ class Check:
 
     def cli(self, label: str, *args: str) -> dict[str, Any]:
         result = self.command(label, [sys.executable, "-m", "entrypoints.cli", *args])
-        self.rows.append({"run": label, "wall_s": result["wall_s"], "rc": result["rc"], "note": " ".join(args)})
-        self.save()
+        self.add_row({"run": label, "wall_s": result["wall_s"], "rc": result["rc"], "note": " ".join(args)})
         return result
 
     def save(self) -> None:
-        (self.out / "device-check.json").write_text(
-            json.dumps({"rows": self.rows, "verdicts": self.verdicts()}, indent=2)
-        )
-        (self.out / "device-check.md").write_text(self.render())
+        with self._lock:
+            (self.out / "device-check.json").write_text(
+                json.dumps({"rows": self.rows, "verdicts": self.verdicts()}, indent=2)
+            )
+            (self.out / "device-check.md").write_text(self.render())
 
     def verdicts(self) -> list[dict[str, Any]]:
         runs = {row["run"]: row for row in self.rows if "workload" in row}
         verdicts = []
         for row in runs.values():
+            if "fired" in row:
+                continue  # killed on purpose: its verdict is the same-bytes set's
             verdicts.append({"target": f"{row['run']} completes", "measured": row["rc"], "pass": row["rc"] == 0})
             if row["workload"] == "W1" and row.get("peak_reserved_gib") is not None:
                 goal = TARGETS["peak_reserved_gib"]
@@ -243,7 +282,7 @@ class Check:
                         "pass": row["peak_reserved_gib"] <= goal,
                     }
                 )
-        w1 = [row for row in runs.values() if row["workload"] == "W1" and row["md5"]]
+        w1 = [row for row in runs.values() if row["workload"] == "W1" and row["md5"] and "group" not in row]
         if len(w1) > 1:
             same = len({row["md5"] for row in w1}) == 1
             verdicts.append(
@@ -256,7 +295,7 @@ class Check:
             verdicts.append(
                 {"target": f"warm workers W1 <= {goal}x warm one-shot", "measured": ratio, "pass": ratio <= goal}
             )
-        return verdicts
+        return verdicts + same_bytes.verdicts(self.rows)
 
     def render(self) -> str:
         lines = [
@@ -272,11 +311,18 @@ class Check:
                 f"| {row.get('compile_notices', '')} | {row.get('note', '')} {row.get('error') or ''} |"
             )
         lines += ["", "| target | measured | verdict |", "|---|---|---|"]
-        lines += [f"| {v['target']} | {v['measured']} | {'pass' if v['pass'] else 'FAIL'} |" for v in self.verdicts()]
+        lines += [f"| {v['target']} | {v['measured']} | {_verdict(v['pass'])} |" for v in self.verdicts()]
         return "\n".join(lines) + "\n"
 
 
+def _verdict(passed: bool | None) -> str:
+    return "measured" if passed is None else "pass" if passed else "FAIL"
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--runner-child"]:
+        return same_bytes.main_child(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", default="/tmp/k6vsr-check", help="bundle, clips, stores (kept between calls)")
     parser.add_argument("--out", default=os.environ.get("OUT", "device-check-out"))
@@ -285,8 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         "--runs",
         default="oneshot,W2,workers",
         help="comma-separated: oneshot (W1, cold or imported cache), reimport (export, wipe, import, W1 again), "
-        "W2, workers (start, W1 twice, stop), warm (W1 one-shot with the warm cache)",
+        "W2, workers (start, W1 twice, stop), warm (W1 one-shot with the warm cache), same-bytes (bench/same_bytes.py)",
     )
+    parser.add_argument("--same-workload", default="W2", choices=sorted(WORKLOADS), help="the same-bytes runs' clip")
+    parser.add_argument("--parallel", type=int, default=3, help="same-bytes runs at once (their md5s do not care)")
     parser.add_argument("--cache-import", default=None, help="a `k6vsr cache export` file to import first")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny bundle, small clips")
     args = parser.parse_args(argv)
@@ -322,9 +370,15 @@ def main(argv: list[str] | None = None) -> int:
             if check.fits("workers-run"):
                 check.upscale(f"workers-W1-{n}", "W1", "warm workers")
         check.cli("workers-stop", "workers", "stop")
+    if "same-bytes" in runs:
+        same_bytes.run_same_bytes(check, args.same_workload, args.parallel)
     # The local Prefect server the runs started lasts by design; the check's own home is not the user's: stop it.
     check.command("server-stop", [sys.executable, "-m", "entrypoints.cli", "server", "stop"])
-    skipped = [r for r in runs if not any(row["run"].startswith(r) or r in row["run"] for row in check.rows)]
+    skipped = [
+        r
+        for r in runs
+        if not any(row["run"].startswith(r) or r in row["run"] or row.get("group") == r for row in check.rows)
+    ]
     if skipped:
         check.log(f"not run (deadline or not asked): {skipped}")
     check.save()

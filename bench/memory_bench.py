@@ -120,7 +120,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """One budget: choose it as a worker would, load, compile, warm, then W1 hot end to end."""
     from k6vsr_core.bundle import load_bundle
     from k6vsr_core.fast import compile_bundle
-    from k6vsr_core.memory import apply_budget, choose_budget, free_gpu_bytes
+    from k6vsr_core.memory import apply_budget, budget_for
     from k6vsr_core.runner import upscale
 
     bench = bench_for(args, mode)
@@ -132,8 +132,8 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         record["cap_gib"] = gib(CAPS[mode])
     plan = plan_of(bench)
     asked = "auto" if mode == "default" else "fast" if mode in FORCED_DECODE else mode
-    # The in-memory runner runs one stage at a time: no decode beside a denoise.
-    budget = choose_budget(asked, free_gpu_bytes(device), plan, device=str(device), overlap=False)  # type: ignore[arg-type]
+    # As every path chooses it (k6vsr_core.memory.budget_for): from the card, capped above, and the plan.
+    budget = budget_for(asked, device, plan)  # type: ignore[arg-type]
     if mode in FORCED_DECODE:
         budget = budget.model_copy(update={"decode_chunk": FORCED_DECODE[mode], "reason": f"forced by {mode}"})
     record["budget"] = {**budget.model_dump(mode="json", exclude={"footprint"}), "summary": budget.summary()}

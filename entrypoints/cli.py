@@ -56,7 +56,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
         "--memory",
         default="auto",
         choices=("auto", "fast", "24g", "16g"),
-        help="GPU memory budget: auto (default: from the GPU's free memory), fast, 24g or 16g",
+        help="GPU memory budget: auto (default: the fastest that fits the clip on the GPU's memory), fast, 24g or 16g",
     )
     group.add_argument(
         "--compile",

@@ -534,6 +534,10 @@ def load_bundle(
     """Load and validate a bundle from a Hugging Face repo id (with revision) or a local folder."""
     import torch
 
+    from k6vsr_core.determinism import apply_kernel_settings
+
+    # Every process that computes loads its model here, before the model's first kernel (k6vsr_core.determinism).
+    apply_kernel_settings()
     planned = locate_bundle(model, revision, model_id)
     path = planned.path
     device = torch.device(device)

@@ -7,7 +7,9 @@ So the profile is chosen once, when a run is planned, recorded in its manifest, 
 it computes a stage of that run; the in-memory runner applies the same default.
 
 On a GPU the profile turns off cuDNN's benchmark mode, which picks convolution kernels by timing them in each
-process and so could pick others in another worker.
+process and so could pick others in another worker, and turns on its deterministic mode; `K6VSR_DETERMINISTIC=0`
+leaves both at cuDNN's defaults, only to measure what that costs (`k6vsr_core.determinism`, which fixes the other
+process-wide kernel choices).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from k6vsr_core.determinism import deterministic_requested
 from k6vsr_core.errors import ParameterError
 
 THREADS_ENV = "K6VSR_CPU_THREADS"
@@ -32,15 +35,18 @@ class ComputeProfile(BaseModel):
 
 
 def default_profile() -> ComputeProfile:
-    """`$K6VSR_CPU_THREADS`, else one thread per core this process may run on (not `OMP_NUM_THREADS`)."""
+    """`$K6VSR_CPU_THREADS`, else one thread per core this process may run on (not `OMP_NUM_THREADS`); cuDNN as
+    `$K6VSR_DETERMINISTIC` says (default: no timing, deterministic kernels)."""
     explicit = os.environ.get(THREADS_ENV)
     if explicit:
         try:
             threads = int(explicit)
         except ValueError:
             raise ParameterError(f"{THREADS_ENV}={explicit!r} is not a whole number of threads") from None
-        return ComputeProfile(cpu_threads=threads)
-    return ComputeProfile(cpu_threads=len(os.sched_getaffinity(0)))
+    else:
+        threads = len(os.sched_getaffinity(0))
+    deterministic = deterministic_requested()
+    return ComputeProfile(cpu_threads=threads, cudnn_benchmark=not deterministic, cudnn_deterministic=deterministic)
 
 
 def apply_profile(profile: ComputeProfile) -> None:

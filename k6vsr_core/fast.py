@@ -12,8 +12,10 @@ changes, on a CUDA device:
   (`compiled=False`). Run eagerly, PyTorch's flex attention materialises the whole attention matrix, 236 GiB at a
   W1 tile (1 x 28 heads x 47,616 tokens): diffusers' own processor does that uncompiled.
 - Inductor's deterministic mode (no kernel choice by on-device timing), so worker processes compile the same
-  kernels. Measured on two H200s (bench/RESULTS.md): DiT latents are bit-identical across workers, KVAE-decoded
-  pixels were not (tiles decoded in another process differed by up to 13 levels); still open.
+  kernels: set for the whole process when the bundle is loaded (`k6vsr_core.determinism`), reported here.
+  Measured on two H200s (bench/RESULTS.md): DiT latents are bit-identical across workers, KVAE-decoded pixels were
+  not (tiles decoded in another process differed by up to 13 levels), at a time when a one-thread worker decoded
+  another number of latent frames per call than the command (`k6vsr_core.memory` no longer lets them differ).
 - KVAE decoder: `torch.compile(dynamic=False)`, with Inductor's caches (FX graph, AOT autograd, Triton kernels) kept
   in a per-user folder, so the long first compile is paid once per machine rather than once per process.
 
@@ -64,13 +66,10 @@ def _raise_recompile_limit() -> None:
 
 
 def _deterministic_inductor() -> bool:
-    """Inductor's deterministic mode: no kernel choice by on-device timing where it could change numerics."""
+    """Whether Inductor runs in its deterministic mode (`k6vsr_core.determinism` sets it when a bundle loads)."""
     from torch._inductor import config as inductor_config
 
-    if not hasattr(inductor_config, "deterministic"):
-        return False
-    inductor_config.deterministic = True
-    return True
+    return bool(getattr(inductor_config, "deterministic", False))
 
 
 # ---------------------------------------------------------------------------------------------------- attention
@@ -236,14 +235,13 @@ def compile_bundle(
     *,
     compiled: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
-    deterministic: bool = True,
     on_cpu: bool = False,
 ) -> FastPath:
     """Prepare `bundle` in place for fast inference; returns what was done. Idempotent.
 
     On CUDA: the fast attention processors always (NABLA's flex attention compiled on its own when the blocks are
-    not), and with `compiled` the DiT blocks and the KVAE decoder compiled too. `deterministic` keeps Inductor from
-    choosing kernels by timing them, so every process (every worker of a clip) compiles the same kernels. On a CPU
+    not), and with `compiled` the DiT blocks and the KVAE decoder compiled too; `deterministic` in the answer says
+    whether Inductor may choose kernels by timing them (`k6vsr_core.determinism`, set when the bundle loads). On a CPU
     this compiles nothing (unless `on_cpu`, for experiments) and leaves the arithmetic untouched, so outputs stay
     bit-identical.
     """
@@ -259,7 +257,7 @@ def compile_bundle(
         enable_compile_cache(root)
         path.cache_dir = str(root)
         _raise_recompile_limit()
-        path.deterministic = _deterministic_inductor() if deterministic else False
+        path.deterministic = _deterministic_inductor()
     path.cudnn_attention = cudnn_attention_works(device) if cuda else False
     compile_networks = compiled and (cuda or on_cpu)
     if path.cache_dir is not None:

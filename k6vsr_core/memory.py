@@ -9,8 +9,9 @@ A budget settles three things, none of which changes a computed value:
   largest that keeps the stage within the budget: activation memory follows that chunk, not the clip;
 - whether the stages of one process take turns on the GPU (a decode then no longer overlaps the next denoise).
 
-A process that runs one stage at a time (the in-memory runner, a one-thread worker) says so (`overlap=False`) and
-its decode gets the memory an overlapping denoise would otherwise keep: larger chunks, fewer calls.
+Where stages may overlap, every process budgets for a decode beside a denoise, also one that happens to run one
+stage at a time (a one-thread worker, the in-memory runner): the KVAE chunk decides how the decode's sums are split,
+and a GPU gives other bits for another split, so the chunk must not depend on how a process runs.
 
 | budget | ceiling | latent upscaler | DiT and KVAE | stages |
 |---|---|---|---|---|
@@ -18,9 +19,12 @@ its decode gets the memory an overlapping denoise would otherwise keep: larger c
 | `24g` | 24 GiB | streamed | resident | take turns |
 | `16g` | 16 GiB | streamed | swapped | take turns |
 
-`choose_budget` is a pure function of the asked mode, the free memory of the GPU and the clip's plan: `auto` takes
-the first of these that fits the free memory, an explicit budget must fit it, and the answer says why. The sizes it
-reasons with are `RELEASED_FOOTPRINT`, the released model's, measured on an H200 where noted.
+`choose_budget` is a pure function of the asked mode, the card's memory and the clip's plan: `auto` takes the first
+of these that fits the card, an explicit budget must fit it, and the answer says why. The card's memory is its total
+times the process's memory fraction (`card_bytes`): what the card is, never what is free at the moment, so the
+in-memory runner, a command, warm and Dask workers and the HTTP server's jobs choose the same budget and KVAE chunks
+for the same clip on the same kind of card (`budget_for`, the one call they all make). The sizes it reasons with
+are `RELEASED_FOOTPRINT`, the released model's, measured on an H200 where noted.
 """
 
 from __future__ import annotations
@@ -44,13 +48,14 @@ MemoryMode = Literal["auto", "fast", "24g", "16g"]
 BudgetName = Literal["fast", "24g", "16g"]
 MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)
 GIB = 1 << 30
+MIB = 1 << 20
 # Latent frames per KVAE call, largest first; None is the KVAE's own segmentation (1 + 16 pixel frames a call).
 CHUNKS: tuple[int | None, ...] = (None, 3, 2, 1)
 KVAE_SEGMENT_FRAMES = 17
 
 
 class MemoryBudgetError(UserFacingError, ValueError):
-    """No budget fits: the message says how much memory is free and how much the smallest budget needs."""
+    """No budget fits: the message says how much memory the card has and how much the smallest budget needs."""
 
 
 class Footprint(BaseModel):
@@ -151,10 +156,9 @@ class MemoryBudget(BaseModel):
 
     mode: MemoryMode  # what was asked
     budget: BudgetName | None  # None: no GPU, nothing to budget
-    limit: int | None = None  # bytes the run stays under: the ceiling, or the free memory when that is less
+    limit: int | None = None  # bytes the run stays under: the ceiling, or the card's memory when that is less
     encode_chunk: int | None = None
     decode_chunk: int | None = None
-    overlap: bool = True  # whether a decode may run beside the next chunk's denoise in this process
     estimate: int | None = None  # reserved bytes at the peak, for the clip it was chosen for
     reason: str
     footprint: Footprint = RELEASED_FOOTPRINT
@@ -167,12 +171,17 @@ class MemoryBudget(BaseModel):
     def take_turns(self) -> bool:
         return self.layout is not None and self.layout.take_turns
 
+    @property
+    def overlap(self) -> bool:
+        """Whether a decode may run beside a denoise, and so is budgeted with one: wherever stages do not take turns."""
+        return self.layout is not None and not self.layout.take_turns
+
     def kvae_chunk(self, stage: Literal["encode", "decode"], size: Size, frames: int) -> int | None:
         """Latent frames per KVAE call for an encode of a `size` source or a decode of a `size` tile."""
         if self.layout is None or self.limit is None:
             return None
         peak = _encode_peak if stage == "encode" else _decode_peak
-        return _largest_chunk(self.layout, self.footprint, peak, size, frames, self.limit, self.overlap)[0]
+        return _largest_chunk(self.layout, self.footprint, peak, size, frames, self.limit)[0]
 
     def summary(self) -> str:
         """One line for plans and logs."""
@@ -192,8 +201,8 @@ def _chunk_words(chunk: int | None) -> str:
 
 # ---------------------------------------------------------------------------------------------------- estimates
 
-# Allocated bytes at a KVAE stage's peak: (layout, footprint, source or tile size, pixel frames, chunk, overlap).
-Peak = Callable[[Layout, Footprint, Size, int, "int | None", bool], float]
+# Allocated bytes at a KVAE stage's peak: (layout, footprint, source or tile size, pixel frames, chunk).
+Peak = Callable[[Layout, Footprint, Size, int, "int | None"], float]
 
 
 def _resident(layout: Layout, footprint: Footprint) -> int:
@@ -205,9 +214,7 @@ def _streamed(layout: Layout, footprint: Footprint) -> int:
     return footprint.streamed_group if layout.streamed else 0
 
 
-def _encode_peak(
-    layout: Layout, footprint: Footprint, source: Size, frames: int, chunk: int | None, overlap: bool
-) -> float:
+def _encode_peak(layout: Layout, footprint: Footprint, source: Size, frames: int, chunk: int | None) -> float:
     pixels = source[0] * source[1]
     # The causal caches count as one more frame.
     activations = footprint.encode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
@@ -218,15 +225,13 @@ def _denoise_activations(layout: Layout, footprint: Footprint, tokens: int) -> f
     return _streamed(layout, footprint) + footprint.denoise_per_token * tokens
 
 
-def _decode_peak(
-    layout: Layout, footprint: Footprint, tile: Size, frames: int, chunk: int | None, overlap: bool
-) -> float:
+def _decode_peak(layout: Layout, footprint: Footprint, tile: Size, frames: int, chunk: int | None) -> float:
     pixels = tile[0] * tile[1]
     activations = footprint.decode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
     peak = _resident(layout, footprint) + activations
-    if overlap and not layout.take_turns:
-        # A decode may overlap the next chunk's denoise in the same process; budget for both. The chunk's tokens
-        # are not known here, so this assumes a chunk of one tile of the same size.
+    if not layout.take_turns:
+        # A decode may overlap the next chunk's denoise in the same process; budget for both, in every process (see
+        # the module's docstring). The chunk's tokens are not known here: this assumes one tile of the same size.
         latent_frames = 1 + (frames - 1) // TEMPORAL_FACTOR
         peak += _denoise_activations(
             layout, footprint, (tile[0] // SPATIAL_FACTOR) * (tile[1] // SPATIAL_FACTOR) * latent_frames
@@ -248,20 +253,18 @@ class _Fit:
 
 
 def _largest_chunk(
-    layout: Layout, footprint: Footprint, peak: Peak, size: Size, frames: int, limit: int, overlap: bool
+    layout: Layout, footprint: Footprint, peak: Peak, size: Size, frames: int, limit: int
 ) -> tuple[int | None, int]:
     """The largest KVAE chunk whose stage stays under `limit` (else the smallest), with its reserved estimate."""
-    estimates = [
-        (chunk, _reserved(footprint, peak(layout, footprint, size, frames, chunk, overlap))) for chunk in CHUNKS
-    ]
+    estimates = [(chunk, _reserved(footprint, peak(layout, footprint, size, frames, chunk))) for chunk in CHUNKS]
     return next(((chunk, estimate) for chunk, estimate in estimates if estimate <= limit), estimates[-1])
 
 
-def _fit(budget: BudgetName, footprint: Footprint, work: Workload, limit: int, overlap: bool) -> _Fit:
+def _fit(budget: BudgetName, footprint: Footprint, work: Workload, limit: int) -> _Fit:
     """The largest KVAE chunks that keep each stage under `limit`, and the resulting peak."""
     layout = BUDGETS[budget]
-    encode_chunk, encode = _largest_chunk(layout, footprint, _encode_peak, work.source, work.frames, limit, overlap)
-    decode_chunk, decode = _largest_chunk(layout, footprint, _decode_peak, work.tile, work.frames, limit, overlap)
+    encode_chunk, encode = _largest_chunk(layout, footprint, _encode_peak, work.source, work.frames, limit)
+    decode_chunk, decode = _largest_chunk(layout, footprint, _decode_peak, work.tile, work.frames, limit)
     denoise = _reserved(footprint, _resident(layout, footprint) + _denoise_activations(layout, footprint, work.tokens))
     estimate = max(encode, decode, denoise)
     return _Fit(budget, encode_chunk, decode_chunk, estimate, estimate <= limit)
@@ -272,81 +275,87 @@ def _fit(budget: BudgetName, footprint: Footprint, work: Workload, limit: int, o
 
 def choose_budget(
     mode: MemoryMode,
-    free_bytes: int | None,
+    card: int | None,
     plan: ClipPlan,
     footprint: Footprint = RELEASED_FOOTPRINT,
     device: str = "the GPU",
-    overlap: bool = True,
 ) -> MemoryBudget:
-    """The budget a worker with `free_bytes` of free GPU memory (None: no GPU) runs `plan` under, with its reason.
+    """The budget `plan` runs under on a card whose process may use `card` bytes (None: no GPU), with its reason.
 
-    `overlap`: whether the worker may decode one tile while it denoises the next (the flow's two threads do).
-
-    Raises `MemoryBudgetError` when the asked budget, or for `auto` every budget, needs more than is free: a run
-    refuses to start rather than run out of memory halfway.
+    Raises `MemoryBudgetError` when the asked budget, or for `auto` every budget, needs more than the card has: a
+    run refuses to start rather than run out of memory halfway.
     """
     if mode not in MEMORY_MODES:
         raise MemoryBudgetError(f"memory={mode!r} is not a memory mode; allowed: {', '.join(MEMORY_MODES)}")
-    if free_bytes is None:
+    if card is None:
         return MemoryBudget(mode=mode, budget=None, reason="no GPU: the memory mode applies to GPU runs only")
     work = workload_of(plan)
-    free = f"{free_bytes / GIB:.1f} GiB free on {device}"
+    has = f"{card / GIB:.1f} GiB on {device}"
     if mode != "auto":
-        limit = min(BUDGETS[mode].ceiling, free_bytes)
-        fit = _fit(mode, footprint, work, limit, overlap)
+        limit = min(BUDGETS[mode].ceiling, card)
+        fit = _fit(mode, footprint, work, limit)
         if not fit.fits:
             raise MemoryBudgetError(
-                f"memory={mode}: {work.describe()} need about {fit.estimate / GIB:.1f} GiB, {free}; "
-                + ("use a smaller budget or auto" if mode != "16g" else "free memory on the GPU or use another one")
+                f"memory={mode}: {work.describe()} need about {fit.estimate / GIB:.1f} GiB, {has}; "
+                + ("use a smaller budget or auto" if mode != "16g" else "use a GPU with more memory")
             )
-        return _budget(mode, fit, limit, footprint, f"asked for; {free}", overlap)
+        return _budget(mode, fit, limit, footprint, f"asked for; {has}")
     tried = []
     for name in BUDGETS:
-        limit = min(BUDGETS[name].ceiling, free_bytes)
-        fit = _fit(name, footprint, work, limit, overlap)
+        limit = min(BUDGETS[name].ceiling, card)
+        fit = _fit(name, footprint, work, limit)
         if fit.fits:
             needs = f"; {', '.join(tried)}" if tried else ""
-            return _budget(mode, fit, limit, footprint, f"auto: {free}{needs}", overlap)
+            return _budget(mode, fit, limit, footprint, f"auto: {has}{needs}")
         tried.append(f"{name} needs about {fit.estimate / GIB:.1f} GiB")
-    raise MemoryBudgetError(f"memory=auto: {free}, too little for {work.describe()}: {'; '.join(tried)}")
+    raise MemoryBudgetError(f"memory=auto: {has}, too little for {work.describe()}: {'; '.join(tried)}")
 
 
-def _budget(mode: MemoryMode, fit: _Fit, limit: int, footprint: Footprint, reason: str, overlap: bool) -> MemoryBudget:
+def _budget(mode: MemoryMode, fit: _Fit, limit: int, footprint: Footprint, reason: str) -> MemoryBudget:
     return MemoryBudget(
         mode=mode,
         budget=fit.budget,
         limit=limit,
         encode_chunk=fit.encode_chunk,
         decode_chunk=fit.decode_chunk,
-        overlap=overlap,
         estimate=fit.estimate,
         reason=reason,
         footprint=footprint,
     )
 
 
-def check_budget(budget: MemoryBudget, plan: ClipPlan) -> None:
-    """A worker keeps the budget it chose for its first clip; a later clip must fit it too."""
-    if budget.budget is None or budget.limit is None:
-        return
-    fit = _fit(budget.budget, budget.footprint, workload_of(plan), budget.limit, budget.overlap)
-    if not fit.fits:
-        raise MemoryBudgetError(
-            f"memory budget {budget.budget}: {workload_of(plan).describe()} need about {fit.estimate / GIB:.1f} GiB, "
-            f"over the {budget.limit / GIB:.1f} GiB this worker keeps to"
-        )
-
-
-def free_gpu_bytes(device: torch.device) -> int | None:
-    """Free memory this process may still take on `device`: the driver's figure, capped by a per-process fraction."""
+def card_bytes(device: torch.device) -> int | None:
+    """The memory a process may use on `device`'s card (None off CUDA): the card's total, times the process's memory
+    fraction (`torch.cuda.set_per_process_memory_fraction`, which is how a smaller card is simulated), in whole MiB.
+    A property of the card and of how the process was configured, never of what is in use at the moment."""
     if device.type != "cuda":
         return None
-    import torch  # here, not above: budgets are chosen and checked while planning, before torch is needed
+    import torch  # here, not above: budgets are chosen while planning, before torch is needed
 
     # torch 2.11's per-process fraction calls want an index: a bare "cuda" device is refused.
     index = device.index if device.index is not None else torch.cuda.current_device()
-    free, total = torch.cuda.mem_get_info(index)
+    total = torch.cuda.get_device_properties(index).total_memory
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch 2.8 and later
+    fraction = get_fraction(index) if get_fraction is not None else 1.0
+    return int(fraction * total) // MIB * MIB
+
+
+def budget_for(mode: MemoryMode, device: torch.device, plan: ClipPlan) -> MemoryBudget:
+    """The budget and KVAE chunks `plan` runs under on `device`'s card: the one choice every path makes, so that a
+    clip's bytes never depend on which process, role or thread count computed it."""
+    return choose_budget(mode, card_bytes(device), plan, device=str(device))
+
+
+def free_gpu_bytes(device: torch.device) -> int | None:
+    """Free memory this process may still take on `device`: the driver's figure, capped by a per-process fraction.
+    Only for warnings and benchmarks: no choice depends on it."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     fraction = get_fraction(index) if get_fraction is not None else 1.0
     return int(min(free, fraction * total - torch.cuda.memory_reserved(index)))
 

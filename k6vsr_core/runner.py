@@ -20,6 +20,7 @@ from k6vsr_core import media, stages
 from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.latent import check_latent, fit_latent, plan_latent
+from k6vsr_core.memory import MemoryMode, apply_budget, budget_for
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.source import SourceClip, read_source, read_window, source_audio
@@ -50,11 +51,16 @@ def upscale(
     return_frames: bool = False,
     latent: torch.Tensor | None = None,
     fps: float | Fraction | str | None = None,
+    memory: MemoryMode = "auto",
 ) -> UpscaleResult:
     """Upscale `source` into the video file `output` with the loaded `bundle`, computing as `compute` (default) says.
 
     `return_frames=True` also returns the frames and the audio (all of them in memory: for short clips); `output`
     may then be None, and no file is written.
+
+    `memory`: the GPU memory budget (`k6vsr_core.memory`) a bundle not yet placed under one is placed under, chosen
+    as every other path chooses it for this clip on this card, so that the runner's KVAE chunks, and with them its
+    bytes, are the command's and the workers'. A bundle already placed keeps its budget.
 
     `latent` (with `fps`, and `source=None`): an unscaled KVAE latent `[T, C, H, W]` instead of a video
     (`k6vsr_core.latent`); scale 2 or 4; the output is silent unless `params.audio` is an audio file.
@@ -98,6 +104,8 @@ def upscale(
         audio = source_audio(source, params)
     if return_frames and source is not None and audio is None and params.audio == "original":
         audio = media.decode_audio(source)  # the frames' caller gets the contract's track of the source
+    if bundle.memory is None:
+        apply_budget(bundle, budget_for(memory, bundle.device, plan))
     lap("ingest")
     kept: list[np.ndarray] = []
     folder_of = None if output is None else Path(output).parent

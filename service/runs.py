@@ -34,8 +34,8 @@ class ModelSpec(BaseModel):
 
     `device` "auto" means the worker's first GPU if it has one, else the CPU. `compile` (on CUDA only) compiles the
     DiT blocks and the KVAE decoder; off, they run eagerly (NABLA's flex attention is compiled either way).
-    `memory` is the GPU memory budget (`k6vsr_core.memory`); "auto" lets each worker choose from the free memory of
-    its own GPU.
+    `memory` is the GPU memory budget (`k6vsr_core.memory`); "auto" takes the fastest that fits the clip on the
+    worker's kind of card (its memory, not what is free), the same choice in every process.
     """
 
     model_config = ConfigDict(frozen=True)

@@ -10,9 +10,10 @@ A warm worker sees several models over its life (a distilled and a full one, ano
 and a third evicts the least recently used, whose weights are freed (host memory and the GPU's cache) before the
 new one is loaded, so two models never exceed what the budget of each assumed for long.
 
-The memory budget is chosen from the free memory of the worker's GPU as it was before the weights arrived, for the
-first clip the worker runs with that model (`k6vsr_core.memory.choose_budget`); a later clip must fit the same
-budget, or its stage fails at once with the reason instead of running out of memory halfway.
+Each clip's memory budget is `k6vsr_core.memory.budget_for`: a function of the memory mode, the card and the clip's
+plan, the same in every process, never of the free memory, the thread count or the clip this worker ran before. A
+loaded bundle is placed under one budget, so the cache keys it by model and budget: a clip whose budget differs
+from the one of the bundle in hand gets a bundle of its own (loaded once, then kept like another model).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pydantic import BaseModel
 
 from k6vsr_core.bundle import ModelBundle, load_bundle
 from k6vsr_core.fast import compile_bundle
-from k6vsr_core.memory import apply_budget, check_budget, choose_budget, free_gpu_bytes
+from k6vsr_core.memory import GIB, BudgetName, apply_budget, budget_for, free_gpu_bytes
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec
 
@@ -36,8 +37,10 @@ SIZE_ENV = "K6VSR_MODEL_CACHE_SIZE"
 DEFAULT_SIZE = 2
 
 _LOCK = threading.Lock()
-_BUNDLES: OrderedDict[ModelSpec, ModelBundle] = OrderedDict()  # least recently used first
-_FREE_BEFORE_LOAD: dict[ModelSpec, int | None] = {}
+# Keyed by model and the name of the memory budget it is placed under (None: none yet, or no GPU to budget).
+CacheKey = tuple[ModelSpec, BudgetName | None]
+_BUNDLES: OrderedDict[CacheKey, ModelBundle] = OrderedDict()  # least recently used first
+_FREE_BEFORE_LOAD: dict[CacheKey, int | None] = {}
 _LOADS: list[str] = []  # every load of this process, in order (what `cache_info` reports)
 logger = logging.getLogger("k6vsr.memory")
 
@@ -63,17 +66,20 @@ def resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _identity(spec: ModelSpec) -> str:
-    return f"{spec.model_id or spec.model}@{spec.revision or ''}{'' if spec.compile else ' eager'} on {spec.device}"
+def _identity(key: CacheKey) -> str:
+    spec, budget = key
+    placed = f" ({budget})" if budget is not None else ""
+    eager = "" if spec.compile else " eager"
+    return f"{spec.model_id or spec.model}@{spec.revision or ''}{eager} on {spec.device}{placed}"
 
 
 def _evict_to(size: int) -> None:
     """Drop the least recently used models until `size` are kept, and give their memory back now."""
     evicted = False
     while len(_BUNDLES) > size:
-        spec, _bundle = _BUNDLES.popitem(last=False)
-        _FREE_BEFORE_LOAD.pop(spec, None)
-        logger.info("model cache: evicted %s", _identity(spec))
+        key, _bundle = _BUNDLES.popitem(last=False)
+        _FREE_BEFORE_LOAD.pop(key, None)
+        logger.info("model cache: evicted %s", _identity(key))
         evicted = True
     if evicted:
         del _bundle
@@ -83,44 +89,55 @@ def _evict_to(size: int) -> None:
 
 
 def get_bundle(spec: ModelSpec, plan: ClipPlan | None = None) -> ModelBundle:
-    """The worker's bundle for `spec`, placed under the memory budget for `plan` (chosen at the first plan seen)."""
+    """The worker's bundle for `spec`, placed under the memory budget of `plan` (without one: loaded, not placed)."""
     with _LOCK:
-        bundle = _BUNDLES.get(spec)
-        if bundle is None:
-            _evict_to(cache_size() - 1)  # before loading: the new weights need the room
-            device = torch.device(resolve_device(spec.device))
-            _FREE_BEFORE_LOAD[spec] = free_gpu_bytes(device)
-            bundle = load_bundle(spec.model, spec.revision, model_id=spec.model_id, device=device)
-            # On CUDA always: eager NABLA without it would build the whole attention matrix (k6vsr_core.fast).
-            compile_bundle(bundle, compiled=spec.compile)
-            _BUNDLES[spec] = bundle
-            _LOADS.append(_identity(spec))
-        _BUNDLES.move_to_end(spec)
-        if plan is not None:
-            if bundle.memory is None:
-                free = _FREE_BEFORE_LOAD[spec]
-                overlap = stages_at_once() > 1
-                budget = choose_budget(spec.memory, free, plan, device=str(bundle.device), overlap=overlap)
-                apply_budget(bundle, budget)
-                logger.info("memory: %s", budget.summary())
-            else:
-                check_budget(bundle.memory, plan)
+        device = torch.device(resolve_device(spec.device))
+        if plan is None:
+            # A preload: any bundle of this model will do, the next plan places it (or loads one of its own).
+            key = next((k for k in reversed(_BUNDLES) if k[0] == spec), (spec, None))
+            return _cached(key, device)
+        budget = budget_for(spec.memory, device, plan)
+        key = (spec, budget.budget)
+        unplaced = _BUNDLES.get((spec, None))
+        if key not in _BUNDLES and unplaced is not None and unplaced.memory is None:
+            # The preloaded bundle takes this plan's budget.
+            _BUNDLES[key] = _BUNDLES.pop((spec, None))
+            _FREE_BEFORE_LOAD[key] = _FREE_BEFORE_LOAD.pop((spec, None), None)
+        bundle = _cached(key, device)
+        if bundle.memory is None:
+            apply_budget(bundle, budget)
+            logger.info("memory: %s", budget.summary())
+            free = _FREE_BEFORE_LOAD.get(key)
+            if free is not None and budget.estimate is not None and free < budget.estimate:
+                logger.warning(
+                    "memory: %.1f GiB were free on %s before the model loaded, the budget expects about %.1f GiB: "
+                    "another process uses this GPU, and this one may run out of memory",
+                    free / GIB,
+                    device,
+                    budget.estimate / GIB,
+                )
         return bundle
 
 
-# Threads of the flow's own task runner (flows.runners): a decode overlaps the next denoise in the command's process.
+def _cached(key: CacheKey, device: torch.device) -> ModelBundle:
+    """The bundle kept under `key`, else one loaded now (the least recently used evicted first)."""
+    spec = key[0]
+    bundle = _BUNDLES.get(key)
+    if bundle is None:
+        _evict_to(cache_size() - 1)  # before loading: the new weights need the room
+        _FREE_BEFORE_LOAD[key] = free_gpu_bytes(device)
+        bundle = load_bundle(spec.model, spec.revision, model_id=spec.model_id, device=device)
+        # On CUDA always: eager NABLA without it would build the whole attention matrix (k6vsr_core.fast).
+        compile_bundle(bundle, compiled=spec.compile)
+        _BUNDLES[key] = bundle
+        _LOADS.append(_identity(key))
+    _BUNDLES.move_to_end(key)
+    return bundle
+
+
+# Threads of the flow's own task runner (flows.runners): a decode may overlap the next denoise in the command's
+# process, which every memory budget that lets stages overlap allows for (k6vsr_core.memory).
 FLOW_THREADS = 2
-
-
-def stages_at_once() -> int:
-    """How many stage tasks this process may run at once: a Dask worker's threads (one, for k6vsr's workers), else
-    the flow's two threads. With one, a decode never runs beside a denoise and the budget gives it that memory."""
-    try:
-        from distributed import get_worker
-
-        return int(get_worker().state.nthreads)
-    except (ImportError, ValueError, AttributeError):  # ValueError: not in a Dask worker
-        return FLOW_THREADS
 
 
 def cache_info() -> CacheInfo:
@@ -130,7 +147,7 @@ def cache_info() -> CacheInfo:
             pid=os.getpid(),
             gpu=os.environ.get("CUDA_VISIBLE_DEVICES"),
             size=cache_size(),
-            loaded=[_identity(spec) for spec in _BUNDLES],
+            loaded=[_identity(key) for key in _BUNDLES],
             loads=list(_LOADS),
         )
 

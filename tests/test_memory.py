@@ -1,11 +1,13 @@
-"""Memory budgets (k6vsr_core.memory): the choice from synthetic free-memory figures, and that no budget changes a
-byte of the output on the CPU, where the offload hooks and the chunked KVAE run exactly as on a GPU."""
+"""Memory budgets (k6vsr_core.memory): the choice from synthetic cards, the same choice on every path whatever the
+free memory, thread count or role of the process, and that no budget changes a byte of the output on the CPU, where
+the offload hooks and the chunked KVAE run exactly as on a GPU."""
 
 from __future__ import annotations
 
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ from k6vsr_core.memory import (
     MemoryBudget,
     MemoryBudgetError,
     apply_budget,
-    check_budget,
+    budget_for,
+    card_bytes,
     choose_budget,
 )
 from k6vsr_core.params import parse_params
@@ -48,22 +51,22 @@ def test_no_gpu_means_no_budget() -> None:
     assert "no GPU" in budget.reason
 
 
-@pytest.mark.parametrize(("free_gib", "expected"), [(139.0, "fast"), (40.0, "fast"), (23.0, "24g"), (15.0, "16g")])
-def test_auto_takes_the_fastest_budget_that_fits(free_gib: float, expected: str) -> None:
-    budget = choose_budget("auto", int(free_gib * GIB), W1, device="cuda:0")
+@pytest.mark.parametrize(("card_gib", "expected"), [(139.0, "fast"), (40.0, "fast"), (23.0, "24g"), (15.0, "16g")])
+def test_auto_takes_the_fastest_budget_that_fits(card_gib: float, expected: str) -> None:
+    budget = choose_budget("auto", int(card_gib * GIB), W1, device="cuda:0")
     assert budget.mode == "auto" and budget.budget == expected
-    assert budget.estimate is not None and budget.estimate <= min(free_gib * GIB, BUDGETS[expected].ceiling)
-    assert f"{free_gib:.1f} GiB free on cuda:0" in budget.reason
+    assert budget.estimate is not None and budget.estimate <= min(card_gib * GIB, BUDGETS[expected].ceiling)
+    assert f"{card_gib:.1f} GiB on cuda:0" in budget.reason
     skipped = list(BUDGETS)[: list(BUDGETS).index(expected)]
     assert all(f"{name} needs about" in budget.reason for name in skipped)
 
 
 def test_auto_refuses_when_nothing_fits() -> None:
-    with pytest.raises(MemoryBudgetError, match=r"8\.0 GiB free.*16g needs about"):
+    with pytest.raises(MemoryBudgetError, match=r"8\.0 GiB on the GPU.*16g needs about"):
         choose_budget("auto", 8 * GIB, W1)
 
 
-def test_an_explicit_budget_must_fit_the_free_memory() -> None:
+def test_an_explicit_budget_must_fit_the_card() -> None:
     budget = choose_budget("24g", 20 * GIB, W1)
     assert budget.budget == "24g" and budget.limit == 20 * GIB and budget.estimate <= 20 * GIB  # type: ignore[operator]
     with pytest.raises(MemoryBudgetError, match="memory=16g: 768x512 tiles of 121 frames need about"):
@@ -88,15 +91,13 @@ def test_the_kvae_chunk_shrinks_with_the_budget() -> None:
     assert choose_budget("fast", 139 * GIB, small).decode_chunk is None
 
 
-def test_one_stage_at_a_time_decodes_larger_chunks_within_the_same_ceiling() -> None:
-    """Without a denoise beside the decode, `fast` decodes W1 2 latent frames a call instead of 1 (fewer, larger
-    calls: the in-memory runner's speed), and its estimate still keeps under 32 GiB."""
-    beside = choose_budget("fast", 139 * GIB, W1)
-    alone = choose_budget("fast", 139 * GIB, W1, overlap=False)
-    assert (beside.decode_chunk, alone.decode_chunk) == (1, 2)
-    assert alone.estimate is not None and alone.estimate <= 32 * GIB and not alone.overlap
-    assert alone.kvae_chunk("decode", (512, 768), 121) == 2 and beside.kvae_chunk("decode", (512, 768), 121) == 1
-    check_budget(alone, W1)
+def test_a_decode_is_budgeted_beside_a_denoise_wherever_stages_may_overlap() -> None:
+    """Under `fast` a decode may run beside the next denoise: every process budgets for it (W1 decodes 1 latent frame
+    a call), also one that runs one stage at a time, so that no process splits the decode's sums otherwise."""
+    fast, turns = choose_budget("fast", 139 * GIB, W1), choose_budget("24g", 139 * GIB, W1)
+    assert fast.overlap and not turns.overlap and not choose_budget("auto", None, W1).overlap
+    assert fast.decode_chunk == fast.kvae_chunk("decode", (512, 768), 121) == 1
+    assert fast.estimate is not None and fast.estimate <= 32 * GIB
 
 
 def test_the_chunk_follows_each_tile_within_the_budget() -> None:
@@ -104,15 +105,6 @@ def test_the_chunk_follows_each_tile_within_the_budget() -> None:
     assert budget.kvae_chunk("decode", (512, 768), 121) == budget.decode_chunk == 1
     assert budget.kvae_chunk("decode", (128, 128), 121) is None
     assert budget.kvae_chunk("encode", W1.grid.padded_size, 121) == budget.encode_chunk
-
-
-def test_a_later_clip_must_fit_the_budget_a_worker_chose() -> None:
-    budget = choose_budget("auto", 15 * GIB, W1)
-    check_budget(budget, _plan(frames=33))
-    with pytest.warns(UserWarning, match="not lossless"):
-        batched = _plan((1080, 1920), batch=4)
-    with pytest.raises(MemoryBudgetError, match="over the 15.0 GiB this worker keeps to"):
-        check_budget(budget, batched)
 
 
 def test_the_memory_mode_is_a_runtime_choice_outside_the_run_key(tiny_bundle_path: Path, tmp_path: Path) -> None:
@@ -218,14 +210,121 @@ def test_memory_flag_reaches_the_model_spec_and_bad_values_are_refused(capsys) -
     assert "--memory" in capsys.readouterr().err
 
 
-def test_a_one_thread_dask_worker_runs_one_stage_at_a_time() -> None:
-    """k6vsr's Dask workers have one thread: their budget gives the decode the memory of an overlapping denoise.
-    The flow's own threads overlap."""
+# ------------------------------------------------------------------------------------- one budget on every path
+
+H200 = 141 * GIB
+
+
+def _fake_card(monkeypatch: pytest.MonkeyPatch, total: int, free: int, fraction: float = 1.0) -> None:
+    """A CUDA card as torch reports it: its total, the driver's free figure and the process's memory fraction."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=total))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda index: fraction)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: total - free)
+
+
+def _choice() -> dict:
+    return budget_for("auto", torch.device("cuda"), W1).model_dump(exclude={"footprint"})
+
+
+def test_the_card_decides_the_budget_not_free_memory_threads_or_the_process_role(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The KVAE chunks (and so the decode's bytes on a GPU) follow the card: not what is free when the worker
+    starts, not torch's thread count, not whether the process is a one-thread Dask worker or the command."""
     from distributed import Client, LocalCluster
 
-    from tasks.model_cache import FLOW_THREADS, stages_at_once
-
-    assert stages_at_once() == FLOW_THREADS == 2
+    _fake_card(monkeypatch, H200, free=H200 - GIB)
+    reference = _choice()
+    assert reference["budget"] == "fast" and reference["decode_chunk"] == 1
+    assert card_bytes(torch.device("cuda")) == H200
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert _choice() == reference
+    finally:
+        torch.set_num_threads(threads)
+    for free in (20 * GIB, 60 * GIB):  # another process holds most of the card, or some of it
+        _fake_card(monkeypatch, H200, free=free)
+        assert _choice() == reference
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
-            assert client.submit(stages_at_once, pure=False).result(timeout=60) == 1
+            assert client.submit(_choice, pure=False).result(timeout=60) == reference
+    # A smaller card, simulated as #29 does with a per-process fraction, is another card: its own budget.
+    _fake_card(monkeypatch, H200, free=H200, fraction=23 / 141)
+    assert _choice()["budget"] == "24g" and card_bytes(torch.device("cuda")) <= 23 * GIB
+
+
+@pytest.fixture
+def on_a_card(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every process sees an H200's worth of memory, also on the CPU: the budgets and chunks are then applied to
+    the tiny bundle as they would be on the card (offload hooks and chunked KVAE run on the CPU too)."""
+    from k6vsr_core import memory
+    from tasks import model_cache
+
+    monkeypatch.setattr(memory, "card_bytes", lambda device: H200)
+    model_cache.clear()
+    yield
+    model_cache.clear()
+
+
+def test_the_command_a_worker_and_the_in_memory_runner_place_a_clip_under_one_budget(
+    on_a_card: None, monkeypatch: pytest.MonkeyPatch, tiny_bundle_path: Path, clip_1f: Path
+) -> None:
+    """The model cache (a command's threads, a one-thread Dask worker) and the in-memory runner place the bundle under
+    the same budget and split the KVAE's work the same way for the same clip."""
+    from distributed import Client, LocalCluster
+
+    from k6vsr_core import stages
+    from tasks import model_cache
+
+    spec = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+
+    def split(budget: MemoryBudget, plan: ClipPlan) -> tuple:
+        frames = plan.window_frames
+        return (
+            budget.budget,
+            budget.limit,
+            budget.kvae_chunk("encode", plan.grid.padded_size, frames),
+            budget.kvae_chunk("decode", plan.grid.base, frames),
+        )
+
+    def placed(plan: ClipPlan) -> tuple:
+        return split(model_cache.get_bundle(spec, plan).memory, plan)
+
+    command = placed(W1)
+    assert command == ("fast", 32 * GIB, None, 1)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            assert client.submit(placed, W1, pure=False).result(timeout=60) == command
+    # The runner places its bundle before the first stage; the stages themselves are not this test's business.
+    bundle, plans = load_bundle(str(tiny_bundle_path)), []
+
+    def stop(bundle: ModelBundle, video: torch.Tensor) -> None:
+        raise StopIteration
+
+    monkeypatch.setattr(stages, "encode_clip", stop)
+    monkeypatch.setattr(stages, "prepare_window", lambda frames, plan, window: plans.append(plan))
+    with pytest.raises(StopIteration):
+        upscale(clip_1f, None, bundle, parse_params(scale=2), return_frames=True)
+    assert split(bundle.memory, plans[0]) == placed(plans[0])
+
+
+def test_a_worker_gives_a_clip_with_another_budget_a_bundle_of_its_own(
+    on_a_card: None, monkeypatch: pytest.MonkeyPatch, tiny_bundle_path: Path
+) -> None:
+    """A worker never runs a clip under the budget chosen for the clip it ran before: on this card W1 takes `24g`,
+    a short clip of small tiles `fast`, whichever came first."""
+    from k6vsr_core import memory
+    from tasks import model_cache
+
+    monkeypatch.setattr(memory, "card_bytes", lambda device: 23 * GIB)
+    short = _plan((512, 512), 9)
+    spec = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    first = model_cache.get_bundle(spec, short)
+    second = model_cache.get_bundle(spec, W1)
+    assert (first.memory.budget, second.memory.budget) == ("fast", "24g") and first is not second
+    assert model_cache.get_bundle(spec, short) is first and model_cache.get_bundle(spec, W1) is second
+    assert [name.rsplit(" ", 1)[-1] for name in model_cache.cache_info().loaded] == ["(fast)", "(24g)"]
