@@ -199,7 +199,7 @@ def _check_clip_run(
     _tab(driver, "Artifacts")
     cards = _wait(driver, lambda d: len(_artifact_cards(d)) == len(own) and _artifact_cards(d), f"{own} listed")
     assert set(cards) == own and not (set(cards) & (all_keys - own))
-    assert f"{tiles} of {tiles} tiles decoded" in cards[progress_key]
+    assert f"done · {tiles} of {tiles} tiles" in cards[progress_key]
     assert f"{computed} tiles computed, {tiles - computed} reused" in cards[report_key]
     _screenshot(driver, tmp_path, f"{shot}-run.png")
 
@@ -296,7 +296,7 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
     own = {f"archive-progress-{slug}", f"archive-manifest-{slug}"}
     cards = _wait(browser, lambda d: len(_artifact_cards(d)) == 2 and _artifact_cards(d), f"{own} listed")
     assert set(cards) == own
-    assert "2 done, 0 failed, 0 left of 2 clips" in cards[f"archive-progress-{slug}"]
+    assert "clips: 2 done, 0 failed, 0 left" in cards[f"archive-progress-{slug}"]
     assert "2 done, 1 skipped" in cards[f"archive-manifest-{slug}"]
     _screenshot(browser, tmp_path, "browser-archive.png")
 
