@@ -1,12 +1,12 @@
 """The Prefect UI, seen in a real headless Chromium: every run tells its own story.
 
 A clip runs on its own (as `k6vsr upscale` runs it); then an archive runs a copy of that clip (the same run key, so
-its tiles are reused), another clip, a clip of two windows and a broken file, against the session's Prefect server.
-On the page of the standalone clip run, of the copy's and the two-window clip's runs (children of the archive) and
-of the archive run, the test checks the artifacts listed under that run and no other, the progress text with its
-counts, and the report: its stage table in pipeline order, adding up to at most the run's duration, and its
-before/after images decoded by the browser; for the archive, the manifest table with its first columns in view at
-1400 px and links to the clip runs.
+its tiles are reused), another clip and a broken file (and, when it takes screenshots, a clip of two windows), against
+the session's Prefect server. On the page of the standalone clip run, of the copy's (and the two-window clip's) run,
+children of the archive, and of the archive run, the test checks the artifacts listed under that run and no other,
+the progress text with its counts, and the report: its stage table in pipeline order, adding up to at most the run's
+duration, and its before/after images decoded by the browser; for the archive, the manifest table with its first
+columns in view at 1400 px and links to the clip runs.
 
 Screenshots go to the test's tmp folder, and also to `$K6VSR_SCREENSHOT_DIR` when that is set (the committed
 tests/artifacts/*.png, shown in docs/archive.md and the README, were made that way).
@@ -49,6 +49,9 @@ WAIT_S = 60
 SCREENSHOT_DIR = os.environ.get("K6VSR_SCREENSHOT_DIR")
 PARAMS = UpscaleParams(scale=2)
 WINDOWED_FRAMES = 122  # one frame more than a window
+# The screenshot run's archive also has a clip of two windows, for the README: decoding its 242 frames takes a minute
+# or more on a CPU, which CI does without.
+WINDOWED = SCREENSHOT_DIR is not None
 
 
 @pytest.fixture
@@ -232,15 +235,16 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
     model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
     store = str(tmp_path / "store")
 
-    # A clip on its own (2 tiles), then an archive with a copy of it, another clip, a longer one and a broken file.
+    # A clip on its own (2 tiles), then an archive with a copy of it, another clip and a broken file.
     clip = make_sample_clip(tmp_path / "harbour.mp4", width=96, height=64, num_frames=1, tone_hz=590.0)
     alone = run_clip(prepare_run(clip, PARAMS, model, store), str(tmp_path / "harbour_sr2x.mp4"), model)
     folder = tmp_path / "nightly"
     (folder / "copies").mkdir(parents=True)
     shutil.copyfile(clip, folder / "copies" / "harbour.mp4")
     make_sample_clip(folder / "dawn.mp4", width=64, height=64, num_frames=1, tone_hz=610.0)
-    # Two windows of one 64x64 tile: the smallest clip whose run passes from window to window.
-    make_sample_clip(folder / "tide.mp4", width=64, height=64, num_frames=WINDOWED_FRAMES, audio=False)
+    if WINDOWED:  # two windows of one 64x64 tile: the smallest clip whose run passes from window to window
+        make_sample_clip(folder / "tide.mp4", width=64, height=64, num_frames=WINDOWED_FRAMES, audio=False)
+    done = 3 if WINDOWED else 2
     (folder / "broken.mp4").write_bytes(b"\x00not a video\xff" * 300)
     state = upscale_archive(
         input_dir=str(folder),
@@ -253,20 +257,19 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
     )
     assert state.is_completed(), state.message
     summary = state.result()
-    assert summary.counts == {"done": 3, "skipped": 1}
+    assert summary.counts == {"done": done, "skipped": 1}
     rows = {row.relative_path: row for row in summary.rows}
     slug = archive_slug(folder)
 
     standalone = _flow_run(name="upscale-harbour.mp4")
     copy = _flow_run(name="upscale-copies/harbour.mp4")
     dawn = _flow_run(name="upscale-dawn.mp4")
-    tide = _flow_run(name="upscale-tide.mp4")
+    clip_runs = [copy, dawn, *([_flow_run(name="upscale-tide.mp4")] if WINDOWED else [])]
     archive = _flow_run(run_id=state.state_details.flow_run_id)
     assert rows["copies/harbour.mp4"].run_key == alone.run_key
-    assert rows["tide.mp4"].tiles == 2  # one tile in each of two windows
-    all_keys = set().union(*(_keys_of(run.id) for run in (standalone, copy, dawn, tide, archive)))
+    all_keys = set().union(*(_keys_of(run.id) for run in (standalone, *clip_runs, archive)))
     # Two clips sharing one run key keep apart: 2 artifacts per clip run, 2 for the archive.
-    assert len(all_keys) == 10
+    assert len(all_keys) == 2 * (1 + len(clip_runs)) + 2
 
     _check_clip_run(
         browser,
@@ -291,30 +294,25 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
         shot="browser-archive-clip",
     )
     assert "published from the finished run in the store" in _body(browser)
-    _check_clip_run(
-        browser,
-        ui,
-        tide,
-        rows["tide.mp4"].run_key,
-        all_keys,
-        tiles=2,
-        computed=2,
-        tmp_path=tmp_path,
-        shot="browser-windowed-clip",
-    )
+    if WINDOWED:
+        assert rows["tide.mp4"].tiles == 2  # one tile in each of two windows
+        tide = clip_runs[-1]
+        _check_clip_run(
+            browser, ui, tide, rows["tide.mp4"].run_key, all_keys, 2, 2, tmp_path, shot="browser-windowed-clip"
+        )
 
     # The archive run: its clip runs, its progress over clips and its one manifest table.
     browser.get(f"{ui}/runs/flow-run/{archive.id}")
     _wait_text(browser, archive.name, "Completed", "upscale-archive")
     _tab(browser, "Subflow Runs")
-    for clip_run in (copy, dawn, tide):
+    for clip_run in clip_runs:
         _wait(browser, lambda d, name=clip_run.name: _run_state(d, name) == "Completed", f"{clip_run.name} Completed")
     _tab(browser, "Artifacts")
     own = {f"archive-progress-{slug}", f"archive-manifest-{slug}"}
     cards = _wait(browser, lambda d: len(_artifact_cards(d)) == 2 and _artifact_cards(d), f"{own} listed")
     assert set(cards) == own
-    assert "clips: 3 done, 0 failed, 0 left" in cards[f"archive-progress-{slug}"]
-    assert "3 done, 1 skipped" in cards[f"archive-manifest-{slug}"]
+    assert f"clips: {done} done, 0 failed, 0 left" in cards[f"archive-progress-{slug}"]
+    assert f"{done} done, 1 skipped" in cards[f"archive-manifest-{slug}"]
     _screenshot(browser, tmp_path, "browser-archive.png")
 
     _open_card(browser, f"archive-manifest-{slug}")
@@ -323,8 +321,8 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
     assert {row[0]: row[1] for row in table[1:]} == {
         "broken.mp4": "skipped",
         "dawn.mp4": "done",
-        "tide.mp4": "done",
         "copies/harbour.mp4": "done",
+        **({"tide.mp4": "done"} if WINDOWED else {}),
     }
     assert next(row for row in table if row[0] == "broken.mp4")[-1].startswith("not a readable media file")
     # The first six columns are in view at 1400 px: no scrolling to see what happened to a clip.
