@@ -35,7 +35,7 @@ class RunProgress:
 
     def text(self) -> str:
         """`decode · window 2 of 3 · 7 of 18 tiles`."""
-        return f"{self.where()}{SEPARATOR}{self.decoded} of {self.total} tiles"
+        return f"{self.where()}{SEPARATOR}{self.decoded} of {self.total} tile{'s' * (self.total != 1)}"
 
 
 def read_progress(store: RunStore, plan: ClipPlan) -> RunProgress:

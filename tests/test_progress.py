@@ -72,6 +72,7 @@ def test_stages_and_windows_as_the_run_passes(tmp_path: Path, monkeypatch) -> No
 
 def test_one_window_names_no_window() -> None:
     assert RunProgress("decode", 0, 1, 2, 6).text() == "decode · 2 of 6 tiles"
+    assert RunProgress("decode", 0, 1, 0, 1).text() == "decode · 0 of 1 tile"
 
 
 class FakeTime:
