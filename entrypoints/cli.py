@@ -25,7 +25,7 @@ from entrypoints import stopping
 from entrypoints.console import configure_terminal, plan_lines, plural, size_text, summary_lines
 from entrypoints.progress import archive_progress, run_progress
 from flows import interrupts
-from k6vsr_core.bundle import DEFAULT_MODEL
+from k6vsr_core.bundle import DEFAULT_MODEL, weights_present
 from k6vsr_core.errors import ArchiveFailed, ParameterError, ServiceError, UserFacingError, describe_error
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from service.runs import ModelSpec, model_info, prepare_run
@@ -470,7 +470,8 @@ def output_file_name(name: str, params: UpscaleParams) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     source, latent_fps = input_from(args)
-    prepared = prepare_run(source, params_from(args), model_from(args), store_from(args), latent_fps)
+    # From the model's configs alone: a plan loads no model, so it needs no weight files (nor their download).
+    prepared = prepare_run(source, params_from(args), model_from(args), store_from(args), latent_fps, weights=False)
     plan = prepared.plan
     grid = plan.grid
     return {
@@ -501,6 +502,7 @@ def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
         "sr_size": {"width": plan.sr_size[1], "height": plan.sr_size[0]},
         "output_size": {"width": plan.delivery_size[1], "height": plan.delivery_size[0]},
         "model": prepared.model_info.identity,
+        "model_weights_present": weights_present(Path(prepared.model_info.path)),
         "run_key": prepared.run.run_key,
         "finished_run_exists": prepared.finished,
     }

@@ -14,6 +14,8 @@ import sys
 import warnings
 from typing import Any
 
+from storage.progress import StageCount
+
 # Prefect's terminal handler, set through the environment so that every process a command starts (Dask workers, job
 # processes) inherits it; the API handler, which feeds the UI, keeps every line. Its class keeps a flow or task
 # run's own lines (and tracebacks) off the terminal unless asked for (`entrypoints.console_log`).
@@ -61,7 +63,8 @@ def _show_once(
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
-    """Five lines: the output, the tiles, the time by stage, the run's folder and its log."""
+    """Six lines: the output, the tiles, the time by stage, the items computed and reused by stage, the run's folder
+    and its log."""
     width, height = summary["size"]
     frames = summary["frames"]
     timings = summary["timings"]
@@ -74,6 +77,10 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
         + ("; the output was already in the store" if summary["reused_output"] else ""),
         "seconds by stage, wall clock (busy): "
         + ", ".join(f"{stage} {spans.get(stage, 0.0):.1f} ({busy:.1f})" for stage, busy in timings.items()),
+        "items by stage: "
+        + "; ".join(
+            f"{stage}: {StageCount.model_validate(count).text()}" for stage, count in summary.get("items", {}).items()
+        ),
         f"store: {summary['store']}",
         f"log: {summary['log']}",
     ]
@@ -101,6 +108,15 @@ def _seeds(seeds: list[int]) -> str:
     return f"{seeds[0]}-{seeds[-1]}" if consecutive and len(seeds) > 1 else ", ".join(map(str, seeds))
 
 
+def _weights_note(plan: dict[str, Any]) -> str:
+    """A plan reads the model's configs only; a local bundle without its weights has an identity of its own."""
+    if plan.get("model_weights_present", True):
+        return ""
+    if plan["model"].startswith("local:"):
+        return " (configs only: the run key changes once the weight files are in the folder)"
+    return " (configs only)"
+
+
 def plan_lines(plan: dict[str, Any]) -> list[str]:
     """`k6vsr plan` for people: what goes in and out, the tiles, the windows as a table, the disk and the progress."""
     size = plan["source_size"]
@@ -121,7 +137,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
         f"source    {plan['source']}: {size['width']}x{size['height']}, {source_frames} at {rate}",
         f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
         f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}, audio {output['audio']}",
-        f"model     {plan['model']}",
+        f"model     {plan['model']}{_weights_note(plan)}",
         f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
         f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "
         f"{_seeds(seeds)}, {plan['dit_steps_per_tile']} DiT steps a tile",

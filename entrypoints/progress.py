@@ -1,9 +1,7 @@
-"""The terminal's progress displays: a clip run's bar over every (window, tile) item, with its stage and window; an
-archive's bar over its clips.
+"""The terminal's progress displays: a clip run's bar over every (window, tile) item, with its stage, window and time
+left; an archive's clips done, failed and left, with the bar of the clip it runs.
 
-Read from the run store's records, so it works whichever processes compute (threads, Dask workers, warm workers)
-and counts what a resumed run had already finished. Stages overlap (window 2 encodes while window 1 decodes): the
-display names the stage of the earliest window not yet decoded, which is what holds the run back.
+What a bar says is the store's (`storage.progress`), the same words as the run's progress artifact in the Prefect UI.
 """
 
 from __future__ import annotations
@@ -12,110 +10,147 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import IO
 
 from tqdm import tqdm
 
 from k6vsr_core.plan import ClipPlan
 from service.runs import PreparedRun
 from storage import RunStore
+from storage.progress import SEPARATOR, RunProgress, clip_text, clips_text, read_progress, stored_plan
 
 POLL_S = 0.5
+# tqdm's time left is counted from what this run computes, not from what it found done (`initial`).
+BAR_FORMAT = "{desc} |{bar}| {remaining} left"
 
 
-def run_stage(store: RunStore, plan: ClipPlan) -> tuple[str, int]:
-    """The stage the run is in and the window (from 0) it works on."""
-    records = store.records
-    encoded = set(records.items("encode"))
-    if not encoded and "all" not in records.items("ingest"):
-        return "ingest", 0
-    decoded = store.decoded_per_window(plan.num_windows)
-    window = next((w for w, count in enumerate(decoded) if count < plan.num_tiles), None)
-    if window is None:
-        last = plan.num_windows - 1
-        return ("blend and segment" if len(records.items("segment")) < plan.num_windows else "mux"), last
-    if str(window) not in encoded:
-        return "encode", window
-    denoised = sum(1 for item in records.items("denoise") if item.split("-", 1)[0] == str(window))
-    return ("denoise" if denoised < plan.num_tiles else "decode"), window
+class RunBar:
+    """One clip run's bar: `decode · window 2 of 3 · 7 of 18 tiles |####      | 00:12 left`."""
+
+    def __init__(self, store: RunStore, plan: ClipPlan, file: IO[str], name: str = "", position: int = 0) -> None:
+        """`name`: the clip's, shown first (an archive's clip bar)."""
+        self.store, self.plan, self.name = store, plan, name
+        progress = read_progress(store, plan)
+        self.bar = tqdm(
+            total=progress.total,
+            initial=progress.decoded,
+            file=file,
+            leave=False,
+            position=position,
+            bar_format=BAR_FORMAT,
+            desc=self._text(progress),
+        )
+
+    def _text(self, progress: RunProgress) -> str:
+        return clip_text(self.name, progress) if self.name else progress.text()
+
+    def show(self) -> None:
+        progress = read_progress(self.store, self.plan)
+        self.bar.set_description_str(self._text(progress), refresh=False)
+        self.bar.update(progress.decoded - self.bar.n)
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
 
 
-def describe(stage: str, window: int, plan: ClipPlan) -> str:
-    return f"{stage}, window {window + 1} of {plan.num_windows}" if plan.num_windows > 1 else stage
+@contextmanager
+def polling(show: Callable[[], None], name: str) -> Iterator[None]:
+    """`show()` every POLL_S seconds in a thread while the block runs."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(POLL_S):
+            show()
+
+    thread = threading.Thread(target=poll, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @contextmanager
 def run_progress(prepared: PreparedRun, enabled: bool = True) -> Iterator[None]:
-    """While the block runs, a bar on a terminal's stderr: items decoded of the run's total, the stage, the window,
-    and tqdm's rate and time left (counted from what this run computes, not from what it reused)."""
+    """While the block runs, the run's bar on a terminal's stderr."""
     if not enabled or not sys.stderr.isatty():
         yield
         return
-    plan = prepared.plan
-    store = RunStore(prepared.run.store_root, prepared.run.run_key)
-    total = plan.num_windows * plan.num_tiles
-    bar = tqdm(total=total, initial=min(total, store.tiles_decoded()), unit="tile", file=sys.stderr, leave=False)
-    stop = threading.Event()
-
-    def show() -> None:
-        bar.set_description_str(describe(*run_stage(store, plan), plan), refresh=False)
-        bar.update(min(total, store.tiles_decoded()) - bar.n)
-
-    def poll() -> None:
-        while not stop.wait(POLL_S):
-            show()
-
-    show()
-    thread = threading.Thread(target=poll, name="k6vsr-progress", daemon=True)
-    thread.start()
+    bar = RunBar(RunStore(prepared.run.store_root, prepared.run.run_key), prepared.plan, sys.stderr)
     try:
-        yield
+        with polling(bar.show, "k6vsr-progress"):
+            yield
     finally:
-        stop.set()
-        thread.join()
         bar.close()
 
 
-def clips_text(statuses: list[str]) -> tuple[str, int, int]:
-    """An archive's clips as the bar says them, and how many are finished of how many to run."""
-    done, failed, left = statuses.count("done"), statuses.count("failed"), statuses.count("planned")
-    return f"clips: {done} done, {failed} failed, {left} left", done + failed, done + failed + left
+class ArchiveBars:
+    """An archive's two lines: `clips: 1 done, 0 failed, 2 left`, and below it the bar of the clip it runs.
+
+    Read from the archive's manifest (rewritten as each clip ends; one older than `since` is a previous run's, and
+    not read) and from the clip's run store. Clips run in the manifest's order: the clip shown is its first
+    `planned` one, the earliest of those running."""
+
+    def __init__(self, manifest: Path, file: IO[str], since: float) -> None:
+        self.manifest, self.file, self.since = manifest, file, since
+        self.clips = tqdm(total=0, file=file, leave=False, position=0, bar_format="{desc} |{bar}|")
+        self.clips.set_description_str("planning the clips")
+        self.current: tuple[str, str] | None = None  # (relative path, run key) of the clip shown
+        self.clip: RunBar | None = None
+
+    def show(self) -> None:
+        try:
+            if self.manifest.stat().st_mtime < self.since:
+                return
+            manifest = json.loads(self.manifest.read_text())
+            rows, store_root = manifest["rows"], manifest["store_root"]
+        except (OSError, ValueError, KeyError):  # not written yet, or being replaced
+            return
+        statuses = [row["status"] for row in rows]
+        done, failed, left = statuses.count("done"), statuses.count("failed"), statuses.count("planned")
+        running = next(((row["relative_path"], row["run_key"]) for row in rows if row["status"] == "planned"), None)
+        if running != self.current:
+            self._close_clip()
+            self.current = running
+        if running is not None and self.clip is None:
+            store = RunStore(store_root, running[1])
+            plan = stored_plan(store)
+            if plan is not None:
+                self.clip = RunBar(store, plan, self.file, name=running[0], position=1)
+        text = clips_text(done, failed, left)
+        if running is not None and self.clip is None:  # its ingest has not recorded the clip's plan yet
+            text += SEPARATOR + clip_text(running[0], None)
+        self.clips.total = done + failed + left
+        self.clips.set_description_str(text, refresh=False)
+        self.clips.update(done + failed - self.clips.n)
+        self.clips.refresh()
+        if self.clip is not None:
+            self.clip.show()
+
+    def _close_clip(self) -> None:
+        if self.clip is not None:
+            self.clip.close()
+            self.clip = None
+
+    def close(self) -> None:
+        self._close_clip()
+        self.clips.close()
 
 
 @contextmanager
 def archive_progress(manifest: Path, enabled: bool = True) -> Iterator[None]:
-    """While the block runs, a bar on a terminal's stderr over the clips an archive runs, read from its manifest
-    (rewritten as each clip ends); a manifest older than the block is a previous run's, and not read."""
+    """While the block runs, the archive's lines on a terminal's stderr; nothing stays after it."""
     if not enabled or not sys.stderr.isatty():
         yield
         return
-    started = time.time()
-    bar = tqdm(total=0, unit="clip", file=sys.stderr, leave=False, desc="planning the clips")
-    stop = threading.Event()
-
-    def show() -> None:
-        try:
-            if manifest.stat().st_mtime < started:
-                return
-            rows = json.loads(manifest.read_text())["rows"]
-        except (OSError, ValueError, KeyError):  # not written yet, or being replaced
-            return
-        text, finished, total = clips_text([row["status"] for row in rows])
-        bar.total = total
-        bar.set_description_str(text, refresh=False)
-        bar.update(finished - bar.n)
-
-    def poll() -> None:
-        while not stop.wait(POLL_S):
-            show()
-
-    thread = threading.Thread(target=poll, name="k6vsr-archive-progress", daemon=True)
-    thread.start()
+    bars = ArchiveBars(manifest, sys.stderr, since=time.time())
     try:
-        yield
+        with polling(bars.show, "k6vsr-archive-progress"):
+            yield
     finally:
-        stop.set()
-        thread.join()
-        bar.close()
+        bars.close()

@@ -10,6 +10,7 @@ Artifacts are best effort: a Prefect API that cannot take one logs a warning and
 from __future__ import annotations
 
 import base64
+import contextvars
 import hashlib
 import io
 import logging
@@ -18,7 +19,8 @@ import re
 import socket
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +31,9 @@ from PIL import Image
 
 from flows.runners import is_dask_runner
 from flows.stage_clock import StageSpan
+from k6vsr_core.plan import ClipPlan
+from storage import RunStore
+from storage.progress import SEPARATOR, RunProgress, StageCount, clip_text, clips_text, read_progress, stored_plan
 
 THUMB_WIDTH = 320
 KEY_NAME_LIMIT = 40
@@ -114,37 +119,28 @@ def percent(done: int, total: int) -> float:
 # ------------------------------------------------------------------------------------------------ clip runs
 
 
-def tile_progress_text(done: int, total: int, windows: Sequence[tuple[int, int]] = ()) -> str:
-    """`4 of 6 tiles decoded`; with several windows (done, total each), also how many windows are done."""
-    text = f"{done} of {total} tiles decoded"
-    if len(windows) > 1:
-        finished = sum(1 for window_done, window_total in windows if window_done >= window_total)
-        text += f"; {finished} of {len(windows)} windows done"
-        current = next((i for i, (d, t) in enumerate(windows) if d < t), None)
-        if current is not None:
-            text += f" (window {current + 1}: {windows[current][0]} of {windows[current][1]} tiles)"
-    return text
-
-
 class TileProgress:
-    """A clip run's progress artifact: `N of M tiles decoded`, updated as tiles finish."""
+    """A clip run's progress artifact: its data the share of tiles decoded, its description what the terminal's bar
+    says (`decode · window 2 of 3 · 7 of 18 tiles`), updated as tasks finish."""
 
-    def __init__(self, source: str, run_key: str, flow_run_id: str | UUID | None, total: int) -> None:
-        self.total = total
-        self._shown = -1  # nothing sent by update() yet: even a clip with no tiles left to decode says it is done
+    def __init__(self, source: str, run_key: str, flow_run_id: str | UUID | None, progress: RunProgress) -> None:
+        self._shown = progress.text()
         self._id = create(
-            "progress", clip_key("tiles", source, run_key), 0.0, tile_progress_text(0, total), flow_run_id
+            "progress", clip_key("tiles", source, run_key), _share(progress), progress.text(), flow_run_id
         )
 
-    def update(self, done: int, windows: Sequence[tuple[int, int]] = ()) -> None:
-        """`done` tiles decoded so far; `windows` the (done, total) of each window when a clip has several.
-
-        The count is the store's: two tiles that finish together are counted by the first of their updates, and
-        the second, which would say the same, is not sent."""
-        if done <= self._shown:
+    def update(self, progress: RunProgress) -> None:
+        """The run's progress as the store says it now: two tasks that finish together read the same, and what the
+        first sent is not sent again."""
+        text = progress.text()
+        if text == self._shown:
             return
-        self._shown = done
-        update(self._id, percent(done, self.total), tile_progress_text(done, self.total, windows))
+        self._shown = text
+        update(self._id, _share(progress), text)
+
+
+def _share(progress: RunProgress) -> float:
+    return percent(progress.decoded, progress.total)
 
 
 @dataclass(frozen=True)
@@ -162,6 +158,7 @@ class ClipReport:
     tiles_total: int
     tiles_computed: int
     tiles_reused: int
+    items: dict[str, StageCount]  # per stage, in pipeline order: items computed and reused
     workers: str
     output: str  # absolute
     output_bytes: int
@@ -241,6 +238,13 @@ def clip_report_markdown(report: ClipReport) -> str:
                     [[report.tiles_total, report.tiles_computed, report.tiles_reused]],
                     align="rrr",
                 ),
+                "Items by stage, from the run's timeline: *computed* in this run, *reused* as an earlier run left "
+                "them in the store.",
+                markdown_table(
+                    ["stage", "items", "computed", "reused"],
+                    [[stage, c.computed + c.reused, c.computed, c.reused] for stage, c in report.items.items()],
+                    align="lrrr",
+                ),
                 f"**Output** `{report.output}` ({size_text(report.output_bytes)}){reused}",
                 f"**Run store** `{report.store}`: the manifest, the stored stages and their completion records; "
                 "rerunning the same command resumes from it.",
@@ -284,38 +288,66 @@ def workers_in_use() -> str:
 # ------------------------------------------------------------------------------------------------ archive runs
 
 
-def archive_progress_text(done: int, failed: int, total: int, running: Sequence[str] = ()) -> str:
-    """`1 done, 0 failed, 2 left of 3 clips; running: a.mp4`."""
-    text = f"{done} done, {failed} failed, {total - done - failed} left of {total} clips"
-    return text + (f"; running: {', '.join(running)}" if running else "")
+ARCHIVE_POLL_S = 2.0
 
 
 class ArchiveProgress:
-    """An archive run's progress artifact: clips done, failed and left, and the clips running now."""
+    """An archive run's progress artifact: clips done, failed and left, and where each running clip stands, read
+    from its run store while it runs (`watching`): the words of the terminal's lines."""
 
     def __init__(self, archive: str, flow_run_id: str | UUID | None, total: int) -> None:
         self.total, self.done, self.failed = total, 0, 0
-        self.running: list[str] = []
+        self.running: dict[str, RunStore] = {}  # clip -> its run store, in the order they started
+        self._plans: dict[str, ClipPlan] = {}
         self._lock = threading.Lock()  # clips start and end in several threads; each update shows one moment
-        self._id = create(
-            "progress", f"archive-progress-{archive}", 0.0, archive_progress_text(0, 0, total), flow_run_id
-        )
+        self._shown = self.text()
+        self._id = create("progress", f"archive-progress-{archive}", 0.0, self._shown, flow_run_id)
 
-    def started(self, clip: str) -> None:
+    def started(self, clip: str, store: RunStore) -> None:
         with self._lock:
-            self.running.append(clip)
+            self.running[clip] = store
             self._show()
 
     def finished(self, clip: str, failed: bool) -> None:
         with self._lock:
-            self.running.remove(clip)
+            del self.running[clip]
+            self._plans.pop(clip, None)
             self.failed += failed
             self.done += not failed
             self._show()
 
+    def text(self) -> str:
+        """`clips: 1 done, 0 failed, 2 left · b.mp4: decode · window 2 of 3 · 7 of 18 tiles`."""
+        clips = [clips_text(self.done, self.failed, self.total - self.done - self.failed)]
+        for clip, store in self.running.items():
+            plan = self._plans.get(clip) or stored_plan(store)
+            if plan is not None:
+                self._plans[clip] = plan
+            clips.append(clip_text(clip, None if plan is None else read_progress(store, plan)))
+        return SEPARATOR.join(clips)
+
     def _show(self) -> None:
-        update(
-            self._id,
-            percent(self.done + self.failed, self.total),
-            archive_progress_text(self.done, self.failed, self.total, self.running),
-        )
+        text = self.text()
+        if text != self._shown:
+            self._shown = text
+            update(self._id, percent(self.done + self.failed, self.total), text)
+
+    @contextmanager
+    def watching(self, every_s: float = ARCHIVE_POLL_S) -> Iterator[None]:
+        """While the block runs, the running clips' progress is shown every `every_s` seconds as it changes."""
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.wait(every_s):
+                with self._lock:
+                    self._show()
+
+        # In this context: the Prefect settings (the API's address) may live in context variables.
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(poll,), name="archive-progress")
+        thread.daemon = True
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()

@@ -47,7 +47,7 @@ from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams, output_name
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
-from storage import default_store_root, parse_store_root
+from storage import RunStore, default_store_root, parse_store_root
 from storage.records import atomic_write_bytes
 
 VIDEO_GLOBS = (
@@ -504,12 +504,14 @@ def upscale_archive(
     last_table = time.monotonic()
     with (
         shared_tiles_cluster(workers, gpus, dask_address) as address,
+        progress.watching(),
         ThreadPoolExecutor(max_workers=max(1, max_parallel), thread_name_prefix="archive-clip") as pool,
     ):
 
         def run(index: int) -> tuple[int, float, str | None, Any]:
             row = rows[index]
-            progress.started(row.relative_path)
+            run_ref = plans[row.relative_path].run
+            progress.started(row.relative_path, RunStore(run_ref.store_root, run_ref.run_key))
             started = time.perf_counter()
             try:
                 clip_run, outcome = upscale_one(row.relative_path, row.output, plans[row.relative_path], model, address)

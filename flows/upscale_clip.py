@@ -34,6 +34,7 @@ from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
+from storage.progress import StageCount, read_progress, run_finished, stage_counts
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
 from tasks.descriptors import StageResult
@@ -56,6 +57,7 @@ class ClipSummary(BaseModel):
     dit_calls: int
     timings: dict[str, float]  # busy seconds: each stage's task times added up (tasks overlap: more than the run)
     spans: dict[str, float] = {}  # wall-clock seconds from each stage's first start to its last end
+    items: dict[str, StageCount] = {}  # per stage: the items this attempt computed and those it reused
     reused_output: bool
 
 
@@ -144,14 +146,14 @@ def upscale_clip(
         record(ingested)
         plan = ingested.plan
         total = plan.num_tiles * plan.num_windows
-        progress = artifacts.TileProgress(prepared.source, run.run_key, flow_run.id, total)
+        progress = artifacts.TileProgress(prepared.source, run.run_key, flow_run.id, read_progress(store, plan))
         denoised: list[StageResult] = []
-        if store.output_done():
-            progress.update(total)
-        else:
+        if not store.output_done():
             denoised = _windows(run, model, plan, record, attempt, progress, store)
             record(stage_tasks.mux(run, attempt))
+            progress.update(read_progress(store, plan))
         record(stage_tasks.publish(run, str(destination)))
+        progress.update(run_finished(plan))
 
     # The store says what this attempt computed: a tile Dask recomputed after a worker died is counted, once.
     computed = store.tiles_computed(attempt)
@@ -173,6 +175,7 @@ def upscale_clip(
         dit_calls=sum(result.dit_calls for result in denoised),
         timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
         spans={span.stage: round(span.span, 3) for span in clock.spans()},
+        items=stage_counts(store, plan, attempt),
         reused_output=store.attempt_of("mux") != attempt,
     )
     _report(store, summary, clock, plan)
@@ -219,7 +222,6 @@ def _windows(
     denoised: list[StageResult] = []
     failures: dict[tuple[int, int], str] = {}  # (window, tile or -1 for the window's own stages) -> cause
     unreachable: StoreUnreachable | None = None  # the store, not a tile, is at fault: said once, not per tile
-    decoded = store.decoded_per_window(plan.num_windows)
     # Every task is recorded as it ends, so the stage clock sees when each one finished.
     for future in as_completed(list(what)):
         stage, window, tiles = what[future]
@@ -234,10 +236,8 @@ def _windows(
             for key in [(window, tile) for tile in tiles] or [(window, -1)]:
                 failures.setdefault(key, message)
             continue
-        if stage == "decode":
-            decoded = store.decoded_per_window(plan.num_windows)
-            progress.update(sum(decoded), [(done, plan.num_tiles) for done in decoded])
-        elif stage == "denoise":
+        progress.update(read_progress(store, plan))  # each task's end may move the run to its next stage
+        if stage == "denoise":
             denoised.append(result)
     if unreachable is not None:
         raise unreachable
@@ -290,6 +290,7 @@ def _report(store: RunStore, summary: ClipSummary, clock: StageClock, plan: Clip
             tiles_total=summary.tiles_total,
             tiles_computed=summary.tiles_computed,
             tiles_reused=summary.tiles_reused,
+            items=summary.items,
             workers=artifacts.workers_in_use(),
             output=str(output),
             output_bytes=output.stat().st_size,

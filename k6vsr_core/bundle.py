@@ -143,8 +143,9 @@ def is_local(model: str) -> bool:
     return Path(model).expanduser().exists() or model.startswith((".", "/", "~"))
 
 
-def resolve_bundle_path(model: str, revision: str | None = None) -> Path:
-    """A local folder as is; otherwise a Hugging Face repo id, from the local cache or downloaded."""
+def resolve_bundle_path(model: str, revision: str | None = None, weights: bool = True) -> Path:
+    """A local folder as is; otherwise a Hugging Face repo id, from the local cache or downloaded (without its
+    weight files unless `weights`: planning reads the configs only)."""
     path = Path(model).expanduser()
     if is_local(model):
         if not path.is_dir():
@@ -152,7 +153,7 @@ def resolve_bundle_path(model: str, revision: str | None = None) -> Path:
         return path.resolve()
     from huggingface_hub import snapshot_download
 
-    patterns = [MODEL_INDEX, "*/config.json", "*/scheduler_config.json", f"*/{WEIGHTS}"]
+    patterns = [MODEL_INDEX, "*/config.json", "*/scheduler_config.json", *([f"*/{WEIGHTS}"] if weights else [])]
     try:
         return Path(snapshot_download(model, revision=revision, allow_patterns=patterns, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached: try the network next
@@ -278,7 +279,8 @@ def latent_upscaler_kwargs(config: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------- validation
 
 
-def _check_weights_file(folder: Path, component: str) -> Path:
+def _check_weights_file(folder: Path, component: str, required: bool = True) -> Path | None:
+    """The component's safetensors file; None when it is absent and not `required` (a bundle of configs only)."""
     if not folder.is_dir():
         raise BundleError(f"{component}: component folder {folder} is missing")
     pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -289,8 +291,15 @@ def _check_weights_file(folder: Path, component: str) -> Path:
         )
     weights = folder / WEIGHTS
     if not weights.is_file():
+        if not required:
+            return None
         raise BundleError(f"{component}: {weights} is missing")
     return weights
+
+
+def weights_present(path: Path) -> bool:
+    """Whether every component of the bundle folder has its weight file (a plan needs none of them)."""
+    return all((path / component / WEIGHTS).is_file() for component in COMPONENTS)
 
 
 def _check_tensors(component: str, model_cls: Any, kwargs: dict[str, Any], weights: Path) -> None:
@@ -411,17 +420,20 @@ class _PlannedBundle(BaseModel):
     info: BundleInfo
 
 
-def locate_bundle(model: str, revision: str | None = None, model_id: str | None = None) -> _PlannedBundle:
+def locate_bundle(
+    model: str, revision: str | None = None, model_id: str | None = None, weights: bool = True
+) -> _PlannedBundle:
     """Find and validate a bundle by repo id or folder, without reading any weight data.
 
     The released repo defaults to its pinned revision. A repo keeps its id as identity; a local copy is identified by
-    its content fingerprint unless `model_id` gives it the identity of its origin.
+    its content fingerprint unless `model_id` gives it the identity of its origin. Without `weights`, the configs
+    are enough (a plan): weight files are neither downloaded nor required, and those present are still checked.
     """
     local = is_local(model)
     if revision is None and not local and model == DEFAULT_MODEL:
         revision = DEFAULT_REVISION
-    path = resolve_bundle_path(model, revision)
-    return inspect_bundle(path, model_id=model_id or (None if local else model), revision=revision)
+    path = resolve_bundle_path(model, revision, weights)
+    return inspect_bundle(path, model_id=model_id or (None if local else model), revision=revision, weights=weights)
 
 
 def model_traits(info: BundleInfo) -> ModelTraits:
@@ -434,9 +446,11 @@ def model_traits(info: BundleInfo) -> ModelTraits:
 _MATCHING_WEIGHTS: set[tuple[Path, str, str]] = set()
 
 
-def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None = None) -> _PlannedBundle:
+def inspect_bundle(
+    path: Path, model_id: str | None = None, revision: str | None = None, weights: bool = True
+) -> _PlannedBundle:
     """Validate a bundle folder without reading any weight data; the weights against the architecture once per
-    content (`fingerprint`) in a process."""
+    content (`fingerprint`) in a process. Without `weights`, a component may lack its weight file."""
     print_fp = fingerprint(path)
     index = _read_json(path / MODEL_INDEX, "model_index")
     for component in (*COMPONENTS, "scheduler"):
@@ -448,17 +462,17 @@ def inspect_bundle(path: Path, model_id: str | None = None, revision: str | None
     kwargs: dict[str, dict[str, Any]] = {}
     raw: dict[str, dict[str, Any]] = {}
     for component in COMPONENTS:
-        weights = _check_weights_file(path / component, component)
+        weights_file = _check_weights_file(path / component, component, required=weights)
         raw[component] = _read_json(path / component / "config.json", component)
         try:
             kwargs[component] = translators[component](raw[component])
         except (KeyError, TypeError, ValueError) as err:
             raise BundleError(f"{component}: config.json cannot be read as this model ({err})") from None
         defaults = classes[component]  # unknown names fail here rather than deep inside diffusers
-        if (path, print_fp, component) in _MATCHING_WEIGHTS:
+        if weights_file is None or (path, print_fp, component) in _MATCHING_WEIGHTS:
             continue
         try:
-            _check_tensors(component, defaults, kwargs[component], weights)
+            _check_tensors(component, defaults, kwargs[component], weights_file)
         except TypeError as err:
             raise BundleError(f"{component}: config.json has arguments this model does not take ({err})") from None
         _MATCHING_WEIGHTS.add((path, print_fp, component))

@@ -102,6 +102,35 @@ class RecordBook:
             name = f"{line['stage']}-{line['item']}-{line['attempt'] or line['pid']}.json"
             (self.root.parent / "timeline" / name).write_bytes(json.dumps(line).encode())
 
+    def computed(self, attempt: str) -> dict[str, set[str]]:
+        """The items each stage computed in `attempt`, by stage, from the timeline (an item a retry computed again
+        counts once); the items it found done are in no line of it."""
+        computed: dict[str, set[str]] = {}
+        for line in self._lines(attempt):
+            if line.get("attempt") == attempt and isinstance(line.get("stage"), str):
+                computed.setdefault(line["stage"], set()).add(str(line.get("item")))
+        return computed
+
+    def _lines(self, attempt: str) -> list[dict[str, Any]]:
+        if isinstance(self.root, LocalLocation):
+            try:
+                text = (self.root.path.parent / "timeline.jsonl").read_text(encoding="utf-8")
+            except FileNotFoundError:
+                return []
+            blobs = text.splitlines()
+        else:
+            folder = self.root.parent / "timeline"
+            blobs = [(folder / name).read_bytes().decode() for name in folder.names(f"-{attempt}.json")]
+        lines = []
+        for blob in blobs:
+            try:
+                line = json.loads(blob)
+            except ValueError:  # a line cut short by a killed process
+                continue
+            if isinstance(line, dict):
+                lines.append(line)
+        return lines
+
     def read(self, stage: str, item: str) -> CompletionRecord | None:
         """The record, or None when it is missing or unreadable (a damaged record means 'not done')."""
         try:

@@ -138,7 +138,7 @@ def test_archive_runs_reuses_and_reruns_nothing(
             (f"archive-progress-{slug}", "progress"),
         ]
         progress = next(a for a in artifacts if a.type == "progress")
-        assert float(progress.data) == 100.0 and progress.description == "3 done, 0 failed, 0 left of 3 clips"
+        assert float(progress.data) == 100.0 and progress.description == "clips: 3 done, 0 failed, 0 left"
         table = next(a for a in artifacts if a.type == "markdown")
         assert table.description == "3 done, 1 reused, 1 skipped"
         for relative, row in rows.items():

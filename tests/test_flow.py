@@ -13,6 +13,7 @@ import numpy as np
 import procs
 import pytest
 
+from entrypoints.console import summary_lines
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import default_profile
@@ -261,6 +262,19 @@ def test_truncated_tile_chunk_is_detected_and_recomputed(
         store.records.drop(stage, item)
     again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
     assert (again.tiles_computed, again.dit_calls) == (1, 2)
+    # Per stage, what ran: tile 3's denoise and decode and the window's own stages; the rest was found stored.
+    assert {stage: (c.computed, c.reused) for stage, c in again.items.items()} == {
+        "ingest": (0, 1),
+        "encode": (0, 1),
+        "denoise": (1, 5),
+        "decode": (1, 5),
+        "blend": (1, 0),
+        "segment": (1, 0),
+        "mux": (1, 0),
+    }
+    line = summary_lines(again.model_dump(mode="json"))[3]
+    assert line.startswith("items by stage: ingest: 0 computed, 1 reused; encode: 0 computed, 1 reused; denoise: ")
+    assert "; decode: 1 computed, 5 reused; blend: 1 computed, 0 reused;" in line
     assert (tmp_path / "b.mp4").read_bytes() == reference
 
 

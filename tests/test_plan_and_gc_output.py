@@ -4,6 +4,7 @@ raw byte counts; `--json` for machines; `gc --dry-run` deletes nothing."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,31 @@ def test_plan_prints_a_readable_table(clip_1f: Path, tiny_bundle_path: Path, tmp
 
     machine = json.loads(_run([*argv, "--json"], capsys))
     assert machine["tiles_per_window"] == 6 and machine["store_estimate"]["peak_bytes"] > 0
+
+
+def test_plan_needs_only_the_model_configs(clip_1f: Path, tiny_bundle_path: Path, tmp_path: Path, capsys) -> None:
+    """A bundle folder of config files alone (no weights) plans as the whole bundle does; only the model's identity,
+    and the run key made from it, differ, and the table says why."""
+    configs = tmp_path / "configs-only"
+    for config in tiny_bundle_path.rglob("*.json"):
+        target = configs / config.relative_to(tiny_bundle_path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(config, target)
+    assert not list(configs.rglob("*.safetensors"))
+
+    def plan(model: Path, *flags: str) -> str:
+        argv = ["plan", str(clip_1f), "--scale", "2", "--model", str(model), "--store", str(tmp_path / "store")]
+        return _run([*argv, *flags], capsys)
+
+    full, light = json.loads(plan(tiny_bundle_path, "--json")), json.loads(plan(configs, "--json"))
+    assert full["model_weights_present"] is True and light["model_weights_present"] is False
+    assert light["model"] != full["model"] and light["run_key"] != full["run_key"]
+    identity = {"model", "model_weights_present", "run_key"}
+    assert {k: v for k, v in light.items() if k not in identity} == {k: v for k, v in full.items() if k not in identity}
+
+    model_line = next(line for line in plan(configs).splitlines() if line.startswith("model"))
+    assert model_line.endswith("(configs only: the run key changes once the weight files are in the folder)")
+    assert "configs only" not in plan(tiny_bundle_path)
 
 
 def test_gc_dry_run_says_what_it_would_reclaim_in_mb(tmp_path: Path, capsys) -> None:

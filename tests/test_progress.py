@@ -1,15 +1,20 @@
-"""The run's progress display: the bar counts every (window, tile) item of the run, not one window's, and names the
-stage and window holding the run back, from the store's records alone."""
+"""The run's progress displays: the bar counts every (window, tile) item of the run, not one window's, names the stage
+and window holding the run back, from the store's records alone, and says the time left; an archive shows its clips
+done, failed and left with the current clip's bar. The terminal and the Prefect UI say the same words."""
 
 from __future__ import annotations
 
+import io
+import json
+import time
 from pathlib import Path
 
-from entrypoints.progress import clips_text, describe, run_stage
+from entrypoints import progress as terminal
 from k6vsr_core.bundle import TINY_TILE_SIZES
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ModelTraits, make_plan
 from storage import RunStore
+from storage.progress import RunProgress, read_progress, run_finished, stage_counts
 
 # 250 frames at 24 fps: three windows of the tiny model's 6 tiles each (128x96 at x2).
 PLAN = make_plan((96, 128), 250, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
@@ -22,26 +27,145 @@ def _record(store: RunStore, stage: str, *items: str) -> None:
         (folder / f"{item}.json").write_text("{}")
 
 
-def test_stages_and_windows_as_the_run_passes(tmp_path: Path) -> None:
+def _tiles(window: int, count: int = 6) -> list[str]:
+    return [f"{window}-{tile}" for tile in range(count)]
+
+
+def test_stages_and_windows_as_the_run_passes(tmp_path: Path, monkeypatch) -> None:
     assert (PLAN.num_windows, PLAN.num_tiles) == (3, 6)
     store = RunStore(tmp_path, "run")
-    assert run_stage(store, PLAN) == ("ingest", 0)
+
+    def now() -> str:
+        return read_progress(store, PLAN).text()
+
+    assert now() == "ingest · window 1 of 3 · 0 of 18 tiles"
     _record(store, "ingest", "audio", "all")
-    assert run_stage(store, PLAN) == ("encode", 0)
+    assert now() == "encode · window 1 of 3 · 0 of 18 tiles"
     _record(store, "encode", "0", "1")
-    assert run_stage(store, PLAN) == ("denoise", 0)
-    _record(store, "denoise", *(f"0-{tile}" for tile in range(6)))
-    assert run_stage(store, PLAN) == ("decode", 0)
-    _record(store, "decode", *(f"0-{tile}" for tile in range(6)))
-    assert run_stage(store, PLAN) == ("denoise", 1)  # window 1 is encoded already
-    assert describe(*run_stage(store, PLAN), PLAN) == "denoise, window 2 of 3"
-    assert store.tiles_decoded() == 6  # of 18: the bar's total is every window's tiles
-    _record(store, "decode", *(f"{window}-{tile}" for window in (1, 2) for tile in range(6)))
-    assert run_stage(store, PLAN) == ("blend and segment", 2)
-    _record(store, "segment", "0", "1", "2")
-    assert run_stage(store, PLAN) == ("mux", 2)
+    assert now() == "denoise · window 1 of 3 · 0 of 18 tiles"
+    _record(store, "denoise", *_tiles(0))
+    assert now() == "decode · window 1 of 3 · 0 of 18 tiles"
+    _record(store, "decode", *_tiles(0, 4))
+    assert now() == "decode · window 1 of 3 · 4 of 18 tiles"
+    _record(store, "decode", *_tiles(0))
+    assert now() == "denoise · window 2 of 3 · 6 of 18 tiles"  # window 2 is encoded already
+    _record(store, "denoise", *_tiles(1))
+    _record(store, "decode", *_tiles(1, 1))
+    assert now() == "decode · window 2 of 3 · 7 of 18 tiles"
+    _record(store, "decode", *_tiles(1))
+    assert now() == "encode · window 3 of 3 · 12 of 18 tiles"
+    _record(store, "encode", "2")
+    _record(store, "denoise", *_tiles(2))
+    _record(store, "decode", *_tiles(2))
+    _record(store, "blend", "0")
+    assert now() == "blend · window 2 of 3 · 18 of 18 tiles"
+    _record(store, "blend", "1", "2")
+    _record(store, "segment", "0", "1")
+    assert now() == "segment · window 3 of 3 · 18 of 18 tiles"
+    _record(store, "segment", "2")
+    assert now() == "mux · window 3 of 3 · 18 of 18 tiles"
+    # The joined output recorded (its record carries the file's checksum, which this test does not write).
+    monkeypatch.setattr(RunStore, "output_done", lambda self: True)
+    assert now() == "publish · window 3 of 3 · 18 of 18 tiles"
+    assert run_finished(PLAN).text() == "done · 18 of 18 tiles"
 
 
-def test_an_archive_counts_its_clips_done_failed_and_left() -> None:
-    statuses = ["done", "failed", "planned", "planned", "skipped", "reused"]
-    assert clips_text(statuses) == ("clips: 1 done, 1 failed, 2 left", 2, 4)
+def test_one_window_names_no_window() -> None:
+    assert RunProgress("decode", 0, 1, 2, 6).text() == "decode · 2 of 6 tiles"
+    assert RunProgress("decode", 0, 1, 0, 1).text() == "decode · 0 of 1 tile"
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_terminal_bar_says_the_artifact_words_and_the_time_left(tmp_path: Path, monkeypatch) -> None:
+    clock = FakeTime()
+    monkeypatch.setattr("tqdm.std.time", clock)
+    store = RunStore(tmp_path, "run")
+    _record(store, "ingest", "all")
+    _record(store, "encode", "0", "1")
+    _record(store, "denoise", *_tiles(0), *_tiles(1))
+    _record(store, "decode", *_tiles(0))
+    out = io.StringIO()
+    bar = terminal.RunBar(store, PLAN, out)
+    clock.now = 10.0
+    _record(store, "decode", *_tiles(1, 3))
+    bar.show()
+    shown = out.getvalue().split("\r")[-1]
+    # Counted from what this run decoded (3 tiles in 10 s, not the 6 it found done): 9 left take 30 s.
+    assert shown.startswith("decode · window 2 of 3 · 9 of 18 tiles |"), shown
+    assert shown.endswith("| 00:30 left"), shown
+    bar.close()
+
+
+def _manifest(path: Path, store_root: Path, statuses: list[str]) -> None:
+    rows = [
+        {"relative_path": f"clip{i}.mp4", "run_key": f"run{i}", "status": status} for i, status in enumerate(statuses)
+    ]
+    path.write_text(json.dumps({"store_root": str(store_root), "rows": rows}))
+
+
+def test_an_archive_shows_its_clips_and_the_current_clips_bar(tmp_path: Path, monkeypatch) -> None:
+    manifest, root = tmp_path / "manifest.json", tmp_path / "store"
+    out = io.StringIO()
+    bars = terminal.ArchiveBars(manifest, out, since=time.time() - 60)
+    bars.show()  # no manifest yet: planning
+    assert bars.clips.desc == "planning the clips" and bars.clip is None
+
+    _manifest(manifest, root, ["done", "failed", "planned", "planned", "skipped", "reused"])
+    bars.show()  # clip2 runs; its ingest has not recorded its plan yet
+    assert bars.clips.desc == "clips: 1 done, 1 failed, 2 left · clip2.mp4: ingest" and bars.clip is None
+
+    store = RunStore(root, "run2")
+    store.path.mkdir(parents=True)
+    (store.path / "manifest.json").write_text("{}")  # not yet a readable manifest: still nothing to show
+    bars.show()
+    assert bars.clip is None
+
+    # Its ingest recorded the plan (a whole run manifest, which this test does not write).
+    monkeypatch.setattr(terminal, "stored_plan", lambda store: PLAN if store.run_key == "run2" else None)
+    _record(store, "ingest", "all")
+    _record(store, "encode", "0")
+    bars.show()
+    assert bars.clips.desc == "clips: 1 done, 1 failed, 2 left"
+    assert bars.clip is not None and bars.clip.bar.desc == "clip2.mp4: denoise · window 1 of 3 · 0 of 18 tiles"
+    assert (bars.clips.n, bars.clips.total) == (2, 4)
+
+    _manifest(manifest, root, ["done", "failed", "done", "planned", "skipped", "reused"])
+    bars.show()  # clip2 ended; clip3 has no plan yet
+    assert bars.clip is None and bars.clips.desc == "clips: 2 done, 1 failed, 1 left · clip3.mp4: ingest"
+    bars.close()
+
+
+def test_an_old_manifest_is_a_previous_runs_and_not_read(tmp_path: Path) -> None:
+    manifest = tmp_path / "manifest.json"
+    _manifest(manifest, tmp_path, ["done", "planned"])
+    bars = terminal.ArchiveBars(manifest, io.StringIO(), since=time.time() + 60)
+    bars.show()
+    assert bars.clips.desc == "planning the clips"
+    bars.close()
+
+
+def test_stage_counts_come_from_the_timeline_of_the_attempt(tmp_path: Path) -> None:
+    """What an attempt computed is what its timeline says, each item once; the rest of each stage it reused."""
+    store = RunStore(tmp_path, "run")
+    records = store.records
+    for stage, items in (("ingest", ["all"]), ("encode", ["0", "1", "2"]), ("decode", _tiles(0))):
+        for item in items:
+            records.write(stage, item, "sum", seconds=1.0, attempt="first")
+    records.write("decode", "1-0", "sum", seconds=1.0, attempt="second")
+    records.write("decode", "1-1", "sum", seconds=1.0, attempt="second")
+    records.write("decode", "1-1", "sum", seconds=1.0, attempt="second")  # a retry computed it again
+    records.write("decode", "1-2", "sum", seconds=0.0, attempt="second")  # found done: no line
+    with open(store.path / "timeline.jsonl", "a") as log:
+        log.write('{"stage": "decode", "item": "1-')  # a line cut short by a killed process
+    counts = stage_counts(store, PLAN, "second")
+    assert counts["decode"].text() == "2 computed, 16 reused"
+    assert counts["ingest"].text() == "0 computed, 1 reused"
+    assert stage_counts(store, PLAN, "first")["encode"].text() == "3 computed, 0 reused"
+    assert list(counts) == ["ingest", "encode", "denoise", "decode", "blend", "segment", "mux"]

@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 
 from flows import artifacts
-from flows.stage_clock import StageClock
+from flows.stage_clock import PIPELINE, StageClock
+from k6vsr_core.bundle import TINY_TILE_SIZES
+from k6vsr_core.params import parse_params
+from k6vsr_core.plan import ModelTraits, make_plan
 from service.runs import ModelSpec
+from storage import RunStore
+from storage.progress import RunProgress, StageCount, run_finished
 
+# 250 frames at 24 fps: three windows of the tiny model's 6 tiles each (128x96 at x2).
+PLAN = make_plan((96, 128), 250, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
+ONE_WINDOW = make_plan((96, 128), 1, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
 STAGE_ROW = re.compile(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (\d*) \|$", re.MULTILINE)
 
 
@@ -78,38 +87,42 @@ def test_a_stage_the_pipeline_does_not_name_comes_last_and_reused_tasks_take_no_
     assert clock.spans()[-1].adds == 0.0
 
 
-def test_progress_texts_say_the_counts_and_reach_exactly_100() -> None:
-    assert artifacts.tile_progress_text(4, 6) == "4 of 6 tiles decoded"
-    assert artifacts.tile_progress_text(8, 12, [(6, 6), (2, 6)]) == (
-        "8 of 12 tiles decoded; 1 of 2 windows done (window 2: 2 of 6 tiles)"
-    )
-    assert artifacts.tile_progress_text(12, 12, [(6, 6), (6, 6)]) == "12 of 12 tiles decoded; 2 of 2 windows done"
+def test_percent_reaches_exactly_100() -> None:
     assert [artifacts.percent(done, 7) for done in (0, 7)] == [0.0, 100.0]
     assert artifacts.percent(2, 3) < 100.0 and artifacts.percent(0, 0) == 100.0
-    assert artifacts.archive_progress_text(1, 1, 4, ["a.mp4", "sub/b.mp4"]) == (
-        "1 done, 1 failed, 2 left of 4 clips; running: a.mp4, sub/b.mp4"
-    )
 
 
-def test_archive_progress_follows_clips_as_they_start_and_end(monkeypatch) -> None:
+def test_archive_progress_follows_clips_as_they_start_and_end(tmp_path: Path, monkeypatch) -> None:
+    """The artifact says what the terminal's lines say: the clips, then where each running clip stands."""
     shown: list[tuple[float, str]] = []
     monkeypatch.setattr(artifacts, "create", lambda kind, key, data, text, run: shown.append((data, text)) or "id")
     monkeypatch.setattr(artifacts, "update", lambda artifact, data, text: shown.append((data, text)))
+    plans = {"b": ONE_WINDOW}
+    monkeypatch.setattr(artifacts, "stored_plan", lambda store: plans.get(store.run_key))
+    stores = {name: RunStore(tmp_path, name) for name in "abc"}
     progress = artifacts.ArchiveProgress("nightly-abc123", "run-id", 3)
-    progress.started("a.mp4")
-    progress.started("b.mp4")
+    progress.started("a.mp4", stores["a"])
+    progress.started("b.mp4", stores["b"])
     progress.finished("a.mp4", failed=False)
+    folder = stores["b"].path / "done" / "ingest"
+    folder.mkdir(parents=True)
+    (folder / "all.json").write_text("{}")
+    with progress.watching(every_s=0.01):
+        deadline = time.monotonic() + 5
+        while "encode" not in shown[-1][1] and time.monotonic() < deadline:
+            time.sleep(0.01)
     progress.finished("b.mp4", failed=True)
-    progress.started("c.mp4")
+    progress.started("c.mp4", stores["c"])
     progress.finished("c.mp4", failed=False)
     assert [text for _, text in shown] == [
-        "0 done, 0 failed, 3 left of 3 clips",
-        "0 done, 0 failed, 3 left of 3 clips; running: a.mp4",
-        "0 done, 0 failed, 3 left of 3 clips; running: a.mp4, b.mp4",
-        "1 done, 0 failed, 2 left of 3 clips; running: b.mp4",
-        "1 done, 1 failed, 1 left of 3 clips",
-        "1 done, 1 failed, 1 left of 3 clips; running: c.mp4",
-        "2 done, 1 failed, 0 left of 3 clips",
+        "clips: 0 done, 0 failed, 3 left",
+        "clips: 0 done, 0 failed, 3 left · a.mp4: ingest",
+        "clips: 0 done, 0 failed, 3 left · a.mp4: ingest · b.mp4: ingest · 0 of 6 tiles",
+        "clips: 1 done, 0 failed, 2 left · b.mp4: ingest · 0 of 6 tiles",
+        "clips: 1 done, 0 failed, 2 left · b.mp4: encode · 0 of 6 tiles",  # seen while it runs, not at its end
+        "clips: 1 done, 1 failed, 1 left",
+        "clips: 1 done, 1 failed, 1 left · c.mp4: ingest",
+        "clips: 2 done, 1 failed, 0 left",
     ]
     assert shown[-1][0] == 100.0 and shown[-2][0] < 100.0
 
@@ -146,6 +159,11 @@ def _report(**changes) -> artifacts.ClipReport:
         tiles_total=6,
         tiles_computed=4,
         tiles_reused=2,
+        items={
+            "ingest": StageCount(computed=0, reused=1),
+            "denoise": StageCount(computed=4, reused=2),
+            "decode": StageCount(computed=4, reused=2),
+        },
         workers="2 threads in process 1 on h",
         output="/out/dawn_sr2x.mp4",
         output_bytes=3 * 1024 * 1024,
@@ -164,6 +182,8 @@ def test_clip_report_lists_stages_in_order_within_the_run() -> None:
     assert "before (64x48)" in markdown and "after (128x96)" in markdown
     assert "`/out/dawn_sr2x.mp4` (3.0 MiB)" in markdown and "`/store/runs/abab`" in markdown
     assert "| 6 | 4 | 2 |" in markdown and "2 threads in process 1 on h" in markdown
+    assert "| stage | items | computed | reused |" in markdown
+    assert "| ingest | 1 | 0 | 1 |" in markdown and "| decode | 6 | 4 | 2 |" in markdown
     assert "published from the finished run" in artifacts.clip_report_markdown(_report(reused_output=True))
 
 
@@ -214,19 +234,22 @@ def test_manifest_table_links_clip_runs_and_puts_long_text_last(tmp_path: Path) 
 # --------------------------------------------------------------------------------------------------- with Prefect
 
 
-def test_tile_progress_sends_each_count_once_even_when_two_tiles_finish_together(monkeypatch) -> None:
-    sent: list[str] = []
-    monkeypatch.setattr(artifacts, "create", lambda *args: "artifact")
-    monkeypatch.setattr(artifacts, "update", lambda artifact_id, data, text: sent.append(text))
-    progress = artifacts.TileProgress("clip.mp4", "key", None, 6)
-    # Two decodes end at once: both futures read the store after both finished, so both see 6.
-    for done in (1, 2, 2, 4, 6, 6):
-        progress.update(done)
-    assert sent == [f"{n} of 6 tiles decoded" for n in (1, 2, 4, 6)]
-    reused = artifacts.TileProgress("clip.mp4", "key", None, 6)
-    reused.update(6)
-    reused.update(6)
-    assert sent[-1:] == ["6 of 6 tiles decoded"] and len(sent) == 5
+def test_tile_progress_says_each_moment_once_even_when_two_tiles_finish_together(monkeypatch) -> None:
+    sent: list[tuple[float, str]] = []
+    monkeypatch.setattr(artifacts, "create", lambda kind, key, data, text, run: sent.append((data, text)))
+    monkeypatch.setattr(artifacts, "update", lambda artifact_id, data, text: sent.append((data, text)))
+    progress = artifacts.TileProgress("clip.mp4", "key", None, RunProgress("encode", 0, 3, 0, 18))
+    # Two decodes end at once: both futures read the store after both finished, so both see 8.
+    for stage, window, done in [("denoise", 0, 0), ("decode", 1, 7), ("decode", 1, 8), ("decode", 1, 8)]:
+        progress.update(RunProgress(stage, window, 3, done, 18))
+    progress.update(run_finished(PLAN))
+    assert sent == [
+        (0.0, "encode · window 1 of 3 · 0 of 18 tiles"),
+        (0.0, "denoise · window 1 of 3 · 0 of 18 tiles"),
+        (100 * 7 / 18, "decode · window 2 of 3 · 7 of 18 tiles"),
+        (100 * 8 / 18, "decode · window 2 of 3 · 8 of 18 tiles"),
+        (100.0, "done · 18 of 18 tiles"),
+    ]
 
 
 def test_each_clip_run_owns_its_artifacts(
@@ -264,15 +287,20 @@ def test_each_clip_run_owns_its_artifacts(
     ]
     assert summaries[0].run_key == summaries[1].run_key and summaries[1].tiles_reused == summaries[1].tiles_total
     total = summaries[0].tiles_total
-    # The first run counts up to every tile, never twice the same count (two tiles may finish together); the
-    # second, which decodes nothing, says at once that all are done.
+    # The first run names its stages as they pass, in pipeline order, and counts up to every tile, never saying
+    # the same twice (two tiles may finish together); the second, which decodes nothing, says at once it is done.
     first = [(data, text) for run, data, text in updates if run == run_ids[0]]
-    counts = [int(text.split(" of ")[0]) for _, text in first]
-    assert counts == sorted(set(counts)) and counts[-1] == total, first
-    assert all(text == f"{n} of {total} tiles decoded" for n, (_, text) in zip(counts, first, strict=True))
-    assert first[-1][0] == 100.0 and all(data < 100.0 for data, _ in first[:-1])
+    texts = [text for _, text in first]
+    assert len(texts) == len(set(texts)), texts
+    stages = [text.split(" · ")[0] for text in texts]
+    order = [*PIPELINE, "done"]
+    assert [order.index(stage) for stage in stages] == sorted(order.index(stage) for stage in stages), texts
+    assert {"mux", "publish"} <= set(stages) and texts[-1] == f"done · {total} of {total} tiles", texts
+    counts = [int(text.split(" · ")[-1].split(" of ")[0]) for text in texts]
+    assert counts == sorted(counts) and first[-1][0] == 100.0
+    assert all(data == artifacts.percent(n, total) for n, (data, _) in zip(counts, first, strict=True))
     second = [(data, text) for run, data, text in updates if run == run_ids[1]]
-    assert second == [(100.0, f"{total} of {total} tiles decoded")]
+    assert second == [(100.0, f"done · {total} of {total} tiles")]
 
     keys = set()
     with get_client(sync_client=True) as client:
@@ -283,7 +311,7 @@ def test_each_clip_run_owns_its_artifacts(
             assert {a.type for a in found} == {"progress", "markdown"} and len(found) == 2
             assert all(a.task_run_id is None for a in found)
             progress = next(a for a in found if a.type == "progress")
-            assert float(progress.data) == 100.0 and progress.description == f"{total} of {total} tiles decoded"
+            assert float(progress.data) == 100.0 and progress.description == f"done · {total} of {total} tiles"
             report = next(a for a in found if a.type == "markdown")
             assert report.key == artifacts.clip_key("clip-report", str(source), summaries[0].run_key)
             assert "test workers" in report.data and str(tmp_path.resolve()) in report.data

@@ -1,0 +1,124 @@
+"""Where a clip run stands, read from its completion records alone: the stage, the window, the tiles decoded.
+
+The terminal's bar and the Prefect UI's progress artifact both say `RunProgress.text()`, so they never disagree, and
+both work whichever processes compute (threads, Dask workers, warm workers) and count what a resumed run had already
+finished. Stages overlap (window 2 encodes while window 1 decodes): the stage named is that of the earliest window
+not yet through it, which is what holds the run back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from k6vsr_core.errors import StoreError
+from k6vsr_core.plan import ClipPlan
+from storage.run_store import RunStore
+
+SEPARATOR = " · "
+
+
+@dataclass(frozen=True)
+class RunProgress:
+    stage: str  # a stage of the pipeline (flows.stage_clock.PIPELINE), or "done"
+    window: int  # from 0
+    windows: int
+    decoded: int  # (window, tile) items decoded, of every window
+    total: int
+
+    def where(self) -> str:
+        """`decode · window 2 of 3`; the stage alone for a clip of one window, or once the run is done."""
+        if self.windows > 1 and self.stage != "done":
+            return f"{self.stage}{SEPARATOR}window {self.window + 1} of {self.windows}"
+        return self.stage
+
+    def text(self) -> str:
+        """`decode · window 2 of 3 · 7 of 18 tiles`."""
+        return f"{self.where()}{SEPARATOR}{self.decoded} of {self.total} tile{'s' * (self.total != 1)}"
+
+
+def read_progress(store: RunStore, plan: ClipPlan) -> RunProgress:
+    """The run's progress now. Publishing writes no record: once the joined output is recorded, the run publishes."""
+    records = store.records
+    decoded = store.decoded_per_window(plan.num_windows)
+    total = plan.num_windows * plan.num_tiles
+
+    def at(stage: str, window: int = 0) -> RunProgress:
+        return RunProgress(stage, window, plan.num_windows, min(total, sum(decoded)), total)
+
+    if store.output_done():
+        return at("publish", plan.num_windows - 1)
+    if "all" not in records.items("ingest"):
+        return at("ingest")
+    window = next((w for w, count in enumerate(decoded) if count < plan.num_tiles), None)
+    if window is not None:
+        if str(window) not in records.items("encode"):
+            return at("encode", window)
+        denoised = sum(1 for item in records.items("denoise") if item.split("-", 1)[0] == str(window))
+        return at("denoise" if denoised < plan.num_tiles else "decode", window)
+    for stage in ("blend", "segment"):
+        done = set(records.items(stage))
+        window = next((w for w in range(plan.num_windows) if str(w) not in done), None)
+        if window is not None:
+            return at(stage, window)
+    return at("mux", plan.num_windows - 1)
+
+
+def run_finished(plan: ClipPlan) -> RunProgress:
+    """A run whose output is published."""
+    total = plan.num_windows * plan.num_tiles
+    return RunProgress("done", plan.num_windows - 1, plan.num_windows, total, total)
+
+
+def stored_plan(store: RunStore) -> ClipPlan | None:
+    """The plan the run's ingest recorded, which the run follows; None before it is written."""
+    try:
+        return store.read_manifest().plan
+    except (OSError, ValueError, StoreError):  # not written yet, or unreachable: nothing to show yet
+        return None
+
+
+def clips_text(done: int, failed: int, left: int) -> str:
+    """`clips: 1 done, 0 failed, 2 left`."""
+    return f"clips: {done} done, {failed} failed, {left} left"
+
+
+def clip_text(name: str, progress: RunProgress | None) -> str:
+    """`b.mp4: decode · window 2 of 3 · 7 of 18 tiles`; `b.mp4: ingest` before the clip's plan is recorded."""
+    return f"{name}: {'ingest' if progress is None else progress.text()}"
+
+
+class StageCount(BaseModel):
+    """Of a stage's items in a run: those this attempt computed, and those it found done."""
+
+    computed: int
+    reused: int
+
+    def text(self) -> str:
+        return f"{self.computed} computed, {self.reused} reused"
+
+
+def stage_items(plan: ClipPlan) -> dict[str, list[str]]:
+    """The record items each recorded stage has in a run of `plan`, in pipeline order (publishing records none)."""
+    windows = [str(w) for w in range(plan.num_windows)]
+    tiles = [f"{w}-{t}" for w in range(plan.num_windows) for t in range(plan.num_tiles)]
+    return {
+        "ingest": ["all"],
+        "encode": windows,
+        "denoise": tiles,
+        "decode": tiles,
+        "blend": windows,
+        "segment": windows,
+        "mux": ["all"],
+    }
+
+
+def stage_counts(store: RunStore, plan: ClipPlan, attempt: str) -> dict[str, StageCount]:
+    """Per stage, how many of its items `attempt` computed and how many it reused, from the run's timeline."""
+    computed = store.records.computed(attempt)
+    counts = {}
+    for stage, items in stage_items(plan).items():
+        done = len(computed.get(stage, set()) & set(items))
+        counts[stage] = StageCount(computed=done, reused=len(items) - done)
+    return counts
