@@ -27,6 +27,7 @@ import pytest
 
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.errors import StoreError
 from service.runs import ModelSpec, prepare_run
 from storage import RunStore, StoreUnreachable, collect_garbage, default_store_root
 from storage.location import Location, location
@@ -220,6 +221,47 @@ def test_lease_is_renewed_and_a_run_waits_for_a_gc_deciding(bucket: str) -> None
         time.sleep(0.8)
         assert json.loads((run / "leases" / name).read_bytes())["expires_at"] > first
     assert (run / "leases").names(".json") == []
+
+
+def test_source_is_uploaded_once_and_read_from_a_checked_download(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's copy of a source is downloaded once per content into the temporary folder, only the most
+    recently used are kept there, and a copy whose bytes do not match its record is refused, then uploaded again."""
+    import tempfile
+
+    from storage.manifest import RunManifest, SourceInfo
+    from storage.run_store import SOURCES_KEPT
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    def kept(key: str, content: bytes) -> tuple[RunStore, RunManifest]:
+        source = tmp_path / f"{key}.mp4"
+        source.write_bytes(content)
+        store = RunStore(bucket, key)
+        store.keep_source(source, "a")
+        return store, RunManifest.model_construct(source=SourceInfo(path=str(source), sha256="", size=len(content)))
+
+    store, manifest = kept("k", b"frames" * 100)
+    assert "source.mp4" in _objects(str(store.where)) and store.attempt_of("ingest", "source") == "a"
+    first = store.source_file(manifest)
+    assert first.read_bytes() == b"frames" * 100 and first.parent == tmp_path / "tmp" / "k6vsr-sources"
+    store.source_copy(manifest.source.path).remove()
+    assert store.source_file(manifest) == first  # read again from the download, not the store
+
+    damaged, manifest = kept("damaged", b"other frames" * 100)
+    _truncate(damaged.source_copy(manifest.source.path))
+    with pytest.raises(StoreError, match="the store's copy of its source is damaged"):
+        damaged.source_file(manifest)
+    damaged.keep_source(manifest.source.path, "b")
+    assert damaged.source_file(manifest).read_bytes() == b"other frames" * 100
+    assert damaged.attempt_of("ingest", "source") == "b"
+
+    for index in range(SOURCES_KEPT):
+        store, manifest = kept(f"more-{index}", b"more" * (index + 1))
+        store.source_file(manifest)
+    assert len(list(first.parent.glob("[!.]*"))) == SOURCES_KEPT and not first.exists()
 
 
 # --------------------------------------------------------------------------------------------------- the flow
