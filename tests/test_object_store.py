@@ -1,7 +1,9 @@
 """The run store in an S3 bucket: a real S3 endpoint (moto's server) on loopback, started here, a bucket per test.
 
-The clip flow with its store in the bucket writes the bytes of the in-memory runner, resumes a failed run from the
-bucket without recomputing anything finished, and treats a record whose checksum does not match as not done.
+The clip flow, the archive and the HTTP API with their store in the bucket write the bytes of a local store; a
+failed, killed or cut-off run resumes from the bucket without recomputing anything finished; a record whose checksum
+does not match, or an object cut short, is not done; two runs of one key at once write the output object once; and
+Dask workers with folders of their own read the source from the store, never from the client's disk.
 """
 
 from __future__ import annotations
