@@ -312,7 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="disk that finished jobs (outputs and runs) may keep; past it the oldest finished are deleted first",
     )
     serve.add_argument("--workers", type=int, default=1, help="jobs run at once (each loads the model once)")
-    serve.add_argument("--store", default=None)
+    serve.add_argument("--store", default=None, help="the run store: a folder or an object-store URL (s3://...)")
+    serve.add_argument(
+        "--jobs-dir",
+        default=None,
+        help="folder of the job records, inputs, outputs and the server's Prefect home (default: the --store "
+        "folder; needed with an object store)",
+    )
     _model_flags(serve)
     serve.add_argument("--verbose", action="store_true")
     serve.add_argument("--debug", action="store_true")
@@ -616,11 +622,18 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
 
     spec = model_from(args)
     store = store_from(args)
-    if not isinstance(store, Path):
-        # Its jobs, inputs and outputs live in files beside the runs.
-        raise UserFacingError(f"--store {store}: the HTTP server needs a folder; an object store is not supported yet")
+    if args.jobs_dir:
+        jobs_dir = Path(args.jobs_dir).expanduser().resolve()
+    elif isinstance(store, Path):
+        jobs_dir = store
+    else:
+        # Uploads arrive on this machine and the job records are rewritten under a lock: they stay on its disk.
+        raise UserFacingError(
+            f"--store {store} is an object store: give the server a folder of its own for the job records, inputs "
+            "and outputs with --jobs-dir"
+        )
     _check_device(spec.device)
-    serve(args, spec, store)
+    serve(args, spec, jobs_dir, run_root=store)
     return {}
 
 

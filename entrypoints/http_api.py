@@ -131,7 +131,7 @@ class Limits:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    store_root: Path
+    store_root: Path  # the server's own folder: job records, inputs, outputs, its Prefect home; the runs too by default
     limits: Limits
     allow_paths: tuple[Path, ...] = ()
     api_keys: tuple[str, ...] = ()
@@ -140,6 +140,11 @@ class ServerConfig:
     umask: int = 0o077
     workers: int = 1
     model_name: str = ""
+    run_root: str | Path | None = None  # where the runs live when not in store_root (e.g. an object-store URL)
+
+    @property
+    def runs(self) -> str | Path:
+        return self.run_root or self.store_root
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -683,7 +688,7 @@ def copy_path_source(raw: Any, roots: tuple[Path, ...], store: JobStore, job_id:
 # ----------------------------------------------------------------------------------------------- the app
 
 
-def job_view(job: dict[str, Any], caller: Caller, store_root: Path, retention_s: float) -> dict[str, Any]:
+def job_view(job: dict[str, Any], caller: Caller, store_root: str | Path, retention_s: float) -> dict[str, Any]:
     """The job as `caller` sees it: no server paths; a `video_path`, relative to its allowed folder, only to its
     owner."""
     progress = job.get("progress", 0)
@@ -763,7 +768,7 @@ class Received:
 
 def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
     limits = config.limits
-    store = JobStore(config.store_root, limits.input_quota_bytes)
+    store = JobStore(config.store_root, limits.input_quota_bytes, config.run_root)
     runner = JobRunner(
         store,
         spec,
@@ -792,7 +797,7 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
         app.add_middleware(KeyAuth, callers=callers)
 
     def view(job: dict[str, Any], caller: Caller) -> dict[str, Any]:
-        return job_view(job, caller, config.store_root, limits.retention_s)
+        return job_view(job, caller, config.runs, limits.retention_s)
 
     def find(job_id: str, caller: Caller) -> dict[str, Any]:
         job = store.get(job_id)
@@ -840,9 +845,9 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
 
     def prepare(job_id: str, received: Received) -> Any:
         label, params = received.label, received.params
-        known = {str(store.input_path(job_id)): label, str(config.store_root): "<store>"}
+        known = {str(store.input_path(job_id)): label, str(config.store_root): "<store>", str(config.runs): "<store>"}
         try:
-            return prepare_run(store.input_path(job_id), params, spec, config.store_root, received.latent_fps)
+            return prepare_run(store.input_path(job_id), params, spec, config.runs, received.latent_fps)
         except ParameterError as err:
             if received.latent_fps is None:
                 raise
@@ -1000,7 +1005,7 @@ def _at_least(value: float, minimum: float, flag: str) -> float:
     return value
 
 
-def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
+def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Path | None = None) -> ServerConfig:
     roots = []
     for raw in args.allow_path or []:
         root = Path(raw).expanduser().resolve()
@@ -1043,6 +1048,7 @@ def config_from(args: Any, store_root: Path, model_name: str) -> ServerConfig:
         umask=umask,
         workers=max(1, int(getattr(args, "workers", 1) or 1)),
         model_name=model_name,
+        run_root=run_root,
     )
 
 
@@ -1050,8 +1056,9 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def serve(args: Any, spec: ModelSpec, store_root: Path) -> None:
-    """Run the server until interrupted. The model is checked before the port opens."""
+def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | None = None) -> None:
+    """Run the server until interrupted, its jobs' files in `store_root` and their runs in `run_root` (default: the
+    same folder). The model is checked before the port opens."""
     import uvicorn
 
     from flows.orchestrate import prefect_api
@@ -1063,7 +1070,7 @@ def serve(args: Any, spec: ModelSpec, store_root: Path) -> None:
         log.propagate = False
     log.setLevel(logging.DEBUG if args.debug else logging.INFO)
     info = model_info(spec)  # a missing or broken model fails here, with one clear line
-    config = config_from(args, store_root, info.model_id)
+    config = config_from(args, store_root, info.model_id, run_root)
     # Every file and folder this process and its children create: owner-only unless --umask shares them.
     os.umask(config.umask)
     if not _is_loopback(args.host) and not (config.api_keys or config.admin_keys):

@@ -194,8 +194,10 @@ class JobStore:
     holds one lock, so the HTTP handlers and the worker threads never lose each other's updates (one server per
     store)."""
 
-    def __init__(self, store_root: str | Path, input_quota_bytes: int) -> None:
+    def __init__(self, store_root: str | Path, input_quota_bytes: int, run_root: str | Path | None = None) -> None:
         self.store_root = Path(store_root)
+        # Where the jobs' runs live: the same folder, or an object store (the jobs' own files stay on this disk).
+        self.run_root = run_root or self.store_root
         self.root = self.store_root / JOBS
         self.root.mkdir(parents=True, exist_ok=True)
         self.lock = threading.RLock()
@@ -348,7 +350,7 @@ class WorkerSlot:
             self.current = job_id
             found = job.get("tiles_found")
             if found is None:  # a job resumed after a restart keeps the count of its first start
-                found = _tiles_decoded(store.store_root, job["run_key"])
+                found = _tiles_decoded(store.run_root, job["run_key"])
             store.update(job_id, status=IN_PROGRESS, started_at=int(time.time()), tiles_found=found)
         if not self._alive():
             self._spawn()
@@ -414,7 +416,7 @@ class WorkerSlot:
                 },
                 tiles=tile_counts(summary, (store.get(job_id) or {}).get("tiles_found")),
                 # What the job keeps once its input is dropped: its output and its run.
-                disk_bytes=(written or 0) + _run_bytes(store.store_root, summary["run_key"]),
+                disk_bytes=(written or 0) + _run_bytes(store.run_root, summary["run_key"]),
             )
         else:  # failed, or the child could not start (fatal)
             error = {**reply["error"], "message": short_message(self.runner.scrub(job_id, reply["error"]["message"]))}
@@ -592,7 +594,7 @@ class JobRunner:
                 for entry in self.store.entries()
             ):
                 return
-        collect_garbage(self.store.store_root, run_keys=(run_key,))
+        collect_garbage(self.store.run_root, run_keys=(run_key,))
 
     def expire(self) -> list[str]:
         """Delete the finished jobs that finished `retention_s` ago or earlier, then, oldest first, those that take
@@ -634,6 +636,7 @@ class JobRunner:
             str(self.store.output_path(job_id)): "the output",
             str(self.store.store_root): "<store>",
             str(self.store.store_root.resolve()): "<store>",
+            str(self.store.run_root): "<store>",
         }
         return scrub_paths(message, known)
 
@@ -664,7 +667,7 @@ def job_message(store: JobStore, job: dict[str, Any]) -> dict[str, Any]:
         "source": str(store.input_path(job["id"])),  # the job's own copy: nothing a client can swap
         "output": str(store.output_path(job["id"])),
         "params": job["request"],
-        "store_root": str(store.store_root),
+        "store_root": str(store.run_root),
         "latent_fps": job.get("latent_fps"),
     }
 
@@ -681,7 +684,7 @@ def tile_counts(summary: dict[str, Any], found: int | None) -> dict[str, int]:
     return {"total": total, "computed": computed, "reused": total - computed}
 
 
-def _tiles_decoded(store_root: Path, run_key: str) -> int:
+def _tiles_decoded(store_root: str | Path, run_key: str) -> int:
     from storage import RunStore
 
     return RunStore(store_root, run_key).tiles_decoded()
@@ -697,12 +700,16 @@ def results_beside(output: str) -> Iterator[None]:
         yield
 
 
-def _run_bytes(store_root: Path, run_key: str) -> int:
-    """Bytes of a run's folder in the run store (0 if it is gone)."""
+def _run_bytes(store_root: str | Path, run_key: str) -> int:
+    """Bytes of a run's folder in the run store on this disk (0 if it is gone, or in an object store: the disk
+    budget is this machine's)."""
     from storage import RunStore
     from storage.run_store import run_size
 
-    path = RunStore(store_root, run_key).path
+    run = RunStore(store_root, run_key)
+    if run.remote:
+        return 0
+    path = run.path
     return run_size(path) if path.is_dir() else 0
 
 

@@ -8,6 +8,8 @@ Layout of one run, under `<root>/runs/<run key>/`:
     data.zarr/             per (window, tile): latent, tile_latents, tiles; per window: video (Zarr v3, one chunk
                            per writer unit); frame_pts (where each source frame is, to seek to a window)
     segments/<window>.mp4  each window's encoded frames, joined into the output by stream copy
+    source.<ext>           in an object store only: the source (or latent file) as ingest found it, which the
+                           workers read their windows from
     done/<stage>/<item>    completion records with checksums (see `records`); items are `<window>` or
                            `<window>-<tile>`
     output.mp4             the muxed result, published atomically
@@ -62,6 +64,10 @@ OUTPUT = "output.mp4"
 LOG = "run.log"
 AUDIO = "audio.f32"
 SEGMENTS = "segments"
+SOURCE = "source"
+# Sources a process keeps downloaded from object stores (`RunStore.source_file`): the windows of the clips it works
+# on now read them again and again; older ones are deleted.
+SOURCES_KEPT = 4
 
 
 def default_store_root() -> str | Path:
@@ -243,6 +249,49 @@ class RunStore:
     def segment_done(self, window: int) -> bool:
         return self.file_done(self.segment_path(window), "segment", str(window))
 
+    # ------------------------------------------------------------------------------------------- source
+
+    def source_copy(self, source: str | Path) -> Location:
+        """Where an object store keeps the run's source (named with its extension, which some formats need)."""
+        return self.where / f"{SOURCE}{Path(source).suffix}"
+
+    def keep_source(self, source: str | Path, attempt: str = "") -> None:
+        """In an object store, upload the source once, whole, then its record: a worker on another host reads its
+        windows' frames from there, never from this machine's disk. A folder store reads the source where it is."""
+        if not self.remote:
+            return
+        copy = self.source_copy(source)
+        if not self.file_done(copy, "ingest", SOURCE):
+            self.commit_file(Path(source), copy, "ingest", SOURCE, attempt=attempt)
+
+    def source_file(self, manifest: RunManifest) -> Path:
+        """A local file with the run's source: the source itself in a folder store; in an object store this
+        process's download of the store's copy (checked against its record), kept in the temporary folder under its
+        checksum, so the windows of a clip download it once."""
+        if not self.remote:
+            return Path(manifest.source.path)
+        record = self.records.read("ingest", SOURCE)
+        if record is None:
+            raise StoreError(f"run {self.run_key}: its source is not in the store {self.where}; rerun to ingest it")
+        folder = Path(tempfile.gettempdir()) / "k6vsr-sources"
+        kept = folder / f"{record.checksum}{Path(manifest.source.path).suffix}"
+        if kept.is_file():
+            os.utime(kept)  # recently used: kept over older ones
+            return kept
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".part.", suffix=kept.suffix)
+        os.close(fd)
+        tmp = Path(name)
+        try:
+            self.source_copy(manifest.source.path).copy_to(tmp)
+            if file_checksum(tmp) != record.checksum:
+                raise StoreError(f"run {self.run_key}: the store's copy of its source is damaged; rerun to ingest it")
+            os.replace(tmp, kept)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _keep_newest(folder, SOURCES_KEPT)
+        return kept
+
     # ------------------------------------------------------------------------------------------- output
 
     @property
@@ -345,6 +394,16 @@ def item_name(key: tuple[int, ...]) -> str:
 def _owner() -> str:
     """`<host>-<pid>`: who wrote a temporary file, so a later run can tell a dead writer's leftovers."""
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _keep_newest(folder: Path, count: int) -> None:
+    """Delete all but the `count` most recently used files of `folder` (other processes may delete them too)."""
+    used = {}
+    for path in folder.glob("[!.]*"):
+        with suppress(FileNotFoundError):
+            used[path] = path.stat().st_mtime
+    for path in sorted(used, key=used.__getitem__, reverse=True)[count:]:
+        path.unlink(missing_ok=True)
 
 
 def remove_stale_temps(folder: Path, prefix: str, suffix: str) -> list[Path]:

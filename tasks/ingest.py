@@ -41,6 +41,7 @@ def _ingested(store: RunStore, manifest: RunManifest, source: str) -> IngestResu
     read it where it is now."""
     if manifest.source.path != str(Path(source).resolve()):
         store.write_manifest(manifest.model_copy(update={"source": source_info(source)}))
+    store.keep_source(source)
     return IngestResult(stage="ingest", computed=False, plan=manifest.plan)
 
 
@@ -110,6 +111,7 @@ def ingest(
     apply_profile(compute)
     clip = read_source(source, params, model_traits(info))
     plan = clip.plan
+    store.keep_source(source, attempt)
     _write_manifest(store, source_info(source), params, info, plan, compute, attempt, rotation=clip.rotation)
     seconds = time.perf_counter() - started
     # The frame index is the ingest record: written last, after the manifest and the audio. Empty: not seekable.
@@ -135,6 +137,7 @@ def ingest_latent(
     plan = plan_latent(latent.shape, rate, params, model_traits(info))
     del latent
     described = source_info(source)
+    store.keep_source(source, attempt)
     _write_manifest(store, described, params, info, plan, compute, attempt, latent_fps=str(rate))
     seconds = time.perf_counter() - started
     # The ingest record, written last as for a video: it names the latent file's content it planned.

@@ -112,11 +112,12 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
     started = time.perf_counter()
     manifest = store.read_manifest()
     if manifest.latent_fps is not None:
-        latent = _given_latent(_bundle(model, plan), manifest)
+        latent = _given_latent(_bundle(model, plan), manifest, store.source_file(manifest))
     else:
         pts = _require(store.get("frame_pts", stage="ingest"), run, "the source's frame index")
         span = plan.windows[window]
-        frames = media.read_frames(manifest.source.path, plan.source_indices(span), pts if len(pts) else None)
+        # From the store's copy in an object store: a worker on another host cannot see the client's disk.
+        frames = media.read_frames(store.source_file(manifest), plan.source_indices(span), pts if len(pts) else None)
         latent = stages.encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started
     store.put_tile(
@@ -125,14 +126,13 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
     return StageResult(stage="encode", item=str(window), computed=True, seconds=seconds, window=window)
 
 
-def _given_latent(bundle: ModelBundle, manifest: RunManifest) -> torch.Tensor:
+def _given_latent(bundle: ModelBundle, manifest: RunManifest, path: Path) -> torch.Tensor:
     """A latent run's one window: the latent file, scaled and padded onto the tile grid as the video's encode would
     leave it. A file changed since ingest is refused: the run and its key are of the content ingest planned."""
     from k6vsr_core import stages
 
-    path = manifest.source.path
     if source_info(path).sha256 != manifest.source.sha256:
-        raise ParameterError(f"latent={path!r} changed since the run was planned; start it again")
+        raise ParameterError(f"latent={manifest.source.path!r} changed since the run was planned; start it again")
     latent, _ = read_latent(path, int(bundle.vae.config.latent_channels), manifest.params, manifest.latent_fps)
     return fit_latent(stages.scale_latent(bundle, latent), manifest.plan)
 

@@ -1,7 +1,9 @@
 """The run store in an S3 bucket: a real S3 endpoint (moto's server) on loopback, started here, a bucket per test.
 
-The clip flow with its store in the bucket writes the bytes of the in-memory runner, resumes a failed run from the
-bucket without recomputing anything finished, and treats a record whose checksum does not match as not done.
+The clip flow, the archive and the HTTP API with their store in the bucket write the bytes of a local store; a
+failed, killed or cut-off run resumes from the bucket without recomputing anything finished; a record whose checksum
+does not match, or an object cut short, is not done; two runs of one key at once write the output object once; and
+Dask workers with folders of their own read the source from the store, never from the client's disk.
 """
 
 from __future__ import annotations
@@ -9,11 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fault_harness
@@ -23,9 +29,10 @@ import pytest
 
 from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.errors import StoreError
 from service.runs import ModelSpec, prepare_run
 from storage import RunStore, StoreUnreachable, collect_garbage, default_store_root
-from storage.location import location
+from storage.location import Location, location
 
 PARAMS = UpscaleParams(scale=2)
 
@@ -218,6 +225,47 @@ def test_lease_is_renewed_and_a_run_waits_for_a_gc_deciding(bucket: str) -> None
     assert (run / "leases").names(".json") == []
 
 
+def test_source_is_uploaded_once_and_read_from_a_checked_download(
+    bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's copy of a source is downloaded once per content into the temporary folder, only the most
+    recently used are kept there, and a copy whose bytes do not match its record is refused, then uploaded again."""
+    import tempfile
+
+    from storage.manifest import RunManifest, SourceInfo
+    from storage.run_store import SOURCES_KEPT
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+
+    def kept(key: str, content: bytes) -> tuple[RunStore, RunManifest]:
+        source = tmp_path / f"{key}.mp4"
+        source.write_bytes(content)
+        store = RunStore(bucket, key)
+        store.keep_source(source, "a")
+        return store, RunManifest.model_construct(source=SourceInfo(path=str(source), sha256="", size=len(content)))
+
+    store, manifest = kept("k", b"frames" * 100)
+    assert "source.mp4" in _objects(str(store.where)) and store.attempt_of("ingest", "source") == "a"
+    first = store.source_file(manifest)
+    assert first.read_bytes() == b"frames" * 100 and first.parent == tmp_path / "tmp" / "k6vsr-sources"
+    store.source_copy(manifest.source.path).remove()
+    assert store.source_file(manifest) == first  # read again from the download, not the store
+
+    damaged, manifest = kept("damaged", b"other frames" * 100)
+    _truncate(damaged.source_copy(manifest.source.path))
+    with pytest.raises(StoreError, match="the store's copy of its source is damaged"):
+        damaged.source_file(manifest)
+    damaged.keep_source(manifest.source.path, "b")
+    assert damaged.source_file(manifest).read_bytes() == b"other frames" * 100
+    assert damaged.attempt_of("ingest", "source") == "b"
+
+    for index in range(SOURCES_KEPT):
+        store, manifest = kept(f"more-{index}", b"more" * (index + 1))
+        store.source_file(manifest)
+    assert len(list(first.parent.glob("[!.]*"))) == SOURCES_KEPT and not first.exists()
+
+
 # --------------------------------------------------------------------------------------------------- the flow
 
 
@@ -336,3 +384,276 @@ def test_killed_command_resumes_from_the_bucket_recomputing_nothing_finished(
     assert {key: store.attempt_of(*key) for key in finished} == finished  # nothing finished was written again
     assert summary["tiles_reused"] == sum(stage == "denoise" for stage, _ in finished) >= 1
     assert summary["dit_calls"] == 2 * summary["tiles_computed"]
+
+
+# --------------------------------------------------------------------------------------------------- the archive
+
+
+def test_archive_with_its_store_in_a_bucket_writes_the_local_bytes(
+    prefect_server: str,
+    bucket: str,
+    tiny_bundle_path: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`k6vsr archive --store s3://...` of two tiny clips: the outputs of a local-store archive, byte for byte, and
+    every run's files in the bucket, none in a local store."""
+    from entrypoints.cli import main
+    from k6vsr_core.sample import make_sample_clip
+
+    monkeypatch.chdir(tmp_path)  # a store URL read as a folder would land here
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    make_sample_clip(folder / "a.mp4", width=64, height=64, num_frames=1)
+    make_sample_clip(folder / "sub" / "b.mp4", width=96, height=64, num_frames=1, audio=False)
+    argv = ["archive", str(folder), "--model", str(tiny_bundle_path), "--device", "cpu", "--scale", "2", "--json"]
+
+    def archive(out: str, store: str) -> dict:
+        assert main([*argv, "-o", str(tmp_path / out), "--store", store]) == 0
+        result = json.loads(capsys.readouterr().out)
+        assert result["counts"] == {"done": 2}, result
+        return {row["relative_path"]: row for row in result["rows"]}
+
+    local = archive("local", str(tmp_path / "store"))
+    remote = archive("remote", bucket)
+    for relative in ("a.mp4", "sub/b.mp4"):
+        name = Path(relative).parent / f"{Path(relative).stem}_sr2x.mp4"
+        assert (tmp_path / "remote" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+        assert remote[relative]["run_key"] == local[relative]["run_key"]
+        assert remote[relative]["tiles_computed"] == remote[relative]["tiles"] >= 1
+        run = _objects(f"{bucket}/runs/{remote[relative]['run_key']}")
+        assert {"manifest.json", "output.mp4", "done/mux/all.json"} <= set(run)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "local", "remote", "store"]
+
+
+# --------------------------------------------------------------------------------------------------- the HTTP API
+
+
+def test_http_server_runs_its_jobs_in_the_bucket(
+    prefect_server: str, bucket: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """`k6vsr serve --store s3://... --jobs-dir DIR`: a job's run lives in the bucket, its record, input and output
+    in DIR, and its output is the local store's bytes."""
+    from http_harness import Server, completed
+
+    key = "test-key-0123456789"
+    jobs_dir = tmp_path / "jobs"
+    args = ["--jobs-dir", str(jobs_dir), "--allow-path", str(clip_1f.parent), "--api-key", key]
+    server = Server(tmp_path, bucket, tiny_bundle_path, "server", args, key).start()  # type: ignore[arg-type]
+    try:
+        done = completed(server, server.post_json(video_path=str(clip_1f), sr_resolution_scale=2))
+        assert server.content(done["id"], tmp_path / "out.mp4").read_bytes() == reference
+    finally:
+        server.stop()
+    assert {"manifest.json", "output.mp4", "done/mux/all.json"} <= set(_objects(f"{bucket}/runs/{done['run_key']}"))
+    assert (jobs_dir / "jobs" / f"{done['id']}.json").is_file() and not (jobs_dir / "runs").exists()
+
+
+def test_http_server_with_an_object_store_needs_a_jobs_folder(
+    bucket: str, tiny_bundle_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from entrypoints.cli import main
+
+    assert main(["serve", "--store", bucket, "--model", str(tiny_bundle_path), "--device", "cpu"]) != 0
+    error = capsys.readouterr().err
+    assert f"--store {bucket} is an object store" in error and "--jobs-dir" in error
+
+
+# --------------------------------------------------------------------------------------------------- faults
+
+
+def _truncate(where: Location) -> None:
+    """Keep the first half of an object's bytes: what a store that published an upload cut short would hold."""
+    data = where.read_bytes()
+    where.write_bytes(data[: len(data) // 2])
+
+
+def test_half_uploaded_objects_are_not_done_and_are_computed_again(
+    prefect_server: str,
+    bucket: str,
+    tiny_bundle_path: Path,
+    clip_1f: Path,
+    reference: bytes,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After a run that failed on one tile's decode: a decoded tile's chunk cut in half, another tile's decode record
+    cut in half and the failed tile's denoised latent cut in half. The rerun denoises the failed tile again, decodes
+    those three tiles again, and writes the local store's bytes."""
+    from flows.upscale_clip import TileFailure
+    from k6vsr_core import stages
+    from k6vsr_core.errors import UserFacingError
+
+    plain, decoded = stages.decode_tile, []
+
+    def decode_tile(bundle, latent):
+        decoded.append(latent.shape)
+        if len(decoded) == 4:
+            raise UserFacingError("a permanent fault in one tile")
+        return plain(bundle, latent)
+
+    monkeypatch.setattr(stages, "decode_tile", decode_tile)
+    with pytest.raises(TileFailure, match="1 of 6 tiles failed"):
+        _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, bucket)
+    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    store = RunStore(bucket, prepare_run(clip_1f, PARAMS, model, bucket).run.run_key)
+    done = store.records.items("decode")
+    (failed,) = set(store.records.items("denoise")) - set(done)
+    cut_tile, cut_record = done[:2]
+
+    def chunk(name: str, item: str) -> Location:
+        window, tile = item.split("-")
+        prefix = f"data.zarr/{name}/c/{window}/{tile}/"
+        (found,) = [name for name in _objects(str(store.where)) if name.startswith(prefix)]
+        return store.where / found
+
+    _truncate(chunk("tiles", cut_tile))
+    _truncate(store.records.location("decode", cut_record))
+    _truncate(chunk("tile_latents", failed))
+    decoded.clear()
+    again = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, bucket)
+    assert (tmp_path / "a.mp4").read_bytes() == reference
+    assert again.tiles_computed == 1 and len(decoded) == 3
+    assert store.attempt_of("denoise", failed) == store.attempt_of("decode", cut_record)  # both of the rerun
+
+
+def test_two_runs_of_one_key_at_once_publish_the_output_once(
+    prefect_server: str, bucket: str, tiny_bundle_path: Path, tmp_path: Path
+) -> None:
+    """Two runs of one request at once against the bucket (its versioning on, so every write of an object is kept
+    as a version): both succeed with the same bytes, and the store's output object was written once."""
+    import boto3
+
+    from k6vsr_core.sample import make_sample_clip
+
+    clip = make_sample_clip(tmp_path / "square.mp4", width=64, height=64, num_frames=1)
+    name = bucket.removeprefix("s3://").split("/")[0]
+    s3 = boto3.client("s3")
+    s3.put_bucket_versioning(Bucket=name, VersioningConfiguration={"Status": "Enabled"})
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = list(pool.map(lambda out: _run(clip, tmp_path / out, tiny_bundle_path, bucket), ("a.mp4", "b.mp4")))
+    assert runs[0].run_key == runs[1].run_key
+    assert (tmp_path / "a.mp4").read_bytes() == (tmp_path / "b.mp4").read_bytes()
+    output = f"store/runs/{runs[0].run_key}/output.mp4"
+    versions = s3.list_object_versions(Bucket=name, Prefix=output).get("Versions", [])
+    assert len(versions) == 1 and RunStore(bucket, runs[0].run_key).output_done()
+    assert RunStore(bucket, runs[0].run_key).output_path.read_bytes() == (tmp_path / "a.mp4").read_bytes()
+
+
+# --------------------------------------------------------------------------------------------------- workers
+
+# Loaded by each Dask worker at start (`--preload`): every path the worker opens for writing, renames or copies to,
+# or makes a folder of, one line each in its own audit log (Python's audit hooks see every such call it makes).
+AUDIT = """\
+import os
+import sys
+
+_LOG = open(os.path.join(os.environ["K6VSR_AUDIT_DIR"], "audit-%d.log" % os.getpid()), "a", buffering=1)
+_WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def _note(path):
+    if isinstance(path, (str, bytes, os.PathLike)):
+        _LOG.write(os.path.abspath(os.fsdecode(path)) + "\\n")
+
+
+def _hook(event, args):
+    if event == "open":
+        path, mode, flags = args
+        if (isinstance(mode, str) and any(c in mode for c in "wax+")) or (mode is None and flags & _WRITES):
+            _note(path)
+    elif event in ("os.rename", "os.replace", "shutil.copyfile"):
+        _note(args[1])
+    elif event == "os.mkdir":
+        _note(args[0])
+
+
+sys.addaudithook(_hook)
+"""
+
+
+def _dask_worker(address: str, folder: Path, preload: Path) -> subprocess.Popen:
+    """A `dask worker` process whose working folder, temporary folder, home and caches are all under `folder`."""
+    for name in ("tmp", "home", "cache", "dask"):
+        (folder / name).mkdir(parents=True)
+    # Another host's environment: none of the caches torch pointed this process at (it exports their paths).
+    inherited = {key: value for key, value in os.environ.items() if not key.startswith(("TORCHINDUCTOR_", "TRITON_"))}
+    env = {
+        **inherited,
+        "TMPDIR": str(folder / "tmp"),
+        "HOME": str(folder / "home"),
+        "XDG_CACHE_HOME": str(folder / "cache"),
+        "PREFECT_HOME": str(folder / "home" / ".prefect"),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "K6VSR_AUDIT_DIR": str(folder),
+    }
+    argv = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--no-nanny"]
+    argv += ["--local-directory", str(folder / "dask"), "--preload", str(preload)]
+    return subprocess.Popen(argv, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_workers_read_the_source_from_the_store_and_write_only_in_their_own_folders(
+    prefect_server: str,
+    bucket: str,
+    tiny_bundle_path: Path,
+    clip_1f: Path,
+    reference: bytes,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two Dask worker processes with folders of their own run every tile, blend and segment of a run whose store is
+    in the bucket. The source is moved away once ingest has read it, so a worker that opened the client's path would
+    fail; the workers' writes all land in their own folders, and the client's folder holds only its clip and the
+    output."""
+    from distributed import Client, LocalCluster
+    from prefect import task
+
+    import tasks.ingest as ingest_tasks
+    from flows.orchestrate import run_clip
+
+    client_dir, workers_dir = tmp_path / "client", tmp_path / "workers"
+    client_dir.mkdir()
+    workers_dir.mkdir()
+    clip, hidden = client_dir / "clip.mp4", client_dir / "moved-away.mp4"
+    shutil.copyfile(clip_1f, clip)
+    original = ingest_tasks.ingest
+
+    @task(name="ingest")
+    def ingest_then_move_the_source(source, run, *rest, **options):
+        result = original.fn(source, run, *rest, **options)
+        Path(source).rename(hidden)
+        return result
+
+    monkeypatch.setattr(ingest_tasks, "ingest", ingest_then_move_the_source)
+    monkeypatch.chdir(client_dir)
+    preload = workers_dir / "k6vsr_audit.py"
+    preload.write_text(AUDIT)
+    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    scheduler = {"protocol": "tcp", "host": "127.0.0.1", "dashboard_address": None}  # in this process, on loopback
+    with LocalCluster(n_workers=0, processes=False, **scheduler) as cluster:
+        folders = [workers_dir / f"w{i}" for i in range(2)]
+        workers = [_dask_worker(cluster.scheduler_address, folder, preload) for folder in folders]
+        try:
+            with Client(cluster.scheduler_address) as client:
+                client.wait_for_workers(2, timeout=120)
+                summary = run_clip(
+                    prepare_run(clip, PARAMS, model, bucket), str(client_dir / "out.mp4"), model,
+                    dask_address=cluster.scheduler_address,
+                )  # fmt: skip
+                ran = client.run(os.getpid)
+        finally:
+            for worker in workers:
+                worker.kill()
+                worker.wait(timeout=30)
+    assert len(ran) == 2 and summary.tiles_computed == 6
+    assert (client_dir / "out.mp4").read_bytes() == reference
+    assert sorted(p.name for p in client_dir.iterdir()) == ["moved-away.mp4", "out.mp4"]
+    sources = []
+    for folder in folders:
+        for log in folder.glob("audit-*.log"):
+            for line in log.read_text().splitlines():
+                written = Path(line)
+                assert written.is_relative_to(folder) or line.startswith(("/dev/", "/proc/")), line
+                sources += [written] if written.parent.name == "k6vsr-sources" else []
+    assert sources  # the workers read the source from the store's copy
