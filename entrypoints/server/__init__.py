@@ -1,0 +1,1 @@
+"""The parts of `k6vsr serve` (`entrypoints.http_api`): its configuration, errors, callers, fields and bodies."""
