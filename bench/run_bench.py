@@ -970,6 +970,10 @@ def _run_job(
     """Ingest -> encode -> denoise per chunk -> decode per tile (after its chunk) -> blend -> mux, like the flow."""
     import shutil
 
+    from k6vsr_core import media
+    from k6vsr_core.bundle import model_traits
+    from k6vsr_core.plan import make_plan
+    from service.runs import PreparedRun
     from storage import RunStore
     from tasks import stage_tasks
     from tasks.ingest import ingest
@@ -977,8 +981,13 @@ def _run_job(
     if root.exists():
         shutil.rmtree(root)
     run = _run_ref(root, "bench")
+    probe = media.probe(source)
+    planned = make_plan(
+        (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate
+    )
+    prepared = PreparedRun(run=run, source=str(source), model_info=info, probe=probe, plan=planned, finished=False)
     started = time.perf_counter()
-    plan = ingest.fn(str(source), run, params, info, ATTEMPT).plan
+    plan = ingest.fn(prepared, ATTEMPT).plan
     pending: list[tuple[str, int]] = [("denoise", c.index) for c in plan.chunks]
     waiting = {t: plan.chunk_of(t).index for t in range(plan.num_tiles)}
     done_chunks: set[int] = set()

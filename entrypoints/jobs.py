@@ -761,7 +761,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         from flows.runners import make_task_runner
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
-        from service.runs import ModelSpec
+        from service.runs import ModelSpec, prepare_run
         from storage import RunStore
         from tasks.model_cache import get_bundle
 
@@ -779,13 +779,13 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         job = json.loads(line)
         try:
             with results_beside(job["output"]):
+                # Planned again here, not carried from the request: a queued job may run after a restart, and
+                # its record stays small (the plan is recorded once, in the run's manifest, by ingest).
+                prepared = prepare_run(
+                    job["source"], UpscaleParams(**job["params"]), spec, job["store_root"], job["latent_fps"]
+                )
                 summary = upscale_clip.with_options(flow_run_name=job["id"], task_runner=make_task_runner())(
-                    source=job["source"],
-                    output=job["output"],
-                    params=UpscaleParams(**job["params"]),
-                    model=spec,
-                    store_root=job["store_root"],
-                    latent_fps=job["latent_fps"],  # a latent job's input is a latent
+                    prepared=prepared, output=job["output"], model=spec
                 )
             has_audio = RunStore(job["store_root"], summary.run_key).read_manifest().has_audio
             reply(event="done", id=job["id"], summary=summary.model_dump(mode="json"), has_audio=has_audio)

@@ -421,15 +421,7 @@ def upscale_one(
     clip_flow = upscale_clip.with_options(
         flow_run_name=f"upscale-{relative_path}", task_runner=make_task_runner(1, dask_address, False)
     )
-    state = clip_flow(
-        source=prepared.source,
-        output=output,
-        params=prepared.plan.params,
-        model=model,
-        store_root=prepared.run.store_root,
-        prepared=prepared,
-        return_state=True,
-    )
+    state = clip_flow(prepared=prepared, output=output, model=model, return_state=True)
     try:
         return str(state.state_details.flow_run_id), state.result()
     except Exception as err:  # noqa: BLE001 - the clip failed: its row says why, the others go on
