@@ -12,7 +12,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,6 +47,25 @@ def describe(stage: str, window: int, plan: ClipPlan) -> str:
 
 
 @contextmanager
+def shown_while_running(bar: tqdm, show: Callable[[], None], thread_name: str) -> Iterator[None]:
+    """While the block runs, `show` every POLL_S seconds on a thread of its own; the bar is closed after it."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(POLL_S):
+            show()
+
+    thread = threading.Thread(target=poll, name=thread_name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        bar.close()
+
+
+@contextmanager
 def run_progress(prepared: PreparedRun, enabled: bool = True) -> Iterator[None]:
     """While the block runs, a bar on a terminal's stderr: items decoded of the run's total, the stage, the window,
     and tqdm's rate and time left (counted from what this run computes, not from what it reused)."""
@@ -57,25 +76,14 @@ def run_progress(prepared: PreparedRun, enabled: bool = True) -> Iterator[None]:
     store = RunStore(prepared.run.store_root, prepared.run.run_key)
     total = plan.num_windows * plan.num_tiles
     bar = tqdm(total=total, initial=min(total, store.tiles_decoded()), unit="tile", file=sys.stderr, leave=False)
-    stop = threading.Event()
 
     def show() -> None:
         bar.set_description_str(describe(*run_stage(store, plan), plan), refresh=False)
         bar.update(min(total, store.tiles_decoded()) - bar.n)
 
-    def poll() -> None:
-        while not stop.wait(POLL_S):
-            show()
-
     show()
-    thread = threading.Thread(target=poll, name="k6vsr-progress", daemon=True)
-    thread.start()
-    try:
+    with shown_while_running(bar, show, "k6vsr-progress"):
         yield
-    finally:
-        stop.set()
-        thread.join()
-        bar.close()
 
 
 def clips_text(statuses: list[str]) -> tuple[str, int, int]:
@@ -93,7 +101,6 @@ def archive_progress(manifest: Path, enabled: bool = True) -> Iterator[None]:
         return
     started = time.time()
     bar = tqdm(total=0, unit="clip", file=sys.stderr, leave=False, desc="planning the clips")
-    stop = threading.Event()
 
     def show() -> None:
         try:
@@ -107,15 +114,5 @@ def archive_progress(manifest: Path, enabled: bool = True) -> Iterator[None]:
         bar.set_description_str(text, refresh=False)
         bar.update(finished - bar.n)
 
-    def poll() -> None:
-        while not stop.wait(POLL_S):
-            show()
-
-    thread = threading.Thread(target=poll, name="k6vsr-archive-progress", daemon=True)
-    thread.start()
-    try:
+    with shown_while_running(bar, show, "k6vsr-archive-progress"):
         yield
-    finally:
-        stop.set()
-        thread.join()
-        bar.close()

@@ -95,13 +95,19 @@ def _flow_run_name() -> str:
     return f"upscale-{Path(str(source)).name}"
 
 
-@flow(
-    name="upscale-request",
-    flow_run_name=_flow_run_name,
-    log_prints=False,
-    validate_parameters=True,
-    task_runner=WarmOrThreadsTaskRunner(),
-)
+def _clip_flow(name: str) -> Any:
+    """The flow decorator of both clip flows. Deployments run a flow with its default runner: the warm workers while
+    they run (flows.warm_workers), else threads."""
+    return flow(
+        name=name,
+        flow_run_name=_flow_run_name,
+        log_prints=False,
+        validate_parameters=True,
+        task_runner=WarmOrThreadsTaskRunner(),
+    )
+
+
+@_clip_flow("upscale-request")
 @leased  # a run whose process is killed is marked Crashed by the next command
 def upscale_request(
     source: str,
@@ -117,14 +123,7 @@ def upscale_request(
     return upscale_clip(prepared=prepared, output=output, model=model)
 
 
-# Deployments run the flow with this default: the warm workers while they run (flows.warm_workers), else threads.
-@flow(
-    name="upscale-clip",
-    flow_run_name=_flow_run_name,
-    log_prints=False,
-    validate_parameters=True,
-    task_runner=WarmOrThreadsTaskRunner(),
-)
+@_clip_flow("upscale-clip")
 @leased  # a run whose process is killed is marked Crashed by the next command
 def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelSpec = ModelSpec()) -> ClipSummary:
     """Upscale one planned clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it).

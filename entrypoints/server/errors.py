@@ -83,6 +83,25 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+# A limit the server is at, answered 429 with Retry-After: the message (`{limit}` filled in) and the code of each.
+BUSY_ANSWERS: dict[type[Exception], tuple[str, str]] = {
+    QueueFull: ("the queue is full ({limit} jobs waiting, --max-queued); retry later", "queue_full"),
+    KeyQueueFull: (
+        "this key already has {limit} jobs queued or being sent (--max-queued-per-key); retry once one runs",
+        "key_queue_full",
+    ),
+    UploadsBusy: (
+        "this key is already sending {limit} request(s) (--max-uploads-per-key); retry once one is done",
+        "too_many_uploads",
+    ),
+    InputQuotaFull: (
+        "the inputs of queued and running jobs fill the input storage quota ({limit} bytes, --input-quota-mb); "
+        "retry later",
+        "input_quota_full",
+    ),
+}
+
+
 def install_error_handlers(app: FastAPI) -> None:
     retry = {"Retry-After": str(RETRY_AFTER_S)}
 
@@ -99,42 +118,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def path_refused(_: Request, err: PathRefused) -> JSONResponse:
         return error_response(403 if err.forbidden else 400, err.message, param="video_path", code=err.code)
 
-    @app.exception_handler(QueueFull)
-    async def queue_full(_: Request, err: QueueFull) -> JSONResponse:
-        return error_response(
-            429,
-            f"the queue is full ({err.limit} jobs waiting, --max-queued); retry later",
-            code="queue_full",
-            headers=retry,
-        )
+    async def busy(_: Request, err: Exception) -> JSONResponse:
+        template, code = next(answer for kind, answer in BUSY_ANSWERS.items() if isinstance(err, kind))
+        return error_response(429, template.format(limit=getattr(err, "limit", "?")), code=code, headers=retry)
 
-    @app.exception_handler(KeyQueueFull)
-    async def key_queue_full(_: Request, err: KeyQueueFull) -> JSONResponse:
-        return error_response(
-            429,
-            f"this key already has {err.limit} jobs queued or being sent (--max-queued-per-key); retry once one runs",
-            code="key_queue_full",
-            headers=retry,
-        )
-
-    @app.exception_handler(UploadsBusy)
-    async def uploads_busy(_: Request, err: UploadsBusy) -> JSONResponse:
-        return error_response(
-            429,
-            f"this key is already sending {err.limit} request(s) (--max-uploads-per-key); retry once one is done",
-            code="too_many_uploads",
-            headers=retry,
-        )
-
-    @app.exception_handler(InputQuotaFull)
-    async def quota_full(_: Request, err: InputQuotaFull) -> JSONResponse:
-        return error_response(
-            429,
-            f"the inputs of queued and running jobs fill the input storage quota ({err.limit} "
-            "bytes, --input-quota-mb); retry later",
-            code="input_quota_full",
-            headers=retry,
-        )
+    for kind in BUSY_ANSWERS:
+        app.add_exception_handler(kind, busy)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
