@@ -16,8 +16,14 @@ What jobs may hold is bounded: at most `max_queued` jobs wait; the inputs on dis
 sources) are charged to a quota as they are written and freed as soon as a job no longer needs them (once it ran,
 or at once when it is cancelled); a cancelled or deleted job's run is reclaimed from the run store unless another
 job still refers to it; and finished jobs are deleted `retention_s` after they finished, or sooner, oldest first,
-while they keep more than their disk budget. A record holds the request and the run key, never the plan (the child's
-flow plans the job's own input again), so records, and what the child and its flow run are handed, stay small.
+while they keep more than their disk budget. A record holds the request and the run key, never the plan (the child
+plans the job's own input again, once), so records, and what the child is handed, stay small.
+
+Why not a deployment of the clip flow, run with `run_deployment` on a work pool whose concurrency is the slots: a
+Prefect process worker starts a new process per flow run, which would load the model for every job, where a slot's
+child loads it once; and the per-key queue share, the upload slots, the input quota and the retention of finished
+jobs are the HTTP API's own bounds, which a work pool does not have. Cancelling still ends in Prefect's terms: the
+SIGTERM lets the flow run be marked crashed.
 """
 
 from __future__ import annotations

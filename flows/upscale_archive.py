@@ -526,6 +526,10 @@ def run_clips(
     clip_runs: dict[str, str] = {}  # relative path -> the clip's flow run id
     last_table = time.monotonic()
 
+    # A thread pool, not Prefect's own fan-out: a subflow runs in the thread that calls it (prefect 3.9), and
+    # `Flow.submit` sends a flow to a work pool's infrastructure, a new process per run that loads the model again;
+    # a concurrency limit bounds runs but starts none; and a clip run started from a task would file its artifacts
+    # under that task (flows.artifacts).
     def run(index: int) -> tuple[int, float, str | None, Any]:
         row = rows[index]
         progress.started(row.relative_path)

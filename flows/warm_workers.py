@@ -395,7 +395,8 @@ def _supervise(folder: StateFolder, count: int, devices: list[str], model_json: 
             if time.monotonic() - checked > 30:  # a nanny that gave up (its worker would not start): start it again
                 checked = time.monotonic()
                 if set(cluster.worker_spec) - set(cluster.workers):
-                    cluster.sync(cluster._correct_state)
+                    # Scaling to the size it has is distributed's public way to start the missing workers again.
+                    cluster.scale(len(cluster.worker_spec))
             current = folder.read(WorkersRecord)
             if current is not None and current.pid == pid and current.address is None:
                 folder.write(record)  # the starting command wrote its own over ours: put ours back

@@ -121,6 +121,9 @@ class ModelBundle:
         self.memory: Any = None  # the k6vsr_core.memory.MemoryBudget applied to this bundle, if any
         self._turn = threading.Lock()
 
+    # A lock, not a Prefect concurrency limit or a Dask worker resource: the turns are those of one process's stages
+    # on one loaded bundle, held for a stage at a time (an API call per turn would cost more than short stages
+    # take), with threads as well as Dask workers, and this layer knows no orchestrator.
     @contextmanager
     def turn(self) -> Iterator[None]:
         """Hold the device for one stage when the memory budget says stages take turns (else a no-op)."""

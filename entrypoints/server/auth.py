@@ -39,6 +39,9 @@ def caller_of(request: Request) -> Caller:
     return getattr(request.state, "caller", ANONYMOUS)
 
 
+# A middleware rather than FastAPI's HTTPBearer: that is a dependency of the routes that declare it, so a path with
+# no route would still answer 404 or 405 without a key (telling which paths exist), and its refusal is FastAPI's
+# `{"detail": "Not authenticated"}` (fastapi 0.150), not this API's error form. The key check itself would stay ours.
 class KeyAuth:
     """Every request needs `Authorization: Bearer <key>` with one of the keys (each compared in constant time); the
     request then carries its `Caller`."""
