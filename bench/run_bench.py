@@ -362,10 +362,27 @@ def run_ours(
     return info
 
 
-def frames_diff(a: Path, b: Path) -> dict[str, Any]:
+def all_frames(path: Path) -> np.ndarray:
+    """Every frame of a video, as RGB."""
     from k6vsr_core import media
 
-    fa, fb = media.decode_frames(a)[0], media.decode_frames(b)[0]
+    count, pts = media.scan_frames(path)
+    return media.read_frames(path, list(range(count)), pts)
+
+
+def contract_frames(path: Path) -> np.ndarray:
+    """The frames a run keeps of `path` under the contract's selection, read as a run reads them."""
+    from k6vsr_core import media
+    from k6vsr_core.params import parse_params
+    from k6vsr_core.plan import ModelTraits
+    from k6vsr_core.source import read_source
+
+    clip = read_source(path, parse_params(scale=2, frames="contract"), ModelTraits())
+    return media.read_frames(path, clip.plan.source_indices(), clip.frame_pts)
+
+
+def frames_diff(a: Path, b: Path) -> dict[str, Any]:
+    fa, fb = all_frames(a), all_frames(b)
     same_bytes = a.read_bytes() == b.read_bytes()
     if fa.shape != fb.shape:
         return {"same_bytes": same_bytes, "shape_a": fa.shape, "shape_b": fb.shape}
@@ -414,7 +431,6 @@ def phase_baseline(bench: Bench) -> None:
     # The module itself: diffusers' top-level name is a placeholder wherever `transformers` is not installed.
     from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_sr import Kandinsky6SRPipeline
 
-    from k6vsr_core import media
     from k6vsr_core.attention import set_attention
 
     if bench.fast_bundle:
@@ -431,7 +447,7 @@ def phase_baseline(bench: Bench) -> None:
     pipe.set_progress_bar_config(disable=True)
 
     def once(workload: str) -> tuple[float, dict[str, float]]:
-        frames, _ = media.decode_frames(bench.clip(workload))
+        frames = contract_frames(bench.clip(workload))
         video = torch.from_numpy(frames).permute(0, 3, 1, 2).float().div(255.0)  # (T, C, H, W) in [0, 1]
         reset_peak(bench.device)
         sync(bench.device)
@@ -645,7 +661,7 @@ def phase_density(bench: Bench) -> None:
         nabla_block_mask,
     )
 
-    from k6vsr_core import media, stages
+    from k6vsr_core import stages
     from k6vsr_core.bundle import model_traits
     from k6vsr_core.plan import make_plan
 
@@ -687,7 +703,7 @@ def phase_density(bench: Bench) -> None:
     width, height, frames, _ = bench.workloads["W1"]
     params = bench.params("W1", "nabla")
     plan = make_plan((height, width), frames, 24, params, model_traits(bundle.info))
-    source_frames, _ = media.decode_frames(bench.clip("W1"))
+    source_frames = contract_frames(bench.clip("W1"))
     latent = stages.encode_clip(bundle, stages.prepare_window(source_frames, plan, plan.windows[0]))
     chunk = plan.chunks[0]
     for threshold, label in ((None, "nabla (P 0.8)"), (0.0, "nabla STA floor (thr 0)")):
