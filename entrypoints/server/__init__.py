@@ -1,1 +1,2 @@
-"""The parts of `k6vsr serve` (`entrypoints.http_api`): its configuration, errors, callers, fields and bodies."""
+"""The parts of `k6vsr serve` (`entrypoints.http_api`): its configuration, errors, callers, fields, bodies and
+routes."""
