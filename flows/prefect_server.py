@@ -337,14 +337,7 @@ def api_auth(home: Path | None = None) -> str | None:
 
 def stop_server(home: Path | None = None) -> bool:
     """Stop the local server; False if none was running."""
-    folder = _folder(home)
-    with folder.locked():
-        record = folder.read(_Record)
-        running = record is not None and alive(record.pid, record.process_start)
-        if record is not None:
-            _terminate(record)
-        folder.remove_record()
-    return running
+    return _folder(home).stop(_Record, _terminate)
 
 
 def server_status(home: Path | None = None) -> ServerStatus:

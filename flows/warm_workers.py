@@ -251,14 +251,7 @@ def _terminate(record: WorkersRecord, timeout: float = STOP_TIMEOUT_S) -> None:
 
 def stop_workers(home: Path | None = None) -> bool:
     """Stop the warm workers; False if none were running."""
-    folder = _folder(home)
-    with folder.locked():
-        record = folder.read(WorkersRecord)
-        running = record is not None and alive(record.pid, record.process_start)
-        if record is not None:
-            _terminate(record)
-        folder.remove_record()
-    return running
+    return _folder(home).stop(WorkersRecord, _terminate)
 
 
 def workers_status(home: Path | None = None, ask_workers: bool = True) -> WorkersStatus:
