@@ -83,6 +83,9 @@ def _best_effort(what: str, call: Callable[[], T]) -> T | None:
         return None
 
 
+# Written on the client rather than with prefect.artifacts: its `create_*_artifact` functions take the task and flow
+# run from the calling context (prefect 3.9: no flow_run_id argument), which files a clip run's artifacts under the
+# task it was started from (see above), and only progress artifacts can be updated in place there.
 def create(kind: str, key: str, data: Any, description: str, flow_run_id: str | UUID | None) -> UUID | None:
     """A new artifact of `flow_run_id` (and of no task run)."""
     from prefect.client.orchestration import get_client
@@ -279,7 +282,9 @@ def workers_in_use() -> str:
         workers = client.scheduler_info()["workers"].values()
         hosts = sorted({str(worker.get("host", "?")) for worker in workers})
         return f"{len(workers)} Dask worker process{'es' if len(workers) != 1 else ''} on {', '.join(hosts)}"
-    # Prefect's default thread pool has no bound (sys.maxsize); the command's has two threads.
+    # Prefect's default thread pool has no bound (sys.maxsize); the command's has two threads. ThreadPoolTaskRunner
+    # tells its size only through the private `_max_workers` (prefect 3.x has no public attribute for it); read
+    # defensively, so a release that renames it reads as unbounded instead of failing the report.
     threads = getattr(runner, "_max_workers", sys.maxsize)
     count = f"{threads} threads" if threads < sys.maxsize else "a thread per task"
     return f"{count} in process {os.getpid()} on {socket.gethostname()}"

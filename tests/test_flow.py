@@ -97,27 +97,23 @@ def test_records_are_written_atomically(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------- flow
 
 
-def _no_second_plan(*args, **kwargs):
-    raise AssertionError("the clip flow planned the clip again instead of running the plan it was given")
-
-
 def test_flow_output_equals_runner_and_reuses_everything(
     prefect_server: str,
     tiny_bundle_path: Path,
     clip_1f: Path,
     reference: bytes,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    plan_calls: list[int],
 ) -> None:
-    import flows.upscale_clip
-
-    monkeypatch.setattr(flows.upscale_clip, "prepare_run", _no_second_plan)
     first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
+    # One plan per run: `prepare_run` makes it, ingest records it, every task reads it from the manifest.
+    assert len(plan_calls) == 1
     assert (tmp_path / "a.mp4").read_bytes() == reference
     assert (first.tiles_computed, first.tiles_reused) == (first.tiles_total, 0)
     assert first.dit_calls == 2 * first.tiles_total
     assert RunStore(tmp_path / "store", first.run_key).read_manifest().compute == default_profile()
     again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
+    assert len(plan_calls) == 2
     assert (tmp_path / "b.mp4").read_bytes() == reference
     assert (again.tiles_computed, again.tiles_reused, again.dit_calls) == (0, first.tiles_total, 0)
     assert not list(tmp_path.glob(".*partial"))
@@ -192,14 +188,14 @@ def test_a_run_resumed_from_a_moved_source_reads_it_where_it_is_now(tiny_bundle_
     first = make_sample_clip(tmp_path / "a" / "clip.mp4", width=64, height=64, num_frames=1)
     spec, params = ModelSpec(model=str(tiny_bundle_path)), UpscaleParams(scale=2)
     prepared = prepare_run(first, params, spec, tmp_path / "store")
-    assert ingest.fn(str(first), prepared.run, prepared.plan.params, prepared.model_info, "one").computed
+    assert ingest.fn(prepared, "one").computed
     moved = tmp_path / "b" / "clip.mp4"
     moved.parent.mkdir()
     shutil.copy(first, moved)
     shutil.rmtree(first.parent)
     again = prepare_run(moved, params, spec, tmp_path / "store")
     assert again.run == prepared.run
-    assert not ingest.fn(str(moved), again.run, again.plan.params, again.model_info, "two").computed
+    assert not ingest.fn(again, "two").computed
     assert RunStore(tmp_path / "store", again.run.run_key).read_manifest().source.path == str(moved.resolve())
 
 

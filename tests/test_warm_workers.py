@@ -112,7 +112,7 @@ def test_start_is_idempotent_and_status_names_each_worker(cluster, capsys) -> No
 def test_runs_use_the_warm_workers_and_keep_the_model(
     cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
 ) -> None:
-    from flows.upscale_clip import upscale_clip
+    from flows.upscale_clip import upscale_request
     from tasks import model_cache
 
     model_cache.clear()
@@ -126,7 +126,7 @@ def test_runs_use_the_warm_workers_and_keep_the_model(
     # Another run (another store, so every tile is computed again), as a deployment starts it: the flow called as
     # it is, with its default runner, which finds the warm workers too. Same processes, nothing loaded again.
     model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
-    again = upscale_clip(
+    again = upscale_request(
         source=str(clip_1f), output=str(tmp_path / "b.mp4"), params=PARAMS, model=model, store_root=str(tmp_path)
     )
     assert again.tiles_computed == again.tiles_total
