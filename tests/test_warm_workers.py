@@ -275,3 +275,18 @@ def test_a_dask_runner_is_told_by_its_class() -> None:
 
     assert is_dask_runner(DaskTaskRunner()) and is_dask_runner(OurDaskRunner())
     assert not is_dask_runner(ThreadPoolTaskRunner()) and not is_dask_runner(None)
+
+
+def test_a_preload_for_the_resolved_device_serves_auto_without_a_second_load(tmp_path: Path) -> None:
+    """`workers start --device cpu` then a command's default `--device auto`: one load, not a copy per spelling."""
+    from tasks import model_cache
+
+    bundle = make_tiny_bundle(tmp_path / "tiny", seed=5)
+    model_cache.clear()
+    before = len(model_cache.cache_info().loads)
+    try:
+        preloaded = model_cache.get_bundle(ModelSpec(model=str(bundle), device=model_cache.resolve_device("auto")))
+        assert model_cache.get_bundle(ModelSpec(model=str(bundle), device="auto")) is preloaded
+        assert len(model_cache.cache_info().loads) - before == 1
+    finally:
+        model_cache.clear()
