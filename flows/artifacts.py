@@ -10,7 +10,6 @@ Artifacts are best effort: a Prefect API that cannot take one logs a warning and
 from __future__ import annotations
 
 import base64
-import contextvars
 import hashlib
 import io
 import logging
@@ -19,8 +18,8 @@ import re
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,7 +32,16 @@ from flows.runners import is_dask_runner
 from flows.stage_clock import StageSpan
 from k6vsr_core.plan import ClipPlan
 from storage import RunStore
-from storage.progress import SEPARATOR, RunProgress, StageCount, clip_text, clips_text, read_progress, stored_plan
+from storage.progress import (
+    SEPARATOR,
+    RunProgress,
+    StageCount,
+    clip_text,
+    clips_text,
+    polling,
+    read_progress,
+    stored_plan,
+)
 
 THUMB_WIDTH = 320
 KEY_NAME_LIMIT = 40
@@ -337,22 +345,11 @@ class ArchiveProgress:
             self._shown = text
             update(self._id, percent(self.done + self.failed, self.total), text)
 
-    @contextmanager
-    def watching(self, every_s: float = ARCHIVE_POLL_S) -> Iterator[None]:
+    def watching(self, every_s: float = ARCHIVE_POLL_S) -> AbstractContextManager[None]:
         """While the block runs, the running clips' progress is shown every `every_s` seconds as it changes."""
-        stop = threading.Event()
 
-        def poll() -> None:
-            while not stop.wait(every_s):
-                with self._lock:
-                    self._show()
+        def show() -> None:
+            with self._lock:
+                self._show()
 
-        # In this context: the Prefect settings (the API's address) may live in context variables.
-        thread = threading.Thread(target=contextvars.copy_context().run, args=(poll,), name="archive-progress")
-        thread.daemon = True
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
+        return polling(show, "archive-progress", every_s)
