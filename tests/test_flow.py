@@ -325,9 +325,9 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
 
 
 @pytest.mark.slow
-def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: Path, tmp_path: Path) -> None:
+def test_default_command_prints_a_bar_warnings_and_six_lines(tiny_bundle_path: Path, tmp_path: Path) -> None:
     """The real command without a configured Prefect API: it starts the local server (analytics off, so no telemetry
-    errors offline), and prints warnings, one line each, and a five-line summary; the task lines go to the run's log."""
+    errors offline), and prints warnings, one line each, and a six-line summary; the task lines go to the run's log."""
     from flows.prefect_server import stop_server
     from k6vsr_core.sample import make_sample_clip
 
@@ -362,13 +362,17 @@ def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: 
         "interpolation is done)"
     ]
     lines = done.stdout.splitlines()
-    assert len(lines) == 5, done.stdout
+    assert len(lines) == 6, done.stdout
     assert lines[0].startswith(f"wrote {tmp_path / 'out'}") and lines[0].endswith("(128x128, 1 frame at 12 fps)")
     assert lines[1].endswith("1 of 1 tiles computed, 0 reused, 2 DiT calls")
     stage_time = r"\w+ \d+\.\d \(\d+\.\d\)"  # wall-clock span (busy seconds)
     assert re.fullmatch(rf"seconds by stage, wall clock \(busy\): ingest .*?(, {stage_time})+", lines[2]), lines[2]
-    log = Path(lines[4].removeprefix("log: "))
-    assert lines[3] == f"store: {log.parent}"
+    assert (
+        lines[3].startswith("items by stage: ingest: 1 computed, 0 reused; ")
+        and "decode: 1 computed, 0 reused" in lines[3]
+    )
+    log = Path(lines[5].removeprefix("log: "))
+    assert lines[4] == f"store: {log.parent}"
     logged = log.read_text()
     assert "Task run 'decode-window-0-tile-0' - Finished in state Completed()" in logged
     assert "Flow run 'upscale-slow.mp4'" in logged
