@@ -572,8 +572,37 @@ def _hook(event, args):
 sys.addaudithook(_hook)
 """
 
+# Appended to the preload of workers told to die mid-tile: the first worker (of all) to store a decoded tile kills
+# itself by SIGKILL after the tile's chunk is written and before its record. The workers agree on which one through a
+# conditional write of the marker object, which holds the records there were at that moment: the finished work.
+KILL_MID_TILE = """\
+import json
+import signal
 
-def _dask_worker(address: str, folder: Path, preload: Path) -> subprocess.Popen:
+from storage.location import location
+from storage.records import RecordBook
+
+# Dask may run a preload file more than once in one process: wrap the plain method only.
+_plain_write = getattr(RecordBook.write, "plain", RecordBook.write)
+
+
+def _write_or_die(self, stage, item, *args, **kwargs):
+    if stage == "decode":
+        finished = {
+            name: {done: record.model_dump() for done in self.items(name) if (record := self.read(name, done))}
+            for name in self.root.names("")
+        }
+        if location(os.environ["K6VSR_KILL_MARK"]).create(json.dumps(finished).encode()):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return _plain_write(self, stage, item, *args, **kwargs)
+
+
+_write_or_die.plain = _plain_write
+RecordBook.write = _write_or_die
+"""
+
+
+def _dask_worker(address: str, folder: Path, preload: Path, kill_mark: str) -> subprocess.Popen:
     """A `dask worker` process whose working folder, temporary folder, home and caches are all under `folder`."""
     for name in ("tmp", "home", "cache", "dask"):
         (folder / name).mkdir(parents=True)
@@ -587,13 +616,21 @@ def _dask_worker(address: str, folder: Path, preload: Path) -> subprocess.Popen:
         "PREFECT_HOME": str(folder / "home" / ".prefect"),
         "PYTHONDONTWRITEBYTECODE": "1",
         "K6VSR_AUDIT_DIR": str(folder),
+        "K6VSR_KILL_MARK": kill_mark,
     }
     argv = [sys.executable, "-m", "distributed.cli.dask_worker", address, "--nthreads", "1", "--no-nanny"]
     argv += ["--local-directory", str(folder / "dask"), "--preload", str(preload)]
     return subprocess.Popen(argv, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def test_workers_read_the_source_from_the_store_and_write_only_in_their_own_folders(
+def _timeline(run: str) -> list[tuple[str, str]]:
+    """(stage, item) of every line of a run's timeline in an object store: one per item computed, by any attempt."""
+    folder = location(run) / "timeline"
+    lines = [json.loads((folder / name).read_bytes()) for name in folder.names(".json")]
+    return sorted((line["stage"], line["item"]) for line in lines)
+
+
+def test_workers_killed_mid_tile_read_the_source_from_the_store_and_write_only_in_their_own_folders(
     prefect_server: str,
     bucket: str,
     tiny_bundle_path: Path,
@@ -605,7 +642,12 @@ def test_workers_read_the_source_from_the_store_and_write_only_in_their_own_fold
     """Two Dask worker processes with folders of their own run every tile, blend and segment of a run whose store is
     in the bucket. The source is moved away once ingest has read it, so a worker that opened the client's path would
     fail; the workers' writes all land in their own folders, and the client's folder holds only its clip and the
-    output."""
+    output.
+
+    The first worker to store a decoded tile dies by SIGKILL before the tile's record (nobody restarts it): Dask
+    reruns that decode on the other worker, within the same flow run, which writes the local store's bytes. Nothing
+    finished was computed again: the timeline holds one line per (stage, item), and every record there was at the
+    kill is the one written then."""
     from distributed import Client, LocalCluster
     from prefect import task
 
@@ -628,12 +670,13 @@ def test_workers_read_the_source_from_the_store_and_write_only_in_their_own_fold
     monkeypatch.setattr(ingest_tasks, "ingest", ingest_then_move_the_source)
     monkeypatch.chdir(client_dir)
     preload = workers_dir / "k6vsr_audit.py"
-    preload.write_text(AUDIT)
+    preload.write_text(AUDIT + KILL_MID_TILE)
+    kill_mark = bucket.rsplit("/", 1)[0] + "/killed-mid-tile.json"  # beside the store, not in it
     model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
     scheduler = {"protocol": "tcp", "host": "127.0.0.1", "dashboard_address": None}  # in this process, on loopback
     with LocalCluster(n_workers=0, processes=False, **scheduler) as cluster:
         folders = [workers_dir / f"w{i}" for i in range(2)]
-        workers = [_dask_worker(cluster.scheduler_address, folder, preload) for folder in folders]
+        workers = [_dask_worker(cluster.scheduler_address, folder, preload, kill_mark) for folder in folders]
         try:
             with Client(cluster.scheduler_address) as client:
                 client.wait_for_workers(2, timeout=120)
@@ -641,14 +684,27 @@ def test_workers_read_the_source_from_the_store_and_write_only_in_their_own_fold
                     prepare_run(clip, PARAMS, model, bucket), str(client_dir / "out.mp4"), model,
                     dask_address=cluster.scheduler_address,
                 )  # fmt: skip
-                ran = client.run(os.getpid)
+                survivors = client.run(os.getpid)
         finally:
+            exits = [worker.poll() for worker in workers]
             for worker in workers:
                 worker.kill()
                 worker.wait(timeout=30)
-    assert len(ran) == 2 and summary.tiles_computed == 6
+    assert sorted(exits, key=str) == [-signal.SIGKILL, None] and len(survivors) == 1
+    assert summary.tiles_computed == 6
     assert (client_dir / "out.mp4").read_bytes() == reference
     assert sorted(p.name for p in client_dir.iterdir()) == ["moved-away.mp4", "out.mp4"]
+
+    store = RunStore(bucket, summary.run_key)
+    finished = json.loads(location(kill_mark).read_bytes())
+    assert len(finished["denoise"]) >= 1 and "decode" not in finished  # killed at its first decoded tile
+    assert {(stage, item): record for stage in finished for item, record in finished[stage].items()} == {
+        (stage, item): store.records.read(stage, item).model_dump() for stage in finished for item in finished[stage]
+    }  # not one of them written again
+    computed = _timeline(summary.store)
+    assert len(computed) == len(set(computed)) and ("decode", "0-5") in computed
+    assert {stage for stage, _ in computed} == {"ingest", "encode", "denoise", "decode", "blend", "segment", "mux"}
+
     sources = []
     for folder in folders:
         for log in folder.glob("audit-*.log"):
