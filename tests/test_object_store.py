@@ -386,6 +386,77 @@ def test_killed_command_resumes_from_the_bucket_recomputing_nothing_finished(
     assert summary["dit_calls"] == 2 * summary["tiles_computed"]
 
 
+# --------------------------------------------------------------------------------------------------- URLs
+
+
+def _upscale_argv(source: str, bundle: Path, store: str) -> list[str]:
+    return ["upscale", source, "--scale", "2", "--model", str(bundle), "--device", "cpu", "--store", store, "--json"]
+
+
+def test_upscale_reads_a_source_url_and_publishes_to_an_output_url(
+    prefect_server: str,
+    bucket: str,
+    tiny_bundle_path: Path,
+    clip_1f: Path,
+    reference: bytes,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`k6vsr upscale s3://.../clip.mp4 -o s3://.../out/`: the source is downloaded into a private folder, removed
+    at the end, and runs with the key of the same file read from disk; the output is one object of the local bytes,
+    and without `-o` it goes beside the source."""
+    import tempfile
+
+    from entrypoints.cli import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.chdir(tmp_path)
+    root = bucket.rsplit("/", 1)[0]
+    source = f"{root}/in/clip.mp4"
+    location(source).write_bytes(clip_1f.read_bytes())
+    argv = _upscale_argv(source, tiny_bundle_path, bucket)
+
+    assert main([*argv, "-o", f"{root}/out/", "--output-file-name", "x.mp4"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    assert summary["run_key"] == prepare_run(clip_1f, PARAMS, model, bucket).run.run_key
+    assert (summary["source"], summary["output"], summary["tiles_computed"]) == (source, f"{root}/out/x.mp4", 6)
+    assert location(f"{root}/out/x.mp4").read_bytes() == reference and _objects(f"{root}/out") == ["x.mp4"]
+
+    assert main(argv) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["output"].startswith(f"{root}/in/clip_sr2x_") and again["tiles_computed"] == 0
+    assert location(again["output"]).read_bytes() == reference
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]  # nothing of the run in the working folder
+    assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("k6vsr-source-")] == []
+
+
+def test_source_and_output_urls_that_cannot_be_used_are_refused_clearly(
+    s3_endpoint: Endpoint, bucket: str, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path, capsys
+) -> None:
+    from entrypoints.cli import main
+
+    root = bucket.rsplit("/", 1)[0]
+
+    def refused(source: str, *more: str) -> str:
+        assert main([*_upscale_argv(source, tiny_bundle_path, str(tmp_path / "store")), *more]) == 2
+        return capsys.readouterr().err
+
+    assert f"{root}/in/missing.mp4: no such object" in refused(f"{root}/in/missing.mp4")
+    assert "must name an object" in refused(f"{root}/in/")
+    location(f"{root}/in/clip.mp4").write_bytes(clip_1f.read_bytes())
+    missing = f"s3://k6vsr-no-such-bucket-{uuid.uuid4().hex[:8]}/out/"
+    assert f"{missing}: the bucket {missing[5:-5]} does not exist" in refused(f"{root}/in/clip.mp4", "-o", missing)
+    s3_endpoint.stop()
+    try:
+        assert f"{root}/in/clip.mp4: the object store does not answer" in refused(f"{root}/in/clip.mp4")
+    finally:
+        s3_endpoint.start()
+    assert not (tmp_path / "store").exists()
+
+
 # --------------------------------------------------------------------------------------------------- the archive
 
 
