@@ -389,8 +389,8 @@ def test_killed_command_resumes_from_the_bucket_recomputing_nothing_finished(
 # --------------------------------------------------------------------------------------------------- URLs
 
 
-def _upscale_argv(source: str, bundle: Path, store: str) -> list[str]:
-    return ["upscale", source, "--scale", "2", "--model", str(bundle), "--device", "cpu", "--store", store, "--json"]
+def _upscale_flags(bundle: Path, store: str) -> list[str]:
+    return ["--scale", "2", "--model", str(bundle), "--device", "cpu", "--store", store, "--json"]
 
 
 def test_upscale_reads_a_source_url_and_publishes_to_an_output_url(
@@ -416,7 +416,7 @@ def test_upscale_reads_a_source_url_and_publishes_to_an_output_url(
     root = bucket.rsplit("/", 1)[0]
     source = f"{root}/in/clip.mp4"
     location(source).write_bytes(clip_1f.read_bytes())
-    argv = _upscale_argv(source, tiny_bundle_path, bucket)
+    argv = ["upscale", source, *_upscale_flags(tiny_bundle_path, bucket)]
 
     assert main([*argv, "-o", f"{root}/out/", "--output-file-name", "x.mp4"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -440,12 +440,14 @@ def test_source_and_output_urls_that_cannot_be_used_are_refused_clearly(
 
     root = bucket.rsplit("/", 1)[0]
 
-    def refused(source: str, *more: str) -> str:
-        assert main([*_upscale_argv(source, tiny_bundle_path, str(tmp_path / "store")), *more]) == 2
+    def refused(*given: str) -> str:
+        assert main(["upscale", *given, *_upscale_flags(tiny_bundle_path, str(tmp_path / "store"))]) == 2
         return capsys.readouterr().err
 
     assert f"{root}/in/missing.mp4: no such object" in refused(f"{root}/in/missing.mp4")
     assert "must name an object" in refused(f"{root}/in/")
+    latent = f"{root}/in/missing.safetensors"
+    assert f"{latent}: no such object" in refused("--latent", latent, "--fps", "24")
     location(f"{root}/in/clip.mp4").write_bytes(clip_1f.read_bytes())
     missing = f"s3://k6vsr-no-such-bucket-{uuid.uuid4().hex[:8]}/out/"
     assert f"{missing}: the bucket {missing[5:-5]} does not exist" in refused(f"{root}/in/clip.mp4", "-o", missing)
