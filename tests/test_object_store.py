@@ -405,11 +405,14 @@ def test_upscale_reads_a_source_url_and_publishes_to_an_output_url(
 ) -> None:
     """`k6vsr upscale s3://.../clip.mp4 -o s3://.../out/`: the source is downloaded into a private folder, removed
     at the end, and runs with the key of the same file read from disk; the output is one object of the local bytes,
-    and without `-o` it goes beside the source."""
+    and without `-o` it goes beside the source. The run's report reads its still from the store's output."""
     import tempfile
 
     from entrypoints.cli import main
+    from flows import artifacts
 
+    reports: list = []
+    monkeypatch.setattr(artifacts, "publish_clip_report", lambda *report: reports.append(report))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -424,6 +427,12 @@ def test_upscale_reads_a_source_url_and_publishes_to_an_output_url(
     assert summary["run_key"] == prepare_run(clip_1f, PARAMS, model, bucket).run.run_key
     assert (summary["source"], summary["output"], summary["tiles_computed"]) == (source, f"{root}/out/x.mp4", 6)
     assert location(f"{root}/out/x.mp4").read_bytes() == reference and _objects(f"{root}/out") == ["x.mp4"]
+    ((report, _),) = reports
+    assert (report.output, report.output_bytes, report.after.shape[:2]) == (
+        summary["output"],
+        len(reference),
+        (192, 256),
+    )
 
     assert main(argv) == 0
     again = json.loads(capsys.readouterr().out)
