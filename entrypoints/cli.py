@@ -474,6 +474,8 @@ def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]
     if given and is_url(given):
         check_output_prefix(given)
         destination = f"{given.rstrip('/')}/{name}"
+        if destination == source_url:
+            raise UserFacingError(f"output {destination} is the input; pick another name or prefix")
     else:
         out_dir = Path(given).expanduser().resolve() if given else source.resolve().parent
         _check_output_dir(out_dir, _estimated_output_bytes(prepared.plan))

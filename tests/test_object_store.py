@@ -460,6 +460,9 @@ def test_source_and_output_urls_that_cannot_be_used_are_refused_clearly(
     location(f"{root}/in/clip.mp4").write_bytes(clip_1f.read_bytes())
     missing = f"s3://k6vsr-no-such-bucket-{uuid.uuid4().hex[:8]}/out/"
     assert f"{missing}: the bucket {missing[5:-5]} does not exist" in refused(f"{root}/in/clip.mp4", "-o", missing)
+    same = refused(f"{root}/in/clip.mp4", "--output-file-name", "clip.mp4")
+    assert f"output {root}/in/clip.mp4 is the input" in same
+    assert location(f"{root}/in/clip.mp4").read_bytes() == clip_1f.read_bytes()
     s3_endpoint.stop()
     try:
         assert f"{root}/in/clip.mp4: the object store does not answer" in refused(f"{root}/in/clip.mp4")
