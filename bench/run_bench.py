@@ -225,136 +225,15 @@ def peak(device: torch.device) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------- bundle
 
 
-def full_configs() -> dict[str, dict[str, Any]]:
-    """The released configs in their native spelling (contract §H), distilled checkpoint."""
-    dit = {
-        "_class_name": "Kandinsky6SRTransformer3DModel",
-        "_diffusers_version": "0.41.0.dev0",
-        "in_visual_dim": 64,
-        "out_visual_dim": 640,
-        "time_dim": 512,
-        "patch_size": [1, 1, 1],
-        "model_dim": 1792,
-        "ff_dim": 7168,
-        "num_visual_blocks": 32,
-        "axes_dims": [16, 24, 24],
-        "num_text_blocks": 2,
-        "in_text_dim": 3584,
-        "in_text_dim2": 768,
-        "use_text": False,
-        "visual_cond": True,
-        "instruct_type": "hybrid_anchor",
-        "attribute_overrides": {},
-        "attention_params": {
-            "512": {"type": "nabla", "P": 0.8, "wT": 11, "wH": 7, "wW": 7, "add_sta": True, "method": "topcdf"},
-            "1024": {"type": "flash"},
-        },
-        "sr_params": {
-            "visual_size": [512],
-            "scale_factor": {"512": [1, 2, 2]},
-            "lq_noise_scale": 0.7,
-            "lq_noise_type": "ddpm",
-            "lq_channel_noise_scale": 0.0,
-            "cap_noise_timestep": False,
-            "scheduler_scale": 3.5,
-            "fps": 24,
-        },
-    }
-    enc = {
-        "ch": 128,
-        "ch_mult": [0.125, 1, 2, 4, 8],
-        "num_res_blocks": 2,
-        "z_channels": 64,
-        "double_z": True,
-        "temporal_compress_times": 4,
-        "temporal_compress_start_level": 1,
-        "norm_type": "rms_norm",
-        "downsample_version": 2,
-        "fix_pxs": True,
-    }
-    dec = {
-        "ch": 256,
-        "ch_mult": [0.0625, 1, 2, 4, 8],
-        "num_res_blocks": 2,
-        "z_channels": 64,
-        "temporal_compress_times": 4,
-        "temporal_compress_start_level": 1,
-        "norm_type": "rms_norm",
-    }
-    vae = {
-        "_class_name": "Kandinsky6SRVAE",
-        "_diffusers_version": "0.41.0.dev0",
-        "vae_type": "video-kvae",
-        "scaling_factor": 0.910344004631042,
-        "spatial_factor": 16,
-        "temporal_factor": 4,
-        "encoder_config": enc,
-        "decoder_config": dec,
-    }
-    entry = {
-        "multi_scale": True,
-        "in_channels": 64,
-        "hidden_channels": 2048,
-        "stage_channels": [2048, 1024, 512],
-        "num_pre_blocks": 5,
-        "num_mid_blocks": 3,
-        "num_post_blocks": 3,
-        "modulated_norm": True,
-        "modulated_output_proj": True,
-        "bare_stem": True,
-        "temporal_padding": "replicate",
-        "upsample_mode": "pxs_v2",
-        "upsample_padding_mode": "zeros",
-    }
-    lu = {
-        "_class_name": "Kandinsky6SRLatentUpscalerBank",
-        "_diffusers_version": "0.41.0.dev0",
-        "models": [
-            {"target_scale": "4x", "model": dict(entry)},
-            {
-                "target_scale": "2x",
-                "model": {
-                    **entry,
-                    "enable_x2_entry": True,
-                    "x2_adapter_blocks": 2,
-                    "x2_adapter_sources": [0, 4],
-                    "x2_finisher": "pxs_residual",
-                    "x2_tail_mode": "private_full",
-                },
-            },
-        ],
-        "scaling_factor": 0.910344004631042,
-    }
-    scheduler = {
-        "_class_name": "PiflowScheduler",
-        "_diffusers_version": "0.41.0.dev0",
-        "num_train_timesteps": 1000,
-        "shift": 3.5,
-        "n_grid": 10,
-        "nfe": 2,
-        "eps": 1e-6,
-        "final_step_size_scale": 0.5,
-        "num_policy_substeps": 128,
-    }
-    index = {
-        "_class_name": "Kandinsky6SRPipeline",
-        "_diffusers_version": "0.41.0.dev0",
-        "transformer": ["diffusers", "Kandinsky6SRTransformer3DModel"],
-        "vae": ["diffusers", "Kandinsky6SRVAE"],
-        "latent_upscaler": ["diffusers", "Kandinsky6SRLatentUpscalerBank"],
-        "scheduler": ["diffusers", "PiflowScheduler"],
-    }
-    return {"transformer": dit, "vae": vae, "latent_upscaler": lu, "scheduler": scheduler, "index": index}
-
-
 def write_full_bundle(path: Path, device: torch.device, seed: int = 0) -> dict[str, Any]:
     """Write the full-size bundle with random bf16 weights, generated on `device` (fan-in scaled, norm gains ~1)."""
     from diffusers import Kandinsky6SRLatentUpscalerBank, Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE
     from safetensors.torch import save_file
 
     from k6vsr_core.bundle import MODEL_INDEX, WEIGHTS, latent_upscaler_kwargs, transformer_kwargs, vae_kwargs
+    from k6vsr_core.release_config import released_configs
 
-    configs = full_configs()
+    configs = released_configs()
     tmp = path.with_name(path.name + ".part")
     if tmp.exists():
         import shutil
@@ -483,10 +362,27 @@ def run_ours(
     return info
 
 
-def frames_diff(a: Path, b: Path) -> dict[str, Any]:
+def all_frames(path: Path) -> np.ndarray:
+    """Every frame of a video, as RGB."""
     from k6vsr_core import media
 
-    fa, fb = media.decode_frames(a)[0], media.decode_frames(b)[0]
+    count, pts = media.scan_frames(path)
+    return media.read_frames(path, list(range(count)), pts)
+
+
+def contract_frames(path: Path) -> np.ndarray:
+    """The frames a run keeps of `path` under the contract's selection, read as a run reads them."""
+    from k6vsr_core import media
+    from k6vsr_core.params import parse_params
+    from k6vsr_core.plan import ModelTraits
+    from k6vsr_core.source import read_source
+
+    clip = read_source(path, parse_params(scale=2, frames="contract"), ModelTraits())
+    return media.read_frames(path, clip.plan.source_indices(), clip.frame_pts)
+
+
+def frames_diff(a: Path, b: Path) -> dict[str, Any]:
+    fa, fb = all_frames(a), all_frames(b)
     same_bytes = a.read_bytes() == b.read_bytes()
     if fa.shape != fb.shape:
         return {"same_bytes": same_bytes, "shape_a": fa.shape, "shape_b": fb.shape}
@@ -535,7 +431,6 @@ def phase_baseline(bench: Bench) -> None:
     # The module itself: diffusers' top-level name is a placeholder wherever `transformers` is not installed.
     from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_sr import Kandinsky6SRPipeline
 
-    from k6vsr_core import media
     from k6vsr_core.attention import set_attention
 
     if bench.fast_bundle:
@@ -552,7 +447,7 @@ def phase_baseline(bench: Bench) -> None:
     pipe.set_progress_bar_config(disable=True)
 
     def once(workload: str) -> tuple[float, dict[str, float]]:
-        frames, _ = media.decode_frames(bench.clip(workload))
+        frames = contract_frames(bench.clip(workload))
         video = torch.from_numpy(frames).permute(0, 3, 1, 2).float().div(255.0)  # (T, C, H, W) in [0, 1]
         reset_peak(bench.device)
         sync(bench.device)
@@ -766,7 +661,7 @@ def phase_density(bench: Bench) -> None:
         nabla_block_mask,
     )
 
-    from k6vsr_core import media, stages
+    from k6vsr_core import stages
     from k6vsr_core.bundle import model_traits
     from k6vsr_core.plan import make_plan
 
@@ -808,7 +703,7 @@ def phase_density(bench: Bench) -> None:
     width, height, frames, _ = bench.workloads["W1"]
     params = bench.params("W1", "nabla")
     plan = make_plan((height, width), frames, 24, params, model_traits(bundle.info))
-    source_frames, _ = media.decode_frames(bench.clip("W1"))
+    source_frames = contract_frames(bench.clip("W1"))
     latent = stages.encode_clip(bundle, stages.prepare_window(source_frames, plan, plan.windows[0]))
     chunk = plan.chunks[0]
     for threshold, label in ((None, "nabla (P 0.8)"), (0.0, "nabla STA floor (thr 0)")):
@@ -970,6 +865,10 @@ def _run_job(
     """Ingest -> encode -> denoise per chunk -> decode per tile (after its chunk) -> blend -> mux, like the flow."""
     import shutil
 
+    from k6vsr_core import media
+    from k6vsr_core.bundle import model_traits
+    from k6vsr_core.plan import make_plan
+    from service.runs import PreparedRun
     from storage import RunStore
     from tasks import stage_tasks
     from tasks.ingest import ingest
@@ -977,8 +876,13 @@ def _run_job(
     if root.exists():
         shutil.rmtree(root)
     run = _run_ref(root, "bench")
+    probe = media.probe(source)
+    planned = make_plan(
+        (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate
+    )
+    prepared = PreparedRun(run=run, source=str(source), model_info=info, probe=probe, plan=planned, finished=False)
     started = time.perf_counter()
-    plan = ingest.fn(str(source), run, params, info, ATTEMPT).plan
+    plan = ingest.fn(prepared, ATTEMPT).plan
     pending: list[tuple[str, int]] = [("denoise", c.index) for c in plan.chunks]
     waiting = {t: plan.chunk_of(t).index for t in range(plan.num_tiles)}
     done_chunks: set[int] = set()

@@ -16,8 +16,14 @@ What jobs may hold is bounded: at most `max_queued` jobs wait; the inputs on dis
 sources) are charged to a quota as they are written and freed as soon as a job no longer needs them (once it ran,
 or at once when it is cancelled); a cancelled or deleted job's run is reclaimed from the run store unless another
 job still refers to it; and finished jobs are deleted `retention_s` after they finished, or sooner, oldest first,
-while they keep more than their disk budget. A record holds the request and the run key, never the plan (the child's
-flow plans the job's own input again), so records, and what the child and its flow run are handed, stay small.
+while they keep more than their disk budget. A record holds the request and the run key, never the plan (the child
+plans the job's own input again, once), so records, and what the child is handed, stay small.
+
+Why not a deployment of the clip flow, run with `run_deployment` on a work pool whose concurrency is the slots: a
+Prefect process worker starts a new process per flow run, which would load the model for every job, where a slot's
+child loads it once; and the per-key queue share, the upload slots, the input quota and the retention of finished
+jobs are the HTTP API's own bounds, which a work pool does not have. Cancelling still ends in Prefect's terms: the
+SIGTERM lets the flow run be marked crashed.
 """
 
 from __future__ import annotations
@@ -768,7 +774,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         from flows.runners import make_task_runner
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
-        from service.runs import ModelSpec
+        from service.runs import ModelSpec, prepare_run
         from storage import RunStore
         from tasks.model_cache import get_bundle
 
@@ -786,13 +792,13 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         job = json.loads(line)
         try:
             with results_beside(job["output"]):
+                # Planned again here, not carried from the request: a queued job may run after a restart, and
+                # its record stays small (the plan is recorded once, in the run's manifest, by ingest).
+                prepared = prepare_run(
+                    job["source"], UpscaleParams(**job["params"]), spec, job["store_root"], job["latent_fps"]
+                )
                 summary = upscale_clip.with_options(flow_run_name=job["id"], task_runner=make_task_runner())(
-                    source=job["source"],
-                    output=job["output"],
-                    params=UpscaleParams(**job["params"]),
-                    model=spec,
-                    store_root=job["store_root"],
-                    latent_fps=job["latent_fps"],  # a latent job's input is a latent
+                    prepared=prepared, output=job["output"], model=spec
                 )
             has_audio = RunStore(job["store_root"], summary.run_key).read_manifest().has_audio
             reply(event="done", id=job["id"], summary=summary.model_dump(mode="json"), has_audio=has_audio)

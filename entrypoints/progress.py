@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -20,7 +19,7 @@ from tqdm import tqdm
 from k6vsr_core.plan import ClipPlan
 from service.runs import PreparedRun
 from storage import RunStore
-from storage.progress import SEPARATOR, RunProgress, clip_text, clips_text, read_progress, stored_plan
+from storage.progress import SEPARATOR, RunProgress, clip_text, clips_text, polling, read_progress, stored_plan
 
 POLL_S = 0.5
 # tqdm's time left is counted from what this run computes, not from what it found done (`initial`).
@@ -58,24 +57,6 @@ class RunBar:
 
 
 @contextmanager
-def polling(show: Callable[[], None], name: str) -> Iterator[None]:
-    """`show()` every POLL_S seconds in a thread while the block runs."""
-    stop = threading.Event()
-
-    def poll() -> None:
-        while not stop.wait(POLL_S):
-            show()
-
-    thread = threading.Thread(target=poll, name=name, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-@contextmanager
 def run_progress(prepared: PreparedRun, enabled: bool = True) -> Iterator[None]:
     """While the block runs, the run's bar on a terminal's stderr."""
     if not enabled or not sys.stderr.isatty():
@@ -83,7 +64,7 @@ def run_progress(prepared: PreparedRun, enabled: bool = True) -> Iterator[None]:
         return
     bar = RunBar(RunStore(prepared.run.store_root, prepared.run.run_key), prepared.plan, sys.stderr)
     try:
-        with polling(bar.show, "k6vsr-progress"):
+        with polling(bar.show, "k6vsr-progress", POLL_S):
             yield
     finally:
         bar.close()
@@ -150,7 +131,7 @@ def archive_progress(manifest: Path, enabled: bool = True) -> Iterator[None]:
         return
     bars = ArchiveBars(manifest, sys.stderr, since=time.time())
     try:
-        with polling(bars.show, "k6vsr-archive-progress"):
+        with polling(bars.show, "k6vsr-archive-progress", POLL_S):
             yield
     finally:
         bars.close()

@@ -10,7 +10,6 @@ Artifacts are best effort: a Prefect API that cannot take one logs a warning and
 from __future__ import annotations
 
 import base64
-import contextvars
 import hashlib
 import io
 import logging
@@ -19,8 +18,8 @@ import re
 import socket
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,7 +32,16 @@ from flows.runners import is_dask_runner
 from flows.stage_clock import StageSpan
 from k6vsr_core.plan import ClipPlan
 from storage import RunStore
-from storage.progress import SEPARATOR, RunProgress, StageCount, clip_text, clips_text, read_progress, stored_plan
+from storage.progress import (
+    SEPARATOR,
+    RunProgress,
+    StageCount,
+    clip_text,
+    clips_text,
+    polling,
+    read_progress,
+    stored_plan,
+)
 
 THUMB_WIDTH = 320
 KEY_NAME_LIMIT = 40
@@ -83,6 +91,9 @@ def _best_effort(what: str, call: Callable[[], T]) -> T | None:
         return None
 
 
+# Written on the client rather than with prefect.artifacts: its `create_*_artifact` functions take the task and flow
+# run from the calling context (prefect 3.9: no flow_run_id argument), which files a clip run's artifacts under the
+# task it was started from (see above), and only progress artifacts can be updated in place there.
 def create(kind: str, key: str, data: Any, description: str, flow_run_id: str | UUID | None) -> UUID | None:
     """A new artifact of `flow_run_id` (and of no task run)."""
     from prefect.client.orchestration import get_client
@@ -279,7 +290,9 @@ def workers_in_use() -> str:
         workers = client.scheduler_info()["workers"].values()
         hosts = sorted({str(worker.get("host", "?")) for worker in workers})
         return f"{len(workers)} Dask worker process{'es' if len(workers) != 1 else ''} on {', '.join(hosts)}"
-    # Prefect's default thread pool has no bound (sys.maxsize); the command's has two threads.
+    # Prefect's default thread pool has no bound (sys.maxsize); the command's has two threads. ThreadPoolTaskRunner
+    # tells its size only through the private `_max_workers` (prefect 3.x has no public attribute for it); read
+    # defensively, so a release that renames it reads as unbounded instead of failing the report.
     threads = getattr(runner, "_max_workers", sys.maxsize)
     count = f"{threads} threads" if threads < sys.maxsize else "a thread per task"
     return f"{count} in process {os.getpid()} on {socket.gethostname()}"
@@ -332,22 +345,11 @@ class ArchiveProgress:
             self._shown = text
             update(self._id, percent(self.done + self.failed, self.total), text)
 
-    @contextmanager
-    def watching(self, every_s: float = ARCHIVE_POLL_S) -> Iterator[None]:
+    def watching(self, every_s: float = ARCHIVE_POLL_S) -> AbstractContextManager[None]:
         """While the block runs, the running clips' progress is shown every `every_s` seconds as it changes."""
-        stop = threading.Event()
 
-        def poll() -> None:
-            while not stop.wait(every_s):
-                with self._lock:
-                    self._show()
+        def show() -> None:
+            with self._lock:
+                self._show()
 
-        # In this context: the Prefect settings (the API's address) may live in context variables.
-        thread = threading.Thread(target=contextvars.copy_context().run, args=(poll,), name="archive-progress")
-        thread.daemon = True
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            thread.join()
+        return polling(show, "archive-progress", every_s)

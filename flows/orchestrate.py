@@ -26,12 +26,4 @@ def run_clip(
     """Run the clip flow on the plan `prepared`, its tiles on threads or Dask workers, reporting to one Prefect API."""
     runner = make_task_runner(workers, dask_address, gpus)
     with prefect_api():
-        return upscale_clip.with_options(task_runner=runner)(
-            source=prepared.source,
-            output=output,
-            params=prepared.plan.params,
-            model=model,
-            store_root=prepared.run.store_root,
-            prepared=prepared,
-            latent_fps=prepared.latent_fps,
-        )
+        return upscale_clip.with_options(task_runner=runner)(prepared=prepared, output=output, model=model)

@@ -337,14 +337,7 @@ def api_auth(home: Path | None = None) -> str | None:
 
 def stop_server(home: Path | None = None) -> bool:
     """Stop the local server; False if none was running."""
-    folder = _folder(home)
-    with folder.locked():
-        record = folder.read(_Record)
-        running = record is not None and alive(record.pid, record.process_start)
-        if record is not None:
-            _terminate(record)
-        folder.remove_record()
-    return running
+    return _folder(home).stop(_Record, _terminate)
 
 
 def server_status(home: Path | None = None) -> ServerStatus:
@@ -433,6 +426,10 @@ def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterato
         path.unlink(missing_ok=True)
 
 
+# Kept beside Prefect's flow heartbeats: those are events sent every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (30 at
+# the least, prefect 3.9), and a run whose heartbeats stop is marked Crashed only by an automation someone created on
+# the server. A lease names the process itself (pid and start time), so the next command on this host knows at once,
+# on any Prefect API, even one that is not ours to configure, that the run's process is gone.
 def leased(fn: Callable[P, R]) -> Callable[P, R]:
     """Decorate a flow's function (below `@flow`) so its run holds a lease while its body runs."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
+from storage.processes import alive
 from storage.records import atomic_write_bytes
 
 LOG_KEEP_BYTES = 1 << 20
@@ -83,6 +84,17 @@ class StateFolder:
 
     def remove_record(self) -> None:
         self.record_path.unlink(missing_ok=True)
+
+    def stop(self, model_type: type[Record], terminate: Callable[[Record], None]) -> bool:
+        """Under the lock, end the process the record names (`terminate`; the record has its `pid` and
+        `process_start`) and drop the record. False if it was not running."""
+        with self.locked():
+            record = self.read(model_type)
+            running = record is not None and alive(record.pid, record.process_start)  # type: ignore[attr-defined]
+            if record is not None:
+                terminate(record)
+            self.remove_record()
+        return running
 
     def rotate_log(self) -> None:
         """Each start appends to the log: past `LOG_KEEP_BYTES`, keep the previous log, once, and start anew."""

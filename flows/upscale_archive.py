@@ -421,15 +421,7 @@ def upscale_one(
     clip_flow = upscale_clip.with_options(
         flow_run_name=f"upscale-{relative_path}", task_runner=make_task_runner(1, dask_address, False)
     )
-    state = clip_flow(
-        source=prepared.source,
-        output=output,
-        params=prepared.plan.params,
-        model=model,
-        store_root=prepared.run.store_root,
-        prepared=prepared,
-        return_state=True,
-    )
+    state = clip_flow(prepared=prepared, output=output, model=model, return_state=True)
     try:
         return str(state.state_details.flow_run_id), state.result()
     except Exception as err:  # noqa: BLE001 - the clip failed: its row says why, the others go on
@@ -461,19 +453,49 @@ def upscale_archive(
     tiles of every clip run, as for one clip; `max_parallel` clips run at once.
     """
     logger = get_run_logger()
-    archive_run_id = flow_run.id
     root = str(parse_store_root(store_root) if store_root else default_store_root())
     out_dir = Path(output_dir).expanduser().resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    include_globs = list(include or VIDEO_GLOBS)
-    exclude_globs = list(exclude or [])
 
     # 1-2. Scan and plan every clip.
-    base, sources = _sources(input_dir, paths, out_dir, include_globs, exclude_globs)
+    base, sources = _sources(input_dir, paths, out_dir, list(include or VIDEO_GLOBS), list(exclude or []))
     logger.info("planning %d clips of %s", len(sources), base)
     rows, plans = plan_clips(base, sources, out_dir, params, model, root, overwrite)
+    header = archive_header(base, out_dir, root, params, model, plan_only)
+    manifest_json, manifest_csv = write_manifest(out_dir, header, rows)
+    for row in rows:
+        if row.status == "skipped":
+            logger.warning("skipped %s: %s", row.relative_path, row.reason)
+    pending = [i for i, row in enumerate(rows) if row.status == "planned"]
     slug = archive_slug(input_dir, paths)
-    header = {
+    manifest_artifact = ManifestArtifact(slug, flow_run.id, header)
+    if plan_only or not pending:
+        manifest_artifact.show(rows, {})
+        logger.info("%s", message_of(rows, plan_only))
+        return _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
+
+    # 3. Run the pending clips, max_parallel at once, each as its own clip flow run.
+    logger.info("running %d of %d clips, %d at once", len(pending), len(rows), max_parallel)
+    progress = artifacts.ArchiveProgress(slug, flow_run.id, len(pending))
+    manifest_artifact.show(rows, {})
+    with shared_tiles_cluster(workers, gpus, dask_address) as address:
+        run_clips(rows, pending, plans, model, address, max_parallel, out_dir, header, manifest_artifact, progress)
+
+    summary = _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
+    logger.info("%s; manifest %s", summary.message, manifest_json)
+    if summary.failed:
+        raise ArchiveFailed(
+            f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
+            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused"
+        )
+    return summary
+
+
+def archive_header(
+    base: Path, out_dir: Path, root: str, params: UpscaleParams, model: ModelSpec, plan_only: bool
+) -> dict[str, Any]:
+    """What the manifest says of the whole archive, above its rows."""
+    return {
         "input": str(base),
         "output_dir": str(out_dir),
         "store_root": root,
@@ -484,41 +506,45 @@ def upscale_archive(
         "plan_only": plan_only,
         "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    manifest_json, manifest_csv = write_manifest(out_dir, header, rows)
-    for row in rows:
-        if row.status == "skipped":
-            logger.warning("skipped %s: %s", row.relative_path, row.reason)
-    pending = [i for i, row in enumerate(rows) if row.status == "planned"]
-    manifest_artifact = ManifestArtifact(slug, archive_run_id, header)
+
+
+def run_clips(
+    rows: list[ArchiveRow],
+    pending: list[int],
+    plans: dict[str, PreparedRun],
+    model: ModelSpec,
+    address: str | None,
+    max_parallel: int,
+    out_dir: Path,
+    header: dict[str, Any],
+    manifest_artifact: ManifestArtifact,
+    progress: artifacts.ArchiveProgress,
+) -> None:
+    """Run the clips of `rows` at `pending`, `max_parallel` at once, each as a subflow of this flow run: every row is
+    updated as its clip ends, and the manifest written and shown again."""
+    logger = get_run_logger()
     clip_runs: dict[str, str] = {}  # relative path -> the clip's flow run id
-
-    if plan_only or not pending:
-        manifest_artifact.show(rows, clip_runs)
-        logger.info("%s", message_of(rows, plan_only))
-        return _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
-
-    # 3. Run the pending clips, max_parallel at once, each as its own clip flow run.
-    logger.info("running %d of %d clips, %d at once", len(pending), len(rows), max_parallel)
-    progress = artifacts.ArchiveProgress(slug, archive_run_id, len(pending))
-    manifest_artifact.show(rows, clip_runs)
     last_table = time.monotonic()
+
+    # A thread pool, not Prefect's own fan-out: a subflow runs in the thread that calls it (prefect 3.9), and
+    # `Flow.submit` sends a flow to a work pool's infrastructure, a new process per run that loads the model again;
+    # a concurrency limit bounds runs but starts none; and a clip run started from a task would file its artifacts
+    # under that task (flows.artifacts).
+    def run(index: int) -> tuple[int, float, str | None, Any]:
+        row = rows[index]
+        run_ref = plans[row.relative_path].run
+        progress.started(row.relative_path, RunStore(run_ref.store_root, run_ref.run_key))
+        started = time.perf_counter()
+        try:
+            clip_run, outcome = upscale_one(row.relative_path, row.output, plans[row.relative_path], model, address)
+        except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
+            return index, time.perf_counter() - started, None, err
+        return index, time.perf_counter() - started, clip_run, outcome
+
     with (
-        shared_tiles_cluster(workers, gpus, dask_address) as address,
         progress.watching(),
         ThreadPoolExecutor(max_workers=max(1, max_parallel), thread_name_prefix="archive-clip") as pool,
     ):
-
-        def run(index: int) -> tuple[int, float, str | None, Any]:
-            row = rows[index]
-            run_ref = plans[row.relative_path].run
-            progress.started(row.relative_path, RunStore(run_ref.store_root, run_ref.run_key))
-            started = time.perf_counter()
-            try:
-                clip_run, outcome = upscale_one(row.relative_path, row.output, plans[row.relative_path], model, address)
-            except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
-                return index, time.perf_counter() - started, None, err
-            return index, time.perf_counter() - started, clip_run, outcome
-
         # Each clip runs in a copy of this flow run's context, so its flow run is a subflow of this run.
         futures = [pool.submit(contextvars.copy_context().run, run, index) for index in pending]
         for finished, future in enumerate(as_completed(futures), start=1):
@@ -542,15 +568,6 @@ def upscale_archive(
             if time.monotonic() - last_table >= TABLE_EVERY_S or finished == len(pending):
                 manifest_artifact.show(rows, clip_runs)
                 last_table = time.monotonic()
-
-    summary = _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
-    logger.info("%s; manifest %s", summary.message, manifest_json)
-    if summary.failed:
-        raise ArchiveFailed(
-            f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
-            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused"
-        )
-    return summary
 
 
 def _finished_row(row: ArchiveRow, seconds: float, outcome: Any) -> ArchiveRow:

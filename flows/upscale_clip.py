@@ -91,42 +91,59 @@ def _attempt_id() -> str:
 
 
 def _flow_run_name() -> str:
-    source = flow_run.parameters.get("source", "clip")
+    prepared = flow_run.parameters.get("prepared")
+    if prepared is None:  # the request flow names its run after the source it was given
+        source = flow_run.parameters.get("source", "clip")
+    else:  # a PreparedRun, or its JSON when the run was created through the API
+        source = prepared.source if isinstance(prepared, PreparedRun) else prepared.get("source", "clip")
     return f"upscale-{Path(str(source)).name}"
 
 
-# Deployments run the flow with this default: the warm workers while they run (flows.warm_workers), else threads.
-@flow(
-    name="upscale-clip",
-    flow_run_name=_flow_run_name,
-    log_prints=False,
-    validate_parameters=True,
-    task_runner=WarmOrThreadsTaskRunner(),
-)
+def _clip_flow(name: str) -> Any:
+    """The flow decorator of both clip flows. Deployments run a flow with its default runner: the warm workers while
+    they run (flows.warm_workers), else threads."""
+    return flow(
+        name=name,
+        flow_run_name=_flow_run_name,
+        log_prints=False,
+        validate_parameters=True,
+        task_runner=WarmOrThreadsTaskRunner(),
+    )
+
+
+@_clip_flow("upscale-request")
 @leased  # a run whose process is killed is marked Crashed by the next command
-def upscale_clip(
+def upscale_request(
     source: str,
     output: str | None = None,
     params: UpscaleParams = UpscaleParams(),
     model: ModelSpec = ModelSpec(),
     store_root: str | None = None,
-    prepared: PreparedRun | None = None,
     latent_fps: str | None = None,
 ) -> ClipSummary:
-    """Upscale one clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it).
+    """Plan a clip from the request's fields and run it: what the `upscale-clip` deployment starts, where no caller
+    planned the clip before (`upscale_clip` is the run itself, its subflow)."""
+    prepared = prepare_run(source, params, model, store_root or default_store_root(), latent_fps)
+    return upscale_clip(prepared=prepared, output=output, model=model)
 
-    `prepared` is the plan its caller made of this clip with these arguments (`service.runs.prepare_run`); without
-    it, the flow plans the clip itself. From ingest on, the flow runs the plan that ingest recorded in the manifest.
-    With `latent_fps` (a number or `a/b`), `source` is a safetensors file of one unscaled KVAE latent `[T, C, H, W]`
-    played at that rate (`k6vsr_core.latent`); its encode stage reads the latent instead of encoding frames.
+
+@_clip_flow("upscale-clip")
+@leased  # a run whose process is killed is marked Crashed by the next command
+def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelSpec = ModelSpec()) -> ClipSummary:
+    """Upscale one planned clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it).
+
+    `prepared` is the plan its caller made of this clip (`service.runs.prepare_run`): the flow hands it to ingest,
+    which records it in the manifest (re-planned only if fewer frames decode than the probe counted); every later
+    stage reads it from there. A latent run's `prepared.latent_fps` is set: its source is a safetensors file of one
+    unscaled KVAE latent `[T, C, H, W]` (`k6vsr_core.latent`), its encode stage reads the latent instead of frames.
     """
     clock = StageClock()
     logger = get_run_logger()
-    if prepared is None:
-        prepared = prepare_run(source, params, model, store_root or default_store_root(), latent_fps)
-    run, params = prepared.run, prepared.plan.params
+    run, source = prepared.run, prepared.source
     store = RunStore(run.store_root, run.run_key)
-    destination = Path(output) if output else Path(source).parent / output_name(source, params, datetime.now())
+    destination = (
+        Path(output) if output else Path(source).parent / output_name(source, prepared.plan.params, datetime.now())
+    )
     published = output if output and is_url(output) else str(destination)  # a path would mangle a URL
 
     def record(result: StageResult) -> StageResult:
@@ -143,9 +160,7 @@ def upscale_clip(
             prepared.plan.num_tiles,
             store.where,
         )
-        ingested = ingest_tasks.ingest(
-            prepared.source, run, params, prepared.model_info, attempt, latent_fps=prepared.latent_fps
-        )
+        ingested = ingest_tasks.ingest(prepared, attempt)
         record(ingested)
         plan = ingested.plan
         total = plan.num_tiles * plan.num_windows

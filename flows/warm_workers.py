@@ -251,14 +251,7 @@ def _terminate(record: WorkersRecord, timeout: float = STOP_TIMEOUT_S) -> None:
 
 def stop_workers(home: Path | None = None) -> bool:
     """Stop the warm workers; False if none were running."""
-    folder = _folder(home)
-    with folder.locked():
-        record = folder.read(WorkersRecord)
-        running = record is not None and alive(record.pid, record.process_start)
-        if record is not None:
-            _terminate(record)
-        folder.remove_record()
-    return running
+    return _folder(home).stop(WorkersRecord, _terminate)
 
 
 def workers_status(home: Path | None = None, ask_workers: bool = True) -> WorkersStatus:
@@ -395,7 +388,8 @@ def _supervise(folder: StateFolder, count: int, devices: list[str], model_json: 
             if time.monotonic() - checked > 30:  # a nanny that gave up (its worker would not start): start it again
                 checked = time.monotonic()
                 if set(cluster.worker_spec) - set(cluster.workers):
-                    cluster.sync(cluster._correct_state)
+                    # Scaling to the size it has is distributed's public way to start the missing workers again.
+                    cluster.scale(len(cluster.worker_spec))
             current = folder.read(WorkersRecord)
             if current is not None and current.pid == pid and current.address is None:
                 folder.write(record)  # the starting command wrote its own over ours: put ours back

@@ -121,6 +121,9 @@ class ModelBundle:
         self.memory: Any = None  # the k6vsr_core.memory.MemoryBudget applied to this bundle, if any
         self._turn = threading.Lock()
 
+    # A lock, not a Prefect concurrency limit or a Dask worker resource: the turns are those of one process's stages
+    # on one loaded bundle, held for a stage at a time (an API call per turn would cost more than short stages
+    # take), with threads as well as Dask workers, and this layer knows no orchestrator.
     @contextmanager
     def turn(self) -> Iterator[None]:
         """Hold the device for one stage when the memory budget says stages take turns (else a no-op)."""
@@ -596,142 +599,110 @@ def make_tiny_bundle(
     width, to build deliberately inconsistent bundles.
     """
     import torch
-    from safetensors.torch import save_file
 
     root = Path(path)
-    for component in (*COMPONENTS, "scheduler"):
-        (root / component).mkdir(parents=True, exist_ok=True)
+    configs = tiny_configs(distilled, tile_sizes, head_width)
     generator = torch.Generator().manual_seed(seed)
-    out_dim = head_width if head_width is not None else (640 if distilled else 64)
-    dit_config = {
-        "_class_name": "Kandinsky6SRTransformer3DModel",
-        "_diffusers_version": "0.41.0.dev0",
-        "in_visual_dim": 64,
-        "out_visual_dim": out_dim,
-        "time_dim": 32,
-        "patch_size": [1, 1, 1],
-        "model_dim": 64,
-        "ff_dim": 128,
-        "num_visual_blocks": 2,
-        "axes_dims": [4, 6, 6],
-        "num_text_blocks": 2,
-        "in_text_dim": 3584,
-        "in_text_dim2": 768,
-        "use_text": False,
-        "visual_cond": True,
-        "instruct_type": "hybrid_anchor",
-        "attribute_overrides": {},
-        "attention_params": {
-            "512": {"type": "nabla", "P": 0.8, "wT": 11, "wH": 7, "wW": 7, "add_sta": True, "method": "topcdf"},
-            "1024": {"type": "flash"},
-        },
-        "sr_params": {
-            "visual_size": [512],
-            "scale_factor": {"512": [1, 2, 2]},
-            "lq_noise_scale": 0.7,
-            "lq_noise_type": "ddpm",
-            "lq_channel_noise_scale": 0.0,
-            "cap_noise_timestep": False,
-            "scheduler_scale": 3.5 if distilled else 5.0,
-            "fps": 24,
-        },
+    builders = {"transformer": transformer_kwargs, "vae": vae_kwargs, "latent_upscaler": latent_upscaler_kwargs}
+    for component, kwargs_of in builders.items():
+        _write_random_component(
+            root / component, component, kwargs_of(configs[component]), configs[component], generator
+        )
+    (root / "scheduler").mkdir(parents=True, exist_ok=True)
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(configs["scheduler"], indent=2))
+    (root / MODEL_INDEX).write_text(json.dumps(configs["index"], indent=2))
+    return root
+
+
+# The tiny bundle's sizes, put over the released configs (k6vsr_core.release_config).
+TINY_DIT_SIZES = {"time_dim": 32, "model_dim": 64, "ff_dim": 128, "num_visual_blocks": 2, "axes_dims": [4, 6, 6]}
+TINY_VAE_SIZES = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "ch": 8,
+    "ch_mult": [1, 1, 1, 1, 1],
+    "decoder_ch": 8,
+    "decoder_ch_mult": [1, 1, 1, 1, 1],
+    "num_res_blocks": 1,
+    "resolution": 256,
+    "z_channels": 64,
+    "double_z": True,
+    "temporal_compress_times": 4,
+    "temporal_compress_start_level": 1,
+    "fix_pxs": True,
+    "norm_type": "rms_norm",
+    "downsample_version": 2,
+    "padding_mode": "replicate",
+}
+# The tiny upscaler bank leaves out the release's later options (output projection, bare stem, x2 finisher): its
+# layout, and with it the weights a seed gives and every test's reference output, stay as they were.
+TINY_LU_ENTRY = {
+    "multi_scale": True,
+    "in_channels": 64,
+    "hidden_channels": 32,
+    "stage_channels": [32, 16, 16],
+    "num_pre_blocks": 1,
+    "num_mid_blocks": 1,
+    "num_post_blocks": 1,
+    "modulated_norm": True,
+    "temporal_padding": "replicate",
+    "upsample_mode": "pxs_v2",
+}
+# The undistilled checkpoint's sampler: flow matching with Euler steps.
+FLOW_EULER_SCHEDULER = {
+    "_class_name": FLOW_EULER,
+    "_diffusers_version": "0.39.0",
+    "num_train_timesteps": 1000,
+    "shift": 5.0,
+    "use_dynamic_shifting": False,
+}
+
+
+def tiny_configs(
+    distilled: bool = True, tile_sizes: tuple[tuple[int, int], ...] = TINY_TILE_SIZES, head_width: int | None = None
+) -> dict[str, dict[str, Any]]:
+    """The config files of a tiny bundle: the released ones at the tiny sizes (see `make_tiny_bundle`)."""
+    from k6vsr_core.release_config import released_configs
+
+    release = released_configs()
+    dit = release["transformer"]
+    transformer = {
+        **dit,
+        "out_visual_dim": head_width if head_width is not None else (640 if distilled else 64),
+        **TINY_DIT_SIZES,
+        "sr_params": {**dit["sr_params"], "scheduler_scale": 3.5 if distilled else 5.0},
         # Not in the released file (whose tiles are the class default); the tiny bundle trains on smaller tiles.
         "tile_sizes": [list(hw) for hw in tile_sizes],
     }
-    vae_config = {
-        "_class_name": "Kandinsky6SRVAE",
-        "_diffusers_version": "0.41.0.dev0",
-        "vae_type": "video-kvae",
-        "scaling_factor": 0.910344004631042,
-        "spatial_factor": 16,
-        "temporal_factor": 4,
-        "in_channels": 3,
-        "out_channels": 3,
-        "ch": 8,
-        "ch_mult": [1, 1, 1, 1, 1],
-        "decoder_ch": 8,
-        "decoder_ch_mult": [1, 1, 1, 1, 1],
-        "num_res_blocks": 1,
-        "resolution": 256,
-        "z_channels": 64,
-        "double_z": True,
-        "temporal_compress_times": 4,
-        "temporal_compress_start_level": 1,
-        "fix_pxs": True,
-        "norm_type": "rms_norm",
-        "downsample_version": 2,
-        "padding_mode": "replicate",
+    nested = ("encoder_config", "decoder_config")
+    vae = {**{key: value for key, value in release["vae"].items() if key not in nested}, **TINY_VAE_SIZES}
+    x2_entry = {**TINY_LU_ENTRY, "enable_x2_entry": True, "x2_adapter_blocks": 1, "x2_adapter_sources": [0, 1]}
+    upscaler = {
+        **release["latent_upscaler"],
+        "models": [{"target_scale": "4x", "model": dict(TINY_LU_ENTRY)}, {"target_scale": "2x", "model": x2_entry}],
     }
-    lu_entry = {
-        "multi_scale": True,
-        "in_channels": 64,
-        "hidden_channels": 32,
-        "stage_channels": [32, 16, 16],
-        "num_pre_blocks": 1,
-        "num_mid_blocks": 1,
-        "num_post_blocks": 1,
-        "modulated_norm": True,
-        "temporal_padding": "replicate",
-        "upsample_mode": "pxs_v2",
-    }
-    lu_config = {
-        "_class_name": "Kandinsky6SRLatentUpscalerBank",
-        "_diffusers_version": "0.41.0.dev0",
-        "models": [
-            {"target_scale": "4x", "model": dict(lu_entry)},
-            {
-                "target_scale": "2x",
-                "model": {**lu_entry, "enable_x2_entry": True, "x2_adapter_blocks": 1, "x2_adapter_sources": [0, 1]},
-            },
-        ],
-        "scaling_factor": 0.910344004631042,
-    }
-    if distilled:
-        scheduler_config = {
-            "_class_name": PIFLOW,
-            "_diffusers_version": "0.41.0.dev0",
-            "num_train_timesteps": 1000,
-            "shift": 3.5,
-            "n_grid": 10,
-            "nfe": 2,
-            "eps": 1e-6,
-            "final_step_size_scale": 0.5,
-            "num_policy_substeps": 128,
-        }
-    else:
-        scheduler_config = {
-            "_class_name": FLOW_EULER,
-            "_diffusers_version": "0.39.0",
-            "num_train_timesteps": 1000,
-            "shift": 5.0,
-            "use_dynamic_shifting": False,
-        }
-    model_index = {
-        "_class_name": "Kandinsky6SRPipeline",
-        "_diffusers_version": "0.41.0.dev0",
-        "transformer": ["diffusers", "Kandinsky6SRTransformer3DModel"],
-        "vae": ["diffusers", "Kandinsky6SRVAE"],
-        "latent_upscaler": ["diffusers", "Kandinsky6SRLatentUpscalerBank"],
-        "scheduler": ["diffusers", scheduler_config["_class_name"]],
-    }
-    modules = {
-        "transformer": (transformer_kwargs(dit_config), dit_config),
-        "vae": (vae_kwargs(vae_config), vae_config),
-        "latent_upscaler": (latent_upscaler_kwargs(lu_config), lu_config),
-    }
-    for component, (kwargs, config) in modules.items():
-        module = _classes()[component](**kwargs)
-        state = {}
-        for name, tensor in module.state_dict().items():
-            # Deterministic, well-scaled random weights: fan-in scaling keeps activations finite through the nets.
-            fan_in = max(1, tensor[0].numel()) if tensor.ndim > 1 else 1
-            scale = 1.0 / fan_in**0.5 if tensor.ndim > 1 else 0.02
-            values = torch.randn(tensor.shape, generator=generator) * scale
-            if name.endswith("weight") and tensor.ndim == 1:
-                values = values + 1.0  # norm gains
-            state[name] = values.contiguous()
-        save_file(state, str(root / component / WEIGHTS))
-        (root / component / "config.json").write_text(json.dumps(config, indent=2))
-    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(scheduler_config, indent=2))
-    (root / MODEL_INDEX).write_text(json.dumps(model_index, indent=2))
-    return root
+    scheduler = release["scheduler"] if distilled else FLOW_EULER_SCHEDULER
+    index = {**release["index"], "scheduler": ["diffusers", scheduler["_class_name"]]}
+    return {"transformer": transformer, "vae": vae, "latent_upscaler": upscaler, "scheduler": scheduler, "index": index}
+
+
+def _write_random_component(
+    folder: Path, component: str, kwargs: dict[str, Any], config: dict[str, Any], generator: torch.Generator
+) -> None:
+    """One component with deterministic, well-scaled random weights: fan-in scaling keeps activations finite
+    through the nets, norm gains start near 1."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    module = _classes()[component](**kwargs)
+    state = {}
+    for name, tensor in module.state_dict().items():
+        fan_in = max(1, tensor[0].numel()) if tensor.ndim > 1 else 1
+        scale = 1.0 / fan_in**0.5 if tensor.ndim > 1 else 0.02
+        values = torch.randn(tensor.shape, generator=generator) * scale
+        if name.endswith("weight") and tensor.ndim == 1:
+            values = values + 1.0  # norm gains
+        state[name] = values.contiguous()
+    save_file(state, str(folder / WEIGHTS))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))

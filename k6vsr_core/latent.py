@@ -105,14 +105,18 @@ def latent_params(params: UpscaleParams) -> UpscaleParams:
     return params.model_copy(update={"fps_mode": "source", "audio": audio})
 
 
+def latent_clip(latent: torch.Tensor | Sequence[int]) -> tuple[int, tuple[int, int]]:
+    """The frame count and (H, W) pixel size of the clip a latent (the tensor, or its `[T, C, H, W]` shape) holds."""
+    shape = tuple(latent.shape) if hasattr(latent, "shape") else tuple(latent)
+    return 1 + TEMPORAL_FACTOR * (shape[0] - 1), (shape[2] * SPATIAL_FACTOR, shape[3] * SPATIAL_FACTOR)
+
+
 def plan_latent(
     latent: torch.Tensor | Sequence[int], rate: Fraction, params: UpscaleParams, traits: ModelTraits
 ) -> ClipPlan:
     """The plan of a latent's clip (the tensor, or its `[T, C, H, W]` shape): `1 + 4(T - 1)` frames of `16H x 16W`
     pixels at `rate`, every one kept, for the request as a latent run computes it (`latent_params`)."""
-    shape = tuple(latent.shape) if hasattr(latent, "shape") else tuple(latent)
-    frames = 1 + TEMPORAL_FACTOR * (shape[0] - 1)
-    size = (shape[2] * SPATIAL_FACTOR, shape[3] * SPATIAL_FACTOR)
+    frames, size = latent_clip(latent)
     with warnings.catch_warnings():
         # The rate is the caller's: no frame is dropped or added, whatever it is.
         warnings.simplefilter("ignore")

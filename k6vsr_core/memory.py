@@ -389,7 +389,9 @@ def apply_budget(bundle: ModelBundle, budget: MemoryBudget) -> None:
             first, second = (components[name] for name in layout.swapped)
             _, first_hook = cpu_offload_with_hook(first, device)
             _, second_hook = cpu_offload_with_hook(second, device, prev_module_hook=first_hook)
-            # Close the ring: each moves the other out before it runs (accelerate chains hooks one way only).
+            # Close the ring: each moves the other out before it runs. accelerate chains hooks one way only, and
+            # takes the previous hook only as an argument of `cpu_offload_with_hook`: no public call sets it after,
+            # so the attribute that argument is stored in (CpuOffload.prev_module_hook) is set here.
             first_hook.hook.prev_module_hook = second_hook
         if device.type == "cuda":
             import torch

@@ -29,8 +29,14 @@ class SourceClip(BaseModel):
     plan: ClipPlan
 
 
-def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) -> SourceClip:
-    """Probe and scan a source, and plan it on the frames that can actually be decoded."""
+def read_source(
+    path: str | Path, params: UpscaleParams, traits: ModelTraits, planned: ClipPlan | None = None
+) -> SourceClip:
+    """Probe and scan a source, and plan it on the frames that can actually be decoded.
+
+    `planned`, the plan made from the probe's frame count, is kept when every frame it counted decodes: the scan is
+    the only input of the plan that the probe may have got wrong.
+    """
     probe = media.probe(path)
     count, frame_pts = media.scan_frames(path)
     if count < probe.num_frames:
@@ -38,6 +44,8 @@ def read_source(path: str | Path, params: UpscaleParams, traits: ModelTraits) ->
             f"{path}: only {count} of {probe.num_frames} frame(s) could be decoded (truncated or damaged file?)",
             stacklevel=2,
         )
+    if planned is not None and planned.source_frames == count:
+        return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=planned)
     try:
         plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate)
     except ValueError as err:

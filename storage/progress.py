@@ -8,6 +8,10 @@ not yet through it, which is what holds the run back.
 
 from __future__ import annotations
 
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -122,3 +126,23 @@ def stage_counts(store: RunStore, plan: ClipPlan, attempt: str) -> dict[str, Sta
         done = len(computed.get(stage, set()) & set(items))
         counts[stage] = StageCount(computed=done, reused=len(items) - done)
     return counts
+
+
+@contextmanager
+def polling(show: Callable[[], None], name: str, every_s: float) -> Iterator[None]:
+    """`show()` every `every_s` seconds on a thread of its own while the block runs (the terminal's bars and the
+    archive's Prefect artifact alike). The thread runs in a copy of this context: Prefect's settings, the API's
+    address among them, may live in context variables."""
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(every_s):
+            show()
+
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(poll,), name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -16,11 +16,12 @@ from prefect import task
 from k6vsr_core import media
 from k6vsr_core.bundle import BundleInfo, model_traits
 from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
-from k6vsr_core.latent import plan_latent, read_latent
+from k6vsr_core.errors import ParameterError
+from k6vsr_core.latent import latent_clip, read_latent
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.source import audio_input, read_source
-from service.runs import RunRef, latent_channels
+from service.runs import PreparedRun, latent_channels
 from storage import RunManifest, RunStore, SourceInfo, source_info
 from storage.manifest import library_versions
 from tasks.descriptors import IngestResult
@@ -88,19 +89,13 @@ def _write_manifest(
     )
 
 
-@task(name="ingest", task_run_name="ingest-{run.run_key}", **STAGE_TASK)
-def ingest(
-    source: str,
-    run: RunRef,
-    params: UpscaleParams,
-    info: BundleInfo,
-    attempt: str,
-    latent_fps: str | None = None,
-) -> IngestResult:
-    """Scan the source's frames, stream its audio into the store and write the manifest: no frame is kept, each
-    window reads its own from the source. With `latent_fps`, `source` is a latent file (`ingest_latent`)."""
-    if latent_fps is not None:
-        return ingest_latent(source, run, params, info, attempt, latent_fps)
+@task(name="ingest", task_run_name="ingest-{prepared.run.run_key}", **STAGE_TASK)
+def ingest(prepared: PreparedRun, attempt: str) -> IngestResult:
+    """Scan the source's frames, stream its audio into the store and write the manifest with the run's plan: no
+    frame is kept, each window reads its own from the source. A latent run's source is a latent (`ingest_latent`)."""
+    if prepared.latent_fps is not None:
+        return ingest_latent(prepared, attempt)
+    run, source, params = prepared.run, prepared.source, prepared.plan.params
     store = RunStore(run.store_root, run.run_key)
     manifest = _readable_manifest(store)
     if manifest is not None and store.get("frame_pts", stage="ingest") is not None:
@@ -109,10 +104,10 @@ def ingest(
     # Chosen here, once per run: every later stage, in any process, computes as this records.
     compute = default_profile()
     apply_profile(compute)
-    clip = read_source(source, params, model_traits(info))
+    clip = read_source(source, params, model_traits(prepared.model_info), planned=prepared.plan)
     plan = clip.plan
     store.keep_source(source, attempt)
-    _write_manifest(store, source_info(source), params, info, plan, compute, attempt, rotation=clip.rotation)
+    _write_manifest(store, source_info(source), params, prepared.model_info, plan, compute, attempt, clip.rotation)
     seconds = time.perf_counter() - started
     # The frame index is the ingest record: written last, after the manifest and the audio. Empty: not seekable.
     pts = clip.frame_pts if clip.frame_pts is not None else np.zeros(0, dtype=np.int64)
@@ -120,12 +115,11 @@ def ingest(
     return IngestResult(stage="ingest", computed=True, seconds=seconds, plan=plan)
 
 
-def ingest_latent(
-    source: str, run: RunRef, params: UpscaleParams, info: BundleInfo, attempt: str, latent_fps: str
-) -> IngestResult:
-    """A latent run's ingest: check the latent, plan it, store the audio of `--audio FILE` if given, and write the
-    manifest. There are no source frames to index, and the latent itself is read by the encode stage, from its file.
-    `params` are the run's (`k6vsr_core.latent.latent_params`)."""
+def ingest_latent(prepared: PreparedRun, attempt: str) -> IngestResult:
+    """A latent run's ingest: check the latent, store the audio of `--audio FILE` if given, and write the manifest
+    with the run's plan. There are no source frames to index, and the latent itself is read by the encode stage,
+    from its file. The plan's params are the run's (`k6vsr_core.latent.latent_params`)."""
+    run, source, plan, info = prepared.run, prepared.source, prepared.plan, prepared.model_info
     store = RunStore(run.store_root, run.run_key)
     manifest = _readable_manifest(store)
     if manifest is not None and store.records.read("ingest", "all") is not None:
@@ -133,12 +127,14 @@ def ingest_latent(
     started = time.perf_counter()
     compute = default_profile()
     apply_profile(compute)
-    latent, rate = read_latent(source, latent_channels(info), params, latent_fps)
-    plan = plan_latent(latent.shape, rate, params, model_traits(info))
+    # Read again, as the encode stage will: a latent file changed since the run was planned is refused here.
+    latent, rate = read_latent(source, latent_channels(info), plan.params, prepared.latent_fps)
+    if latent_clip(latent) != (plan.source_frames, plan.source_size) or str(rate) != prepared.latent_fps:
+        raise ParameterError(f"latent={source!r} changed since the run was planned; start it again")
     del latent
     described = source_info(source)
     store.keep_source(source, attempt)
-    _write_manifest(store, described, params, info, plan, compute, attempt, latent_fps=str(rate))
+    _write_manifest(store, described, plan.params, info, plan, compute, attempt, latent_fps=str(rate))
     seconds = time.perf_counter() - started
     # The ingest record, written last as for a video: it names the latent file's content it planned.
     store.records.write("ingest", "all", described.sha256, seconds, attempt)

@@ -92,6 +92,9 @@ def get_bundle(spec: ModelSpec, plan: ClipPlan | None = None) -> ModelBundle:
     """The worker's bundle for `spec`, placed under the memory budget of `plan` (without one: loaded, not placed)."""
     with _LOCK:
         device = torch.device(resolve_device(spec.device))
+        # Keyed by the device it resolves to: a worker preloaded for `cpu` (or `cuda`) serves a command's `auto`
+        # with the same bundle instead of loading a second copy.
+        spec = spec.model_copy(update={"device": str(device)})
         if plan is None:
             # A preload: any bundle of this model will do, the next plan places it (or loads one of its own).
             key = next((k for k in reversed(_BUNDLES) if k[0] == spec), (spec, None))

@@ -39,6 +39,25 @@ def flow_bundle(flow_bundle_path: Path) -> ModelBundle:
 # --------------------------------------------------------------------------------------------------- Prefect
 
 
+@pytest.fixture
+def plan_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every `make_plan` call from here on, wherever it is made (each module holds its own name for it)."""
+    import k6vsr_core.latent
+    import k6vsr_core.plan
+    import k6vsr_core.source
+    import service.runs
+
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return k6vsr_core.plan.make_plan(*args, **kwargs)
+
+    for module in (service.runs, k6vsr_core.source, k6vsr_core.latent):
+        monkeypatch.setattr(module, "make_plan", counted)
+    return calls
+
+
 def _free_port() -> int:
     import socket
 

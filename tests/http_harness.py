@@ -207,7 +207,9 @@ def error_of(response: httpx.Response, status: int, secrets: Iterable[str] = ())
 
 
 def frames_of(path: Path) -> np.ndarray:
-    return media.decode_frames(path)[0]
+    """Every frame of a video, as RGB."""
+    count, pts = media.scan_frames(path)
+    return media.read_frames(path, list(range(count)), pts)
 
 
 def has_audio_stream(path: Path) -> bool:

@@ -40,7 +40,7 @@ def _model(bundle: Path) -> ModelSpec:
 
 
 def test_archive_runs_reuses_and_reruns_nothing(
-    prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, plan_calls: list[int]
 ) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
@@ -51,13 +51,8 @@ def test_archive_runs_reuses_and_reruns_nothing(
     )
     from prefect.client.schemas.sorting import ArtifactSort
 
-    import flows.upscale_clip
     from flows.upscale_archive import archive_slug, upscale_archive
 
-    def no_second_plan(*args, **kwargs):
-        raise AssertionError("a clip flow planned its clip again instead of running the archive's plan")
-
-    monkeypatch.setattr(flows.upscale_clip, "prepare_run", no_second_plan)
     folder = _tree(tmp_path)
     out = tmp_path / "out"
     finished = out / "old" / "d_sr2x.mp4"
@@ -78,6 +73,8 @@ def test_archive_runs_reuses_and_reruns_nothing(
     summary = state.result()
     assert summary.counts == {"done": 3, "reused": 1, "skipped": 1}
     assert not summary.failed
+    # One per readable clip: the archive plans each (a reused one for its run key); a clip flow runs that plan.
+    assert len(plan_calls) == 4
     rows = _by_path(json.loads(Path(summary.manifest_json).read_text())["rows"])
     assert sorted(rows) == ["a.mp4", "old/d.mp4", "sub/b.mp4", "sub/broken.mp4", "sub/deeper/c.mp4"]
     assert rows["sub/broken.mp4"]["status"] == "skipped"
@@ -183,10 +180,10 @@ def test_failed_clip_does_not_stop_the_others(
     original = ingest_tasks.ingest
 
     @task(name="ingest")
-    def failing_ingest(source, run, *rest, **options):
-        if Path(source).name == "doomed.mp4":
+    def failing_ingest(prepared, *rest, **options):
+        if Path(prepared.source).name == "doomed.mp4":
             raise RuntimeError("disk on fire")
-        return original.fn(source, run, *rest, **options)
+        return original.fn(prepared, *rest, **options)
 
     monkeypatch.setattr(ingest_tasks, "ingest", failing_ingest)
     argv = [

@@ -31,8 +31,10 @@ from entrypoints.cli import main
 from k6vsr_core import media, upscale
 from k6vsr_core.errors import MediaError
 from k6vsr_core.media import probing
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.params import UpscaleParams, parse_params
+from k6vsr_core.plan import ModelTraits
 from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.source import read_source
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 
@@ -374,8 +376,8 @@ def test_truncated_file_warns_that_frames_are_missing(corpus: dict[str, Path]) -
     """A cut-off file runs on what is there (see above), but never silently."""
     assert media.probe(corpus["cut-fast-60"]).num_frames == 9
     with pytest.warns(UserWarning, match=r"only \d of 9 frame\(s\) could be decoded"):
-        frames, _ = media.decode_frames(corpus["cut-fast-60"])
-    assert frames.shape[0] == 1
+        clip = read_source(corpus["cut-fast-60"], parse_params(scale=2, frames="contract"), ModelTraits())
+    assert clip.plan.num_frames == 1
 
 
 def test_size_below_one_tile_is_padded_and_cropped_back(cli: Cli, corpus: dict[str, Path], tiny_bundle: Any) -> None:

@@ -571,3 +571,19 @@ def test_the_model_is_checked_once_per_content(
     again = prepare_run(clips[0], params, spec, tmp_path / "store")
     assert counts == {"hashed": 2, "checked": 6}
     assert again.model_info.fingerprint != first.model_info.fingerprint
+
+
+def test_the_release_config_states_the_release_as_this_file_does() -> None:
+    """k6vsr_core.release_config, which the bench and the tiny bundles build on, against this file's own statement
+    of the released checkpoint."""
+    from k6vsr_core.release_config import released_configs
+
+    release = released_configs()
+    private = ("_class_name", "_diffusers_version")
+    assert {k: v for k, v in release["transformer"].items() if k not in private} == RELEASED_DIT
+    assert transformer_kwargs(release["transformer"]) == transformer_kwargs(RELEASED_DIT)
+    assert vae_kwargs(release["vae"]) == vae_kwargs(RELEASED_VAE)
+    by_scale = {entry["target_scale"]: entry["model"] for entry in release["latent_upscaler"]["models"]}
+    assert by_scale == {"4x": RELEASED_LU_ENTRY, "2x": RELEASED_LU_2X}
+    assert release["scheduler"]["_class_name"] == "PiflowScheduler" and release["scheduler"]["nfe"] == 2
+    assert release["index"]["scheduler"] == ["diffusers", "PiflowScheduler"]

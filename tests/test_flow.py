@@ -97,27 +97,23 @@ def test_records_are_written_atomically(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------- flow
 
 
-def _no_second_plan(*args, **kwargs):
-    raise AssertionError("the clip flow planned the clip again instead of running the plan it was given")
-
-
 def test_flow_output_equals_runner_and_reuses_everything(
     prefect_server: str,
     tiny_bundle_path: Path,
     clip_1f: Path,
     reference: bytes,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    plan_calls: list[int],
 ) -> None:
-    import flows.upscale_clip
-
-    monkeypatch.setattr(flows.upscale_clip, "prepare_run", _no_second_plan)
     first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
+    # One plan per run: `prepare_run` makes it, ingest records it, every task reads it from the manifest.
+    assert len(plan_calls) == 1
     assert (tmp_path / "a.mp4").read_bytes() == reference
     assert (first.tiles_computed, first.tiles_reused) == (first.tiles_total, 0)
     assert first.dit_calls == 2 * first.tiles_total
     assert RunStore(tmp_path / "store", first.run_key).read_manifest().compute == default_profile()
     again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
+    assert len(plan_calls) == 2
     assert (tmp_path / "b.mp4").read_bytes() == reference
     assert (again.tiles_computed, again.tiles_reused, again.dit_calls) == (0, first.tiles_total, 0)
     assert not list(tmp_path.glob(".*partial"))
@@ -192,14 +188,14 @@ def test_a_run_resumed_from_a_moved_source_reads_it_where_it_is_now(tiny_bundle_
     first = make_sample_clip(tmp_path / "a" / "clip.mp4", width=64, height=64, num_frames=1)
     spec, params = ModelSpec(model=str(tiny_bundle_path)), UpscaleParams(scale=2)
     prepared = prepare_run(first, params, spec, tmp_path / "store")
-    assert ingest.fn(str(first), prepared.run, prepared.plan.params, prepared.model_info, "one").computed
+    assert ingest.fn(prepared, "one").computed
     moved = tmp_path / "b" / "clip.mp4"
     moved.parent.mkdir()
     shutil.copy(first, moved)
     shutil.rmtree(first.parent)
     again = prepare_run(moved, params, spec, tmp_path / "store")
     assert again.run == prepared.run
-    assert not ingest.fn(str(moved), again.run, again.plan.params, again.model_info, "two").computed
+    assert not ingest.fn(again, "two").computed
     assert RunStore(tmp_path / "store", again.run.run_key).read_manifest().source.path == str(moved.resolve())
 
 
@@ -329,9 +325,9 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
 
 
 @pytest.mark.slow
-def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: Path, tmp_path: Path) -> None:
+def test_default_command_prints_a_bar_warnings_and_six_lines(tiny_bundle_path: Path, tmp_path: Path) -> None:
     """The real command without a configured Prefect API: it starts the local server (analytics off, so no telemetry
-    errors offline), and prints warnings, one line each, and a five-line summary; the task lines go to the run's log."""
+    errors offline), and prints warnings, one line each, and a six-line summary; the task lines go to the run's log."""
     from flows.prefect_server import stop_server
     from k6vsr_core.sample import make_sample_clip
 
@@ -366,13 +362,17 @@ def test_default_command_prints_a_bar_warnings_and_five_lines(tiny_bundle_path: 
         "interpolation is done)"
     ]
     lines = done.stdout.splitlines()
-    assert len(lines) == 5, done.stdout
+    assert len(lines) == 6, done.stdout
     assert lines[0].startswith(f"wrote {tmp_path / 'out'}") and lines[0].endswith("(128x128, 1 frame at 12 fps)")
     assert lines[1].endswith("1 of 1 tiles computed, 0 reused, 2 DiT calls")
     stage_time = r"\w+ \d+\.\d \(\d+\.\d\)"  # wall-clock span (busy seconds)
     assert re.fullmatch(rf"seconds by stage, wall clock \(busy\): ingest .*?(, {stage_time})+", lines[2]), lines[2]
-    log = Path(lines[4].removeprefix("log: "))
-    assert lines[3] == f"store: {log.parent}"
+    assert (
+        lines[3].startswith("items by stage: ingest: 1 computed, 0 reused; ")
+        and "decode: 1 computed, 0 reused" in lines[3]
+    )
+    log = Path(lines[5].removeprefix("log: "))
+    assert lines[4] == f"store: {log.parent}"
     logged = log.read_text()
     assert "Task run 'decode-window-0-tile-0' - Finished in state Completed()" in logged
     assert "Flow run 'upscale-slow.mp4'" in logged

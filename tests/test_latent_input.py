@@ -197,11 +197,12 @@ def test_a_resumed_latent_run_reads_the_latent_where_it_is_now(
     store_root, first, second = tmp_path / "store", tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     first.write_bytes(case["latent"].read_bytes())
     prepared = prepare_run(first, UpscaleParams(scale=2), spec, store_root, "24")
-    run, params, info = prepared.run, prepared.plan.params, prepared.model_info
-    assert ingest.ingest.fn(str(first), run, params, info, "one", latent_fps="24").computed
+    run = prepared.run
+    assert ingest.ingest.fn(prepared, "one").computed
     first.rename(second)
-    assert prepare_run(second, UpscaleParams(scale=2), spec, store_root, "24").run == run
-    assert not ingest.ingest.fn(str(second), run, params, info, "two", latent_fps="24").computed
+    again = prepare_run(second, UpscaleParams(scale=2), spec, store_root, "24")
+    assert again.run == run
+    assert not ingest.ingest.fn(again, "two").computed
     store = RunStore(store_root, run.run_key)
     assert store.read_manifest().source.path == str(second.resolve())
     assert store.get("frame_pts", stage="ingest") is None  # no source frames to index
@@ -214,6 +215,13 @@ def test_a_resumed_latent_run_reads_the_latent_where_it_is_now(
     save_file({"sr_lr_latent": torch.ones(1, 64, 4, 4)}, str(second))
     with pytest.raises(ParameterError, match="changed since the run was planned"):
         stage_tasks.encode.fn(run, spec, 0, "three")
+    # Ingest records the plan it is handed: a latent reshaped since that plan was made is refused before anything
+    # is recorded.
+    save_file({"sr_lr_latent": torch.ones(1, 64, 8, 8)}, str(second))  # another size: another plan
+    elsewhere = again.run.model_copy(update={"store_root": str(tmp_path / "other")})
+    with pytest.raises(ParameterError, match="changed since the run was planned"):
+        ingest.ingest.fn(again.model_copy(update={"run": elsewhere}), "four")
+    assert not (tmp_path / "other").exists() or not any((tmp_path / "other").rglob("manifest*"))
 
 
 # ------------------------------------------------------------------------------------------------ HTTP

@@ -299,7 +299,7 @@ from service.runs import ModelSpec, prepare_run
 from tasks.ingest import ingest
 source, bundle, store = sys.argv[1:4]
 prepared = prepare_run(source, __import__("k6vsr_core").UpscaleParams(scale=2), ModelSpec(model=bundle), store)
-result = ingest.fn(prepared.source, prepared.run, prepared.plan.params, prepared.model_info, "rss")
+result = ingest.fn(prepared, "rss")
 # VmHWM: this program's own peak. ru_maxrss would also count the parent's pages a fork copied before the exec.
 peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:")) * 1024
 print(result.plan.num_frames, result.plan.num_windows, peak)

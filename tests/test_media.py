@@ -23,7 +23,6 @@ from k6vsr_core.media import (
     VideoProbe,
     aligned_frame_count,
     decode_audio,
-    decode_frames,
     probe,
     probing,
     reading,
@@ -310,21 +309,41 @@ def test_source_fps_rejects_unusable_rates(rates: tuple, cause: str) -> None:
 
 
 # --------------------------------------------------------------------------- #
-# decode_frames
+# Reading a source as a run does: scanned, planned on the contract's frames, read
 # --------------------------------------------------------------------------- #
 
 
-def test_decode_frames_av_clip(av_clip: Path) -> None:
-    frames, fps = decode_frames(av_clip)
+def read_kept(path: Path) -> tuple[np.ndarray, int]:
+    """The frames a run keeps of `path` under the contract's selection, and their rate: `read_source` scans and plans
+    the file, `read_frames` reads the planned frames."""
+    from k6vsr_core import media
+    from k6vsr_core.params import parse_params
+    from k6vsr_core.plan import ModelTraits
+    from k6vsr_core.source import read_source
+
+    clip = read_source(path, parse_params(scale=2, frames="contract"), ModelTraits())
+    return media.read_frames(path, clip.plan.source_indices(), clip.frame_pts), clip.plan.fps
+
+
+def lying_probe(monkeypatch: pytest.MonkeyPatch, clip: Path, num_frames: int) -> None:
+    """Make the probe of `clip` claim `num_frames` frames, as a damaged header does."""
+    from k6vsr_core import media
+
+    lying = probe(clip).model_copy(update={"num_frames": num_frames})
+    monkeypatch.setattr(media, "probe", lambda path: lying)
+
+
+def test_read_av_clip(av_clip: Path) -> None:
+    frames, fps = read_kept(av_clip)
     assert frames.shape == (9, 48, 64, 3)
     assert frames.dtype == np.uint8
     assert fps == 24
     assert grey_levels(frames) == pytest.approx([frame_value(i) for i in range(9)], abs=2)
 
 
-def test_decode_frames_60fps_decodes_only_selected_indices(tmp_path: Path) -> None:
+def test_read_60fps_keeps_only_selected_indices(tmp_path: Path) -> None:
     clip = make_lossless(tmp_path / "fast.mkv", num_frames=30, fps=60)
-    frames, fps = decode_frames(clip)
+    frames, fps = read_kept(clip)
     assert fps == 24
     assert grey_levels(frames) == [frame_value(i) for i in [0, 2, 5, 8, 10, 12, 15, 18, 20]]
 
@@ -336,17 +355,17 @@ def test_decoding_stops_after_last_kept_frame(tmp_path: Path) -> None:
     assert decoded == 6
 
 
-def test_decode_frames_25fps_keeps_every_frame(tmp_path: Path) -> None:
+def test_read_25fps_keeps_every_frame(tmp_path: Path) -> None:
     clip = make_video(tmp_path / "pal.mp4", num_frames=9, fps=25)
-    frames, fps = decode_frames(clip)
+    frames, fps = read_kept(clip)
     assert (frames.shape[0], fps) == (9, 25)
 
 
-def test_decode_frames_odd_size(tmp_path: Path) -> None:
+def test_read_odd_size(tmp_path: Path) -> None:
     clip = make_lossless(tmp_path / "odd.mkv", num_frames=9, width=257, height=161)
     info = probe(clip)
     assert (info.width, info.height, info.num_frames) == (257, 161, 9)
-    frames, fps = decode_frames(clip, info)
+    frames, fps = read_kept(clip)
     assert frames.shape == (9, 161, 257, 3)
     assert grey_levels(frames) == [frame_value(i) for i in range(9)]
 
@@ -355,34 +374,36 @@ def test_decode_frames_odd_size(tmp_path: Path) -> None:
     ("name", "codec", "pix_fmt"),
     [("alpha.mov", "png", "rgba"), ("deep.mkv", "ffv1", "yuv420p10le")],
 )
-def test_decode_frames_converts_any_pix_fmt_to_rgb(tmp_path: Path, name: str, codec: str, pix_fmt: str) -> None:
+def test_read_converts_any_pix_fmt_to_rgb(tmp_path: Path, name: str, codec: str, pix_fmt: str) -> None:
     clip = make_video(tmp_path / name, num_frames=9, codec=codec, pix_fmt=pix_fmt)
     assert probe(clip).pix_fmt == pix_fmt
-    frames, _ = decode_frames(clip)
+    frames, _ = read_kept(clip)
     assert frames.shape == (9, 48, 64, 3) and frames.dtype == np.uint8
     assert grey_levels(frames) == pytest.approx([frame_value(i) for i in range(9)], abs=2)
 
 
-def test_decode_frames_recovers_when_metadata_overstates_count(tmp_path: Path) -> None:
+def test_read_recovers_when_metadata_overstates_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clip = make_lossless(tmp_path / "short.mkv", num_frames=12)
-    lying = probe(clip).model_copy(update={"num_frames": 40})
-    frames, fps = decode_frames(clip, lying)
+    lying_probe(monkeypatch, clip, 40)
+    with pytest.warns(UserWarning, match=r"only 12 of 40 frame\(s\) could be decoded"):
+        frames, fps = read_kept(clip)
     assert (frames.shape[0], fps) == (9, 24)
     assert grey_levels(frames) == [frame_value(i) for i in range(9)]
 
 
-def test_decode_frames_recovers_strided_selection(tmp_path: Path) -> None:
+def test_read_recovers_strided_selection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     clip = make_lossless(tmp_path / "fast.mkv", num_frames=30, fps=60)
-    lying = probe(clip).model_copy(update={"num_frames": 100})
-    frames, fps = decode_frames(clip, lying)
+    lying_probe(monkeypatch, clip, 100)
+    with pytest.warns(UserWarning, match="could be decoded"):
+        frames, fps = read_kept(clip)
     assert fps == 24
     assert grey_levels(frames) == [frame_value(i) for i in [0, 2, 5, 8, 10, 12, 15, 18, 20]]
 
 
-def test_decode_frames_too_short_for_stride_is_media_error(tmp_path: Path) -> None:
+def test_too_short_for_stride_is_media_error(tmp_path: Path) -> None:
     clip = make_lossless(tmp_path / "blip.mkv", num_frames=2, fps=60)
     with pytest.raises(MediaError, match="no frames kept") as info:
-        decode_frames(clip)
+        read_kept(clip)
     assert str(clip) in str(info.value)
 
 
@@ -438,7 +459,7 @@ def test_trim_audio_keeps_shorter_audio_as_is() -> None:
 
 
 def test_round_trip_with_audio(av_clip: Path, tmp_path: Path) -> None:
-    frames, fps = decode_frames(av_clip)
+    frames, fps = read_kept(av_clip)
     audio = decode_audio(av_clip)
     out = tmp_path / "out.mp4"
     write_video(out, frames, fps, audio)
@@ -457,7 +478,7 @@ def test_round_trip_with_audio(av_clip: Path, tmp_path: Path) -> None:
         assert sound.codec_context.layout.nb_channels == 1
         assert float(sound.duration * sound.time_base) == pytest.approx(9 / 24, abs=0.01)
 
-    again, again_fps = decode_frames(out)
+    again, again_fps = read_kept(out)
     assert (again.shape, again_fps) == (frames.shape, 24)
     assert np.abs(again.astype(int) - frames.astype(int)).mean() < 3
 
@@ -467,13 +488,13 @@ def test_round_trip_keeps_colours(tmp_path: Path) -> None:
     frame = np.repeat(np.repeat(colours.reshape(2, 2, 3), 24, axis=0), 32, axis=1)
     out = tmp_path / "colours.mp4"
     write_video(out, np.stack([frame] * 9), 24, None)
-    decoded, _ = decode_frames(out)
+    decoded, _ = read_kept(out)
     centres = decoded[4][[12, 12, 36, 36], [16, 48, 16, 48]].astype(int)
     assert np.abs(centres - colours.astype(int)).max() <= 6
 
 
 def test_silent_source_gives_video_only_output(silent_clip: Path, tmp_path: Path) -> None:
-    frames, fps = decode_frames(silent_clip)
+    frames, fps = read_kept(silent_clip)
     out = tmp_path / "out.mp4"
     write_video(out, frames, fps, decode_audio(silent_clip))
     with av.open(str(out)) as container:
@@ -483,7 +504,7 @@ def test_silent_source_gives_video_only_output(silent_clip: Path, tmp_path: Path
 
 
 def test_write_video_is_byte_identical(av_clip: Path, tmp_path: Path) -> None:
-    frames, fps = decode_frames(av_clip)
+    frames, fps = read_kept(av_clip)
     audio = decode_audio(av_clip)
     write_video(tmp_path / "a.mp4", frames, fps, audio)
     write_video(tmp_path / "b.mp4", frames, fps, audio)
@@ -498,7 +519,7 @@ def test_write_video_pads_odd_size_by_edge_replication(tmp_path: Path) -> None:
     write_video(out, frames, 24, None)
     info = probe(out)
     assert (info.width, info.height) == (64, 48)
-    decoded, _ = decode_frames(out, info)
+    decoded, _ = read_kept(out)
     assert abs(float(decoded[:, :40, -1].mean()) - 200) < 4
 
 
@@ -528,7 +549,7 @@ def test_write_video_removes_partial_file_on_failure(
             raise RuntimeError("encoder exploded")
 
     monkeypatch.setattr(av, "AudioFrame", ExplodingAudioFrame)
-    frames, fps = decode_frames(av_clip)
+    frames, fps = read_kept(av_clip)
     with pytest.raises(MediaError, match="encoder exploded") as info:
         write_video(out, frames, fps, np.zeros(AUDIO_SAMPLE_RATE, np.float32))
     assert existed_when_failing == [True]

@@ -747,9 +747,9 @@ def test_workers_killed_mid_tile_read_the_source_from_the_store_and_write_only_i
     original = ingest_tasks.ingest
 
     @task(name="ingest")
-    def ingest_then_move_the_source(source, run, *rest, **options):
-        result = original.fn(source, run, *rest, **options)
-        Path(source).rename(hidden)
+    def ingest_then_move_the_source(prepared, attempt):
+        result = original.fn(prepared, attempt)
+        Path(prepared.source).rename(hidden)
         return result
 
     monkeypatch.setattr(ingest_tasks, "ingest", ingest_then_move_the_source)

@@ -31,7 +31,9 @@ def x2_result(silent_clip: Path, clip_dir: Path, tiny_bundle: ModelBundle) -> Up
 
 
 def _frames(path: str | Path) -> np.ndarray:
-    return media.decode_frames(path)[0]
+    """Every frame of a video, as RGB."""
+    count, pts = media.scan_frames(path)
+    return media.read_frames(path, list(range(count)), pts)
 
 
 def test_x2_output_size(x2_result: UpscaleResult) -> None:

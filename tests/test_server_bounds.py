@@ -130,8 +130,8 @@ def test_a_relative_video_path_is_refused(
 
 
 def test_record_and_flow_parameters_hold_no_plan(tmp_path: Path, tiny_bundle_path: Path) -> None:
-    """A job of hundreds of tiles: its record and what its flow run is handed are a few hundred bytes each (a run
-    key and the request), not its plan, which grows with the tiles."""
+    """A job of hundreds of tiles: its record and the message its worker process is handed are a few hundred bytes
+    each (a run key and the request), not its plan, which grows with the tiles."""
     clip = make_sample_clip(tmp_path / "big.mp4", width=512, height=512, num_frames=9, audio=False)
     store = tmp_path / "store"
     client = TestClient(app_for(store, tiny_bundle_path))

@@ -112,7 +112,7 @@ def test_start_is_idempotent_and_status_names_each_worker(cluster, capsys) -> No
 def test_runs_use_the_warm_workers_and_keep_the_model(
     cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
 ) -> None:
-    from flows.upscale_clip import upscale_clip
+    from flows.upscale_clip import upscale_request
     from tasks import model_cache
 
     model_cache.clear()
@@ -126,7 +126,7 @@ def test_runs_use_the_warm_workers_and_keep_the_model(
     # Another run (another store, so every tile is computed again), as a deployment starts it: the flow called as
     # it is, with its default runner, which finds the warm workers too. Same processes, nothing loaded again.
     model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
-    again = upscale_clip(
+    again = upscale_request(
         source=str(clip_1f), output=str(tmp_path / "b.mp4"), params=PARAMS, model=model, store_root=str(tmp_path)
     )
     assert again.tiles_computed == again.tiles_total
@@ -275,3 +275,18 @@ def test_a_dask_runner_is_told_by_its_class() -> None:
 
     assert is_dask_runner(DaskTaskRunner()) and is_dask_runner(OurDaskRunner())
     assert not is_dask_runner(ThreadPoolTaskRunner()) and not is_dask_runner(None)
+
+
+def test_a_preload_for_the_resolved_device_serves_auto_without_a_second_load(tmp_path: Path) -> None:
+    """`workers start --device cpu` then a command's default `--device auto`: one load, not a copy per spelling."""
+    from tasks import model_cache
+
+    bundle = make_tiny_bundle(tmp_path / "tiny", seed=5)
+    model_cache.clear()
+    before = len(model_cache.cache_info().loads)
+    try:
+        preloaded = model_cache.get_bundle(ModelSpec(model=str(bundle), device=model_cache.resolve_device("auto")))
+        assert model_cache.get_bundle(ModelSpec(model=str(bundle), device="auto")) is preloaded
+        assert len(model_cache.cache_info().loads) - before == 1
+    finally:
+        model_cache.clear()

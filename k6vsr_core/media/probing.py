@@ -28,7 +28,7 @@ class VideoProbe(BaseModel):
     """What the pipeline needs to know about a source video before decoding it.
 
     ``width``, ``height`` and ``pix_fmt`` describe the first decoded frame, i.e.
-    what :func:`decode_frames` will return.  ``rotation`` is the display-matrix
+    what :func:`read_frames` returns.  ``rotation`` is the display-matrix
     angle in degrees counter-clockwise (PyAV's convention, range -180..180), 0
     when the file carries none; decoded frames are *not* rotated.
     """
@@ -189,6 +189,6 @@ def probe(path: PathLike) -> VideoProbe:
 
     ``num_frames`` is the container's frame count when it has one, otherwise
     the number of video packets; either may be wrong for damaged or
-    variable-rate files, which :func:`decode_frames` tolerates.
+    variable-rate files: a run counts the frames by decoding them (:func:`scan_frames`).
     """
     return _probe_file(os.fspath(path))

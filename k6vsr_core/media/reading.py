@@ -10,9 +10,7 @@ import av.container
 import numpy as np
 
 from k6vsr_core.errors import MediaError
-from k6vsr_core.media import probing
-from k6vsr_core.media.probing import PathLike, VideoProbe, open_input, video_stream
-from k6vsr_core.media.selection import select_frames
+from k6vsr_core.media.probing import PathLike, open_input, video_stream
 
 
 def _decode_indices(path: str, wanted: list[int]) -> tuple[dict[int, np.ndarray], int]:
@@ -56,41 +54,6 @@ def _stack_frames(path: str, indices: list[int], kept: dict[int, np.ndarray]) ->
             )
         out[position] = frame
     return out
-
-
-def decode_frames(path: PathLike, probe: VideoProbe | None = None) -> tuple[np.ndarray, int]:
-    """Decode the frames :func:`select_frames` keeps, as RGB.
-
-    Returns a ``(T, H, W, 3)`` uint8 array and the effective frame rate.
-    Decoding stops right after the last kept frame.  If the stream turns out
-    shorter than the probe said, the selection is recomputed on the real count
-    instead of failing, as long as at least one frame survives.
-    """
-    path = os.fspath(path)
-    info = probe if probe is not None else probing.probe(path)
-    try:
-        indices, fps = select_frames(info.num_frames, info.fps)
-    except ValueError as exc:
-        raise MediaError(path, str(exc)) from exc
-
-    kept, decoded = _decode_indices(path, indices)
-    if len(kept) < len(indices):
-        # The stream ended early. No second pass is needed: a smaller count
-        # selects a prefix of the same index sequence, all below the decoded
-        # count, so those frames are already kept.
-        try:
-            indices, fps = select_frames(decoded, info.fps)
-        except ValueError as exc:
-            raise MediaError(
-                path, f"only {decoded} of {info.num_frames} expected frame(s) could be decoded: {exc}"
-            ) from exc
-        # Not an error (the frames that exist are used), but never silent: the output is shorter than the file said.
-        warnings.warn(
-            f"{path}: only {decoded} of {info.num_frames} frame(s) could be decoded (truncated or damaged file?); "
-            f"using {len(indices)}",
-            stacklevel=2,
-        )
-    return _stack_frames(path, indices, kept), fps
 
 
 def scan_frames(path: PathLike) -> tuple[int, np.ndarray | None]:

@@ -1,0 +1,2 @@
+"""The parts of `k6vsr serve` (`entrypoints.http_api`): its configuration, errors, callers, fields, bodies and
+routes."""

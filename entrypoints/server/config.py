@@ -1,0 +1,118 @@
+"""The HTTP server's configuration: its resource limits and the options of `k6vsr serve` that set them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from k6vsr_core.errors import ParameterError
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request, and all of them together, may make the server spend. Each is a `serve` option, whose
+    default is set there."""
+
+    max_upload_bytes: int  # --max-upload-mb: the clip of one upload
+    max_fields: int  # --max-fields: fields of one request besides the clip
+    max_fields_bytes: int  # --max-fields-kb: all of a request but the clip (a JSON body, form fields)
+    max_queued: int  # --max-queued: jobs waiting for a worker
+    input_quota_bytes: int  # --input-quota-mb: inputs on disk of queued and running jobs
+    max_output_pixels: int  # --max-output-mpx: frames x width x height of one job's result
+    retention_s: float  # --retention-hours: finished jobs are deleted this long after they finished
+    max_tiles: int = 2048  # --max-tiles: tile tasks of one job (tiles of a window x windows)
+    max_windows: int = 512  # --max-windows: windows of one job
+    upload_timeout_s: float = 900.0  # --upload-timeout-s: a request body must arrive within this time, else 408
+    uploads_per_key: int | None = None  # --max-uploads-per-key: request bodies one key sends at once (None: any)
+    queued_per_key: int | None = None  # --max-queued-per-key: queue places one key holds (None: all)
+    finished_quota_bytes: int | None = None  # --finished-quota-mb: disk finished jobs may keep (None: no budget)
+
+    @property
+    def max_request_bytes(self) -> int:
+        return self.max_upload_bytes + self.max_fields_bytes
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    store_root: Path  # the server's own folder: job records, inputs, outputs, its Prefect home; the runs too by default
+    limits: Limits
+    allow_paths: tuple[Path, ...] = ()
+    api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()  # keys that see, read and delete every job
+    list_jobs: bool = False  # without keys: whether GET /v1/videos lists the jobs
+    umask: int = 0o077
+    workers: int = 1
+    model_name: str = ""
+    run_root: str | Path | None = None  # where the runs live when not in store_root (e.g. an object-store URL)
+
+    @property
+    def runs(self) -> str | Path:
+        return self.run_root or self.store_root
+
+
+def _keys_in(files: list[str]) -> list[str]:
+    """The keys of `--api-key-file` files: one a line; blank lines and `#` comments are skipped."""
+    keys = []
+    for name in files:
+        try:
+            lines = Path(name).expanduser().read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = getattr(err, "strerror", None) or err
+            raise ParameterError(f"--api-key-file {name}: cannot be read ({reason})") from None
+        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    return keys
+
+
+def _at_least(value: float, minimum: float, flag: str) -> float:
+    if value < minimum:
+        raise ParameterError(f"{flag} must be at least {minimum:g}, not {value:g}")
+    return value
+
+
+def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Path | None = None) -> ServerConfig:
+    roots = []
+    for raw in args.allow_path or []:
+        root = Path(raw).expanduser().resolve()
+        if not root.is_dir():
+            raise ParameterError(f"--allow-path {raw}: not a directory")
+        roots.append(root)
+    env_key = os.environ.get("K6VSR_API_KEY")
+    api_keys = [*(args.api_key or ([env_key] if env_key else [])), *_keys_in(args.api_key_file or [])]
+    limits = Limits(
+        max_upload_bytes=int(_at_least(args.max_upload_mb, 1, "--max-upload-mb")) << 20,
+        max_fields=int(_at_least(args.max_fields, 1, "--max-fields")),
+        max_fields_bytes=int(_at_least(args.max_fields_kb, 1, "--max-fields-kb")) << 10,
+        max_queued=int(_at_least(args.max_queued, 1, "--max-queued")),
+        input_quota_bytes=int(
+            _at_least(args.input_quota_mb, args.max_upload_mb, "--input-quota-mb (at least --max-upload-mb)")
+        )
+        << 20,
+        max_output_pixels=int(_at_least(args.max_output_mpx, 0.001, "--max-output-mpx") * 10**6),
+        retention_s=_at_least(args.retention_hours, 0, "--retention-hours") * 3600.0,
+        max_tiles=int(_at_least(args.max_tiles, 1, "--max-tiles")),
+        max_windows=int(_at_least(args.max_windows, 1, "--max-windows")),
+        upload_timeout_s=_at_least(args.upload_timeout_s, 0.1, "--upload-timeout-s"),
+        uploads_per_key=int(_at_least(args.max_uploads_per_key, 1, "--max-uploads-per-key")),
+        queued_per_key=int(_at_least(args.max_queued_per_key, 1, "--max-queued-per-key")),
+        finished_quota_bytes=int(_at_least(args.finished_quota_mb, 0, "--finished-quota-mb")) << 20,
+    )
+    try:
+        umask = int(args.umask, 8)
+    except ValueError:
+        raise ParameterError(f"--umask {args.umask!r} is not an octal mask such as 077 or 027") from None
+    if not 0 <= umask <= 0o777:
+        raise ParameterError(f"--umask {args.umask!r} is not an octal mask such as 077 or 027")
+    return ServerConfig(
+        store_root=Path(store_root),
+        allow_paths=tuple(roots),
+        api_keys=tuple(key for key in api_keys if key),
+        admin_keys=tuple(args.admin_key or ()),
+        list_jobs=bool(args.list_jobs),
+        limits=limits,
+        umask=umask,
+        workers=max(1, int(getattr(args, "workers", 1) or 1)),
+        model_name=model_name,
+        run_root=run_root,
+    )

@@ -1,0 +1,141 @@
+"""The HTTP server's errors: JSON `{"error": {"message", "type", "param", "code"}}` answers, one line of message."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from entrypoints.confine import PathRefused
+from entrypoints.jobs import InputQuotaFull, KeyQueueFull, QueueFull, UploadsBusy, short_message
+from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
+
+log = logging.getLogger("k6vsr.server")
+
+RETRY_AFTER_S = 30
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
+
+
+_KIND = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    408: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_CODE = {404: "not_found", 405: "method_not_allowed"}
+
+# The errors a user can fix (k6vsr_core.errors) as HTTP answers: the first class that matches gives status and code.
+USER_ERROR_STATUS: tuple[tuple[type[UserFacingError], int, str], ...] = (
+    (MediaError, 400, "invalid_video"),
+    (ParameterError, 400, "invalid_value"),
+    (BundleError, 503, "model_unavailable"),
+    (StoreError, 500, "store_unusable"),
+    (UserFacingError, 400, "invalid_request"),
+)
+
+
+def api_error(err: UserFacingError, param: str | None = None, message: str | None = None) -> ApiError:
+    """The HTTP answer to an error a user can fix: its status and code from `USER_ERROR_STATUS`."""
+    status, code = next((status, code) for kind, status, code in USER_ERROR_STATUS if isinstance(err, kind))
+    return ApiError(status, message or str(err), param=param, code=code)
+
+
+def error_response(
+    status: int,
+    message: str,
+    kind: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {
+        "error": {
+            "message": short_message(message),
+            "type": kind or _KIND.get(status, "server_error"),
+            "param": param,
+            "code": code or _CODE.get(status, "http_error"),
+        }
+    }
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+# A limit the server is at, answered 429 with Retry-After: the message (`{limit}` filled in) and the code of each.
+BUSY_ANSWERS: dict[type[Exception], tuple[str, str]] = {
+    QueueFull: ("the queue is full ({limit} jobs waiting, --max-queued); retry later", "queue_full"),
+    KeyQueueFull: (
+        "this key already has {limit} jobs queued or being sent (--max-queued-per-key); retry once one runs",
+        "key_queue_full",
+    ),
+    UploadsBusy: (
+        "this key is already sending {limit} request(s) (--max-uploads-per-key); retry once one is done",
+        "too_many_uploads",
+    ),
+    InputQuotaFull: (
+        "the inputs of queued and running jobs fill the input storage quota ({limit} bytes, --input-quota-mb); "
+        "retry later",
+        "input_quota_full",
+    ),
+}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+
+    @app.exception_handler(ApiError)
+    async def api_error_handler(_: Request, err: ApiError) -> JSONResponse:
+        return error_response(err.status, err.message, err.kind, err.param, err.code, err.headers)
+
+    @app.exception_handler(UserFacingError)
+    async def user_error_handler(_: Request, err: UserFacingError) -> JSONResponse:
+        answer = api_error(err)
+        return error_response(answer.status, answer.message, param=answer.param, code=answer.code)
+
+    @app.exception_handler(PathRefused)
+    async def path_refused(_: Request, err: PathRefused) -> JSONResponse:
+        return error_response(403 if err.forbidden else 400, err.message, param="video_path", code=err.code)
+
+    async def busy(_: Request, err: Exception) -> JSONResponse:
+        template, code = next(answer for kind, answer in BUSY_ANSWERS.items() if isinstance(err, kind))
+        return error_response(429, template.format(limit=getattr(err, "limit", "?")), code=code, headers=retry)
+
+    for kind in BUSY_ANSWERS:
+        app.add_exception_handler(kind, busy)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return error_response(err.status_code, str(err.detail), headers=getattr(err, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def disconnected(_: Request, err: ClientDisconnect) -> JSONResponse:
+        return error_response(
+            400, "the client disconnected before the request body was complete", code="client_disconnected"
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, err: Exception) -> JSONResponse:
+        log.error("internal error: %s: %s", type(err).__name__, err, exc_info=err)
+        return error_response(500, "internal server error; see the server log", "server_error", code="internal_error")

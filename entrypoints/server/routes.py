@@ -1,0 +1,328 @@
+"""The `/v1/videos` routes, and what they share: a request read into its job, planned and bounded; jobs found and
+shown to their callers."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import FileResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from entrypoints.confine import quote, scrub_paths
+from entrypoints.jobs import (
+    ACTIVE,
+    CANCELLED,
+    COMPLETED,
+    FINISHED,
+    IN_PROGRESS,
+    InputFile,
+    JobRunner,
+    JobStore,
+    new_job_id,
+)
+from entrypoints.server.auth import Caller, caller_of
+from entrypoints.server.bodies import UploadTooLarge, copy_path_source, read_form, read_json
+from entrypoints.server.config import Limits, ServerConfig
+from entrypoints.server.errors import ApiError
+from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
+from k6vsr_core.errors import MediaError, ParameterError
+from k6vsr_core.latent import check_latent_scale
+from k6vsr_core.params import UpscaleParams
+from service.runs import ModelSpec, prepare_run
+from storage import RunStore
+
+log = logging.getLogger("k6vsr.server")
+
+
+def job_view(job: dict[str, Any], caller: Caller, store_root: str | Path, retention_s: float) -> dict[str, Any]:
+    """The job as `caller` sees it: no server paths; a `video_path`, relative to its allowed folder, only to its
+    owner."""
+    progress = job.get("progress", 0)
+    if job["status"] == IN_PROGRESS and job.get("tiles", {}).get("total"):
+        decoded = RunStore(store_root, job["run_key"]).tiles_decoded()
+        progress = min(99, int(100 * decoded / job["tiles"]["total"]))
+    output = job["output"]
+    source = {"type": job["source"]["type"]}
+    if "video_path" in job["source"] and caller.owns(job):
+        source["video_path"] = job["source"]["video_path"]
+    finished_at = job.get("completed_at") if job["status"] in FINISHED else None
+    return {
+        "id": job["id"],
+        "object": "video",
+        "model": job["model"],
+        "status": job["status"],
+        "progress": progress,
+        "created_at": job["created_at"],
+        "started_at": job.get("started_at"),
+        "completed_at": job.get("completed_at"),
+        "expires_at": int(finished_at + retention_s) if finished_at is not None else None,
+        "error": job.get("error"),
+        "run_key": job["run_key"],
+        "params": api_params(job["request"]),
+        "size": f"{output['width']}x{output['height']}",
+        "seconds": f"{output['frames'] / output['fps']:.3f}",
+        "output": output,
+        "tiles": job["tiles"],
+        "source": source,
+    }
+
+
+def check_work(plan: Any, limits: Limits) -> None:
+    """The work a job asks for, bounded before it is queued: frames x width x height of the model's result, its
+    windows, and its tile tasks (a small clip declared huge makes a plan of tens of thousands of tiles)."""
+    height, width = plan.sr_size
+    pixels = plan.num_frames * height * width
+    if pixels > limits.max_output_pixels:
+        raise ApiError(
+            400,
+            f"this job would make {plan.num_frames} frame(s) of {width}x{height} ({pixels / 1e6:.1f} "
+            f"megapixels); this server makes at most {limits.max_output_pixels / 1e6:g} megapixels a job "
+            "(--max-output-mpx): lower sr_resolution_scale, set max_frames or send a smaller clip",
+            param="sr_resolution_scale",
+            code="output_too_large",
+        )
+    if plan.num_windows > limits.max_windows:
+        raise ApiError(
+            400,
+            f"this job would run {plan.num_windows} windows of frames; this server runs at most "
+            f"{limits.max_windows} a job (--max-windows): set max_frames or send a shorter clip",
+            param="max_frames",
+            code="too_many_windows",
+        )
+    tiles = plan.num_tiles * plan.num_windows
+    if tiles > limits.max_tiles:
+        raise ApiError(
+            400,
+            f"this job would run {tiles} tiles ({plan.num_tiles} a window x {plan.num_windows} window(s)); this "
+            f"server runs at most {limits.max_tiles} a job (--max-tiles): lower sr_resolution_scale, set "
+            "max_frames or send a smaller clip",
+            param="sr_resolution_scale",
+            code="too_many_tiles",
+        )
+
+
+@dataclass(frozen=True)
+class Received:
+    """A request read into its job's input: the parameters, the job's `source`, how messages name the input, and a
+    latent's frame rate (None for a clip)."""
+
+    params: UpscaleParams
+    origin: dict[str, str]
+    label: str
+    latent_fps: str | None = None
+
+
+@dataclass(frozen=True)
+class Videos:
+    """What the routes share: the server's configuration, its jobs and the runner of their worker processes."""
+
+    config: ServerConfig
+    spec: ModelSpec  # the model every job runs
+    store: JobStore
+    runner: JobRunner
+    keyed: bool  # the server has API keys: each key lists its own jobs
+
+    def view(self, job: dict[str, Any], caller: Caller) -> dict[str, Any]:
+        return job_view(job, caller, self.config.runs, self.config.limits.retention_s)
+
+    def find(self, job_id: str, caller: Caller) -> dict[str, Any]:
+        job = self.store.get(job_id)
+        if job is None or not caller.sees(job):  # another key's job is as unknown as a missing one
+            raise ApiError(404, f"no video job {quote(job_id)}", param="video_id", code="job_not_found")
+        return job
+
+    def open_upload(self, job_id: str, field: str) -> InputFile:
+        too_large = lambda: UploadTooLarge(self.config.limits.max_upload_bytes, field)  # noqa: E731
+        return self.store.open_input(job_id, self.config.limits.max_upload_bytes, too_large)
+
+    async def receive(self, request: Request, media_type: str, job_id: str) -> Received:
+        """Read the request into the job's input (the streamed upload, or a copy of the confined `video_path`)."""
+        if media_type == "multipart/form-data":
+            form = await read_form(request, lambda field: self.open_upload(job_id, field), self.config.limits)
+            if form.file_field == LATENT_FIELD:
+                fields = dict(form.fields)
+                rate = latent_rate(fields)
+                params = params_from_fields(fields)
+                try:
+                    check_latent_scale(params)
+                except ParameterError as err:
+                    raise ApiError(400, str(err), param="sr_resolution_scale", code="invalid_value") from None
+                return Received(params, {"type": "latent"}, LATENT_FIELD, rate)
+            if RATE_FIELD in form.fields:
+                raise ApiError(
+                    400,
+                    f"{RATE_FIELD} is the frame rate of a {LATENT_FIELD}; a clip takes fps_mode",
+                    param=RATE_FIELD,
+                    code="unexpected_field",
+                )
+            return Received(params_from_fields(form.fields), {"type": "upload"}, FILE_FIELD)
+        fields = await read_json(request, self.config.limits)
+        if LATENT_FIELD in fields:
+            raise ApiError(
+                400,
+                f"{LATENT_FIELD} is a file: upload it as multipart/form-data with its {RATE_FIELD}",
+                param=LATENT_FIELD,
+                code="invalid_request",
+            )
+        raw_path = fields.pop("video_path", None)
+        params = params_from_fields(fields)  # a bad field is refused before anything is copied
+        relative = await run_in_threadpool(copy_path_source, raw_path, self.config.allow_paths, self.store, job_id)
+        return Received(params, {"type": "path", "video_path": relative}, f"video_path {quote(relative)}")
+
+    def prepare(self, job_id: str, received: Received) -> Any:
+        label, params = received.label, received.params
+        known = {
+            str(self.store.input_path(job_id)): label,
+            str(self.config.store_root): "<store>",
+            str(self.config.runs): "<store>",
+        }
+        try:
+            return prepare_run(self.store.input_path(job_id), params, self.spec, self.config.runs, received.latent_fps)
+        except ParameterError as err:
+            if received.latent_fps is None:
+                raise
+            # The latent's own checks (file, shape, dtype, channels, frames, values): the rate and scale were
+            # checked with their fields.
+            raise ApiError(400, scrub_paths(str(err), known), param=LATENT_FIELD, code="invalid_latent") from None
+        except MediaError as err:
+            param = FILE_FIELD if label == FILE_FIELD else "video_path"
+            raise ApiError(
+                400, f"{label}: {scrub_paths(err.cause, known)}", param=param, code="invalid_video"
+            ) from None
+        except ValueError as err:  # a plan these parameters cannot make (e.g. an `exact` target above the result)
+            raise ApiError(
+                400, f"this request cannot be planned: {scrub_paths(str(err), known)}", code="cannot_plan"
+            ) from None
+
+
+def videos_of(request: Request) -> Videos:
+    return request.app.state.videos
+
+
+router = APIRouter()
+
+
+@router.get("/health")
+def health(request: Request) -> dict[str, Any]:
+    return {"status": "ok", "model": videos_of(request).config.model_name}
+
+
+@router.post("/v1/videos")
+async def create_video(request: Request) -> JSONResponse:
+    videos = videos_of(request)
+    caller = caller_of(request)
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type not in ("multipart/form-data", "application/json", ""):
+        raise ApiError(
+            415,
+            f"send JSON (application/json) with video_path, or multipart/form-data with the clip as {FILE_FIELD!r}",
+            code="unsupported_media_type",
+        )
+    job_id = new_job_id()
+    with videos.runner.admission(caller.owner):
+        try:
+            received = await videos.receive(request, media_type, job_id)
+            params, origin = received.params, received.origin
+            prepared = await run_in_threadpool(videos.prepare, job_id, received)
+            check_work(prepared.plan, videos.config.limits)
+            plan = prepared.plan
+            job = await run_in_threadpool(
+                videos.store.put,
+                {
+                    "id": job_id,
+                    "object": "video",
+                    "model": videos.config.model_name,
+                    "owner": caller.owner,
+                    "status": "queued",
+                    "progress": 0,
+                    "created_at": int(time.time()),
+                    "created_ns": time.time_ns(),
+                    "started_at": None,
+                    "completed_at": None,
+                    "error": None,
+                    # The run is found by its key, its plan in the run's manifest: the record stays small.
+                    "run_key": prepared.run.run_key,
+                    "request": params.model_dump(mode="json"),
+                    "latent_fps": received.latent_fps,
+                    "source": origin,
+                    "output": {
+                        "width": plan.delivery_size[1],
+                        "height": plan.delivery_size[0],
+                        "frames": plan.num_frames,
+                        "fps": plan.fps,
+                        # A latent has no streams; an HTTP request names no audio file.
+                        "has_audio": prepared.probe is not None and prepared.probe.has_audio,
+                        "bytes": None,
+                    },
+                    "tiles": {"total": plan.num_tiles * plan.num_windows, "computed": None, "reused": None},
+                },
+            )
+        except BaseException:
+            videos.store.discard_dir(job_id)  # a partial or refused request leaves nothing behind
+            raise
+        videos.runner.submit(job_id, caller.owner)
+    log.info("job %s queued: run %s, %d tiles", job_id, prepared.run.run_key, plan.num_tiles)
+    return JSONResponse(videos.view(job, caller))
+
+
+# Plain functions: FastAPI runs them in its thread pool, so file reads and process signals never block the loop.
+@router.get("/v1/videos")
+def list_videos(request: Request) -> dict[str, Any]:
+    videos = videos_of(request)
+    caller = caller_of(request)
+    if not videos.keyed and not videos.config.list_jobs:
+        raise ApiError(
+            403,
+            "listing jobs is off on this server: a job is read by its id (start the server with "
+            "--list-jobs, or with API keys so that each key lists its own jobs)",
+            code="listing_disabled",
+        )
+    # Only the caller's records are read (every one for an admin): a list costs what it lists.
+    return {
+        "object": "list",
+        "data": [videos.view(job, caller) for job in videos.store.jobs(caller.owner, caller.admin)],
+    }
+
+
+@router.get("/v1/videos/{video_id}")
+def get_video(request: Request, video_id: str) -> dict[str, Any]:
+    videos = videos_of(request)
+    caller = caller_of(request)
+    return videos.view(videos.find(video_id, caller), caller)
+
+
+@router.get("/v1/videos/{video_id}/content")
+def get_content(request: Request, video_id: str) -> FileResponse:
+    videos = videos_of(request)
+    job = videos.find(video_id, caller_of(request))
+    if job["status"] != COMPLETED:
+        hint = "poll GET /v1/videos/{id} until it is completed" if job["status"] in ACTIVE else "it has no output"
+        raise ApiError(409, f"video job {video_id} is {job['status']}; {hint}", code=f"job_{job['status']}")
+    output = videos.store.output_path(video_id)
+    if not output.is_file():
+        raise ApiError(404, f"the output of video job {video_id} is gone from the store", code="output_gone")
+    mkv = job.get("request", {}).get("codec") == "ffv1"
+    media_type, suffix = ("video/x-matroska", ".mkv") if mkv else ("video/mp4", ".mp4")
+    return FileResponse(output, media_type=media_type, filename=f"{video_id}{suffix}")
+
+
+@router.delete("/v1/videos/{video_id}")
+def delete_video(request: Request, video_id: str) -> dict[str, Any]:
+    videos = videos_of(request)
+    caller = caller_of(request)
+    job = videos.find(video_id, caller)
+    if job["status"] in ACTIVE:
+        job = videos.runner.cancel(video_id) or job
+        if job["status"] == CANCELLED:
+            return videos.view(job, caller)
+    if videos.runner.running(video_id):
+        raise ApiError(
+            409, f"video job {video_id} is still stopping; delete it again in a few seconds", code="job_stopping"
+        )
+    videos.runner.delete(video_id)
+    return {"id": video_id, "object": "video.deleted", "deleted": True}
