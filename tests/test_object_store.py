@@ -375,7 +375,8 @@ def test_killed_command_resumes_from_the_bucket_recomputing_nothing_finished(
         for stage in ("denoise", "decode")
         for item in store.records.items(stage)
     }
-    assert len(store.records.items("decode")) == 1 and not (tmp_path / "x.mp4").exists()
+    # Its two threads decode at once: the other thread's tile may be stored before the kill lands.
+    assert 1 <= len(store.records.items("decode")) <= 2 and not (tmp_path / "x.mp4").exists()
 
     rerun = procs.run(fault_harness.command(*argv))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
