@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -31,6 +32,7 @@ from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_param
 from service.runs import ModelSpec, model_info, prepare_run
 from storage import RunStore, collect_garbage, default_store_root, parse_store_root
 from storage.estimate import store_estimate
+from storage.urls import check_output_prefix, fetch_source, is_url, url_parent
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -135,7 +137,9 @@ def _param_flags(parser: argparse.ArgumentParser) -> None:
 
 def _input_args(parser: argparse.ArgumentParser) -> None:
     """A video, or a latent: exactly one of them (`input_from`)."""
-    parser.add_argument("input", nargs="?", default=None, help="the video (or give --latent instead)")
+    parser.add_argument(
+        "input", nargs="?", default=None, help="the video, a file or an object-store URL (or give --latent instead)"
+    )
     parser.add_argument(
         "--latent",
         default=None,
@@ -167,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-path",
         dest="output_dir",
         default=None,
-        help="output folder (default: beside the input)",
+        help="output folder, or an object-store prefix such as s3://bucket/out/ (default: beside the input)",
     )
     up.add_argument("--output-file-name", default=None, help="default: <stem>_sr<scale>x_<timestamp>.mp4")
     _param_flags(up)
@@ -441,6 +445,18 @@ def _check_device(device: str) -> None:
 
 
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
+    """A source URL is downloaded once into a private folder, removed at the end, and run as that file."""
+    url = next((given for given in (args.input, getattr(args, "latent", None)) if given and is_url(given)), None)
+    if url is None:
+        return _upscale(args, None)
+    with tempfile.TemporaryDirectory(prefix="k6vsr-source-") as folder:
+        local = str(fetch_source(url, Path(folder)))
+        field = "input" if args.input == url else "latent"
+        result = _upscale(argparse.Namespace(**{**vars(args), field: local}), url)
+    return {**result, "source": url}
+
+
+def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]:
     source, latent_fps = input_from(args)
     params = params_from(args)
     spec = model_from(args)
@@ -452,13 +468,22 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.dask_address is None:
         _check_device(spec.device)
-    out_dir = Path(args.output_dir).expanduser().resolve() if args.output_dir else source.resolve().parent
-    _check_output_dir(out_dir, _estimated_output_bytes(prepared.plan))
     name = output_file_name(args.output_file_name or output_name(source, params, datetime.now()), params)
-    _check_output_file(out_dir / name, source)
+    # Beside the source by default: in its prefix for a source URL.
+    given = args.output_dir or (url_parent(source_url) if source_url else None)
+    if given and is_url(given):
+        check_output_prefix(given)
+        destination = f"{given.rstrip('/')}/{name}"
+        if destination == source_url:
+            raise UserFacingError(f"output {destination} is the input; pick another name or prefix")
+    else:
+        out_dir = Path(given).expanduser().resolve() if given else source.resolve().parent
+        _check_output_dir(out_dir, _estimated_output_bytes(prepared.plan))
+        _check_output_file(out_dir / name, source)
+        destination = str(out_dir / name)
     with run_progress(prepared, enabled=not args.json):
         summary = run_clip(
-            prepared, str(out_dir / name), spec, workers=args.workers, gpus=args.gpus, dask_address=args.dask_address
+            prepared, destination, spec, workers=args.workers, gpus=args.gpus, dask_address=args.dask_address
         )
     return summary.model_dump(mode="json")
 

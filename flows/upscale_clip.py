@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable
+from contextlib import nullcontext
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
+from storage.location import is_url
 from storage.progress import StageCount, read_progress, run_finished, stage_counts
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
@@ -142,6 +144,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
     destination = (
         Path(output) if output else Path(source).parent / output_name(source, prepared.plan.params, datetime.now())
     )
+    published = output if output and is_url(output) else str(destination)  # a path would mangle a URL
 
     def record(result: StageResult) -> StageResult:
         clock.finished(result.stage, result.seconds)
@@ -167,7 +170,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
             denoised = _windows(run, model, plan, record, attempt, progress, store)
             record(stage_tasks.mux(run, attempt))
             progress.update(read_progress(store, plan))
-        record(stage_tasks.publish(run, str(destination)))
+        record(stage_tasks.publish(run, published))
         progress.update(run_finished(plan))
 
     # The store says what this attempt computed: a tile Dask recomputed after a worker died is counted, once.
@@ -175,7 +178,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
     timings = clock.task_seconds()
     summary = ClipSummary(
         source=prepared.source,
-        output=str(destination),
+        output=published,
         run_key=run.run_key,
         store=str(store.where),
         log=str(store.log_location(attempt)),
@@ -290,9 +293,13 @@ def _report(store: RunStore, summary: ClipSummary, clock: StageClock, plan: Clip
     """The run's report artifact: before/after still, stage spans, tiles, workers, output; never fails a run."""
     try:
         frame = min(summary.frames // 2, PREVIEW_FRAME)
-        output = Path(summary.output).resolve()
+        remote = is_url(summary.output)
+        output = summary.output if remote else Path(summary.output).resolve()
         before = _source_still(store, summary.source, plan, frame)
-        after = media.read_frames(output, [frame])[0]
+        # An output URL holds the store's output, byte for byte: read from there, it needs no download of its own.
+        with store.output_path.fetch() if remote else nullcontext(Path(output)) as file:
+            after = media.read_frames(file, [frame])[0]
+            output_bytes = file.stat().st_size
         report = artifacts.ClipReport(
             source=summary.source,
             run_key=summary.run_key,
@@ -308,7 +315,7 @@ def _report(store: RunStore, summary: ClipSummary, clock: StageClock, plan: Clip
             items=summary.items,
             workers=artifacts.workers_in_use(),
             output=str(output),
-            output_bytes=output.stat().st_size,
+            output_bytes=output_bytes,
             store=summary.store,
             reused_output=summary.reused_output,
         )

@@ -32,6 +32,7 @@ from service.runs import ModelSpec, RunRef
 from storage import RunManifest, RunStore, source_info
 from storage import publish as publish_file
 from storage.manifest import library_versions
+from storage.urls import is_url, publish_to_url
 from tasks.descriptors import StageResult
 
 if TYPE_CHECKING:
@@ -310,9 +311,13 @@ def mux(run: RunRef, attempt: str) -> StageResult:
 
 @task(name="publish", task_run_name="publish-{run.run_key}", **STAGE_TASK)
 def publish(run: RunRef, destination: str) -> StageResult:
-    """Copy the run's output to `destination` under a temporary name, then rename: no reader sees half a file."""
+    """Copy the run's output to `destination` under a temporary name, then rename: no reader sees half a file. An
+    object-store URL receives it as one object, published whole."""
     started = time.perf_counter()
-    publish_file(_store(run).output_path, Path(destination))
+    if is_url(destination):
+        publish_to_url(_store(run).output_path, destination)
+    else:
+        publish_file(_store(run).output_path, Path(destination))
     return StageResult(stage="publish", computed=True, seconds=time.perf_counter() - started)
 
 
