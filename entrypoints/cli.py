@@ -17,7 +17,8 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -444,16 +445,25 @@ def _check_device(device: str) -> None:
         raise UserFacingError(f"--device {device!r}: this machine has {count} CUDA GPU(s) (cuda:0 to cuda:{count - 1})")
 
 
-def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
-    """A source URL is downloaded once into a private folder, removed at the end, and run as that file."""
+@contextmanager
+def local_input(args: argparse.Namespace) -> Iterator[tuple[argparse.Namespace, str | None]]:
+    """The arguments with a source URL (video or `--latent`) replaced by a download of it, and the URL: the object is
+    fetched once into a private folder, removed when the block ends, and read as that file (same bytes, same run
+    key)."""
     url = next((given for given in (args.input, getattr(args, "latent", None)) if given and is_url(given)), None)
     if url is None:
-        return _upscale(args, None)
+        yield args, None
+        return
     with tempfile.TemporaryDirectory(prefix="k6vsr-source-") as folder:
         local = str(fetch_source(url, Path(folder)))
         field = "input" if args.input == url else "latent"
-        result = _upscale(argparse.Namespace(**{**vars(args), field: local}), url)
-    return {**result, "source": url}
+        yield argparse.Namespace(**{**vars(args), field: local}), url
+
+
+def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
+    with local_input(args) as (local, url):
+        result = _upscale(local, url)
+    return {**result, "source": url} if url else result
 
 
 def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]:
@@ -500,6 +510,12 @@ def output_file_name(name: str, params: UpscaleParams) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
+    with local_input(args) as (local, url):
+        planned = _plan(local)
+    return {**planned, "source": url} if url else planned
+
+
+def _plan(args: argparse.Namespace) -> dict[str, Any]:
     source, latent_fps = input_from(args)
     # From the model's configs alone: a plan loads no model, so it needs no weight files (nor their download).
     prepared = prepare_run(source, params_from(args), model_from(args), store_from(args), latent_fps, weights=False)

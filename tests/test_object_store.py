@@ -439,6 +439,10 @@ def test_upscale_reads_a_source_url_and_publishes_to_an_output_url(
     again = json.loads(capsys.readouterr().out)
     assert again["output"].startswith(f"{root}/in/clip_sr2x_") and again["tiles_computed"] == 0
     assert location(again["output"]).read_bytes() == reference
+    # `plan` reads the URL the same way: the run it prints is the run that ran.
+    assert main(["plan", source, "--scale", "2", "--model", str(tiny_bundle_path), "--store", bucket, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert (planned["source"], planned["run_key"]) == (source, summary["run_key"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]  # nothing of the run in the working folder
     assert [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("k6vsr-source-")] == []
 
