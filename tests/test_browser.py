@@ -197,7 +197,8 @@ def _check_clip_run(
     """The clip run's page lists its own progress and report; the report tells this run's story."""
     from flows.artifacts import clip_key
 
-    progress_key, report_key = (clip_key(kind, run.parameters["source"], run_key) for kind in ("tiles", "clip-report"))
+    source = run.parameters["prepared"]["source"]  # the clip flow's one parameter: the run its caller planned
+    progress_key, report_key = (clip_key(kind, source, run_key) for kind in ("tiles", "clip-report"))
     own = {progress_key, report_key}
     driver.get(f"{ui}/runs/flow-run/{run.id}")
     _wait_text(driver, run.name, "Completed")
