@@ -88,12 +88,15 @@ def _kill_children(spare: int | None) -> None:
     as it survives a kill -9 of the command; a gentler signal would only give a nanny time to restart them.
 
     Python's resource tracker is left: it exits by itself when this process does, after freeing the shared memory
-    the workers left, and killed it would only be relaunched, to print errors about what it never saw."""
-    for pid in _descendants(os.getpid()):
-        if pid == spare:
-            continue
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    the workers left, and killed it would only be relaunched, to print errors about what it never saw.
+
+    All are stopped (SIGSTOP) before any is killed: a worker that outlived its nanny by a moment would see the
+    connection reset and print a traceback on the terminal, below the one line."""
+    doomed = [pid for pid in _descendants(os.getpid()) if pid != spare]
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
 
 def _descendants(root: int) -> list[int]:
