@@ -534,6 +534,57 @@ def test_released_transformer_config_without_tile_sizes_uses_the_trained_tiles(
     assert inspect_bundle(path).info.tile_sizes == RESOLUTIONS
 
 
+def test_plan_defaults_are_the_diffusers_classes_defaults() -> None:
+    """A plan reads the defaults the released configs omit from k6vsr's constants, so that it imports no diffusers:
+    they must be the classes' own (read through the signature: diffusers wraps `__init__`)."""
+    from diffusers import Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE
+
+    from k6vsr_core.bundle import DEFAULT_LATENT_CHANNELS
+    from k6vsr_core.tiling import RESOLUTIONS
+
+    def default(cls: type, name: str) -> object:
+        return inspect.signature(cls.__init__).parameters[name].default
+
+    assert tuple(map(tuple, default(Kandinsky6SRTransformer3DModel, "tile_sizes"))) == RESOLUTIONS
+    assert default(Kandinsky6SRVAE, "latent_channels") == DEFAULT_LATENT_CHANNELS
+
+
+def test_a_plan_without_the_tensor_check_imports_no_torch(tiny_bundle_path: Path, tmp_path: Path) -> None:
+    """What a client of warm workers does before its first task (plan, ingest) imports neither torch nor diffusers,
+    and plans the run the full check plans: same model, same run key."""
+    import os
+    import sys
+
+    import procs
+
+    from k6vsr_core.params import parse_params
+    from k6vsr_core.sample import make_sample_clip
+    from service.runs import ModelSpec, prepare_run
+
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1)
+    spec = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    checked = prepare_run(clip, parse_params(scale=2), spec, tmp_path / "store")
+    code = (
+        "import sys\n"
+        "from k6vsr_core.params import parse_params\n"
+        "from service.runs import ModelSpec, prepare_run\n"
+        "from tasks.ingest import ingest\n"
+        f"spec = ModelSpec(model={str(tiny_bundle_path)!r}, device='cpu')\n"
+        f"prepared = prepare_run({str(clip)!r}, parse_params(scale=2), spec, {str(tmp_path / 'store')!r}, "
+        "tensors=False)\n"
+        "ingest.fn(prepared, 'attempt')\n"
+        "print(prepared.model_dump_json())\n"
+        "print(sorted(m for m in ('torch', 'diffusers') if m in sys.modules))\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = procs.run([sys.executable, "-c", code], env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    planned, imported = done.stdout.strip().splitlines()[-2:]
+    assert imported == "[]"
+    assert json.loads(planned) == json.loads(checked.model_dump_json())
+
+
 def test_the_model_is_checked_once_per_content(
     tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -173,6 +173,37 @@ def test_relative_paths_leave_the_command_absolute_for_the_warm_workers(
     assert any(str(work / "model") in " ".join(info["loaded"]) for info in _infos(cluster.address).values())
 
 
+def test_the_command_imports_no_torch_with_warm_workers(
+    cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """`k6vsr upscale` served by warm workers plans, ingests, submits, muxes and publishes without torch or diffusers:
+    the workers hold the model. Prints the seconds from the command's start to its first task (ingest)."""
+    import sys
+
+    import procs
+
+    from storage import RunStore
+
+    tests = Path(__file__).resolve().parent
+    report = tmp_path / "imports.json"
+    argv = [str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--device", "cpu"]
+    argv += ["--store", str(tmp_path / "store"), "-o", str(tmp_path), "--output-file-name", "out.mp4", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(tests.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    started = time.time()
+    done = procs.run(
+        [sys.executable, str(tests / "import_audit.py"), str(report), "entrypoints.cli", "upscale", *argv], env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    audit = json.loads(report.read_text())
+    assert audit["imported"] == [], "\n".join(audit["stacks"].values())
+    assert (tmp_path / "out.mp4").read_bytes() == reference
+    summary = json.loads(done.stdout)
+    assert summary["tiles_computed"] == summary["tiles_total"]
+    ingest = RunStore(tmp_path / "store", summary["run_key"]).records.read("ingest", "all")
+    assert ingest is not None
+    print(f"command start to its first task (ingest): {ingest.written_at - ingest.seconds - started:.2f} s")
+
+
 def test_a_worker_killed_mid_tile_leaves_the_same_bytes(
     cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
 ) -> None:
