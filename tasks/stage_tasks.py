@@ -318,6 +318,12 @@ def publish(run: RunRef, destination: str) -> StageResult:
 
 
 @task(name="workers-ready", cache_policy=NO_CACHE)
-def workers_ready() -> dict[str, str]:
-    """Runs on a worker: proves it can import and run k6vsr's tasks before any tile is sent to it."""
+def workers_ready(model: ModelSpec | None = None) -> dict[str, str]:
+    """Runs on a worker: proves it can import and run k6vsr's tasks before any tile is sent to it, and that
+    `model`'s weights match its architecture. That check imports torch, so a client that only submits (to warm
+    workers) leaves it to them; a bad model then fails the run here, with its own error, not each tile."""
+    if model is not None:
+        from service.runs import model_info
+
+        model_info(model)
     return {"pid": str(os.getpid()), **library_versions()}

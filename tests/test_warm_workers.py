@@ -18,6 +18,7 @@ from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle, make_tiny_bundle
 from k6vsr_core.errors import ParameterError
 from service.runs import ModelSpec, prepare_run
+from storage import RunStore
 
 PARAMS = UpscaleParams(scale=2)
 
@@ -182,8 +183,6 @@ def test_the_command_imports_no_torch_with_warm_workers(
 
     import procs
 
-    from storage import RunStore
-
     tests = Path(__file__).resolve().parent
     report = tmp_path / "imports.json"
     argv = [str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--device", "cpu"]
@@ -202,6 +201,29 @@ def test_the_command_imports_no_torch_with_warm_workers(
     ingest = RunStore(tmp_path / "store", summary["run_key"]).records.read("ingest", "all")
     assert ingest is not None
     print(f"command start to its first task (ingest): {ingest.written_at - ingest.seconds - started:.2f} s")
+
+
+def test_weights_that_do_not_match_fail_on_the_warm_workers_before_any_tile(
+    cluster, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path
+) -> None:
+    """The client of warm workers leaves the weights check to them: a bad model fails the run with its own error."""
+    from safetensors.numpy import load_file, save_file
+
+    from flows.orchestrate import run_clip
+    from k6vsr_core.bundle import WEIGHTS
+    from k6vsr_core.errors import BundleError
+
+    bundle = shutil.copytree(tiny_bundle_path, tmp_path / "model")
+    weights = bundle / "vae" / WEIGHTS
+    state = load_file(str(weights))
+    del state[sorted(state)[-1]]
+    save_file(state, str(weights))
+    model = ModelSpec(model=str(bundle), device="cpu")
+    prepared = prepare_run(clip_1f, PARAMS, model, tmp_path / "store", tensors=False)
+    with pytest.raises(BundleError, match=r"^vae: weights do not match the architecture"):
+        run_clip(prepared, str(tmp_path / "out.mp4"), model)
+    store = RunStore(prepared.run.store_root, prepared.run.run_key)
+    assert not store.tile_done("latent", (0,), stage="encode") and not (tmp_path / "out.mp4").exists()
 
 
 def test_a_worker_killed_mid_tile_leaves_the_same_bytes(
