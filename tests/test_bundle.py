@@ -229,6 +229,26 @@ def test_latent_upscaler_weights_of_another_shape(tiny_bundle_path: Path, tmp_pa
     assert name in str(caught.value)
 
 
+def test_upscale_refuses_weights_that_do_not_match_before_it_runs(
+    tiny_bundle_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without warm workers the command computes, and checks the weights itself before any flow starts."""
+    from entrypoints.cli import main
+    from k6vsr_core.sample import make_sample_clip
+
+    monkeypatch.setenv("K6VSR_WARM_WORKERS", "off")
+    path = _copy(tiny_bundle_path, tmp_path)
+    weights = path / "vae" / WEIGHTS
+    state = load_file(str(weights))
+    del state[sorted(state)[-1]]
+    save_file(state, str(weights))
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1)
+    argv = ["upscale", str(clip), "--scale", "2", "--model", str(path), "--device", "cpu"]
+    rc = main([*argv, "--store", str(tmp_path / "store"), "-o", str(tmp_path / "out")])
+    assert rc != 0 and "vae: weights do not match the architecture" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_unexpected_tensor_is_refused(tiny_bundle_path: Path, tmp_path: Path) -> None:
     path = _copy(tiny_bundle_path, tmp_path)
     weights = path / "vae" / WEIGHTS
