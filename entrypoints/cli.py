@@ -472,11 +472,16 @@ def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]
     spec = model_from(args)
     store = store_from(args)
     # Plan first: a bad file, value or model fails here, before a server starts or a model loads, and before
-    # Prefect is imported (seconds).
-    prepared = prepare_run(source, params, spec, store, latent_fps)
+    # Prefect is imported (seconds). The weights are checked against the architecture where the model loads.
+    prepared = prepare_run(source, params, spec, store, latent_fps, tensors=False)
     from flows.orchestrate import run_clip
+    from flows.runners import resolve_address
 
-    if args.dask_address is None:
+    # With warm workers (or a cluster given), they hold the model and the devices: this process only plans and
+    # submits, and never imports torch (seconds). Otherwise its own threads compute, and it checks both now.
+    address = resolve_address(args.workers, args.gpus, args.dask_address)
+    if address is None:
+        model_info(spec)
         _check_device(spec.device)
     name = output_file_name(args.output_file_name or output_name(source, params, datetime.now()), params)
     # Beside the source by default: in its prefix for a source URL.
@@ -492,9 +497,7 @@ def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]
         _check_output_file(out_dir / name, source)
         destination = str(out_dir / name)
     with run_progress(prepared, enabled=not args.json):
-        summary = run_clip(
-            prepared, destination, spec, workers=args.workers, gpus=args.gpus, dask_address=args.dask_address
-        )
+        summary = run_clip(prepared, destination, spec, workers=args.workers, gpus=args.gpus, dask_address=address)
     return summary.model_dump(mode="json")
 
 

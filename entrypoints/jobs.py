@@ -771,15 +771,19 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
 
     configure_terminal(verbose=os.environ.get(CONSOLE_LEVEL_ENV) == "INFO")  # as the server that started it
     try:
-        from flows.runners import make_task_runner
+        from flows.runners import make_task_runner, warm_address
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
         from service.runs import ModelSpec, prepare_run
         from storage import RunStore
-        from tasks.model_cache import get_bundle
 
         spec = ModelSpec.model_validate_json(spec_json)
-        get_bundle(spec)  # load once; every job of this process reuses it
+        # Load once, and every job of this process reuses it; with warm workers, they hold it, and this process
+        # imports no torch. Should they stop later, a job's tiles run here and load it then.
+        if warm_address() is None:
+            from tasks.model_cache import get_bundle
+
+            get_bundle(spec)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which fails the job with it
         error = _error_of(err)
         error["message"] = f"the model could not be loaded: {error['message']}"
@@ -794,8 +798,14 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
             with results_beside(job["output"]):
                 # Planned again here, not carried from the request: a queued job may run after a restart, and
                 # its record stays small (the plan is recorded once, in the run's manifest, by ingest).
+                # The weights were checked where the model loaded (here at start, or on the warm workers).
                 prepared = prepare_run(
-                    job["source"], UpscaleParams(**job["params"]), spec, job["store_root"], job["latent_fps"]
+                    job["source"],
+                    UpscaleParams(**job["params"]),
+                    spec,
+                    job["store_root"],
+                    job["latent_fps"],
+                    tensors=False,
                 )
                 summary = upscale_clip.with_options(flow_run_name=job["id"], task_runner=make_task_runner())(
                     prepared=prepared, output=job["output"], model=spec

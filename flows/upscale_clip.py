@@ -68,15 +68,18 @@ class ClipSummary(BaseModel):
 WORKERS_READY_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_READY_TIMEOUT", "300"))
 
 
-def _check_workers() -> None:
-    """With process workers, one trivial task must complete before tiles are sent."""
+def _check_workers(model: ModelSpec) -> None:
+    """With process workers, one trivial task, which also checks the model's weights, must complete before tiles
+    are sent."""
     from prefect.context import FlowRunContext
 
     context = FlowRunContext.get()
     if context is None or not is_dask_runner(context.task_runner):
         return
-    future = stage_tasks.workers_ready.submit()
+    future = stage_tasks.workers_ready.submit(model)
     future.wait(timeout=WORKERS_READY_TIMEOUT_S)
+    if future.state.is_failed():
+        future.result()  # the worker's own error, e.g. a model whose weights do not match it
     if not future.state.is_completed():
         raise WorkersUnavailable(
             f"no Dask worker ran a trivial k6vsr task within {WORKERS_READY_TIMEOUT_S:g} s "
@@ -212,7 +215,7 @@ def _windows(
     """Every window's tasks, submitted in pipeline order: a decode waits only for its own chunk, a blend for its
     window's tiles, a segment for its window and the one before. Workers take them in that order, so windows
     stream through the store one after another while decodes overlap the next chunk's denoising."""
-    _check_workers()
+    _check_workers(model)
     what: dict[Any, tuple[str, int, tuple[int, ...]]] = {}  # future -> (stage, window, tiles)
     blends: list[Any] = []
     for window in plan.windows:

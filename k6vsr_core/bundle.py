@@ -30,6 +30,7 @@ from safetensors import safe_open
 
 from k6vsr_core.errors import BundleError
 from k6vsr_core.plan import ModelTraits
+from k6vsr_core.tiling import RESOLUTIONS
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +46,9 @@ PIFLOW = "PiflowScheduler"
 FLOW_EULER = "FlowMatchEulerDiscreteScheduler"
 # Settings of the released DiT (`transformer/config.json` `sr_params`), used when a bundle omits them.
 DEFAULT_LQ_NOISE_SCALE = 0.7
+# The KVAE class's default latent width, which the released config omits: a plan reads it here and imports no
+# diffusers (tests check it, and `tiling.RESOLUTIONS`, against the classes' signatures).
+DEFAULT_LATENT_CHANNELS = 64
 
 
 _DIFFUSERS_LOCK = threading.Lock()
@@ -424,19 +428,21 @@ class _PlannedBundle(BaseModel):
 
 
 def locate_bundle(
-    model: str, revision: str | None = None, model_id: str | None = None, weights: bool = True
+    model: str, revision: str | None = None, model_id: str | None = None, weights: bool = True, tensors: bool = True
 ) -> _PlannedBundle:
     """Find and validate a bundle by repo id or folder, without reading any weight data.
 
     The released repo defaults to its pinned revision. A repo keeps its id as identity; a local copy is identified by
     its content fingerprint unless `model_id` gives it the identity of its origin. Without `weights`, the configs
     are enough (a plan): weight files are neither downloaded nor required, and those present are still checked.
+    Without `tensors`, the weight files' tensors are not checked against the architecture (`inspect_bundle`).
     """
     local = is_local(model)
     if revision is None and not local and model == DEFAULT_MODEL:
         revision = DEFAULT_REVISION
     path = resolve_bundle_path(model, revision, weights)
-    return inspect_bundle(path, model_id=model_id or (None if local else model), revision=revision, weights=weights)
+    model_id = model_id or (None if local else model)
+    return inspect_bundle(path, model_id=model_id, revision=revision, weights=weights, tensors=tensors)
 
 
 def model_traits(info: BundleInfo) -> ModelTraits:
@@ -450,10 +456,14 @@ _MATCHING_WEIGHTS: set[tuple[Path, str, str]] = set()
 
 
 def inspect_bundle(
-    path: Path, model_id: str | None = None, revision: str | None = None, weights: bool = True
+    path: Path, model_id: str | None = None, revision: str | None = None, weights: bool = True, tensors: bool = True
 ) -> _PlannedBundle:
     """Validate a bundle folder without reading any weight data; the weights against the architecture once per
-    content (`fingerprint`) in a process. Without `weights`, a component may lack its weight file."""
+    content (`fingerprint`) in a process. Without `weights`, a component may lack its weight file.
+
+    Checking the tensors builds each model on the meta device, which imports torch and diffusers (seconds). Without
+    `tensors`, they are left to the process that loads the model (a warm worker), so that a client that only plans
+    and submits imports neither; everything else, and the identity, is the same."""
     print_fp = fingerprint(path)
     index = _read_json(path / MODEL_INDEX, "model_index")
     for component in (*COMPONENTS, "scheduler"):
@@ -461,7 +471,6 @@ def inspect_bundle(
             raise BundleError(f"{component}: not listed in {path / MODEL_INDEX}")
     scheduler = _read_json(path / "scheduler" / "scheduler_config.json", "scheduler")
     translators = {"transformer": transformer_kwargs, "vae": vae_kwargs, "latent_upscaler": latent_upscaler_kwargs}
-    classes = _classes()
     kwargs: dict[str, dict[str, Any]] = {}
     raw: dict[str, dict[str, Any]] = {}
     for component in COMPONENTS:
@@ -471,20 +480,18 @@ def inspect_bundle(
             kwargs[component] = translators[component](raw[component])
         except (KeyError, TypeError, ValueError) as err:
             raise BundleError(f"{component}: config.json cannot be read as this model ({err})") from None
-        defaults = classes[component]  # unknown names fail here rather than deep inside diffusers
-        if weights_file is None or (path, print_fp, component) in _MATCHING_WEIGHTS:
+        if not tensors or weights_file is None or (path, print_fp, component) in _MATCHING_WEIGHTS:
             continue
         try:
-            _check_tensors(component, defaults, kwargs[component], weights_file)
+            _check_tensors(component, _classes()[component], kwargs[component], weights_file)
         except TypeError as err:
             raise BundleError(f"{component}: config.json has arguments this model does not take ({err})") from None
         _MATCHING_WEIGHTS.add((path, print_fp, component))
     dit = kwargs["transformer"]
     _check_head(dit.get("out_visual_dim", 640), dit.get("in_visual_dim", 64), scheduler)
     is_piflow = scheduler["_class_name"] == PIFLOW
-    # The released config has no `tile_sizes`: the class default is the release's (diffusers wraps `__init__`, so
-    # its defaults are read through the signature, which follows the wrapper).
-    tile_sizes = dit.get("tile_sizes") or _default_of(classes["transformer"], "tile_sizes")
+    # The released config has no `tile_sizes`: the class default, the release's tiles, applies.
+    tile_sizes = dit.get("tile_sizes") or RESOLUTIONS
     sr_params = raw["transformer"].get("sr_params") or {}
     info = BundleInfo(
         model_id=model_id or f"local:{print_fp}",
@@ -495,14 +502,9 @@ def inspect_bundle(
         lq_noise_scale=float(sr_params.get("lq_noise_scale", DEFAULT_LQ_NOISE_SCALE)),
         tile_sizes=tuple(tuple(int(v) for v in hw) for hw in tile_sizes),
         fingerprint=print_fp,
-        latent_channels=int(kwargs["vae"].get("latent_channels", _default_of(classes["vae"], "latent_channels"))),
+        latent_channels=int(kwargs["vae"].get("latent_channels", DEFAULT_LATENT_CHANNELS)),
     )
     return _PlannedBundle(path=path, kwargs=kwargs, scheduler_config=scheduler, info=info)
-
-
-def _default_of(cls: Any, name: str) -> Any:
-    """A constructor argument's default, read through the signature (diffusers wraps `__init__`)."""
-    return inspect.signature(cls.__init__).parameters[name].default
 
 
 def _scheduler_from_config(cls: Any, config: dict[str, Any]) -> Any:

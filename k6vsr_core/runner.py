@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel
 
-from k6vsr_core import media, stages
+from k6vsr_core import media, segments, stages
 from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.latent import check_latent, fit_latent, plan_latent
@@ -110,7 +110,7 @@ def upscale(
     kept: list[np.ndarray] = []
     folder_of = None if output is None else Path(output).parent
     with tempfile.TemporaryDirectory(prefix=".k6vsr-segments-", dir=folder_of) as folder:
-        segments, previous = [], None
+        segment_files, previous = [], None
         for window in plan.windows:
             if latent is not None:
                 encoded = scaled
@@ -133,12 +133,14 @@ def upscale(
                 kept.append(joined)
             if output is not None:
                 segment = str(Path(folder) / f"{window.index:06d}.mp4")
-                stages.write_segment(segment, joined, plan, audio, clip.rotation)
-                segments.append(segment)
+                segments.write_segment(segment, joined, plan, audio, clip.rotation)
+                segment_files.append(segment)
             previous = frames
             lap("segment")
         if output is not None:
-            stages.join_segments(segments, output, plan, audio, clip.rotation, None if source is None else str(source))
+            segments.join_segments(
+                segment_files, output, plan, audio, clip.rotation, None if source is None else str(source)
+            )
     lap("mux")
     result = UpscaleResult(output=None if output is None else str(output), plan=plan, timings=timings, dit_calls=calls)
     if return_frames:

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
 import torch
 
-from k6vsr_core import kvae, media
+from k6vsr_core import kvae
 from k6vsr_core.attention import AttentionMode, set_attention
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.pixels import TileBlender, pad_video, pre_upscale_video, resize_video
@@ -222,41 +220,3 @@ def deliver(video: torch.Tensor, plan: ClipPlan) -> torch.Tensor:
     if tuple(video.shape[-2:]) == plan.delivery_size:
         return video
     return resize_video(video, plan.delivery_size)
-
-
-def write_segment(
-    path: str | Path, frames: np.ndarray, plan: ClipPlan, audio: np.ndarray | None, rotation: int
-) -> None:
-    """A window's segment. A one-window plan's only segment is the finished file, written as the contract writes
-    it (video, audio, rotation), unless the source's own streams go in; otherwise it is video only, for
-    `join_segments`."""
-    encoding = plan.params.encoding
-    if _segment_is_output(plan):
-        media.write_video(path, frames, plan.frame_rate, audio, rotation, encoding)
-    else:
-        media.write_segment(path, frames, plan.frame_rate, encoding)
-
-
-def join_segments(
-    segments: list[str],
-    path: str | Path,
-    plan: ClipPlan,
-    audio: np.ndarray | None,
-    rotation: int,
-    source: str | None = None,
-) -> None:
-    """The output from the segments in window order, by stream copy, with the audio (or, with `--audio original`,
-    the streams of `source`)."""
-    if _segment_is_output(plan):
-        shutil.copyfile(segments[0], path)
-        return
-    original = source if plan.params.audio == "original" else None
-    if plan.params.audio == "original" and source is None:
-        raise ValueError("audio='original' needs the source file to carry its streams from")
-    media.concat_segments(
-        segments, path, plan.frame_rate, audio, plan.num_frames, rotation, plan.params.encoding, original
-    )
-
-
-def _segment_is_output(plan: ClipPlan) -> bool:
-    return plan.num_windows == 1 and plan.params.audio != "original"

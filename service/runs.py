@@ -58,11 +58,12 @@ class PreparedRun(BaseModel):
     latent_fps: str | None = None  # a latent run: the latent's exact frame rate (`24`, `30000/1001`)
 
 
-def model_info(spec: ModelSpec, weights: bool = True) -> BundleInfo:
+def model_info(spec: ModelSpec, weights: bool = True, tensors: bool = True) -> BundleInfo:
     """The model's identity and traits, from its configs and weight headers only; from its configs alone when not
     `weights` (a local bundle's identity then covers the configs only, so its run keys are not those of the full
-    bundle)."""
-    return locate_bundle(spec.model, spec.revision, spec.model_id, weights).info
+    bundle). Without `tensors`, the weights are not checked against the architecture, which imports torch: the
+    warm workers that load the model check them (`k6vsr_core.bundle.inspect_bundle`)."""
+    return locate_bundle(spec.model, spec.revision, spec.model_id, weights, tensors).info
 
 
 def prepare_run(
@@ -72,15 +73,16 @@ def prepare_run(
     store_root: str | Path,
     latent_fps: str | float | Fraction | None = None,
     weights: bool = True,
+    tensors: bool = True,
 ) -> PreparedRun:
     """Everything `k6vsr plan` prints, and the run key: no model is loaded and nothing is written.
 
     With `latent_fps` (a number or `a/b`), `source` is a safetensors file holding one unscaled KVAE latent
     `[T, C, H, W]` (`k6vsr_core.latent`) played at that rate, instead of a video. Without `weights`, the model's
-    configs are enough (`model_info`).
+    configs are enough (`model_info`); without `tensors`, the weights are not checked against the architecture.
     """
     if latent_fps is not None:
-        return prepare_latent_run(source, params, spec, store_root, latent_fps, weights)
+        return prepare_latent_run(source, params, spec, store_root, latent_fps, weights, tensors)
     probe = media.probe(source)
     if params.audio_file is not None:
         media.check_audio_file(params.audio_file)
@@ -88,7 +90,7 @@ def prepare_run(
         select_kept_frames(probe.num_frames, probe.fps, params)
     except ValueError as err:  # too few frames for the rate: a property of the file
         raise MediaError(source, str(err)) from None
-    info = model_info(spec, weights)
+    info = model_info(spec, weights, tensors)
     try:
         plan = make_plan(
             (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate
@@ -122,12 +124,13 @@ def prepare_latent_run(
     store_root: str | Path,
     fps: str | float | Fraction,
     weights: bool = True,
+    tensors: bool = True,
 ) -> PreparedRun:
     """`prepare_run` of a latent file: loaded on the CPU and checked (shape, dtype, channels, frames, rate) before
     anything is written. The run key holds the file's content and the rate."""
     if params.audio_file is not None:
         media.check_audio_file(params.audio_file)
-    info = model_info(spec, weights)
+    info = model_info(spec, weights, tensors)
     latent, rate = read_latent(source, latent_channels(info), params, fps)
     plan = plan_latent(latent.shape, rate, params, model_traits(info))
     key = run_key(source_info(source).sha256, plan.params, info.identity, str(rate))

@@ -101,9 +101,9 @@ def ingest(prepared: PreparedRun, attempt: str) -> IngestResult:
     if manifest is not None and store.get("frame_pts", stage="ingest") is not None:
         return _ingested(store, manifest, source)
     started = time.perf_counter()
-    # Chosen here, once per run: every later stage, in any process, computes as this records.
+    # Chosen here, once per run: every later stage, in any process, computes as this records. Not applied here:
+    # reading the source computes no tensor, and with warm workers this process imports no torch.
     compute = default_profile()
-    apply_profile(compute)
     clip = read_source(source, params, model_traits(prepared.model_info), planned=prepared.plan)
     plan = clip.plan
     store.keep_source(source, attempt)

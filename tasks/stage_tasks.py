@@ -22,7 +22,7 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from k6vsr_core import media
+from k6vsr_core import media, segments
 from k6vsr_core.compute import apply_profile
 from k6vsr_core.errors import MissingInput, ParameterError, UserFacingError
 from k6vsr_core.latent import fit_latent, read_latent
@@ -236,8 +236,6 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
 @task(name="segment", task_run_name="segment-window-{window}", **STAGE_TASK)
 def segment(run: RunRef, window: int, attempt: str) -> StageResult:
     """Cross-fade a window with the one before and encode its segment; then drop the frames no one needs."""
-    from k6vsr_core import stages
-
     store = _store(run)
     manifest = store.read_manifest()
     apply_profile(manifest.compute)
@@ -256,7 +254,7 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
     tmp = store.temp_file(store.segment_path(window), ".mp4")
     try:
         with _audio(store, run, plan.num_windows == 1 and manifest.has_audio) as audio:
-            stages.write_segment(tmp, frames, plan, audio, manifest.rotation)
+            segments.write_segment(tmp, frames, plan, audio, manifest.rotation)
         store.commit_file(
             tmp, store.segment_path(window), "segment", str(window), time.perf_counter() - started, attempt
         )
@@ -283,15 +281,13 @@ def _audio(store: RunStore, run: RunRef, wanted: bool) -> Iterator[np.ndarray | 
 
 @task(name="mux", task_run_name="mux-{run.run_key}", **STAGE_TASK)
 def mux(run: RunRef, attempt: str) -> StageResult:
-    """Join the segments by stream copy, with the audio, into the store's output (temporary name, then rename)."""
-    from k6vsr_core import stages
-
+    """Join the segments by stream copy, with the audio, into the store's output (temporary name, then rename). No
+    tensor is computed: it runs in the flow's own process, which imports no torch when warm workers compute."""
     store = _store(run)
     if store.output_done():
         return StageResult(stage="mux", computed=False)
     started = time.perf_counter()
     manifest = store.read_manifest()
-    apply_profile(manifest.compute)
     plan = manifest.plan
     for window in range(plan.num_windows):
         if not store.segment_done(window):
@@ -300,8 +296,8 @@ def mux(run: RunRef, attempt: str) -> StageResult:
     try:
         with ExitStack() as fetched, _audio(store, run, manifest.has_audio) as audio:
             # Local files for the muxer: the segments themselves, or downloads of them from an object store.
-            segments = [str(fetched.enter_context(store.segment_path(w).fetch())) for w in range(plan.num_windows)]
-            stages.join_segments(segments, tmp, plan, audio, manifest.rotation, manifest.source.path)
+            files = [str(fetched.enter_context(store.segment_path(w).fetch())) for w in range(plan.num_windows)]
+            segments.join_segments(files, tmp, plan, audio, manifest.rotation, manifest.source.path)
         # Exclusive: two runs of one key may mux at once, and only one object may be published.
         store.commit_file(tmp, store.output_path, "mux", "all", time.perf_counter() - started, attempt, exclusive=True)
     finally:
@@ -322,6 +318,12 @@ def publish(run: RunRef, destination: str) -> StageResult:
 
 
 @task(name="workers-ready", cache_policy=NO_CACHE)
-def workers_ready() -> dict[str, str]:
-    """Runs on a worker: proves it can import and run k6vsr's tasks before any tile is sent to it."""
+def workers_ready(model: ModelSpec | None = None) -> dict[str, str]:
+    """Runs on a worker: proves it can import and run k6vsr's tasks before any tile is sent to it, and that
+    `model`'s weights match its architecture. That check imports torch, so a client that only submits (to warm
+    workers) leaves it to them; a bad model then fails the run here, with its own error, not each tile."""
+    if model is not None:
+        from service.runs import model_info
+
+        model_info(model)
     return {"pid": str(os.getpid()), **library_versions()}

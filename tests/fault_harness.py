@@ -14,7 +14,7 @@ A SPEC is `ACTION@POINT[:OPTION...]`:
              tile     after a decoded tile and its record are stored                          RunStore.put_tile("tiles")
              blend    after blending, before the window's frames are stored                   stages.blend
              segment  after a window's temporary MP4 is written, before it is committed       media.write_video
-             mux      after the temporary output is joined, before it is committed           stages.join_segments
+             mux      after the temporary output is joined, before it is committed           segments.join_segments
              publish  after half of the copy into the output folder is written                shutil.copyfile
     OPTION   nth=N    fire from the N-th call of this process on (default 1)
              times=N  fire at most N times over all processes (counted in the state folder)
@@ -139,7 +139,7 @@ def _wrap_before(fault: Fault, original: Callable[..., Any], what: str) -> Calla
 
 def _patch(fault: Fault) -> Callable[[], None]:
     """Install one fault; returns its undo."""
-    from k6vsr_core import media, stages
+    from k6vsr_core import media, segments, stages
     from storage import run_store
 
     if fault.point == "ingest":
@@ -177,8 +177,8 @@ def _patch(fault: Fault) -> Callable[[], None]:
         owner, name = media, "write_video"
         replacement = _wrap_after(fault, media.write_video, "segment (temporary segment written)")
     elif fault.point == "mux":
-        owner, name = stages, "join_segments"
-        replacement = _wrap_after(fault, stages.join_segments, "mux (temporary output written)")
+        owner, name = segments, "join_segments"
+        replacement = _wrap_after(fault, segments.join_segments, "mux (temporary output written)")
     else:  # publish
         owner, name = run_store.shutil, "copyfile"
         original_copy = shutil.copyfile

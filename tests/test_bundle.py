@@ -229,6 +229,26 @@ def test_latent_upscaler_weights_of_another_shape(tiny_bundle_path: Path, tmp_pa
     assert name in str(caught.value)
 
 
+def test_upscale_refuses_weights_that_do_not_match_before_it_runs(
+    tiny_bundle_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without warm workers the command computes, and checks the weights itself before any flow starts."""
+    from entrypoints.cli import main
+    from k6vsr_core.sample import make_sample_clip
+
+    monkeypatch.setenv("K6VSR_WARM_WORKERS", "off")
+    path = _copy(tiny_bundle_path, tmp_path)
+    weights = path / "vae" / WEIGHTS
+    state = load_file(str(weights))
+    del state[sorted(state)[-1]]
+    save_file(state, str(weights))
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1)
+    argv = ["upscale", str(clip), "--scale", "2", "--model", str(path), "--device", "cpu"]
+    rc = main([*argv, "--store", str(tmp_path / "store"), "-o", str(tmp_path / "out")])
+    assert rc != 0 and "vae: weights do not match the architecture" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_unexpected_tensor_is_refused(tiny_bundle_path: Path, tmp_path: Path) -> None:
     path = _copy(tiny_bundle_path, tmp_path)
     weights = path / "vae" / WEIGHTS
@@ -532,6 +552,57 @@ def test_released_transformer_config_without_tile_sizes_uses_the_trained_tiles(
     del config["tile_sizes"]
     config_file.write_text(json.dumps(config))
     assert inspect_bundle(path).info.tile_sizes == RESOLUTIONS
+
+
+def test_plan_defaults_are_the_diffusers_classes_defaults() -> None:
+    """A plan reads the defaults the released configs omit from k6vsr's constants, so that it imports no diffusers:
+    they must be the classes' own (read through the signature: diffusers wraps `__init__`)."""
+    from diffusers import Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE
+
+    from k6vsr_core.bundle import DEFAULT_LATENT_CHANNELS
+    from k6vsr_core.tiling import RESOLUTIONS
+
+    def default(cls: type, name: str) -> object:
+        return inspect.signature(cls.__init__).parameters[name].default
+
+    assert tuple(map(tuple, default(Kandinsky6SRTransformer3DModel, "tile_sizes"))) == RESOLUTIONS
+    assert default(Kandinsky6SRVAE, "latent_channels") == DEFAULT_LATENT_CHANNELS
+
+
+def test_a_plan_without_the_tensor_check_imports_no_torch(tiny_bundle_path: Path, tmp_path: Path) -> None:
+    """What a client of warm workers does before its first task (plan, ingest) imports neither torch nor diffusers,
+    and plans the run the full check plans: same model, same run key."""
+    import os
+    import sys
+
+    import procs
+
+    from k6vsr_core.params import parse_params
+    from k6vsr_core.sample import make_sample_clip
+    from service.runs import ModelSpec, prepare_run
+
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1)
+    spec = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    checked = prepare_run(clip, parse_params(scale=2), spec, tmp_path / "store")
+    code = (
+        "import sys\n"
+        "from k6vsr_core.params import parse_params\n"
+        "from service.runs import ModelSpec, prepare_run\n"
+        "from tasks.ingest import ingest\n"
+        f"spec = ModelSpec(model={str(tiny_bundle_path)!r}, device='cpu')\n"
+        f"prepared = prepare_run({str(clip)!r}, parse_params(scale=2), spec, {str(tmp_path / 'store')!r}, "
+        "tensors=False)\n"
+        "ingest.fn(prepared, 'attempt')\n"
+        "print(prepared.model_dump_json())\n"
+        "print(sorted(m for m in ('torch', 'diffusers') if m in sys.modules))\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = procs.run([sys.executable, "-c", code], env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    planned, imported = done.stdout.strip().splitlines()[-2:]
+    assert imported == "[]"
+    assert json.loads(planned) == json.loads(checked.model_dump_json())
 
 
 def test_the_model_is_checked_once_per_content(

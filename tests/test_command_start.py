@@ -39,6 +39,7 @@ LIGHT_MODULES = [
     "k6vsr_core.latent",
     "k6vsr_core.source",
     "k6vsr_core.memory",
+    "k6vsr_core.segments",
     "service.runs",
     "storage",
     "tasks.ingest",

@@ -18,6 +18,7 @@ from k6vsr_core import UpscaleParams, upscale
 from k6vsr_core.bundle import ModelBundle, make_tiny_bundle
 from k6vsr_core.errors import ParameterError
 from service.runs import ModelSpec, prepare_run
+from storage import RunStore
 
 PARAMS = UpscaleParams(scale=2)
 
@@ -171,6 +172,58 @@ def test_relative_paths_leave_the_command_absolute_for_the_warm_workers(
     assert (work / "out" / "out.mp4").read_bytes() == reference
     assert model_cache.cache_info().loaded == []  # the tiles ran on the workers, with the model named absolutely
     assert any(str(work / "model") in " ".join(info["loaded"]) for info in _infos(cluster.address).values())
+
+
+def test_the_command_imports_no_torch_with_warm_workers(
+    cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """`k6vsr upscale` served by warm workers plans, ingests, submits, muxes and publishes without torch or diffusers:
+    the workers hold the model. Prints the seconds from the command's start to its first task (ingest)."""
+    import sys
+
+    import procs
+
+    tests = Path(__file__).resolve().parent
+    report = tmp_path / "imports.json"
+    argv = [str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--device", "cpu"]
+    argv += ["--store", str(tmp_path / "store"), "-o", str(tmp_path), "--output-file-name", "out.mp4", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(tests.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    started = time.time()
+    done = procs.run(
+        [sys.executable, str(tests / "import_audit.py"), str(report), "entrypoints.cli", "upscale", *argv], env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    audit = json.loads(report.read_text())
+    assert audit["imported"] == [], "\n".join(audit["stacks"].values())
+    assert (tmp_path / "out.mp4").read_bytes() == reference
+    summary = json.loads(done.stdout)
+    assert summary["tiles_computed"] == summary["tiles_total"]
+    ingest = RunStore(tmp_path / "store", summary["run_key"]).records.read("ingest", "all")
+    assert ingest is not None
+    print(f"command start to its first task (ingest): {ingest.written_at - ingest.seconds - started:.2f} s")
+
+
+def test_weights_that_do_not_match_fail_on_the_warm_workers_before_any_tile(
+    cluster, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path
+) -> None:
+    """The client of warm workers leaves the weights check to them: a bad model fails the run with its own error."""
+    from safetensors.numpy import load_file, save_file
+
+    from flows.orchestrate import run_clip
+    from k6vsr_core.bundle import WEIGHTS
+    from k6vsr_core.errors import BundleError
+
+    bundle = shutil.copytree(tiny_bundle_path, tmp_path / "model")
+    weights = bundle / "vae" / WEIGHTS
+    state = load_file(str(weights))
+    del state[sorted(state)[-1]]
+    save_file(state, str(weights))
+    model = ModelSpec(model=str(bundle), device="cpu")
+    prepared = prepare_run(clip_1f, PARAMS, model, tmp_path / "store", tensors=False)
+    with pytest.raises(BundleError, match=r"^vae: weights do not match the architecture"):
+        run_clip(prepared, str(tmp_path / "out.mp4"), model)
+    store = RunStore(prepared.run.store_root, prepared.run.run_key)
+    assert not store.tile_done("latent", (0,), stage="encode") and not (tmp_path / "out.mp4").exists()
 
 
 def test_a_worker_killed_mid_tile_leaves_the_same_bytes(
