@@ -12,6 +12,15 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 log = logging.getLogger("k6vsr.workers")
 
+# The lanes of a clip run (flows.lanes): model tasks at once per process, which the memory budget
+# (k6vsr_core.memory) allows for, and threads for blends and segments beside them. Dask workers started here declare
+# the model slots as a resource and run both kinds of thread.
+MODEL_RESOURCE = "k6vsr-model"
+MODEL_SLOTS = 2
+CPU_THREADS = 2  # a window's blend and the segment of the window before it
+WORKER_THREADS = MODEL_SLOTS + CPU_THREADS
+WORKER_RESOURCES = {MODEL_RESOURCE: MODEL_SLOTS}
+
 # "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
 USE_WARM_ENV = "K6VSR_WARM_WORKERS"
 
@@ -54,7 +63,8 @@ def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:
     return "distributed.LocalCluster", {
         "n_workers": workers,
         "processes": True,
-        "threads_per_worker": 1,
+        "threads_per_worker": WORKER_THREADS,
+        "resources": WORKER_RESOURCES,
         "dashboard_address": ":0",
     }
 
@@ -76,10 +86,7 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
     """
     dask_address = resolve_address(workers, gpus, dask_address)
     if not uses_processes(workers, gpus, dask_address):
-        # Imported here: the model cache loads torch, which tiles computed in this process need, and nothing else.
-        from tasks.model_cache import FLOW_THREADS
-
-        return ThreadPoolTaskRunner(max_workers=FLOW_THREADS)
+        return ThreadPoolTaskRunner(max_workers=MODEL_SLOTS)
     from prefect_dask import DaskTaskRunner
 
     if dask_address:

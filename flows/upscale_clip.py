@@ -19,15 +19,15 @@ from typing import Any
 
 import numpy as np
 from prefect import flow, get_run_logger
-from prefect.exceptions import UnfinishedRun
-from prefect.futures import as_completed
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
+from flows.lanes import SubmitTask, lanes_for
 from flows.prefect_server import leased
 from flows.run_log import run_log
 from flows.runners import WarmOrThreadsTaskRunner, is_dask_runner
+from flows.schedule import Item, Scheduler, clip_graph
 from flows.stage_clock import StageClock
 from k6vsr_core import media
 from k6vsr_core.errors import TileFailure, WorkersUnavailable
@@ -212,59 +212,58 @@ def _windows(
     progress: artifacts.TileProgress,
     store: RunStore,
 ) -> list[StageResult]:
-    """Every window's tasks, submitted in pipeline order: a decode waits only for its own chunk, a blend for its
-    window's tiles, a segment for its window and the one before. Workers take them in that order, so windows
-    stream through the store one after another while decodes overlap the next chunk's denoising."""
+    """Every window's tasks, each started when its inputs are in, model work most urgent first and blends and
+    segments beside it (flows.schedule), so windows stream through the store one after another."""
     _check_workers(model)
-    what: dict[Any, tuple[str, int, tuple[int, ...]]] = {}  # future -> (stage, window, tiles)
-    blends: list[Any] = []
-    for window in plan.windows:
-        w = window.index
-        encoded = stage_tasks.encode.submit(run, model, w, attempt)
-        what[encoded] = ("encode", w, tuple(range(plan.num_tiles)))
-        chunks = {}
-        for chunk in plan.chunks:
-            label = "-".join(map(str, chunk.tiles))
-            future = stage_tasks.denoise.submit(run, model, w, chunk.index, attempt, label, wait_for=[encoded])
-            what[future] = ("denoise", w, chunk.tiles)
-            chunks[chunk.index] = future
-        decodes = []
-        for tile in range(plan.num_tiles):
-            future = stage_tasks.decode.submit(
-                run, model, w, tile, attempt, wait_for=[chunks[plan.chunk_of(tile).index]]
-            )
-            what[future] = ("decode", w, (tile,))
-            decodes.append(future)
-        blends.append(stage_tasks.blend.submit(run, w, attempt, wait_for=decodes))
-        what[blends[-1]] = ("blend", w, ())
-        segment = stage_tasks.segment.submit(run, w, attempt, wait_for=blends[-2:])
-        what[segment] = ("segment", w, ())
+    from prefect.context import FlowRunContext
 
+    context = FlowRunContext.get()
     denoised: list[StageResult] = []
     failures: dict[tuple[int, int], str] = {}  # (window, tile or -1 for the window's own stages) -> cause
     unreachable: StoreUnreachable | None = None  # the store, not a tile, is at fault: said once, not per tile
-    # Every task is recorded as it ends, so the stage clock sees when each one finished.
-    for future in as_completed(list(what)):
-        stage, window, tiles = what[future]
-        try:
-            result = record(future.result())
-        except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
-            if future.state.is_pending() or isinstance(err, UnfinishedRun):
-                continue  # it never ran: the failure of a task it waited for is the cause, reported as such
-            if isinstance(err, StoreUnreachable):
-                unreachable = err
-            message = f"{type(err).__name__}: {err}"
-            for key in [(window, tile) for tile in tiles] or [(window, -1)]:
-                failures.setdefault(key, message)
-            continue
-        progress.update(read_progress(store, plan))  # each task's end may move the run to its next stage
-        if stage == "denoise":
-            denoised.append(result)
+    with lanes_for(context.task_runner if context else None) as lanes:
+        get_run_logger().info("lanes: %s", lanes.where)
+
+        def start(lane: SubmitTask) -> Callable[[Item], Any]:
+            return lambda item: lane(*_task_of(item, run, model, attempt))
+
+        scheduler = Scheduler(clip_graph(plan), start(lanes.model), start(lanes.cpu), lanes.slots)
+        # Every task is recorded as it ends, so the stage clock sees when each one finished.
+        for item, future in scheduler.run():
+            try:
+                result = record(future.result())
+            except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
+                scheduler.failed(item)
+                if isinstance(err, StoreUnreachable):
+                    unreachable = err
+                message = f"{type(err).__name__}: {err}"
+                for key in [(item.window, tile) for tile in item.tiles] or [(item.window, -1)]:
+                    failures.setdefault(key, message)
+                continue
+            progress.update(read_progress(store, plan))  # each task's end may move the run to its next stage
+            if item.stage == "denoise":
+                denoised.append(result)
     if unreachable is not None:
         raise unreachable
     if failures:
         raise TileFailure(_failure_message(run, plan, failures))
     return denoised
+
+
+def _task_of(item: Item, run: RunRef, model: ModelSpec, attempt: str) -> tuple[Any, dict[str, Any]]:
+    """The stage task that computes `item`, with its parameters."""
+    w = item.window
+    if item.stage == "encode":
+        return stage_tasks.encode, dict(run=run, model=model, window=w, attempt=attempt)
+    if item.stage == "denoise":
+        label = "-".join(map(str, item.tiles))
+        parameters = dict(run=run, model=model, window=w, chunk_index=item.index, attempt=attempt, tiles_label=label)
+        return stage_tasks.denoise, parameters
+    if item.stage == "decode":
+        return stage_tasks.decode, dict(run=run, model=model, window=w, tile=item.index, attempt=attempt)
+    if item.stage == "blend":
+        return stage_tasks.blend, dict(run=run, window=w, attempt=attempt)
+    return stage_tasks.segment, dict(run=run, window=w, attempt=attempt)
 
 
 # The still compares a frame of the first window: reaching it decodes at most this many frames of the output.

@@ -35,6 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from flows.runners import WORKER_RESOURCES, WORKER_THREADS
 from flows.state_folder import StateFolder, now, state_home
 from k6vsr_core.errors import ParameterError, WorkersError
 from storage.processes import alive, process_start
@@ -321,7 +322,8 @@ def make_cluster(devices: list[str], count: int) -> Any:
         (f"gpu-{devices[i]}" if devices else f"cpu-{i}"): {
             "cls": Nanny,
             "options": {
-                "nthreads": 1,
+                "nthreads": WORKER_THREADS,
+                "resources": WORKER_RESOURCES,
                 "memory_limit": 0,
                 "host": HOST,
                 "env": _worker_env(devices, i, count),

@@ -138,11 +138,6 @@ def _cached(key: CacheKey, device: torch.device) -> ModelBundle:
     return bundle
 
 
-# Threads of the flow's own task runner (flows.runners): a decode may overlap the next denoise in the command's
-# process, which every memory budget that lets stages overlap allows for (k6vsr_core.memory).
-FLOW_THREADS = 2
-
-
 def cache_info() -> CacheInfo:
     """What this process keeps and has loaded (the warm workers' status and tests ask every worker for it)."""
     with _LOCK:

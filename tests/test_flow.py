@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import procs
 import pytest
+import timelines
 
 from entrypoints.console import summary_lines
 from k6vsr_core import UpscaleParams, upscale
@@ -112,6 +113,9 @@ def test_flow_output_equals_runner_and_reuses_everything(
     assert (first.tiles_computed, first.tiles_reused) == (first.tiles_total, 0)
     assert first.dit_calls == 2 * first.tiles_total
     assert RunStore(tmp_path / "store", first.run_key).read_manifest().compute == default_profile()
+    # A tile is decoded as soon as its chunk is denoised, not once every chunk is (flows.schedule).
+    ran = timelines.spans(RunStore(tmp_path / "store", first.run_key).path)
+    assert ran[("decode", "0-0")][0] < max(end for (stage, _), (_, end) in ran.items() if stage == "denoise")
     again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
     assert len(plan_calls) == 2
     assert (tmp_path / "b.mp4").read_bytes() == reference
