@@ -9,8 +9,10 @@ from __future__ import annotations
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -22,9 +24,12 @@ from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.latent import check_latent, fit_latent, plan_latent
 from k6vsr_core.memory import MemoryMode, apply_budget, budget_for
 from k6vsr_core.params import UpscaleParams
+from k6vsr_core.pixels import TileBlender
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.source import SourceClip, read_source, read_window, source_audio
-from k6vsr_core.windows import segment_frames
+from k6vsr_core.windows import Window, segment_frames
+
+T = TypeVar("T")
 
 
 class UpscaleResult(BaseModel):
@@ -107,43 +112,117 @@ def upscale(
     if bundle.memory is None:
         apply_budget(bundle, budget_for(memory, bundle.device, plan))
     lap("ingest")
-    kept: list[np.ndarray] = []
     folder_of = None if output is None else Path(output).parent
     with tempfile.TemporaryDirectory(prefix=".k6vsr-segments-", dir=folder_of) as folder:
-        segment_files, previous = [], None
-        for window in plan.windows:
-            if latent is not None:
-                encoded = scaled
-            else:
-                encoded = stages.encode_clip(bundle, stages.prepare_window(read_window(clip, window), plan, window))
-            lap("encode")
-            denoised = {}
-            for chunk in plan.chunks:
-                lr_tiles = stages.cut_tiles(encoded, plan, chunk.tiles)
-                denoised.update(
-                    zip(chunk.tiles, stages.denoise_chunk(bundle, lr_tiles, chunk, plan, count), strict=True)
-                )
-            lap("denoise")
-            tiles = [(index, stages.decode_tile(bundle, denoised[index])) for index in range(plan.num_tiles)]
-            lap("decode")
-            frames = stages.tensor_to_frames(stages.deliver(stages.blend(plan, tiles, window), plan))
-            lap("blend")
-            joined = segment_frames(plan.windows, window.index, frames, previous)
-            if return_frames:
-                kept.append(joined)
-            if output is not None:
-                segment = str(Path(folder) / f"{window.index:06d}.mp4")
-                segments.write_segment(segment, joined, plan, audio, clip.rotation)
-                segment_files.append(segment)
-            previous = frames
-            lap("segment")
+        finisher = _Finisher(plan, clip.rotation, audio, None if output is None else Path(folder), return_frames)
+        with finisher:
+            for window in plan.windows:
+                if latent is not None:
+                    encoded = scaled
+                else:
+                    encoded = stages.encode_clip(bundle, stages.prepare_window(read_window(clip, window), plan, window))
+                lap("encode")
+                denoised = {}
+                for chunk in plan.chunks:
+                    lr_tiles = stages.cut_tiles(encoded, plan, chunk.tiles)
+                    denoised.update(
+                        zip(chunk.tiles, stages.denoise_chunk(bundle, lr_tiles, chunk, plan, count), strict=True)
+                    )
+                lap("denoise")
+                finisher.start(window)
+                for index in range(plan.num_tiles):
+                    finisher.add(index, stages.decode_tile(bundle, denoised.pop(index)))
+                lap("decode")
+                finisher.finish(window)
         if output is not None:
             segments.join_segments(
-                segment_files, output, plan, audio, clip.rotation, None if source is None else str(source)
+                finisher.segment_files, output, plan, audio, clip.rotation, None if source is None else str(source)
             )
+    # The finisher's stages ran beside the model's: their busy seconds are its own; the wait for its last window
+    # and the join are the mux's.
+    for stage, seconds in finisher.timings.items():
+        timings[stage] = timings.get(stage, 0.0) + seconds
     lap("mux")
     result = UpscaleResult(output=None if output is None else str(output), plan=plan, timings=timings, dit_calls=calls)
     if return_frames:
-        result.frames = np.concatenate(kept)
+        result.frames = np.concatenate(finisher.kept)
         result.audio = None if audio is None else np.asarray(media.trim_audio(audio, plan.num_frames, plan.frame_rate))
     return result
+
+
+class _Finisher:
+    """Blends each window's tiles as they are decoded and writes its segment, on a thread of its own, while the
+    model computes the next tiles and the next window: the bytes are those of doing it after them, the same
+    operations in the same order (tiles added in tile order, windows one after another).
+
+    At most one window waits to be finished while the next is computed: `start` waits for the window before the
+    last, so no more than two windows' canvases are held.
+    """
+
+    def __init__(
+        self, plan: ClipPlan, rotation: int, audio: np.ndarray | None, folder: Path | None, keep: bool
+    ) -> None:
+        self.plan, self.rotation, self.audio, self.folder, self.keep = plan, rotation, audio, folder, keep
+        self.segment_files: list[str] = []
+        self.kept: list[np.ndarray] = []
+        self.timings: dict[str, float] = {}
+        self._previous: np.ndarray | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k6vsr-finish")
+        self._jobs: list[Future[object]] = []
+        self._finished: list[Future[object]] = []
+        self._blender: TileBlender | None = None
+
+    def __enter__(self) -> _Finisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=exc[0] is not None)
+        if exc[0] is None:
+            self._raise_failures()
+
+    def start(self, window: Window) -> None:
+        if len(self._finished) >= 2:
+            self._finished[-2].result()
+        self._raise_failures()
+        self._blender = stages.window_blender(self.plan, window)
+
+    def add(self, index: int, tile: torch.Tensor) -> None:
+        self._submit(self._timed, "blend", self._blender.add, index, tile)
+
+    def finish(self, window: Window) -> None:
+        blender, self._blender = self._blender, None
+        self._finished.append(self._submit(self._write, blender, window))
+
+    def _write(self, blender: TileBlender, window: Window) -> None:
+        frames = self._timed(
+            "blend", lambda: stages.tensor_to_frames(stages.deliver(stages.blended(blender, window), self.plan))
+        )
+        self._timed("segment", self._segment, window, frames)
+
+    def _segment(self, window: Window, frames: np.ndarray) -> None:
+        joined = segment_frames(self.plan.windows, window.index, frames, self._previous)
+        if self.keep:
+            self.kept.append(joined)
+        if self.folder is not None:
+            segment = str(self.folder / f"{window.index:06d}.mp4")
+            segments.write_segment(segment, joined, self.plan, self.audio, self.rotation)
+            self.segment_files.append(segment)
+        self._previous = frames
+
+    def _timed(self, stage: str, fn: Callable[..., T], *args: object) -> T:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.timings[stage] = self.timings.get(stage, 0.0) + time.perf_counter() - started
+
+    def _submit(self, fn: Callable[..., object], *args: object) -> Future[object]:
+        job = self._thread.submit(fn, *args)
+        self._jobs.append(job)
+        return job
+
+    def _raise_failures(self) -> None:
+        for job in self._jobs:
+            if job.done():
+                job.result()
+        self._jobs = [job for job in self._jobs if not job.done()]

@@ -209,9 +209,19 @@ def decode_tile(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
 def blend(plan: ClipPlan, tiles: list[tuple[int, torch.Tensor]], window: Window) -> torch.Tensor:
     """Hann-blend a window's decoded tiles (in tile order) and crop space and time: uint8 (3, T, H, W) at source x
     scale, the window's own frames only."""
-    blender = TileBlender(plan.grid, window.padded)
+    blender = window_blender(plan, window)
     for index, tile in sorted(tiles, key=lambda item: item[0]):
         blender.add(index, tile)
+    return blended(blender, window)
+
+
+def window_blender(plan: ClipPlan, window: Window) -> TileBlender:
+    """An empty canvas for `window`'s tiles, which may be added as they are decoded, in tile order."""
+    return TileBlender(plan.grid, window.padded)
+
+
+def blended(blender: TileBlender, window: Window) -> torch.Tensor:
+    """The canvas once every tile is in, cropped to the window's own frames (see `blend`)."""
     return blender.result()[:, : window.frames]
 
 

@@ -117,3 +117,56 @@ def test_30fps_clip_with_audio(clip_dir: Path, tiny_bundle: ModelBundle) -> None
     # The 0.4 s source tone is cut to 9 frames / 24 fps = 0.375 s: round(0.375 * 44100) = 16538 samples.
     assert abs(len(audio) - 16538) <= 1024
     assert float(np.abs(audio).max()) > 0.1
+
+
+def test_a_window_is_blended_and_written_while_the_next_is_decoded(
+    tiny_bundle: ModelBundle, clip_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two windows through the runner with the model's stages replaced by blank ones (a decode takes 0.3 s) that
+    record when they ran, as does the segment writer (made 0.5 s slower): window 0's segment is written while window
+    1's tiles decode, on a thread of its own."""
+    import threading
+    import time
+
+    import torch
+
+    from k6vsr_core import runner, stages
+
+    events: list[tuple[str, int, float, float, str]] = []
+    window = {"index": -1, "frames": 0}
+    plain_write = runner.segments.write_segment
+
+    def encode_clip(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
+        window["index"] += 1
+        window["frames"] = video.shape[0]
+        return torch.zeros(1)
+
+    def decode_tile(bundle: ModelBundle, latent: object) -> torch.Tensor:
+        started = time.monotonic()
+        time.sleep(0.3)
+        tile = torch.zeros((3, window["frames"], *grid_base), dtype=torch.uint8)
+        events.append(("decode", window["index"], started, time.monotonic(), threading.current_thread().name))
+        return tile
+
+    def write_segment(path: str, *args: object) -> None:
+        started = time.monotonic()
+        plain_write(path, *args)
+        time.sleep(0.5)  # an encoder that takes its time, as x264 on full-size frames does
+        events.append(("segment", int(Path(path).stem), started, time.monotonic(), threading.current_thread().name))
+
+    source = make_sample_clip(clip_dir / "two-windows.mp4", width=64, height=64, num_frames=130, audio=False)
+    params = parse_params(scale=2)
+    grid_base = runner.read_source(source, params, runner.model_traits(tiny_bundle.info)).plan.grid.base
+    monkeypatch.setattr(stages, "encode_clip", encode_clip)
+    monkeypatch.setattr(stages, "cut_tiles", lambda encoded, plan, tiles: [None] * len(tiles))
+    monkeypatch.setattr(stages, "denoise_chunk", lambda bundle, lr, chunk, plan, count: [None] * len(chunk.tiles))
+    monkeypatch.setattr(stages, "decode_tile", decode_tile)
+    monkeypatch.setattr(runner.segments, "write_segment", write_segment)
+    result = upscale(source, clip_dir / "two-windows-x2.mp4", tiny_bundle, params)
+
+    assert result.plan.num_windows == 2 and media.probe(result.output).num_frames == 130
+    segment_0 = next(e for e in events if e[:2] == ("segment", 0))
+    first_decode_1 = min(e[2] for e in events if e[:2] == ("decode", 1))
+    assert segment_0[3] > first_decode_1, events  # window 0 was still being written when window 1's decode began
+    assert segment_0[4] != next(e[4] for e in events if e[0] == "decode")
+    assert set(result.timings) == {"ingest", "encode", "denoise", "decode", "blend", "segment", "mux"}
