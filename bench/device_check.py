@@ -131,6 +131,19 @@ def timeline(store: Path, started: float) -> tuple[dict[str, list[float]], float
     return {k: [round(v[0], 1), round(v[1], 1), int(v[2])] for k, v in stages.items()}, peak
 
 
+def stage_checksums(store: Path) -> dict[str, str]:
+    """Per stage, a short digest of its items' completion checksums (the records outlive the data they describe):
+    two runs whose outputs differ show at which stage they parted."""
+    sums = {}
+    for run in store.glob("runs/*/done"):
+        for stage in sorted(path for path in run.iterdir() if path.is_dir()):
+            items = sorted(
+                f"{path.stem}:{json.loads(path.read_text()).get('checksum', '')}" for path in stage.glob("*.json")
+            )
+            sums[stage.name] = hashlib.sha1("\n".join(items).encode()).hexdigest()[:8]
+    return sums
+
+
 class Check:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -215,6 +228,7 @@ class Check:
             "nvml_peak_gib": nvml.gib,
             "md5": md5(outputs[-1]) if outputs else None,
             "compile_notices": result["stderr"].count("compiling GPU kernels"),
+            "stage_sums": stage_checksums(store),
             "error": None if result["rc"] == 0 else result["stderr"].strip().splitlines()[-1:],
         }
         if group is not None:
@@ -300,14 +314,15 @@ class Check:
     def render(self) -> str:
         lines = [
             "| run | workload | wall s | rc | stages: first start-last end s (tasks) | peak reserved GiB "
-            "| NVML peak GiB | md5 | compile notices | note |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| NVML peak GiB | md5 | stage checksums | compile notices | note |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in self.rows:
             stages = "; ".join(f"{k} {v[0]}-{v[1]} ({v[2]})" for k, v in row.get("stages", {}).items())
             lines.append(
                 f"| {row['run']} | {row.get('workload', '')} | {row['wall_s']} | {row.get('rc', '')} | {stages} "
                 f"| {row.get('peak_reserved_gib', '')} | {row.get('nvml_peak_gib', '')} | {row.get('md5', '') or ''} "
+                f"| {' '.join(f'{k}:{v}' for k, v in row.get('stage_sums', {}).items())} "
                 f"| {row.get('compile_notices', '')} | {row.get('note', '')} {row.get('error') or ''} |"
             )
         lines += ["", "| target | measured | verdict |", "|---|---|---|"]

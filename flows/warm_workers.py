@@ -45,6 +45,7 @@ log = logging.getLogger("k6vsr.workers")
 
 START_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_START_TIMEOUT", "300"))
 STOP_TIMEOUT_S = 20.0
+STOP_GRACE_S = 3.0  # `workers stop` answers within about this (the streaming issue asks for 5 s at most)
 HOME_ENV = "K6VSR_WORKERS_HOME"
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -233,12 +234,14 @@ def _groupalive(pgid: int) -> bool:
     return True
 
 
-def _terminate(record: WorkersRecord, timeout: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM the supervisor (it closes its workers), then SIGKILL whatever of its session is left."""
+def _terminate(record: WorkersRecord, timeout: float = STOP_TIMEOUT_S, grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM the supervisor (it closes its workers) and give it `grace` seconds, then SIGKILL whatever of its
+    session is left. The grace is short on purpose: a worker keeps nothing that is not in a run store already
+    (every write there is atomic, every task idempotent), while closing GPU workers gracefully took 26 s on an H200."""
     if alive(record.pid, record.process_start):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(record.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + grace
         while time.monotonic() < deadline and alive(record.pid, record.process_start):
             time.sleep(0.1)
     # The supervisor leads its process group: nannies and workers are in it, whatever became of the supervisor.
