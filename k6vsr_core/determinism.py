@@ -22,6 +22,13 @@ and without them):
   first cuBLAS handle, so it must be set before the first matrix product: loading the bundle comes before it.
 - cuDNN benchmark mode off, deterministic mode on (through the compute profile): no algorithm search by timing.
   The cost depends on the convolution shapes; not yet measured here.
+- `torch.use_deterministic_algorithms(True, warn_only=True)` (which Inductor also reads when it picks reduction
+  configs), Inductor's pointwise autotuning (`triton.autotune_pointwise`) and its occupancy-driven RBLOCK scaling
+  (`dynamic_scale_rblock`) off. With the settings above alone, three processes that compiled the KVAE decoder at
+  once from cold caches decoded one latent to two different outputs on an H200; with these added, to one, at no
+  measurable cost to the hot decode (`bench/decode_determinism.py`, bench/RESULTS.md). Uninitialised memory is not
+  filled (`torch.utils.deterministic.fill_uninitialized_memory`, which the first setting turns on): correct code
+  never reads it, and filling every new tensor costs time.
 
 `K6VSR_DETERMINISTIC=0` leaves all of them at the libraries' defaults (cuDNN benchmark mode on), only to measure
 what determinism costs; outputs are then not promised to match across processes.
@@ -80,9 +87,23 @@ def apply_kernel_settings(deterministic: bool | None = None) -> KernelSettings:
         if on:
             # An explicit value from the environment wins: it was chosen knowingly (e.g. ":16:8" to save memory).
             os.environ.setdefault(CUBLAS_ENV, CUBLAS_WORKSPACE)
+        _strict_kernels(on)
         return KernelSettings(
             deterministic=on,
             inductor_deterministic=bool(inductor_config.deterministic) if has_deterministic else None,
             inductor_timing_off=tuple(timing_off),
             cublas_workspace=os.environ.get(CUBLAS_ENV),
         )
+
+
+def _strict_kernels(on: bool) -> None:
+    """The settings the H200 measurement added to Inductor's deterministic mode (see above)."""
+    import torch
+    from torch._inductor import config as inductor_config
+
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    if on:
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    inductor_config.triton.autotune_pointwise = not on
+    if hasattr(inductor_config, "dynamic_scale_rblock"):
+        inductor_config.dynamic_scale_rblock = not on

@@ -22,11 +22,20 @@ def library_defaults(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(CUBLAS_ENV, raising=False)
     monkeypatch.delenv(SWITCH_ENV, raising=False)
     cudnn = torch.backends.cudnn
-    with (
-        inductor_config.patch(deterministic=False, max_autotune=True, coordinate_descent_tuning=True),
-        cudnn.flags(enabled=cudnn.enabled, benchmark=True, deterministic=False, allow_tf32=cudnn.allow_tf32),
-    ):
-        yield
+    algorithms = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(False)
+    strict = {"triton.autotune_pointwise": True, "dynamic_scale_rblock": True}
+    try:
+        with (
+            inductor_config.patch(deterministic=False, max_autotune=True, coordinate_descent_tuning=True),
+            inductor_config.patch(strict),
+            cudnn.flags(enabled=cudnn.enabled, benchmark=True, deterministic=False, allow_tf32=cudnn.allow_tf32),
+        ):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(algorithms[0], warn_only=algorithms[1])
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def test_loading_a_bundle_fixes_the_kernel_choices(library_defaults: None, tiny_bundle_path: Path) -> None:
@@ -36,6 +45,10 @@ def test_loading_a_bundle_fixes_the_kernel_choices(library_defaults: None, tiny_
     assert inductor_config.deterministic is True
     assert inductor_config.max_autotune is False and inductor_config.coordinate_descent_tuning is False
     assert os.environ[CUBLAS_ENV] == CUBLAS_WORKSPACE
+    # What made the compiled KVAE decoder agree across processes on an H200 (bench/decode_determinism.py).
+    assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+    assert inductor_config.triton.autotune_pointwise is False and inductor_config.dynamic_scale_rblock is False
+    assert torch.utils.deterministic.fill_uninitialized_memory is False
     # cuDNN's flags are the run's compute profile, applied before every stage.
     apply_profile(default_profile())
     assert torch.backends.cudnn.benchmark is False and torch.backends.cudnn.deterministic is True
@@ -58,5 +71,6 @@ def test_the_switch_leaves_the_library_defaults_to_measure_their_cost(
     settings = apply_kernel_settings()
     assert not settings.deterministic and settings.inductor_deterministic is False and settings.cublas_workspace is None
     assert CUBLAS_ENV not in os.environ and inductor_config.max_autotune is True  # untouched, as the process had it
+    assert not torch.are_deterministic_algorithms_enabled() and inductor_config.triton.autotune_pointwise is True
     profile = default_profile()
     assert profile.cudnn_benchmark is True and profile.cudnn_deterministic is False
