@@ -7,7 +7,8 @@ One call of at most 9 minutes on a fresh GPU machine (see bench/README.md, "Devi
    file the same call exported (`--reimport`: a fresh machine's first run with an imported cache);
 3. runs the README's GPU command, taken from README.md, with `K6VSR_MODEL` pointing at the bundle: on W1 (cold or
    imported cache), W2, then again with warm workers (`k6vsr workers start --model ...`, first and second run,
-   `k6vsr workers stop`), each run with a store of its own so that nothing is reused;
+   `k6vsr workers stop`), each run with a store of its own so that nothing is reused (and, as `--runs` asks, the
+   in-memory runner, a three-window clip and an archive: below);
 4. prints and writes (`--out`) a table: wall time, the stage timeline (first start and last end of each stage, from
    the run's `timeline.jsonl`), peak GPU memory (the processes' own `max_memory_reserved` and NVML's device-wide
    figure, sampled every 0.1 s), the output's md5, the compile notices, and pass or fail against the open GPU
@@ -15,8 +16,12 @@ One call of at most 9 minutes on a fresh GPU machine (see bench/README.md, "Devi
 
 `--runs inmemory,multiwindow,archive` are the streaming issue's runs (`bench/streaming.py`): the in-memory runner on
 W1 in a process of its own (a first and a hot run, with its per-stage busy seconds and GPU work), a clip of three
-windows through the README's command, and an archive of `--archive-clips` W1 clips through `k6vsr archive`, each
-judged against the in-memory runner of the same call.
+windows through the README's command (seconds per window), and an archive of `--archive-clips` W1 clips through
+`k6vsr archive` (clips per hour), each judged against the in-memory runner of the same call, as are the warm
+workers and the warm one-shot:
+
+    python3 bench/device_check.py --runs inmemory,warm,workers --deadline 540
+    python3 bench/device_check.py --runs inmemory,multiwindow,archive --archive-clips 4 --deadline 540
 
 `--runs same-bytes` is the determinism check (`bench/same_bytes.py`): one clip through two one-shot runs, warm
 workers, `--gpus` where there are several, three runs killed and resumed, and the in-memory runner with and without
@@ -73,7 +78,7 @@ TARGETS = {
     "workers_vs_inmemory": 1.05,  # warm workers W1, first and second run, at most 1.05x the in-memory runner hot
     "inmemory_over_gpu_work_s": 3.0,  # in-memory W1 hot at most its GPU work (encode + denoise + decode) + 3 s
     "warm_oneshot_over_inmemory_s": 15.0,  # one-shot W1 with a warm compile cache at most in-memory hot + 15 s
-    "window_vs_gpu_work": 1.05,  # multi-window steady seconds per window at most 1.05x one window's GPU work
+    "window_vs_gpu_work": 1.05,  # multi-window GPU stream's seconds a window at most 1.05x one window's GPU work
     "archive_vs_serial_inmemory": 1.15,  # archive clips per hour at least 1.15x in-memory hot runs one after another
 }
 
