@@ -64,7 +64,8 @@ def run_inmemory(check: Check) -> None:
             {
                 "run": f"{INMEMORY}-{index + 1}",
                 "workload": "W1",
-                "note": f"{'hot' if index else 'first (compiles on a cold cache)'}; GPU work {work} s ({split})",
+                "note": f"{'first (compiles, or loads the compile cache)' if index == 0 else 'hot'}; "
+                f"GPU work {work} s ({split})",
                 "wall_s": repeat["seconds"],
                 "rc": result["rc"],
                 "peak_reserved_gib": repeat.get("peak_reserved_gib"),
@@ -177,13 +178,17 @@ def run_archive(check: Check, clips: int, max_parallel: int | None) -> dict[str,
     row["md5"] = None  # one output per clip, each with its own tone: no md5 to compare
     row.update(archive_figures(out_dir, row["wall_s"], clips))
     row["note"] += f"; {row['clips_done']}/{clips} done, {row['clips_per_hour']} clips/h"
+    hot = next((r for r in check.rows if r["run"] == INMEMORY_HOT and r.get("rc") == 0), None)
+    if hot is not None:  # the serial comparison: the same clips through the in-memory runner one after another
+        row["serial_inmemory_s"] = round(clips * hot["wall_s"], 1)
+        row["note"] += f"; serial in-memory {clips} x {hot['wall_s']} s = {row['serial_inmemory_s']} s"
     check.add_row(row)
     return row
 
 
 def archive_figures(out_dir: Path, wall: float, clips: int) -> dict[str, Any]:
-    """From the archive's manifest: clips done (computed or reused: none should be reused in a fresh folder), their
-    seconds, and clips per hour over the command's wall time."""
+    """From the archive's manifest: the clips done (computed in this run: a fresh output folder has none to reuse),
+    their seconds, and clips per hour over the command's wall time."""
     from flows.upscale_archive import MANIFEST_NAME
 
     manifest = out_dir / f"{MANIFEST_NAME}.json"

@@ -217,6 +217,7 @@ def test_the_streaming_runs_reach_their_commands_and_give_the_issues_verdicts(
     assert window["windows"] == 3 and window["s_per_window_wall"] == round(170 / 3, 1)
     assert window["s_per_window_gpu"] == round((146 - 4) / 3, 1) and window["stages"]["decode"][2] == 3
     assert rows["archive-W1"]["clips_done"] == 4 and rows["archive-W1"]["clips_per_hour"] == 96.0
+    assert rows["archive-W1"]["serial_inmemory_s"] == 200.0 and rows["archive-W1"]["clip_seconds"] == [37.0] * 4
 
     verdicts = {v["target"]: v for v in check.verdicts()}
     assert verdicts["workers-W1-1 <= 1.05x in-memory W1 hot"]["pass"] is False  # 60 / 50 = 1.2
