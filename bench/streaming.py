@@ -5,8 +5,8 @@
 
 - `inmemory`: the in-memory runner (`k6vsr_core.upscale`) on W1 in a process of its own, on a bundle loaded and
   compiled as the command does (`device_check.py --runner-child`, as the same-bytes set runs it), a first run
-  (compiles on a cold cache) and a hot one; each row has the runner's per-stage busy seconds (`timings`) and the GPU
-  work: encode + denoise + decode.
+  (compiles, or loads the compile cache) and a hot one; each row has the runner's per-stage busy seconds
+  (`timings`) and the GPU work: encode + denoise + decode.
 - `multiwindow`: W1's size for 331 frames (121 + 2 x 105: three windows) through the README's GPU command, one-shot;
   the row has seconds per window three ways: the wall time's, the flow's (its timeline's first item's start to the
   last's end) and the GPU stream's (the first GPU item's start to the last's end: what the GPU takes for the
