@@ -147,21 +147,26 @@ def _run_job(check: Check, workload: str, job: list[Step]) -> None:
             check.save()
 
 
-def _runner(check: Check, workload: str, step: Step) -> None:
-    """The in-memory runner in a child process (`--runner-child`), its rows: one per repeat."""
-    out_dir = check.work / f"out-{step.label}"
+def runner_report(
+    check: Check, label: str, workload: str, env: dict[str, str] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The in-memory runner in a child process (`--runner-child`) on `workload`'s clip: the command's result and the
+    child's report (empty when it printed none: it failed)."""
     argv = [
         sys.executable,
         str(ROOT / "bench" / "device_check.py"),
         "--runner-child",
         str(check.clip(workload)),
-        str(out_dir),
+        str(check.work / f"out-{label}"),
     ]
-    result = check.command(step.label, argv, {**check.env, **step.env})
-    report: dict[str, Any] = {}
+    result = check.command(label, argv, {**check.env, **(env or {})})
     lines = [line for line in result["stdout"].splitlines() if line.startswith("{")]
-    if lines:
-        report = json.loads(lines[-1])
+    return result, json.loads(lines[-1]) if lines else {}
+
+
+def _runner(check: Check, workload: str, step: Step) -> None:
+    """The in-memory runner in a child process, its rows: one per repeat."""
+    result, report = runner_report(check, step.label, workload, step.env)
     for index, repeat in enumerate(report.get("repeats", [])):
         check.add_row(
             {
@@ -193,7 +198,8 @@ def _runner(check: Check, workload: str, step: Step) -> None:
 
 def runner_child(clip: Path, out_dir: Path) -> int:
     """Load and compile the bundle as the command does, run the in-memory runner `RUNNER_REPEATS` times on the
-    README command's parameters; print one JSON line: each repeat's seconds, md5 and peak reserved memory."""
+    README command's parameters; print one JSON line: each repeat's seconds, md5, peak reserved memory and the
+    runner's per-stage busy seconds."""
     sys.path.insert(0, str(ROOT))
     import torch
 
@@ -216,10 +222,11 @@ def runner_child(clip: Path, out_dir: Path) -> int:
             torch.cuda.reset_peak_memory_stats(device)
         output = out_dir / f"runner-{index + 1}.mp4"
         started = time.perf_counter()
-        upscale(clip, output, bundle, params, memory=spec.memory)
+        result = upscale(clip, output, bundle, params, memory=spec.memory)
         seconds = round(time.perf_counter() - started, 2)
         peak = round(torch.cuda.max_memory_reserved(device) / 2**30, 2) if device.type == "cuda" else None
-        repeats.append({"seconds": seconds, "md5": md5(output), "peak_reserved_gib": peak})
+        timings = {stage: round(busy, 2) for stage, busy in result.timings.items()}
+        repeats.append({"seconds": seconds, "md5": md5(output), "peak_reserved_gib": peak, "timings": timings})
     memory = bundle.memory.summary() if bundle.memory is not None else None
     print(json.dumps({"deterministic": path.deterministic, "memory": memory, "repeats": repeats}))
     return 0

@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from bench import device_check, same_bytes
+from bench import device_check, same_bytes, streaming
 
 SAME = hashlib.md5(b"same").hexdigest()
 
@@ -128,3 +130,153 @@ def test_a_different_md5_fails_the_set_and_names_the_runs() -> None:
 def test_the_runner_child_is_dispatched_before_the_options() -> None:
     with pytest.raises(SystemExit, match="usage: device_check.py --runner-child CLIP OUT_DIR"):
         device_check.main(["--runner-child", "clip.mp4"])
+
+
+# ------------------------------------------------------------------------------------------------ streaming
+
+HOT_TIMINGS = {"ingest": 0.4, "encode": 0.9, "denoise": 25.1, "decode": 20.0, "blend": 2.7, "segment": 7.0, "mux": 0.6}
+
+
+def test_the_archive_run_is_the_readmes_command_as_an_archive(tmp_path: Path) -> None:
+    command = device_check.readme_gpu_command()
+    argv = device_check.as_archive(command, tmp_path / "in", tmp_path / "out")
+    upscale = device_check.as_run(command, tmp_path / "in", tmp_path / "out")
+    assert argv[3] == "archive" and argv[4] == str(tmp_path / "in") and argv[5:] == upscale[5:]
+    with pytest.raises(SystemExit, match="not `k6vsr upscale"):
+        device_check.as_archive(["k6vsr", "demo"], tmp_path / "in", tmp_path / "out")
+
+
+def _window_timeline(store: Path, started: float, gpu_ends: list[float]) -> None:
+    """A run's timeline with one encode, denoise and decode item per window, ending at `gpu_ends`, and a blend and
+    segment after each."""
+    folder = store / "runs" / "key"
+    folder.mkdir(parents=True)
+    lines = [{"stage": "ingest", "item": "all", "start": started + 5, "end": started + 6}]
+    for window, end in enumerate(gpu_ends):
+        lines += [
+            {"stage": "encode", "item": str(window), "start": end - 46, "end": end - 45},
+            {"stage": "denoise", "item": f"{window}-0", "start": end - 45, "end": end - 20},
+            {"stage": "decode", "item": f"{window}-0", "start": end - 20, "end": end},
+            {"stage": "blend", "item": str(window), "start": end, "end": end + 3},
+            {"stage": "segment", "item": str(window), "start": end + 3, "end": end + 10},
+        ]
+    (folder / "timeline.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_the_streaming_runs_reach_their_commands_and_give_the_issues_verdicts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The three runs with their commands faked (the real ones are the device's): which command each gets, the
+    figures in their rows, and a verdict for each of the streaming issue's targets from runs of the same call."""
+    check = _check(tmp_path)
+    monkeypatch.setattr(check, "clip", lambda workload: tmp_path / f"{workload}.mp4")
+    calls: dict[str, tuple[list[str], dict[str, str]]] = {}
+    walls = {"multiwindow-W1": 170.0, "archive-W1": 150.0}
+
+    def command(label: str, argv: list[str], env: dict[str, str] | None = None) -> dict:
+        env = env or check.env
+        calls[label] = (argv, env)
+        stdout = ""
+        if "--runner-child" in argv:
+            first = {"seconds": 80.0, "md5": SAME, "timings": {**HOT_TIMINGS, "decode": 45.0}}
+            stdout = "loading\n" + json.dumps(
+                {"repeats": [first, {"seconds": 50.0, "md5": SAME, "timings": HOT_TIMINGS}]}
+            )
+        elif argv[3] == "upscale":
+            _window_timeline(Path(env["K6VSR_STORE"]), time.time(), [time.time() + 50 + 48 * w for w in range(3)])
+        elif argv[3] == "archive":
+            out_dir = Path(argv[argv.index("-o") + 1])
+            out_dir.mkdir(parents=True)
+            rows = [{"status": "done", "seconds": 37.0} for _ in Path(argv[4]).iterdir()]
+            (out_dir / "k6vsr-archive-manifest.json").write_text(json.dumps({"rows": rows}))
+        return {"label": label, "wall_s": walls.get(label, 200.0), "rc": 0, "stdout": stdout, "stderr": ""}
+
+    monkeypatch.setattr(check, "command", command)
+    streaming.run_inmemory(check)
+    streaming.run_multiwindow(check)
+    streaming.run_archive(check, clips=4, max_parallel=2)
+    check.add_row({"run": "workers-W1-1", "workload": "W1", "wall_s": 60.0, "rc": 0, "md5": SAME})
+    check.add_row({"run": "workers-W1-2", "workload": "W1", "wall_s": 52.0, "rc": 0, "md5": SAME})
+    check.add_row({"run": "oneshot-W1-warm", "workload": "W1", "wall_s": 66.0, "rc": 0, "md5": SAME})
+
+    assert calls["inmemory-W1"][0][2:4] == ["--runner-child", str(tmp_path / "W1.mp4")]
+    multiwindow, archive = calls["multiwindow-W1"], calls["archive-W1"]
+    assert str(tmp_path / "W1-long.mp4") in multiwindow[0] and multiwindow[1]["K6VSR_WARM_WORKERS"] == "off"
+    assert archive[0][3:5] == ["archive", str(check.work / "archive-in")] and archive[0][-2:] == ["--max-parallel", "2"]
+    assert archive[1]["K6VSR_WARM_WORKERS"] == "off" and archive[1]["K6VSR_STORE"] == str(
+        check.work / "store-archive-W1"
+    )
+    clips = sorted((check.work / "archive-in").iterdir())
+    assert len(clips) == 4 and len({clip.read_bytes() for clip in clips}) == 4  # four runs, not one reused thrice
+
+    rows = {row["run"]: row for row in check.rows}
+    hot = rows["inmemory-W1-2"]
+    assert hot["wall_s"] == 50.0 and hot["gpu_work_s"] == 46.0 and hot["timings"] == HOT_TIMINGS
+    assert rows["inmemory-W1-1"]["gpu_work_s"] == 71.0 and "first" in rows["inmemory-W1-1"]["note"]
+    window = rows["multiwindow-W1"]
+    assert window["windows"] == 3 and window["s_per_window_wall"] == round(170 / 3, 1)
+    assert window["s_per_window_gpu"] == round((146 - 4) / 3, 1) and window["stages"]["decode"][2] == 3
+    assert rows["archive-W1"]["clips_done"] == 4 and rows["archive-W1"]["clips_per_hour"] == 96.0
+    assert rows["archive-W1"]["serial_inmemory_s"] == 200.0 and rows["archive-W1"]["clip_seconds"] == [37.0] * 4
+
+    verdicts = {v["target"]: v for v in check.verdicts()}
+    assert verdicts["workers-W1-1 <= 1.05x in-memory W1 hot"]["pass"] is False  # 60 / 50 = 1.2
+    assert verdicts["workers-W1-2 <= 1.05x in-memory W1 hot"]["pass"] is True  # 52 / 50 = 1.04
+    gpu = verdicts["in-memory W1 hot <= its GPU work + 3.0 s"]
+    assert gpu["pass"] is False and gpu["measured"].endswith("+4.0 s")
+    assert verdicts["one-shot W1, warm compile cache <= in-memory hot + 15.0 s"]["pass"] is False  # +16 s
+    stream = verdicts["multi-window: GPU stream s/window <= 1.05x one window's GPU work"]
+    assert stream["pass"] is True and stream["measured"].endswith("1.028x")  # 47.3 / 46
+    served = verdicts["archive clips/h >= 1.15x serial in-memory"]
+    assert served["pass"] is True and served["measured"].endswith("1.333x")  # 96 / (3600 / 50)
+    assert verdicts["W1: one md5 for every process"]["pass"]  # the in-memory runner's bytes among the command's
+    table = (check.out / "device-check.md").read_text()
+    assert "| FAIL |" in table and "not measured" not in table
+
+
+def test_a_target_whose_runs_did_not_happen_or_failed_reads_not_measured(tmp_path: Path) -> None:
+    check = _check(tmp_path)
+    check.add_row({"run": "inmemory-W1-2", "workload": "W1", "wall_s": 50.0, "rc": 0, "md5": SAME, "gpu_work_s": 48})
+    check.add_row({"run": "archive-W1", "workload": "W1 x4", "wall_s": 9.0, "rc": 1, "md5": None, "clips": 4})
+    verdicts = {v["target"]: v for v in check.verdicts()}
+    assert verdicts["in-memory W1 hot <= its GPU work + 3.0 s"]["pass"] is True
+    archive = verdicts["archive clips/h >= 1.15x serial in-memory"]
+    assert archive["pass"] is None and archive["measured"] is None and archive["missing"] == ["archive-W1 (exit 1)"]
+    workers = verdicts["workers-W1-2 <= 1.05x in-memory W1 hot"]
+    assert workers["pass"] is None and workers["missing"] == ["workers-W1-2"]
+    table = check.render()
+    assert "| workers-W1-2 <= 1.05x in-memory W1 hot | no workers-W1-2 | not measured |" in table
+    assert "| no archive-W1 (exit 1) | not measured |" in table
+    found = streaming.verdicts([], device_check.TARGETS)
+    assert len(found) == 6 and all(v["pass"] is None and v["measured"] is None for v in found)
+
+
+def test_a_run_cut_at_the_deadline_is_a_row_and_the_deadline_counts_archive_clips(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check = _check(tmp_path)
+
+    def cut(argv: list[str], **kwargs: object) -> None:
+        raise subprocess.TimeoutExpired(argv, 30, output=b"started\n", stderr=None)
+
+    monkeypatch.setattr(device_check.subprocess, "run", cut)
+    result = check.command("archive-W1", ["k6vsr", "archive"])
+    assert result["rc"] == device_check.TIMED_OUT and result["stdout"] == "started\n"
+    assert "cut at the check's deadline" in result["stderr"]
+    check.deadline = time.monotonic() + 350
+    assert check.fits("archive-clip", 3) and not check.fits("archive-clip", 4)
+
+
+def test_the_runner_child_reports_the_runners_stage_timings(
+    tmp_path: Path, tiny_bundle_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The in-memory runner in the child, for real on a one-tile, one-frame clip and the tiny bundle on the CPU."""
+    from k6vsr_core.sample import make_sample_clip
+
+    clip = make_sample_clip(tmp_path / "one.mp4", width=64, height=64, num_frames=1, audio=False)
+    monkeypatch.setenv("K6VSR_MODEL", str(tiny_bundle_path))
+    assert device_check.main(["--runner-child", str(clip), str(tmp_path / "out")]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    first, hot = report["repeats"]
+    assert first["md5"] == hot["md5"] and set(streaming.GPU_STAGES) <= set(hot["timings"])
+    assert 0 < streaming.gpu_work(hot["timings"]) <= hot["seconds"]
