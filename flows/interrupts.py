@@ -9,9 +9,13 @@ children, tests) keep Prefect's own handling.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 
 class Interrupted(BaseException):
@@ -23,6 +27,10 @@ class Interrupted(BaseException):
 
 
 _handler: Callable[[int], object] | None = None
+# The interrupt this process received while a flow's body ran: a library that catches what a signal handler raised
+# and raises its own error instead (pydantic wraps it in a serialization error when the signal lands while it calls
+# back into Python) must not turn a stop into an error.
+_received: int | None = None
 
 
 def on_interrupt(handler: Callable[[int], object] | None) -> None:
@@ -32,8 +40,39 @@ def on_interrupt(handler: Callable[[int], object] | None) -> None:
     _handler = handler
 
 
+@contextlib.contextmanager
+def noting_signals() -> Iterator[None]:
+    """For the block, in the main thread: note SIGINT and SIGTERM as they arrive, then handle them as before."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def note(signum: int, frame: FrameType | None) -> object:
+        global _received
+        _received = signum
+        handler = previous[signum]
+        if callable(handler):
+            return handler(signum, frame)
+        if handler == signal.SIG_DFL:  # what the signal would have done: deliver it again, undisturbed
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        return None
+
+    global _received
+    _received = None
+    for signum in previous:
+        signal.signal(signum, note)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _received = None  # what the block received was answered in it
+
+
 def signal_of(exc: BaseException) -> int | None:
-    """The signal `exc` stands for, if it is an interrupt."""
+    """The signal `exc` stands for, if it is an interrupt (or arrived while an interrupt was being raised)."""
     if isinstance(exc, KeyboardInterrupt):
         return signal.SIGINT
     if isinstance(exc, Interrupted):
@@ -43,7 +82,7 @@ def signal_of(exc: BaseException) -> int | None:
     prefect_exceptions = sys.modules.get("prefect.exceptions")
     if prefect_exceptions is not None and isinstance(exc, prefect_exceptions.TerminationSignal):
         return exc.signal
-    return None
+    return _received
 
 
 def surfaced(exc: BaseException) -> None:

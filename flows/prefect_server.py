@@ -437,7 +437,7 @@ def leased(fn: Callable[P, R]) -> Callable[P, R]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         from prefect.runtime import flow_run
 
-        with flow_run_lease(flow_run.id):
+        with flow_run_lease(flow_run.id), interrupts.noting_signals():
             try:
                 return fn(*args, **kwargs)
             except BaseException as exc:

@@ -103,3 +103,38 @@ def test_an_interrupt_stops_the_run_at_once_and_leaves_the_truth(
     state, task_states = _run_states(f"upscale-{clip.name}")
     assert state == "Cancelled"
     assert task_states and all(s in ("Completed", "Cancelled") for s in task_states), task_states
+
+
+def test_an_interrupt_a_library_wraps_in_its_own_error_is_still_an_interrupt() -> None:
+    """A signal that lands while pydantic calls back into Python comes out as a serialization error: within a flow's
+    body (`noting_signals`) it is still the interrupt it was, and reaches the registered handler."""
+    import os
+    import signal
+
+    from pydantic import BaseModel, model_serializer
+    from pydantic_core import PydanticSerializationError
+
+    from flows import interrupts
+
+    class Interrupting(BaseModel):
+        @model_serializer
+        def _serialize(self) -> dict:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return {}
+
+    def raising(signum: int, frame: object) -> None:
+        raise RuntimeError("what a library's signal handler raises")
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGTERM, raising)
+    interrupts.on_interrupt(seen.append)
+    try:
+        with interrupts.noting_signals():
+            with pytest.raises(PydanticSerializationError) as caught:
+                Interrupting().model_dump()
+            interrupts.surfaced(caught.value)
+        interrupts.surfaced(RuntimeError("after the block: not an interrupt"))
+    finally:
+        interrupts.on_interrupt(None)
+        signal.signal(signal.SIGTERM, previous)
+    assert seen == [signal.SIGTERM]
