@@ -5,6 +5,11 @@ and the threads computing them cannot be stopped (a denoise may take minutes). S
 once registers a handler (`on_interrupt`), and `flows.prefect_server.leased` calls it where the interrupt first
 surfaces: in the flow's body, before Prefect's engine sees it. Processes that register nothing (the HTTP API's job
 children, tests) keep Prefect's own handling.
+
+What a signal handler raises can also be lost: raised inside a garbage-collection callback or a finaliser, Python
+prints it and goes on; raised while a library calls back into Python, it may come out as that library's own error.
+So within a flow's body (`noting_signals`) an interrupt is also noted, and if the registered handler has not ended
+the process `GRACE_S` after the signal, it is called from a thread of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class Interrupted(BaseException):
 
 
 _handler: Callable[[int], object] | None = None
+GRACE_S = 0.5  # for the raised interrupt to reach the flow's body before the handler is called without it
 # The interrupt this process received while a flow's body ran: a library that catches what a signal handler raised
 # and raises its own error instead (pydantic wraps it in a serialization error when the signal lands while it calls
 # back into Python) must not turn a stop into an error.
@@ -51,6 +57,10 @@ def noting_signals() -> Iterator[None]:
     def note(signum: int, frame: FrameType | None) -> object:
         global _received
         _received = signum
+        if _handler is not None:
+            fallback = threading.Timer(GRACE_S, _handler, (signum,))
+            fallback.daemon = True
+            fallback.start()
         handler = previous[signum]
         if callable(handler):
             return handler(signum, frame)

@@ -133,8 +133,48 @@ def test_an_interrupt_a_library_wraps_in_its_own_error_is_still_an_interrupt() -
             with pytest.raises(PydanticSerializationError) as caught:
                 Interrupting().model_dump()
             interrupts.surfaced(caught.value)
-        interrupts.surfaced(RuntimeError("after the block: not an interrupt"))
+            assert seen == [signal.SIGTERM]  # at once, not by the fallback a moment later
+        assert interrupts.signal_of(RuntimeError("after the block")) is None  # the noted signal was the block's
     finally:
+        interrupts.on_interrupt(None)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_interrupt_lost_where_python_ignores_exceptions_still_reaches_the_handler() -> None:
+    """Raised inside a garbage-collection callback, what a signal handler raises is printed and dropped: the
+    registered handler is then called anyway, from a thread, a moment later."""
+    import gc
+    import os
+    import signal
+    import threading
+
+    from flows import interrupts
+
+    called = threading.Event()
+    seen: list[int] = []
+
+    def handler(signum: int) -> None:
+        seen.append(signum)
+        called.set()
+
+    def raising(signum: int, frame: object) -> None:
+        raise RuntimeError("what a library's signal handler raises")
+
+    def interrupting_callback(phase: str, info: dict) -> None:
+        if phase == "start" and not seen and not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    fired: list[bool] = []
+    previous = signal.signal(signal.SIGTERM, raising)
+    interrupts.on_interrupt(handler)
+    gc.callbacks.append(interrupting_callback)
+    try:
+        with interrupts.noting_signals():
+            gc.collect()  # the interrupt is raised, and dropped, inside the callback
+            assert called.wait(5.0)
+    finally:
+        gc.callbacks.remove(interrupting_callback)
         interrupts.on_interrupt(None)
         signal.signal(signal.SIGTERM, previous)
     assert seen == [signal.SIGTERM]
