@@ -12,6 +12,34 @@ import pytest
 
 from k6vsr_core.bundle import ModelBundle, load_bundle, make_tiny_bundle
 
+# The files that take longest, in that order, start first. The README's test command shares the files between two
+# workers in collection order; a long file left for the end would keep one worker busy after the other has finished.
+LONGEST_FILES = (
+    "test_long_videos.py",
+    "test_object_store.py",
+    "test_warm_workers.py",
+    "test_output_controls.py",
+    "test_flow.py",
+    "test_compile_cache.py",
+    "test_faults.py",
+    "test_concurrency_resources.py",
+    "test_browser.py",
+    "test_fast.py",
+    "test_prefect_server.py",
+    "test_server.py",
+    "test_server_limits.py",
+    "test_server_bounds.py",
+    "test_ui_artifacts.py",
+    "test_latent_input.py",
+    "test_bad_inputs.py",
+    "test_memory.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(scope="session")
 def tiny_bundle_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -68,7 +96,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory):
-    """One real `prefect server start` for the session, on loopback; its API URL is exported to every process.
+    """One real `prefect server start` for the session (for each worker), on loopback; its API URL is exported to
+    every process.
 
     One server costs ~15 s once; a temporary server per process would cost that in every subprocess and Dask
     worker.

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import procs
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The modules a command, the HTTP server's parent, a job launcher or a flow run imports before any tile is computed.
@@ -72,6 +73,7 @@ def _timed(*argv: str) -> tuple[subprocess.CompletedProcess[str], float]:
     return done, time.monotonic() - started
 
 
+@pytest.mark.timed
 def test_help_and_a_refused_flag_answer_within_a_second() -> None:
     _timed("--help")  # the first start reads the modules from disk; a user's second one finds them cached
     helped, help_s = _timed("--help")

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import procs
@@ -18,7 +19,7 @@ import pytest
 from entrypoints.stopping import MESSAGE
 from k6vsr_core.sample import make_sample_clip
 
-pytestmark = pytest.mark.usefixtures("prefect_server")
+pytestmark = [pytest.mark.usefixtures("prefect_server", "interruptible"), pytest.mark.timed]
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_LIMIT_S = 3.0
@@ -28,6 +29,16 @@ STOP_LIMIT_S = 3.0
 def slow_clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """20 chunks of tiles at x2 with the tiny bundle: the denoise stage lasts long enough to be interrupted."""
     return make_sample_clip(tmp_path_factory.mktemp("clips") / "slow.mp4", width=256, height=192, num_frames=9)
+
+
+@pytest.fixture
+def interruptible() -> Iterator[None]:
+    """Ctrl-C reaches the command as at a terminal even when the suite itself runs in the background (`cmd &`),
+    which starts it with SIGINT ignored: a child inherits an ignored signal, and Python then never raises
+    KeyboardInterrupt. A handled SIGINT is reset to its default in the child, which Python turns into one."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 def _processes_with(marker: str) -> list[int]:
