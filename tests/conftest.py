@@ -6,6 +6,7 @@ The tiny bundles have the released layout and native config spelling but tile si
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,14 @@ LONGEST_FILES = (
     "test_bad_inputs.py",
     "test_memory.py",
 )
+
+
+# Two test workers on two cores: a run's compute profile would give each of their processes (and the commands they
+# start, which inherit this) a thread per core, and every parallel region of one would wait for a thread the other
+# worker holds (a 3 s runner test took 40-110 s so). One thread each keeps both cores busy. The bytes do not depend
+# on it: every test compares runs made under the same profile.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("K6VSR_CPU_THREADS", "1")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -286,6 +286,7 @@ def test_model_cache_evicts_and_frees_the_least_recently_used(tmp_path: Path, mo
         model_cache.clear()
 
 
+@pytest.mark.timed
 def test_stop_leaves_no_process_and_a_stale_record_is_ignored(cluster, tmp_path: Path, capsys) -> None:
     from entrypoints.cli import main
     from flows import warm_workers
