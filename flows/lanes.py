@@ -19,7 +19,8 @@ from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.runners import CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS, is_dask_runner
+from flows.runners import is_dask_runner
+from flows.slots import CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS
 
 SubmitTask = Callable[[Any, dict[str, Any]], Any]  # (task, parameters) -> its Prefect future
 

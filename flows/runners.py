@@ -10,16 +10,9 @@ from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-log = logging.getLogger("k6vsr.workers")
+from flows.slots import MODEL_SLOTS, WORKER_RESOURCES, WORKER_THREADS
 
-# The lanes of a clip run (flows.lanes): model tasks at once per process, which the memory budget
-# (k6vsr_core.memory) allows for, and threads for blends and segments beside them. Dask workers started here declare
-# the model slots as a resource and run both kinds of thread.
-MODEL_RESOURCE = "k6vsr-model"
-MODEL_SLOTS = 2
-CPU_THREADS = 2  # a window's blend and the segment of the window before it
-WORKER_THREADS = MODEL_SLOTS + CPU_THREADS
-WORKER_RESOURCES = {MODEL_RESOURCE: MODEL_SLOTS}
+log = logging.getLogger("k6vsr.workers")
 
 # "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
 USE_WARM_ENV = "K6VSR_WARM_WORKERS"

@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from flows.runners import WORKER_RESOURCES, WORKER_THREADS
+from flows.slots import WORKER_RESOURCES, WORKER_THREADS
 from flows.state_folder import StateFolder, now, state_home
 from k6vsr_core.errors import ParameterError, WorkersError
 from storage.processes import alive, process_start
