@@ -55,11 +55,15 @@ def stop(signum: int) -> NoReturn:
     # The one line is the last: a Dask scheduler in this process would log the workers it loses below.
     logging.disable(logging.CRITICAL)
     warnings.simplefilter("ignore")
+    # Written past Python's buffers: this may run inside a signal handler that interrupted a write to them.
+    with contextlib.suppress(RuntimeError, ValueError, OSError):
+        sys.stdout.flush()
+        sys.stderr.flush()
     fresh_line = "\n" if sys.stderr.isatty() else ""  # after the progress bar or the terminal's ^C
-    print(f"{fresh_line}k6vsr: {MESSAGE}", file=sys.stderr, flush=True)
+    with contextlib.suppress(OSError):
+        os.write(2, f"{fresh_line}k6vsr: {MESSAGE}\n".encode())
     helper = _end_runs_after_exit(signum) if "flows.prefect_server" in sys.modules else None  # else no flow ran
     _kill_children(spare=helper)
-    sys.stdout.flush()
     # Not `sys.exit`: the interpreter would wait for the threads still computing tiles, which nothing can stop.
     os._exit(128 + signum)
 

@@ -6,10 +6,11 @@ once registers a handler (`on_interrupt`), and `flows.prefect_server.leased` cal
 surfaces: in the flow's body, before Prefect's engine sees it. Processes that register nothing (the HTTP API's job
 children, tests) keep Prefect's own handling.
 
-What a signal handler raises can also be lost: raised inside a garbage-collection callback or a finaliser, Python
-prints it and goes on; raised while a library calls back into Python, it may come out as that library's own error.
-So within a flow's body (`noting_signals`) an interrupt is also noted, and if the registered handler has not ended
-the process `GRACE_S` after the signal, it is called from a thread of its own.
+Within a flow's body (`noting_signals`) the handler is called from the signal handler itself, before anything is
+raised: what a signal handler raises can be lost (inside a garbage-collection callback Python prints it and goes on),
+rewrapped (pydantic turns it into a serialization error when the signal lands while it calls back into Python), or
+unwound through code that closes the Dask cluster before the handler sees it (the workers then print the scheduler
+they lost below the one line). `surfaced` remains for the interrupts Prefect raises itself, and answers each one once.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ class Interrupted(BaseException):
 
 
 _handler: Callable[[int], object] | None = None
-GRACE_S = 0.5  # for the raised interrupt to reach the flow's body before the handler is called without it
 # The interrupt this process received while a flow's body ran: a library that catches what a signal handler raised
 # and raises its own error instead (pydantic wraps it in a serialization error when the signal lands while it calls
 # back into Python) must not turn a stop into an error.
 _received: int | None = None
+_answered = False  # the handler was called for it
 
 
 def on_interrupt(handler: Callable[[int], object] | None) -> None:
@@ -55,12 +56,11 @@ def noting_signals() -> Iterator[None]:
     previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
 
     def note(signum: int, frame: FrameType | None) -> object:
-        global _received
+        global _received, _answered
         _received = signum
-        if _handler is not None:
-            fallback = threading.Timer(GRACE_S, _handler, (signum,))
-            fallback.daemon = True
-            fallback.start()
+        if _handler is not None and not _answered:
+            _answered = True
+            _handler(signum)  # a command's handler ends the process here; a test's returns
         handler = previous[signum]
         if callable(handler):
             return handler(signum, frame)
@@ -69,8 +69,8 @@ def noting_signals() -> Iterator[None]:
             os.kill(os.getpid(), signum)
         return None
 
-    global _received
-    _received = None
+    global _received, _answered
+    _received, _answered = None, False
     for signum in previous:
         signal.signal(signum, note)
     try:
@@ -78,7 +78,7 @@ def noting_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        _received = None  # what the block received was answered in it
+        _received, _answered = None, False  # what the block received was answered in it
 
 
 def signal_of(exc: BaseException) -> int | None:
@@ -97,6 +97,8 @@ def signal_of(exc: BaseException) -> int | None:
 
 def surfaced(exc: BaseException) -> None:
     """Hand an interrupt to the registered handler (which may end the process); anything else is left alone."""
+    global _answered
     signum = signal_of(exc)
-    if signum is not None and _handler is not None:
+    if signum is not None and _handler is not None and not _answered:
+        _answered = True
         _handler(signum)

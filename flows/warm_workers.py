@@ -38,7 +38,7 @@ from pydantic import BaseModel
 from flows.slots import WORKER_RESOURCES, WORKER_THREADS
 from flows.state_folder import StateFolder, now, state_home
 from k6vsr_core.errors import ParameterError, WorkersError
-from storage.processes import alive, process_start
+from storage.processes import alive, group_alive, process_start
 from tasks.worker_preload import MODEL_ENV
 
 log = logging.getLogger("k6vsr.workers")
@@ -226,14 +226,6 @@ def _wait_ready(folder: StateFolder, record: WorkersRecord) -> WorkersRecord:
     )
 
 
-def _groupalive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
 def _terminate(record: WorkersRecord, timeout: float = STOP_TIMEOUT_S, grace: float = STOP_GRACE_S) -> None:
     """SIGTERM the supervisor (it closes its workers) and give it `grace` seconds, then SIGKILL whatever of its
     session is left. The grace is short on purpose: a worker keeps nothing that is not in a run store already
@@ -247,7 +239,7 @@ def _terminate(record: WorkersRecord, timeout: float = STOP_TIMEOUT_S, grace: fl
     # The supervisor leads its process group: nannies and workers are in it, whatever became of the supervisor.
     if record.process_start is None or process_start(record.pid) in (None, record.process_start):
         deadline = time.monotonic() + timeout
-        while _groupalive(record.pid) and time.monotonic() < deadline:
+        while group_alive(record.pid) and time.monotonic() < deadline:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(record.pid, signal.SIGKILL)
             time.sleep(0.1)

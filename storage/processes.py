@@ -36,3 +36,26 @@ def alive(pid: int, process_start: int | None = None) -> bool:
     if started is None:
         return not Path("/proc").is_dir()  # a zombie on Linux; elsewhere, trust kill(0)
     return process_start is None or started == process_start
+
+
+def group_alive(pgid: int) -> bool:
+    """A process of group `pgid` runs. Zombies do not count: a killed service's processes are handed to init, which
+    may take a second or more to reap them, and `killpg(pgid, 0)` still finds them until then."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # it ended while we looked
+        state, _ppid, group = stat[stat.rindex(")") + 2 :].split()[:3]
+        if int(group) == pgid and state != "Z":
+            return True
+    return False

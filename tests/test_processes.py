@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from storage.processes import alive, process_start
+from storage.processes import alive, group_alive, process_start
 
 
 def test_alive_tells_a_running_process_from_a_dead_zombie_or_reused_pid() -> None:
@@ -19,6 +19,22 @@ def test_alive_tells_a_running_process_from_a_dead_zombie_or_reused_pid() -> Non
     assert not alive(child.pid)
     child.wait()
     assert not alive(child.pid)
+
+
+def test_a_group_of_zombies_is_not_alive() -> None:
+    """A killed service's processes stay zombies until reaped; `workers stop` must not wait for init to reap them."""
+    leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        assert group_alive(leader.pid)
+        os.kill(leader.pid, 9)
+        while process_start(leader.pid) is not None:  # killed and not reaped: a zombie
+            time.sleep(0.01)
+        os.killpg(leader.pid, 0)  # the kernel still finds the group...
+        assert not group_alive(leader.pid)  # ...but nothing of it runs
+    finally:
+        leader.kill()
+        leader.wait()
+    assert not group_alive(leader.pid)
 
 
 def test_a_dead_writers_temporary_files_are_removed(tmp_path) -> None:

@@ -290,6 +290,7 @@ def test_model_cache_evicts_and_frees_the_least_recently_used(tmp_path: Path, mo
 def test_stop_leaves_no_process_and_a_stale_record_is_ignored(cluster, tmp_path: Path, capsys) -> None:
     from entrypoints.cli import main
     from flows import warm_workers
+    from storage.processes import group_alive
 
     home = Path(os.environ["K6VSR_WORKERS_HOME"])
     # A supervisor that does not answer SIGTERM (frozen here; on a GPU, closing workers gracefully is slow) is
@@ -299,8 +300,7 @@ def test_stop_leaves_no_process_and_a_stale_record_is_ignored(cluster, tmp_path:
     assert main(["workers", "stop", "--json"]) == 0
     assert time.monotonic() - started < 5.0
     assert json.loads(capsys.readouterr().out)["stopped"] is True
-    with pytest.raises(ProcessLookupError):
-        os.killpg(cluster.pid, 0)  # nothing of the supervisor's session is left
+    assert not group_alive(cluster.pid)  # nothing of the supervisor's session runs (init reaps the zombies later)
     assert warm_workers.running_address() is None
     # A record left by a supervisor that died is ignored, and removed.
     record = cluster.model_copy(update={"pid": 2**22 + 7, "process_start": 1})
