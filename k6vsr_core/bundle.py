@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +29,9 @@ from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
 
 from k6vsr_core.errors import BundleError
+from k6vsr_core.memory import MemoryGate, Stage
 from k6vsr_core.plan import ModelTraits
-from k6vsr_core.tiling import RESOLUTIONS
+from k6vsr_core.tiling import RESOLUTIONS, Size
 
 if TYPE_CHECKING:
     import torch
@@ -123,19 +124,13 @@ class ModelBundle:
         self.info = info
         self.device = device
         self.memory: Any = None  # the k6vsr_core.memory.MemoryBudget applied to this bundle, if any
-        self._turn = threading.Lock()
+        self.gate = MemoryGate()  # the stages' shares of the card under `memory` (k6vsr_core.memory)
 
-    # A lock, not a Prefect concurrency limit or a Dask worker resource: the turns are those of one process's stages
-    # on one loaded bundle, held for a stage at a time (an API call per turn would cost more than short stages
-    # take), with threads as well as Dask workers, and this layer knows no orchestrator.
-    @contextmanager
-    def turn(self) -> Iterator[None]:
-        """Hold the device for one stage when the memory budget says stages take turns (else a no-op)."""
-        if self.memory is None or not self.memory.take_turns:
-            yield
-            return
-        with self._turn:
-            yield
+    def on_gpu(self, stage: Stage, size: Size, frames: int, tiles: int = 1) -> AbstractContextManager[None]:
+        """Hold the card for one call of `stage` (its share under the memory budget; nothing to hold without one)."""
+        if self.memory is None or self.memory.room is None:
+            return nullcontext()
+        return self.gate.hold(self.memory.share(stage, size, frames, tiles), self.memory.room)
 
     def new_scheduler(self) -> Any:
         """A fresh scheduler: they carry a step index, so concurrent tiles must not share one."""

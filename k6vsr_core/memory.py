@@ -9,6 +9,13 @@ A budget settles three things, none of which changes a computed value:
   largest that keeps the stage within the budget: activation memory follows that chunk, not the clip;
 - whether the stages of one process take turns on the GPU (a decode then no longer overlaps the next denoise).
 
+A process runs up to two model tasks at once (`flows.slots`), and an archive's clips share a warm worker's. Whatever
+runs together, each stage's call first takes its share of the card from the bundle's `MemoryGate`: its activations
+as estimated here (all of the room when stages take turns). Calls run together only while their shares fit beside the
+resident weights under the budget's limit, so the budget covers every pairing the scheduler allows (two denoise
+chunks, two decodes, an encode beside a decode), not only the decode beside a denoise that the KVAE chunk is chosen
+for. A call that waits keeps its place: a large decode is not overtaken by a stream of small denoise chunks.
+
 Where stages may overlap, every process budgets for a decode beside a denoise, also one that happens to run one
 stage at a time (a one-thread worker, the in-memory runner): the KVAE chunk decides how the decode's sums are split,
 and a GPU gives other bits for another split, so the chunk must not depend on how a process runs.
@@ -29,7 +36,10 @@ are `RELEASED_FOOTPRINT`, the released model's, measured on an H200 where noted.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
@@ -125,9 +135,7 @@ class Workload(BaseModel):
 
     @property
     def tokens(self) -> int:
-        latent_frames = 1 + (self.frames - 1) // TEMPORAL_FACTOR
-        per_frame = (self.tile[0] // SPATIAL_FACTOR) * (self.tile[1] // SPATIAL_FACTOR)
-        return per_frame * latent_frames * self.tiles_per_chunk
+        return _tokens(self.tile, self.frames) * self.tiles_per_chunk
 
     def describe(self) -> str:
         return f"{self.tile[1]}x{self.tile[0]} tiles of {self.frames} frames"
@@ -183,6 +191,28 @@ class MemoryBudget(BaseModel):
         peak = _encode_peak if stage == "encode" else _decode_peak
         return _largest_chunk(self.layout, self.footprint, peak, size, frames, self.limit)[0]
 
+    @property
+    def room(self) -> int | None:
+        """Allocated bytes the stages' activations may take together: the limit, less the allocator's reserve, the
+        runtime's workspaces and the resident weights (None: nothing to budget)."""
+        if self.layout is None or self.limit is None:
+            return None
+        fixed = _resident(self.layout, self.footprint) + self.footprint.runtime
+        return max(0, int(self.limit / self.footprint.reserved_factor) - fixed)
+
+    def share(self, stage: Stage, size: Size, frames: int, tiles: int = 1) -> int:
+        """What one call of `stage` takes of `room`: an encode of a `size` source, a denoise of `tiles` tiles of
+        `size`, or a decode of a `size` tile, all of `frames` pixel frames; all of it when stages take turns."""
+        room = self.room
+        if room is None or self.layout is None:
+            return 0
+        if self.layout.take_turns:
+            return room
+        if stage == "denoise":
+            return int(_denoise_activations(self.layout, self.footprint, _tokens(size, frames) * tiles))
+        activations = _encode_activations if stage == "encode" else _decode_activations
+        return int(activations(self.footprint, size, frames, self.kvae_chunk(stage, size, frames)))
+
     def summary(self) -> str:
         """One line for plans and logs."""
         if self.layout is None or self.estimate is None:
@@ -203,6 +233,7 @@ def _chunk_words(chunk: int | None) -> str:
 
 # Allocated bytes at a KVAE stage's peak: (layout, footprint, source or tile size, pixel frames, chunk).
 Peak = Callable[[Layout, Footprint, Size, int, "int | None"], float]
+Stage = Literal["encode", "denoise", "decode"]
 
 
 def _resident(layout: Layout, footprint: Footprint) -> int:
@@ -214,11 +245,22 @@ def _streamed(layout: Layout, footprint: Footprint) -> int:
     return footprint.streamed_group if layout.streamed else 0
 
 
-def _encode_peak(layout: Layout, footprint: Footprint, source: Size, frames: int, chunk: int | None) -> float:
-    pixels = source[0] * source[1]
+def _tokens(tile: Size, frames: int) -> int:
+    latent_frames = 1 + (frames - 1) // TEMPORAL_FACTOR
+    return (tile[0] // SPATIAL_FACTOR) * (tile[1] // SPATIAL_FACTOR) * latent_frames
+
+
+def _encode_activations(footprint: Footprint, source: Size, frames: int, chunk: int | None) -> float:
     # The causal caches count as one more frame.
-    activations = footprint.encode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
-    return _resident(layout, footprint) + activations
+    return footprint.encode_per_pixel_frame * source[0] * source[1] * (frames_per_call(chunk, frames) + 1)
+
+
+def _decode_activations(footprint: Footprint, tile: Size, frames: int, chunk: int | None) -> float:
+    return footprint.decode_per_pixel_frame * tile[0] * tile[1] * (frames_per_call(chunk, frames) + 1)
+
+
+def _encode_peak(layout: Layout, footprint: Footprint, source: Size, frames: int, chunk: int | None) -> float:
+    return _resident(layout, footprint) + _encode_activations(footprint, source, frames, chunk)
 
 
 def _denoise_activations(layout: Layout, footprint: Footprint, tokens: int) -> float:
@@ -226,16 +268,12 @@ def _denoise_activations(layout: Layout, footprint: Footprint, tokens: int) -> f
 
 
 def _decode_peak(layout: Layout, footprint: Footprint, tile: Size, frames: int, chunk: int | None) -> float:
-    pixels = tile[0] * tile[1]
-    activations = footprint.decode_per_pixel_frame * pixels * (frames_per_call(chunk, frames) + 1)
-    peak = _resident(layout, footprint) + activations
+    peak = _resident(layout, footprint) + _decode_activations(footprint, tile, frames, chunk)
     if not layout.take_turns:
-        # A decode may overlap the next chunk's denoise in the same process; budget for both, in every process (see
-        # the module's docstring). The chunk's tokens are not known here: this assumes one tile of the same size.
-        latent_frames = 1 + (frames - 1) // TEMPORAL_FACTOR
-        peak += _denoise_activations(
-            layout, footprint, (tile[0] // SPATIAL_FACTOR) * (tile[1] // SPATIAL_FACTOR) * latent_frames
-        )
+        # The chunk is chosen so that a decode fits beside the next chunk's denoise, the pairing a stream keeps the
+        # GPU busy with, in every process (see the module's docstring; other pairings wait at the gate). The chunk's
+        # tokens are not known here: this assumes one tile of the same size.
+        peak += _denoise_activations(layout, footprint, _tokens(tile, frames))
     return peak
 
 
@@ -398,3 +436,43 @@ def apply_budget(bundle: ModelBundle, budget: MemoryBudget) -> None:
 
             torch.cuda.empty_cache()
     bundle.memory = budget
+
+
+# A condition variable of our own, not a Dask worker resource or a Prefect concurrency limit: shares are bytes that
+# differ per call, the callers are the threads of one process (a command's, a warm worker's, the in-memory runner's),
+# and a call that waits must not cost a round trip to a scheduler.
+class MemoryGate:
+    """Admits a process's model calls while their shares fit the room together, first come first served."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._queue: deque[object] = deque()
+        self._taken = 0
+        self._running = 0
+
+    @contextmanager
+    def hold(self, share: int, room: int) -> Iterator[None]:
+        """Run the block once `share` fits beside what runs (always when nothing runs: a stage alone was budgeted
+        to fit), and no call that came first still waits."""
+        ticket = object()
+        with self._changed:
+            self._queue.append(ticket)
+            self._changed.wait_for(
+                lambda: self._queue[0] is ticket and (self._running == 0 or self._taken + share <= room)
+            )
+            self._queue.popleft()
+            self._taken += share
+            self._running += 1
+            self._changed.notify_all()  # the next in line may fit too
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._taken -= share
+                self._running -= 1
+                self._changed.notify_all()
+
+    @property
+    def running(self) -> int:
+        with self._changed:
+            return self._running

@@ -69,7 +69,7 @@ def _kvae_chunk(bundle: ModelBundle, stage: Literal["encode", "decode"], size: S
 @torch.no_grad()
 def encode_clip(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
     """KVAE latent of the whole clip, scaled for the upscaler: (1, 64, t, H/16, W/16) float32 on the CPU."""
-    with bundle.turn():
+    with _encoding(bundle, video):
         return scale_latent(bundle, _encode(bundle, video))
 
 
@@ -77,8 +77,12 @@ def encode_clip(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
 def encode_latent(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
     """The unscaled KVAE latent of a clip as FastVideo's `sr_lr_latent` holds it: (t, 64, H/16, W/16), in the
     KVAE's dtype, on the CPU. `scale_latent` of it is exactly `encode_clip`."""
-    with bundle.turn():
+    with _encoding(bundle, video):
         return _encode(bundle, video)[0].permute(1, 0, 2, 3).contiguous().cpu()
+
+
+def _encoding(bundle: ModelBundle, video: torch.Tensor) -> AbstractContextManager[None]:
+    return bundle.on_gpu("encode", (video.shape[-2], video.shape[-1]), video.shape[0])
 
 
 def _encode(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
@@ -155,7 +159,7 @@ def denoise_chunk(
     on_step: StepHook | None = None,
 ) -> torch.Tensor:
     """Upscale, noise and refine one chunk of LR tiles; returns denoised latents (n, 64, t, H, W) fp32 on the CPU."""
-    with bundle.turn():
+    with bundle.on_gpu("denoise", plan.grid.base, plan.window_frames, tiles=lr_tiles.shape[0]):
         return _denoise(bundle, lr_tiles, chunk, plan, on_step)
 
 
@@ -199,7 +203,7 @@ def decode_tile(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
     frames = 1 + (latent.shape[1] - 1) * TEMPORAL_FACTOR
     tile = (latent.shape[2] * SPATIAL_FACTOR, latent.shape[3] * SPATIAL_FACTOR)
     chunk = _kvae_chunk(bundle, "decode", tile, frames)
-    with bundle.turn():
+    with bundle.on_gpu("decode", tile, frames):
         z = latent.unsqueeze(0).to(bundle.device) / vae.config.scaling_factor
         # In chunks, each piece becomes uint8 on the CPU as it is decoded: the GPU never holds the decoded tile.
         with compile_watch(bundle, "KVAE decoder", tuple(z.shape), f"chunk {chunk}"):

@@ -20,6 +20,7 @@ from k6vsr_core.memory import (
     Footprint,
     MemoryBudget,
     MemoryBudgetError,
+    MemoryGate,
     apply_budget,
     budget_for,
     card_bytes,
@@ -178,25 +179,101 @@ def test_apply_budget_installs_library_hooks_once(tiny_bundle_path: Path) -> Non
 def test_stages_take_turns_only_when_the_budget_says_so(tiny_bundle_path: Path, mode: str, overlap: bool) -> None:
     bundle = load_bundle(str(tiny_bundle_path))
     apply_budget(bundle, _budget(bundle, mode))
+    pairing = [("decode", (128, 128), 9), ("denoise", (128, 128), 9)]  # the overlap the fast budget is chosen for
+    assert _most_at_once(bundle, pairing) == (2 if overlap else 1)
+
+
+def _most_at_once(bundle: ModelBundle, calls: list[tuple[str, tuple[int, int], int]], hold: float = 0.05) -> int:
+    """The most of `calls` (stage, size, frames) that held the bundle's card at once, each started in a thread."""
     inside, most = 0, 0
     lock = threading.Lock()
 
-    def stage() -> None:
+    def call(stage: str, size: tuple[int, int], frames: int) -> None:
         nonlocal inside, most
-        with bundle.turn():
+        with bundle.on_gpu(stage, size, frames):  # type: ignore[arg-type]
             with lock:
                 inside += 1
                 most = max(most, inside)
-            time.sleep(0.05)
+            time.sleep(hold)
             with lock:
                 inside -= 1
 
-    threads = [threading.Thread(target=stage) for _ in range(2)]
+    threads = [threading.Thread(target=call, args=args) for args in calls]
     for thread in threads:
         thread.start()
+        time.sleep(0.005)  # in this order
     for thread in threads:
         thread.join()
-    assert (most == 2) is overlap
+    return most
+
+
+def test_every_pairing_the_scheduler_allows_stays_under_the_limit() -> None:
+    """Two model tasks run at once per process (two denoise chunks, two decodes, an encode beside a decode...): the
+    gate admits shares together only within the room the limit leaves beside the weights, and the pairing the KVAE
+    chunk was chosen for (a decode beside one tile's denoise) is admitted, so it overlaps as before."""
+    for plan in (W1, _plan(batch=4), _plan((1080, 1920)), _plan(scale=4)):
+        budget = choose_budget("fast", 139 * GIB, plan)
+        footprint = budget.footprint
+        assert budget.limit is not None and budget.room is not None
+        fixed = sum(footprint.weights.values()) + footprint.runtime  # everything resident under `fast`
+        assert budget.room == int(budget.limit / footprint.reserved_factor) - fixed
+        decode = budget.share("decode", plan.grid.base, plan.window_frames)
+        one_tile = budget.share("denoise", plan.grid.base, plan.window_frames)
+        chunk = budget.share("denoise", plan.grid.base, plan.window_frames, len(plan.chunks[0].tiles))
+        assert 0 < one_tile <= chunk and decode + one_tile <= budget.room
+        assert chunk == one_tile * len(plan.chunks[0].tiles)
+    turns = choose_budget("24g", 139 * GIB, W1)
+    assert turns.share("denoise", W1.grid.base, 121) == turns.room  # all of it: one stage at a time
+
+
+def test_the_gate_admits_what_fits_in_arrival_order() -> None:
+    gate = MemoryGate()
+    log: list[tuple[str, str]] = []
+    lock = threading.Lock()
+
+    def call(name: str, share: int, hold: float) -> None:
+        with gate.hold(share, room=10):
+            with lock:
+                log.append(("in", name))
+            time.sleep(hold)
+            with lock:
+                log.append(("out", name))
+
+    def run(calls: list[tuple[str, int, float]]) -> list[tuple[str, str]]:
+        log.clear()
+        threads = [threading.Thread(target=call, args=args) for args in calls]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.02)
+        for thread in threads:
+            thread.join()
+        return list(log)
+
+    # Two that fit run together; a third that does not waits for room.
+    assert run([("a", 4, 0.2), ("b", 6, 0.2), ("c", 3, 0.05)])[:3] == [("in", "a"), ("in", "b"), ("out", "a")]
+    # A call larger than the room runs alone rather than never.
+    assert run([("big", 25, 0.05)]) == [("in", "big"), ("out", "big")]
+    # First come first served: small calls that would fit do not overtake a large one that waits.
+    order = run([("a", 6, 0.2), ("large", 8, 0.05), ("small", 2, 0.05)])
+    assert order.index(("in", "small")) > order.index(("in", "large"))
+    assert gate.running == 0
+
+
+def test_a_pairing_that_does_not_fit_waits_at_the_gate(tiny_bundle_path: Path) -> None:
+    """On a card whose room holds one decode but not two, the stages of one process decode one tile at a time, and a
+    denoise still runs beside a decode."""
+    bundle = load_bundle(str(tiny_bundle_path))
+    budget = _budget(bundle, "fast")
+    decode = budget.share("decode", (512, 768), 121)
+    denoise = budget.share("denoise", (512, 768), 121)
+    assert denoise < decode
+    fixed = int(budget.limit / budget.footprint.reserved_factor) - budget.room  # type: ignore[operator]
+    limit = int((fixed + decode + denoise + decode // 2) * budget.footprint.reserved_factor) + 1
+    tight = budget.model_copy(update={"limit": limit})
+    assert tight.room is not None and decode + denoise <= tight.room < 2 * decode
+    apply_budget(bundle, tight)
+    assert _most_at_once(bundle, [("decode", (512, 768), 121)] * 2) == 1
+    assert _most_at_once(bundle, [("decode", (512, 768), 121), ("denoise", (512, 768), 121)]) == 2
 
 
 def test_memory_flag_reaches_the_model_spec_and_bad_values_are_refused(capsys) -> None:
