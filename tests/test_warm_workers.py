@@ -204,6 +204,37 @@ def test_the_command_imports_no_torch_with_warm_workers(
     print(f"command start to its first task (ingest): {ingest.written_at - ingest.seconds - started:.2f} s")
 
 
+def test_the_http_servers_job_process_imports_no_torch_with_warm_workers(
+    cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """The HTTP server's job process, as the server starts it (`python -m entrypoints.jobs SPEC PARENT`), serves a job
+    through warm workers without torch or diffusers, and its output is the reference's bytes."""
+    import sys
+
+    import procs
+
+    tests = Path(__file__).resolve().parent
+    report = tmp_path / "imports.json"
+    spec = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    job = {
+        "id": "job-1",
+        "source": str(clip_1f),
+        "output": str(tmp_path / "out.mp4"),
+        "params": PARAMS.model_dump(mode="json"),
+        "store_root": str(tmp_path / "store"),
+        "latent_fps": None,
+    }
+    env = {**os.environ, "PYTHONPATH": str(tests.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = [sys.executable, str(tests / "import_audit.py"), str(report), "entrypoints.jobs"]
+    done = procs.run([*argv, spec.model_dump_json(), str(os.getpid())], env=env, input=json.dumps(job) + "\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+    replies = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [reply["event"] for reply in replies] == ["ready", "done"], replies
+    audit = json.loads(report.read_text())
+    assert audit["imported"] == [], "\n".join(audit["stacks"].values())
+    assert (tmp_path / "out.mp4").read_bytes() == reference
+
+
 def test_weights_that_do_not_match_fail_on_the_warm_workers_before_any_tile(
     cluster, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path
 ) -> None:
