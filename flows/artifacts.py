@@ -287,7 +287,7 @@ def workers_in_use() -> str:
     runner = context.task_runner if context is not None else None
     client = getattr(runner, "client", None) if is_dask_runner(runner) else None
     if client is not None:
-        workers = client.scheduler_info()["workers"].values()
+        workers = client.scheduler_info(n_workers=-1)["workers"].values()
         hosts = sorted({str(worker.get("host", "?")) for worker in workers})
         return f"{len(workers)} Dask worker process{'es' if len(workers) != 1 else ''} on {', '.join(hosts)}"
     # Prefect's default thread pool has no bound (sys.maxsize); the command's has two threads. ThreadPoolTaskRunner

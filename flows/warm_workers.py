@@ -279,7 +279,7 @@ def _ask_workers(address: str) -> list[WorkerInfo]:
     from tasks.model_cache import cache_info
 
     with Client(address, timeout=10, set_as_default=False) as client:
-        names = {addr: info.get("name") for addr, info in client.scheduler_info()["workers"].items()}
+        names = {addr: info.get("name") for addr, info in client.scheduler_info(n_workers=-1)["workers"].items()}
         infos = client.run(lambda: cache_info().model_dump())
     return sorted(
         (

@@ -65,7 +65,7 @@ def _infos(address: str) -> dict[str, dict]:
     from tasks.model_cache import cache_info
 
     with Client(address, timeout=10, set_as_default=False) as client:
-        names = {addr: info["name"] for addr, info in client.scheduler_info()["workers"].items()}
+        names = {addr: info["name"] for addr, info in client.scheduler_info(n_workers=-1)["workers"].items()}
         return {names[addr]: info for addr, info in client.run(lambda: cache_info().model_dump()).items()}
 
 
