@@ -27,6 +27,13 @@ workers and the warm one-shot:
 workers, `--gpus` where there are several, three runs killed and resumed, and the in-memory runner with and without
 the kernel settings; one md5 expected, and the cost of determinism timed.
 
+`--runs memory` is the memory issue's (`bench/memory_bench.py` on the check's bundle, one process each): the default
+budget and its whole-tile-decode reference, then `auto` on cards of 48, 24 and 16 GiB simulated by the process's
+memory fraction; each mode's peak against its cap, the default's time against the whole-tile decode and the smaller
+cards' against the default:
+
+    python3 bench/device_check.py --runs memory --deadline 560
+
 Runs that would not finish before `--deadline` are skipped and listed. Later GPU issues add their runs here.
 """
 
@@ -70,7 +77,11 @@ COST = {
     "inmemory": 170,
     "multiwindow": 220,
     "archive-clip": 95,
+    "memory": 560,  # bench/memory_bench.py's MEMORY_MODES, one process each
 }
+# The memory issue's modes (bench/memory_bench.py): the default, its whole-tile-decode reference, `auto` on smaller
+# cards simulated by the process's memory fraction.
+MEMORY_MODES = "default,fast-whole,auto48,auto24,auto16"
 TIMED_OUT = 124  # a command's exit code in the table when the check's deadline cut it, as `timeout` says it
 # Targets of the open GPU issues this check measures (ratios against runs of the same call).
 TARGETS = {
@@ -195,6 +206,7 @@ class Check:
         self.deadline = time.monotonic() + args.deadline
         self.rows: list[dict[str, Any]] = []
         self._lock = threading.RLock()  # the same-bytes runs add rows from several threads
+        self.memory_targets: dict[str, Any] = {}  # bench/memory_bench.py's checks, when `memory` ran
         self.env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
@@ -367,7 +379,8 @@ class Check:
             verdicts.append(
                 {"target": "W1: one md5 for every process", "measured": len({r["md5"] for r in w1}), "pass": same}
             )
-        return verdicts + streaming.verdicts(self.rows, TARGETS) + same_bytes.verdicts(self.rows)
+        memory = memory_verdicts(self.memory_targets, self.rows)
+        return verdicts + streaming.verdicts(self.rows, TARGETS) + same_bytes.verdicts(self.rows) + memory
 
     def render(self) -> str:
         lines = [
@@ -391,6 +404,51 @@ class Check:
 def _text(output: str | bytes | None) -> str:
     """A timed-out command's captured output: bytes on some platforms even with `text=True`."""
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
+
+
+def run_memory(check: Check) -> None:
+    """bench/memory_bench.py's modes on this call's bundle, one process each; a row per mode, and its verdicts."""
+    # memory_bench keeps its bundle under another name in the same work folder: the same files, not written twice.
+    alias = check.work / ("bundle-tiny" if check.args.tiny else "bundle-full")
+    if not alias.exists():
+        alias.symlink_to(check.work / "bundle")
+    out = check.out / "memory"
+    argv = [sys.executable, str(ROOT / "bench" / "memory_bench.py"), "--modes", MEMORY_MODES]
+    argv += ["--work", str(check.work), "--out", str(out), "--deadline", str(int(max(60, check.left() - 20)))]
+    result = check.command("memory", argv + ["--tiny"] * check.args.tiny)
+    report = out / "memory-bench.json"
+    modes = json.loads(report.read_text()) if report.exists() else {"modes": {}, "targets": {}}
+    for mode, entry in modes["modes"].items():
+        note = (entry.get("budget") or {}).get("summary") or entry.get("error") or entry.get("skipped", "")
+        row = {"run": f"memory-{mode}", "group": "memory", "rc": 0 if "seconds" in entry else 1, "note": note}
+        row.update(wall_s=entry.get("seconds"), peak_reserved_gib=entry.get("peak_reserved_gib"))
+        check.add_row(row)
+    check.memory_targets = modes.get("targets", {})
+    if result["rc"] != 0:
+        check.add_row({"run": "memory", "group": "memory", "rc": result["rc"], "wall_s": result["wall_s"]})
+
+
+def memory_verdicts(targets: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """memory_bench's checks as verdicts: each mode runs, its peak stays under its cap, and its time ratio where one
+    is set."""
+    found = [
+        {"target": f"{row['run']} completes", "measured": row["note"] or row["rc"], "pass": row["rc"] == 0}
+        for row in rows
+        if row.get("group") == "memory"
+    ]
+    for mode, check in targets.items():
+        found.append(
+            {
+                "target": f"memory {mode}: peak reserved <= {check['cap_gib']} GiB",
+                "measured": check["reserved_gib"],
+                "pass": check["reserved_ok"],
+            }
+        )
+        if "time_ok" in check:
+            ratio = check.get("vs_whole_decode", check.get("vs_default"))
+            against = "the whole-tile decode" if "vs_whole_decode" in check else "the default"
+            found.append({"target": f"memory {mode}: time vs {against}", "measured": ratio, "pass": check["time_ok"]})
+    return found
 
 
 def _measured(verdict: dict[str, Any]) -> str:
@@ -419,7 +477,8 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated: oneshot (W1, cold or imported cache), reimport (export, wipe, import, W1 again), "
         "inmemory (the in-memory runner on W1, first and hot), W2, warm (W1 one-shot with the warm cache), "
         "workers (start, W1 twice, stop), multiwindow (a three-window clip one-shot), archive (W1 clips through "
-        "`k6vsr archive`), same-bytes (bench/same_bytes.py); run in that order",
+        "`k6vsr archive`), same-bytes (bench/same_bytes.py), memory (bench/memory_bench.py's modes "
+        f"{MEMORY_MODES}, through the in-memory runner); run in that order",
     )
     parser.add_argument("--archive-clips", type=int, default=4, help="W1 clips in the archive run")
     parser.add_argument("--archive-max-parallel", type=int, default=None, help="the archive's --max-parallel")
@@ -470,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         streaming.run_archive(check, args.archive_clips, args.archive_max_parallel)
     if "same-bytes" in runs:
         same_bytes.run_same_bytes(check, args.same_workload, args.parallel)
+    if "memory" in runs:
+        run_memory(check)
     # The local Prefect server the runs started lasts by design; the check's own home is not the user's: stop it.
     check.command("server-stop", [sys.executable, "-m", "entrypoints.cli", "server", "stop"])
     skipped = [

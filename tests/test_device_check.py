@@ -280,3 +280,45 @@ def test_the_runner_child_reports_the_runners_stage_timings(
     first, hot = report["repeats"]
     assert first["md5"] == hot["md5"] and set(streaming.GPU_STAGES) <= set(hot["timings"])
     assert 0 < streaming.gpu_work(hot["timings"]) <= hot["seconds"]
+
+
+def test_the_memory_run_reaches_the_memory_bench_on_the_checks_bundle_and_gives_its_verdicts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--runs memory`: bench/memory_bench.py with the memory issue's modes on the bundle the check wrote (not a
+    second copy), a row per mode, and each mode's cap and time ratio as verdicts."""
+    from bench import memory_bench
+
+    check = _check(tmp_path)
+    (check.work / "bundle").mkdir()
+    seen: list[list[str]] = []
+
+    def mode(seconds: float, reserved: float) -> dict:
+        return {"seconds": seconds, "peak_reserved_gib": reserved, "budget": {"budget": "fast", "estimate": None}}
+
+    def fake(label: str, argv: list[str], env: dict[str, str] | None = None) -> dict:
+        seen.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        out.mkdir(parents=True)
+        results = {"modes": {"default": mode(60.0, 31.0), "fast-whole": mode(58.0, 44.0), "auto24": mode(75.0, 23.5)}}
+        results["modes"]["auto16"] = {"error": "OutOfMemoryError: ..."}
+        results["targets"] = memory_bench.summarize(results)
+        (out / "memory-bench.json").write_text(json.dumps(results))
+        return {"label": label, "wall_s": 200.0, "rc": 0, "stdout": "", "stderr": ""}
+
+    monkeypatch.setattr(check, "command", fake)
+    device_check.run_memory(check)
+    argv = seen[0]
+    assert argv[1].endswith("bench/memory_bench.py") and argv[argv.index("--modes") + 1] == device_check.MEMORY_MODES
+    assert Path(argv[argv.index("--work") + 1]) == check.work and "--tiny" in argv
+    assert (check.work / "bundle-tiny").resolve() == (check.work / "bundle").resolve()
+    rows = {row["run"]: row for row in check.rows}
+    assert rows["memory-auto16"]["rc"] == 1 and "OutOfMemoryError" in rows["memory-auto16"]["note"]
+    assert rows["memory-default"]["peak_reserved_gib"] == 31.0 and rows["memory-default"]["wall_s"] == 60.0
+    verdicts = {v["target"]: v for v in check.verdicts()}
+    assert verdicts["memory default: peak reserved <= 32.0 GiB"]["pass"] is True
+    assert verdicts["memory default: time vs the whole-tile decode"]["measured"] == round(60 / 58, 3)
+    assert verdicts["memory default: time vs the whole-tile decode"]["pass"] is False  # 1.034x > 1.02x
+    assert verdicts["memory auto24: time vs the default"]["pass"] is False  # 1.25x > 1.15x
+    assert "memory auto16: peak reserved <= 16.0 GiB" not in verdicts  # it failed: no figure to judge...
+    assert verdicts["memory-auto16 completes"]["pass"] is False  # ...and the failure is a verdict

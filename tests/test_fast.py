@@ -175,6 +175,38 @@ def test_bench_tiny_workers_give_identical_bytes(tmp_path: Path) -> None:
     assert two and two[0]["byte_identical_to_1_worker"] is True, records
 
 
+def test_memory_bench_judges_each_mode_against_its_cap_and_the_same_calls_references() -> None:
+    """The memory issue's targets from one call's modes: the default under 32 GiB and within 1.02x the whole-tile
+    decode, `auto` on 48 and 24 GiB cards within 1.15x the default, every capped mode under its cap."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench import memory_bench
+    finally:
+        sys.path.remove(str(ROOT))
+
+    def mode(seconds: float, reserved: float, budget: str = "fast") -> dict:
+        return {"seconds": seconds, "peak_reserved_gib": reserved, "budget": {"budget": budget, "estimate": None}}
+
+    results = {
+        "modes": {
+            "default": mode(60.0, 30.5),
+            "fast-whole": mode(59.0, 44.0),
+            "auto48": mode(66.0, 30.1),
+            "auto24": mode(70.0, 23.0, "24g"),
+            "auto16": mode(90.0, 16.5, "16g"),
+        }
+    }
+    checks = memory_bench.summarize(results)
+    assert checks["default"]["vs_whole_decode"] == round(60 / 59, 3) and checks["default"]["time_ok"]
+    assert checks["default"]["reserved_ok"] and checks["default"]["cap_gib"] == 32.0
+    assert checks["auto48"]["time_ok"] and checks["auto48"]["reserved_ok"]
+    assert checks["auto24"]["vs_default"] == round(70 / 60, 3) and not checks["auto24"]["time_ok"]
+    assert not checks["auto16"]["reserved_ok"] and "time_ok" not in checks["auto16"]  # it need only run, under 16
+    assert "fast-whole" not in checks  # a reference, not judged
+
+
 @pytest.mark.slow
 def test_memory_bench_tiny_smoke(tmp_path: Path) -> None:
     """The memory benchmark end to end in its CPU mode: a budget child and the decode child, then the summary."""
@@ -187,7 +219,10 @@ def test_memory_bench_tiny_smoke(tmp_path: Path) -> None:
         sys.path.remove(str(ROOT))
     out = tmp_path / "out"
     assert (
-        memory_bench.main(["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--modes", "16g,decode"]) == 0
+        memory_bench.main(
+            ["--tiny", "--work", str(tmp_path / "work"), "--out", str(out), "--modes", "16g,auto16,decode"]
+        )
+        == 0
     )
     results = json.loads((out / "memory-bench.json").read_text())
     assert not [m for m in results["modes"].values() if "error" in m], results["modes"]
@@ -195,4 +230,4 @@ def test_memory_bench_tiny_smoke(tmp_path: Path) -> None:
     assert low["seconds"] > 0 and low["budget"]["reason"].startswith("no GPU") and Path(low["output"]).is_file()
     decode = results["modes"]["decode"]["decode"]
     assert set(decode) == {"whole", "3", "2", "1"} and decode["1"]["max_abs_diff"] == 0
-    assert set(results["targets"]) == {"16g"}
+    assert set(results["targets"]) == {"16g", "auto16"}
