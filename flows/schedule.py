@@ -107,7 +107,6 @@ class Scheduler:
             raise ValueError(f"the model lane needs a slot at least, got {slots}")
         self._model, self._cpu, self._slots = model, cpu, slots
         self._order = {item: n for n, item in enumerate(graph.items)}
-        self._needs = graph.needs
         self._blocked = {item: len(graph.needs[item]) + len(graph.waits_for_start(item)) for item in graph.items}
         self._needed_by: dict[Item, list[Item]] = {item: [] for item in graph.items}
         self._started_for: dict[Item, list[Item]] = {item: [] for item in graph.items}
