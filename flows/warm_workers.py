@@ -44,14 +44,14 @@ from flows.state_folder import StateFolder, now, state_home
 from k6vsr_core.errors import ParameterError, WorkersError
 from service.runs import ModelSpec
 from storage.processes import alive, group_alive, process_start
-from tasks.worker_preload import MODEL_ENV, preload_state
+from tasks.worker_preload import MODEL_ENV, preload_ended
 
 log = logging.getLogger("k6vsr.workers")
 
 START_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_START_TIMEOUT", "300"))
 # Loading the model and compiling a default run's shapes: about 3 minutes on an H200 with an empty compile cache.
 WARM_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_WARM_TIMEOUT", "1800"))
-WARM_POLL_S = 0.5
+WARM_POLL_S = 2.0  # how long each worker is asked to wait for its preload before answering
 STOP_TIMEOUT_S = 20.0
 STOP_GRACE_S = 3.0  # `workers stop` answers within about this (the streaming issue asks for 5 s at most)
 HOME_ENV = "K6VSR_WORKERS_HOME"
@@ -257,12 +257,13 @@ def wait_preloaded(address: str, count: int, stopping: Callable[[], bool]) -> di
     with Client(address, timeout=30, set_as_default=False) as client:
         while not stopping():
             try:
-                states = client.run(preload_state)
+                states = client.run(preload_ended, WARM_POLL_S)
             except Exception:  # noqa: BLE001 - a worker lost mid-call is restarted by its nanny: ask again
                 states = {}
-            if len(states) >= count and all(state is not None and state["done"] for state in states.values()):
-                return states
-            time.sleep(WARM_POLL_S)
+                time.sleep(WARM_POLL_S)
+            # A worker without a state was given no model (its preload sets one before it joins): nothing to wait for.
+            if len(states) >= count and all(state is None or state["done"] for state in states.values()):
+                return {address: state for address, state in states.items() if state is not None}
     return {}
 
 

@@ -7,7 +7,9 @@ so a run of the plan afterwards meets only kernels compiled already. The results
 compiled (`k6vsr_core.fast`), so it is not warmed.
 
 The bundle must be placed under the budget a run of the plan gets (`tasks.model_cache.get_bundle(spec, plan)`):
-the decode's chunks, and with them its shapes, come from that budget.
+the decode's chunks, and with them its shapes, come from that budget. And it runs under the compute profile a run
+planned in this environment gets (`k6vsr_core.compute.default_profile`): compiled graphs are guarded on torch's
+thread count too, so a warm-up under another count would leave every graph to compile again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pydantic import BaseModel
 
 from k6vsr_core import stages
 from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.warm_plan import warm_chunks
 
@@ -36,9 +39,11 @@ def zero_lr_tiles(bundle: ModelBundle, plan: ClipPlan, tiles: int) -> torch.Tens
     return torch.zeros((tiles, channels, plan.latent_frames, *plan.grid.latent_tile), dtype=torch.float32)
 
 
-def warm_up(bundle: ModelBundle, plan: ClipPlan) -> WarmUp:
-    """Run every compiled shape of `plan` once on `bundle` (see the module's docstring)."""
+def warm_up(bundle: ModelBundle, plan: ClipPlan, compute: ComputeProfile | None = None) -> WarmUp:
+    """Run every compiled shape of `plan` once on `bundle`, computing as `compute` (default) says (see the module's
+    docstring)."""
     started = time.perf_counter()
+    apply_profile(compute or default_profile())
     calls = 0
     tile_latent = None
     for chunk in warm_chunks(plan):

@@ -13,6 +13,7 @@ This module is imported by the command that starts the workers: torch is importe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -43,6 +44,15 @@ _STATE: PreloadState | None = None
 def preload_state() -> dict[str, Any] | None:
     """This worker's preload, as JSON-able data; None when no model was asked at start."""
     return None if _STATE is None else _STATE.model_dump()
+
+
+async def preload_ended(within: float) -> dict[str, Any] | None:
+    """`preload_state()` once the preload has ended, or after `within` seconds: on the worker's event loop (`Client.run`
+    awaits a coroutine there), so a start asks each worker once per `within` seconds rather than polling it."""
+    deadline = time.monotonic() + within
+    while _STATE is not None and not _STATE.done and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return preload_state()
 
 
 def warms(spec: ModelSpec) -> bool:
@@ -80,10 +90,21 @@ def preload(spec: ModelSpec, state: PreloadState) -> None:
         state.done = True
 
 
+def _log_to_stderr() -> None:
+    """k6vsr's lines of a worker into the workers' log (its stderr): Dask configures only its own loggers."""
+    ours = logging.getLogger("k6vsr")
+    if not ours.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+
+
 def dask_setup(worker: Any) -> None:
     global _STATE
     text = os.environ.get(MODEL_ENV)
     if text:
+        _log_to_stderr()
         spec = ModelSpec.model_validate_json(text)
         _STATE = PreloadState(model=spec.model)
         threading.Thread(target=preload, args=(spec, _STATE), daemon=True, name="k6vsr-preload").start()

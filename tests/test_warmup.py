@@ -128,6 +128,34 @@ def test_warm_up_runs_each_shape_of_a_run_once(
     assert len(run.watched) > len(warm.watched)
 
 
+def test_warm_up_computes_with_the_threads_of_a_run_planned_here(
+    tiny_bundle: ModelBundle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled graphs are guarded on torch's thread count: a warm-up under the worker's own count (its share of the
+    cores) would leave a run, which applies its planning process's profile, to compile every graph again."""
+    import torch
+
+    from k6vsr_core import warmup
+    from k6vsr_core.compute import default_profile
+
+    seen: list[int] = []
+
+    def denoise(bundle: ModelBundle, lr_tiles: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return lr_tiles
+
+    monkeypatch.setattr(warmup.stages, "denoise_chunk", denoise)
+    monkeypatch.setattr(warmup.stages, "decode_tile", lambda bundle, latent: seen.append(torch.get_num_threads()))
+    threads = default_profile().cpu_threads
+    torch.set_num_threads(threads + 1)
+    try:
+        plan = make_plan((64, 64), 1, 24.0, UpscaleParams(scale=2), model_traits(tiny_bundle.info))
+        warmup.warm_up(tiny_bundle, plan)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [threads, threads]
+
+
 def test_the_default_warm_up_leaves_nothing_to_compile_for_the_readme_command(
     tiny_bundle: ModelBundle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
