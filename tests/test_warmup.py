@@ -78,6 +78,15 @@ def test_the_warm_plan_is_a_default_request_on_one_full_window_of_the_largest_ti
     assert plan.steps == ModelTraits().trained_steps
 
 
+def test_a_largest_tile_that_its_own_aspect_does_not_choose_is_refused_with_the_sizes() -> None:
+    """Two tiles of one aspect: a source of that aspect gets the first listed, never the larger one."""
+    from k6vsr_core.warm_plan import warm_plan
+
+    traits = ModelTraits(tile_sizes=((512, 768), (1024, 1536)))
+    with pytest.raises(ValueError, match=r"warm-up plan for tile 1536x1024 \(WxH\) came out as .* of 768x512"):
+        warm_plan(traits)
+
+
 def _compiled(plan) -> tuple:
     """What decides a plan's compiled shapes: the DiT sees (tiles a chunk, latent frames, upscaled tile), the
     decoder one tile's latent (k6vsr_core.warm_plan)."""
