@@ -110,6 +110,22 @@ def test_the_warm_plan_covers_every_scale_and_every_window_of_a_landscape_clip()
     assert _compiled(make_plan((512, 768), 121, 24.0, UpscaleParams(attention="dense"))) != warm
 
 
+def test_the_warm_plan_gets_the_budget_and_decode_chunks_of_a_landscape_run_on_every_card() -> None:
+    """The worker's bundle is placed under the warm plan's budget: a run under another would load a bundle of its
+    own (`tasks.model_cache`), and its decode would split into other, unwarmed shapes."""
+    from k6vsr_core.memory import GIB, choose_budget
+    from k6vsr_core.warm_plan import warm_plan
+
+    warm = warm_plan(ModelTraits())
+    runs = [
+        make_plan((512, 768), 121, 24.0, UpscaleParams(scale=2)),
+        make_plan((1080, 1920), 331, 24.0, UpscaleParams()),
+    ]
+    for card in (141, 80, 24, 16):
+        budgets = [choose_budget("auto", card * GIB, plan) for plan in (warm, *runs)]
+        assert len({(budget.budget, budget.limit, budget.decode_chunk) for budget in budgets}) == 1, card
+
+
 def test_warm_chunks_take_one_chunk_of_each_size() -> None:
     from k6vsr_core.warm_plan import warm_chunks
 
