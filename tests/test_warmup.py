@@ -259,6 +259,7 @@ def test_the_preload_loads_places_and_warms_for_real(
     from tasks import model_cache, worker_preload
 
     monkeypatch.setattr(warm_plan_module, "WARM_FRAMES", 9)
+    monkeypatch.setattr(warm_plan_module, "largest_tile", lambda traits: (128, 128))  # the smallest: fewer pixels
     monkeypatch.setattr(worker_preload, "warms", lambda spec: True)
     spec = ModelSpec(model=str(tiny_bundle_path), device="cpu")
     state = worker_preload.PreloadState(model=spec.model)
