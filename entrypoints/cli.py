@@ -229,7 +229,14 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument("action", choices=("start", "stop", "status"))
     workers.add_argument("-n", "--workers", type=int, default=0, help="CPU workers to start (default: one per GPU)")
     workers.add_argument("--gpus", action="store_true", help="one worker per GPU (the default when GPUs are found)")
-    workers.add_argument("--model", "--model-path", dest="model", default=None, help="load this model at start")
+    workers.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default=None,
+        help="load this model at start (and, compiled on CUDA, warm every shape a default run compiles); the start "
+        "returns once every worker has",
+    )
     workers.add_argument("--revision", default=None)
     workers.add_argument("--model-id", default=None)
     workers.add_argument("--device", default="auto")
@@ -238,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="with --model: load it compiled on CUDA (default), as the commands that use the workers do",
+        help="with --model: load it compiled on CUDA (default), as the commands that use the workers do, and warm it",
     )
     workers.add_argument("--json", action="store_true")
     workers.add_argument("--debug", action="store_true")

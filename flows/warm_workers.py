@@ -2,13 +2,16 @@
 
 `k6vsr workers start` runs a supervisor, detached in its own session, that holds a Dask scheduler and its workers
 (each behind a nanny, which restarts a worker that dies). A worker loads a model on the first tile that needs it
-(or at start with `--model`) and keeps it (`tasks.model_cache`, an LRU by model identity) for every later run:
-only the first run after a start pays for loading and compiling. Every command that runs tiles and is given no
-`--workers`, `--gpus` or `--dask-address` sends them to these workers while they run (`running_address`).
+and keeps it (`tasks.model_cache`, an LRU by model identity) for every later run. With `--model` every worker loads
+it at start and, compiled on CUDA, runs every shape a default run compiles (`tasks.worker_preload`); the start
+returns once every worker has done so, so that not even the first run pays for loading or compiling. Every command
+that runs tiles and is given no `--workers`, `--gpus` or `--dask-address` sends them to these workers while they
+run (`running_address`).
 
 The state folder (`$K6VSR_WORKERS_HOME`, else `$K6VSR_HOME/workers`, else `$XDG_STATE_HOME/k6vsr/workers`) holds:
 
-    workers.json   the supervisor's pid, then (once every worker is up) the scheduler's address, written atomically
+    workers.json   the supervisor's pid, then (once every worker is up, and with `--model` has loaded and warmed it)
+                   the scheduler's address, written atomically
     workers.log    what the supervisor, scheduler and workers print
     workers.lock   held while a command starts or stops them, so racing commands start one cluster
 
@@ -29,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,12 +42,16 @@ from pydantic import BaseModel
 from flows.slots import WORKER_RESOURCES, WORKER_THREADS
 from flows.state_folder import StateFolder, now, state_home
 from k6vsr_core.errors import ParameterError, WorkersError
+from service.runs import ModelSpec
 from storage.processes import alive, group_alive, process_start
-from tasks.worker_preload import MODEL_ENV
+from tasks.worker_preload import MODEL_ENV, preload_ended
 
 log = logging.getLogger("k6vsr.workers")
 
 START_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_START_TIMEOUT", "300"))
+# Loading the model and compiling a default run's shapes: about 3 minutes on an H200 with an empty compile cache.
+WARM_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_WARM_TIMEOUT", "1800"))
+WARM_POLL_S = 2.0  # how long each worker is asked to wait for its preload before answering
 STOP_TIMEOUT_S = 20.0
 STOP_GRACE_S = 3.0  # `workers stop` answers within about this (the streaming issue asks for 5 s at most)
 HOME_ENV = "K6VSR_WORKERS_HOME"
@@ -58,7 +66,8 @@ class WorkersRecord(BaseModel):
     workers: int
     gpus: list[str] = []  # the GPU of each worker, in order; empty for CPU workers
     model: str | None = None  # the ModelSpec (JSON) loaded at start, if any
-    address: str | None = None  # set by the supervisor once every worker is up
+    address: str | None = None  # set by the supervisor once every worker is up (and has loaded `model`)
+    loading_since: str | None = None  # every worker is up and loading `model`, since then (no address yet)
     dashboard: str | None = None
 
 
@@ -209,21 +218,53 @@ print(process.pid)
 
 
 def _wait_ready(folder: StateFolder, record: WorkersRecord) -> WorkersRecord:
+    """Until the supervisor writes its address: `START_TIMEOUT_S` for the workers to come up, then, with a model,
+    `WARM_TIMEOUT_S` from when they began to load it for every worker to load and warm it."""
     deadline = time.monotonic() + START_TIMEOUT_S
+    loading = False
     while time.monotonic() < deadline:
         current = folder.read(WorkersRecord)
-        if current is not None and current.pid == record.pid and current.address and _reachable(current.address):
+        mine = current is not None and current.pid == record.pid
+        if mine and current.address and _reachable(current.address):
             return current
+        if mine and current.loading_since and not loading:
+            loading = True
+            elapsed = (datetime.now(UTC) - datetime.fromisoformat(current.loading_since)).total_seconds()
+            deadline = time.monotonic() + WARM_TIMEOUT_S - max(0.0, elapsed)
         if not alive(record.pid, record.process_start):
             folder.remove_record()
             raise WorkersError(f"the warm workers exited while starting; {folder.log_path} ends:\n{folder.log_tail()}")
         time.sleep(0.2)
     _terminate(record)
     folder.remove_record()
+    if loading:
+        model = ModelSpec.model_validate_json(record.model).model if record.model else "the model"
+        raise WorkersError(
+            f"the warm workers started but did not load and warm {model} within {WARM_TIMEOUT_S:g} s "
+            f"(K6VSR_WORKERS_WARM_TIMEOUT), and were stopped; {folder.log_path} ends:\n{folder.log_tail()}"
+        )
     raise WorkersError(
         f"the warm workers did not start within {START_TIMEOUT_S:g} s (K6VSR_WORKERS_START_TIMEOUT); "
         f"{folder.log_path} ends:\n{folder.log_tail()}"
     )
+
+
+def wait_preloaded(address: str, count: int, stopping: Callable[[], bool]) -> dict[str, dict[str, Any]]:
+    """Until each of the `count` workers at `address` has finished its preload (`tasks.worker_preload`: the model
+    loaded and warmed, or failed to); their states by worker address, or {} when `stopping()` first."""
+    from distributed import Client
+
+    with Client(address, timeout=30, set_as_default=False) as client:
+        while not stopping():
+            try:
+                states = client.run(preload_ended, WARM_POLL_S)
+            except Exception:  # noqa: BLE001 - a worker lost mid-call is restarted by its nanny: ask again
+                states = {}
+                time.sleep(WARM_POLL_S)
+            # A worker without a state was given no model (its preload sets one before it joins): nothing to wait for.
+            if len(states) >= count and all(state is None or state["done"] for state in states.values()):
+                return {address: state for address, state in states.items() if state is not None}
+    return {}
 
 
 def _terminate(record: WorkersRecord, timeout: float = STOP_TIMEOUT_S, grace: float = STOP_GRACE_S) -> None:
@@ -374,9 +415,16 @@ def _supervise(folder: StateFolder, count: int, devices: list[str], model_json: 
             workers=count,
             gpus=devices,
             model=model_json,
-            address=cluster.scheduler_address,
-            dashboard=cluster.dashboard_link,
         )
+        if model_json:
+            # Ready only once every worker holds the model, warm: the first run must not pay for it.
+            folder.write(record.model_copy(update={"loading_since": now()}))
+            print(f"warm workers up: {count} loading {ModelSpec.model_validate_json(model_json).model}", flush=True)
+            states = wait_preloaded(cluster.scheduler_address, count, lambda: stop)
+            if stop:
+                return
+            _print_preloaded(states)
+        record = record.model_copy(update={"address": cluster.scheduler_address, "dashboard": cluster.dashboard_link})
         folder.write(record)
         print(f"warm workers ready at {cluster.scheduler_address}: {count} workers", flush=True)
         checked = time.monotonic()
@@ -393,6 +441,17 @@ def _supervise(folder: StateFolder, count: int, devices: list[str], model_json: 
     finally:
         with contextlib.suppress(Exception):
             cluster.close(timeout=STOP_TIMEOUT_S / 2)
+
+
+def _print_preloaded(states: dict[str, dict[str, Any]]) -> None:
+    for address, state in sorted(states.items()):
+        if state["error"]:
+            done = f"{state['error']} (its first tile loads the model again)"
+        elif state["warmed"]:
+            done = f"loaded and warmed {state['warmed']} shapes in {state['seconds']} s"
+        else:
+            done = f"loaded in {state['seconds']} s (not compiled: nothing to warm)"
+        print(f"warm worker at {address}: {done}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,17 +1,26 @@
-"""The warm workers' preload (`dask worker --preload tasks.worker_preload`): load the model at start when asked.
+"""The warm workers' preload (`dask worker --preload tasks.worker_preload`): load and warm the model at start.
 
 `flows.warm_workers` sets `K6VSR_WARM_MODEL` (a ModelSpec as JSON) when `k6vsr workers start --model` names one;
-each worker then loads it in the background as it starts, so the first tile finds it loaded (a tile that comes
-sooner waits for the same load: the model cache holds its lock while loading). Without it, a worker loads each
-model on the first tile that needs it.
+each worker then loads it in the background as it starts and, when the model runs compiled on CUDA, warms it: one
+call of every shape a default run compiles (`k6vsr_core.warm_plan`, `k6vsr_core.warmup`), with the bundle placed
+under the budget such a run gets, so the first run after the start compiles nothing. On a CPU nothing is compiled
+and nothing is warmed. The supervisor asks every worker for `preload_state()` and reports the workers ready once
+each has finished; a tile that comes sooner waits for the same load (the model cache holds its lock while loading).
+Without a model, a worker loads each model on the first tile that needs it.
+
+This module is imported by the command that starts the workers: torch is imported only inside the worker's thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
+import time
 from typing import Any
+
+from pydantic import BaseModel
 
 from service.runs import ModelSpec
 
@@ -19,17 +28,83 @@ MODEL_ENV = "K6VSR_WARM_MODEL"  # a ModelSpec as JSON, set by `flows.warm_worker
 log = logging.getLogger("k6vsr.workers")
 
 
-def _load(spec: ModelSpec) -> None:
+class PreloadState(BaseModel):
+    """Where a worker's preload stands; `done` once it has loaded (and warmed) the model, or failed to."""
+
+    model: str
+    done: bool = False
+    warmed: int = 0  # compiled shapes run by the warm-up; 0 when none ran
+    seconds: float = 0.0  # load and warm-up
+    error: str | None = None
+
+
+_STATE: PreloadState | None = None
+
+
+def preload_state() -> dict[str, Any] | None:
+    """This worker's preload, as JSON-able data; None when no model was asked at start."""
+    return None if _STATE is None else _STATE.model_dump()
+
+
+async def preload_ended(within: float) -> dict[str, Any] | None:
+    """`preload_state()` once the preload has ended, or after `within` seconds: on the worker's event loop (`Client.run`
+    awaits a coroutine there), so a start asks each worker once per `within` seconds rather than polling it."""
+    deadline = time.monotonic() + within
+    while _STATE is not None and not _STATE.done and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    return preload_state()
+
+
+def warms(spec: ModelSpec) -> bool:
+    """Whether a preload of `spec` warms it: only compiled networks compile per shape, and they compile on CUDA only."""
+    import torch
+
+    from tasks.model_cache import resolve_device
+
+    return spec.compile and torch.device(resolve_device(spec.device)).type == "cuda"
+
+
+def preload(spec: ModelSpec, state: PreloadState) -> None:
+    """Load `spec` into the worker's model cache and, where it compiles, warm it; `state` says how it went."""
+    from k6vsr_core.bundle import model_traits
+    from k6vsr_core.warm_plan import warm_plan
+    from k6vsr_core.warmup import warm_up
     from tasks.model_cache import get_bundle
 
+    started = time.perf_counter()
+    pid = os.getpid()
     try:
-        get_bundle(spec)
-        log.info("warm worker %d: loaded %s", os.getpid(), spec.model)
+        bundle = get_bundle(spec)
+        log.info("warm worker %d: loaded %s", pid, spec.model)
+        if warms(spec):
+            plan = warm_plan(model_traits(bundle.info))
+            # The preloaded bundle takes the budget a run of the plan gets: the decode's chunks come from it.
+            warmed = warm_up(get_bundle(spec, plan), plan)
+            state.warmed = warmed.shapes
+            log.info("warm worker %d: warmed %d shapes in %.1f s", pid, warmed.shapes, warmed.seconds)
     except Exception as err:  # noqa: BLE001 - the first tile loads it again and reports the error to its run
-        log.warning("warm worker %d: could not load %s: %s", os.getpid(), spec.model, err)
+        state.error = f"{type(err).__name__}: {err}"
+        log.warning("warm worker %d: could not load or warm %s: %s", pid, spec.model, state.error)
+    finally:
+        state.seconds = round(time.perf_counter() - started, 1)
+        state.done = True
+
+
+def _log_to_stderr() -> None:
+    """k6vsr's lines of a worker into the workers' log (its stderr): Dask configures only its own loggers."""
+    ours = logging.getLogger("k6vsr")
+    if not ours.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
 
 
 def dask_setup(worker: Any) -> None:
+    global _STATE
     text = os.environ.get(MODEL_ENV)
     if text:
-        threading.Thread(target=_load, args=(ModelSpec.model_validate_json(text),), daemon=True).start()
+        _log_to_stderr()
+        spec = ModelSpec.model_validate_json(text)
+        _STATE = PreloadState(model=spec.model)
+        threading.Thread(target=preload, args=(spec, _STATE), daemon=True, name="k6vsr-preload").start()
