@@ -71,7 +71,7 @@ COST = {
     "oneshot-cold": 260,
     "oneshot": 130,
     "W2": 60,
-    "workers-start": 90,
+    "workers-start": 150,  # with --model it now also warms a default run's shapes (about 3 minutes more if cold)
     "workers-run": 150,
     "workers-stop": 30,
     "inmemory": 170,

@@ -60,6 +60,7 @@ class _ChunkedBudget:
     first frame alone then a shorter last chunk of 2 (the encoder, never compiled, keeps its own call)."""
 
     take_turns = False
+    room = None  # nothing for the memory gate to hold on the CPU
 
     def kvae_chunk(self, stage: str, size: tuple[int, int], frames: int) -> int | None:
         return 3 if stage == "decode" else None
