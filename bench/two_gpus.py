@@ -280,18 +280,23 @@ def run_killed(check: Check, gpu_set: GpuSet) -> dict[str, Any]:
     finally:
         ended.set()
         watcher.join()
-    after = status_workers(check, f"{gpu_set.name}-status-after-kill", gpu_set.env)
     row["kill"] = {**kill, "after_s": round(kill["at"] - started, 1) if "at" in kill else None}
     row["kill"].pop("at", None)
-    row["workers_after"] = [worker.get("pid") for worker in after]
     if kill.get("rc") == 0:
+        gpu = f" (GPU {kill['gpu']})" if kill.get("gpu") else ""
         row["note"] += (
-            f"; killed pid {kill['pid']} (GPU {kill['gpu']}) {row['kill']['after_s']} s in, after pid "
-            f"{kill['writer']} wrote the first denoise item; workers after: {row['workers_after']}"
+            f"; killed pid {kill['pid']}{gpu} {row['kill']['after_s']} s in, after pid {kill['writer']} wrote the "
+            "first denoise item"
         )
     else:
         row["note"] += f"; no worker killed: {kill.get('error', 'the run ended before a denoise item was written')}"
     check.add_row(row)
+    # The workers after it: the nanny's fresh process in the killed one's place.
+    row["workers_after"] = [
+        worker.get("pid") for worker in status_workers(check, f"{gpu_set.name}-status-after-kill", gpu_set.env)
+    ]
+    row["note"] += f"; workers after: {row['workers_after']}"
+    check.save()
     return row
 
 
