@@ -549,3 +549,48 @@ def test_the_two_gpu_parts_are_checked_before_anything_runs() -> None:
     assert two_gpus.parse_parts("kill, w1") == ["w1", "kill"]  # always in the sets' order
     with pytest.raises(SystemExit):
         device_check.main(["--runs", "two-gpus", "--two-gpu-parts", "w1,windows"])
+
+
+def test_kill_alone_runs_w1_once_on_one_gpu_for_its_md5_and_cpu_workers_stand_for_gpus_with_tiny(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check = _gpu_check(tmp_path, monkeypatch, ["0", "1"])
+    fake = FakeWorkers(tmp_path, check, TWO_GPU_WALLS)
+    monkeypatch.setattr(check, "command", fake)
+    two_gpus.run_two_gpus(check, ["kill"], clips=4)
+    runs = [label for label in fake.order if "W1" in label]
+    assert runs == ["one-gpu-W1-1", "all-gpus-W1-killed"]
+    kill = {v["target"]: v for v in check.verdicts()}[
+        "a worker SIGKILLed mid-tile: the run completes with one GPU's md5"
+    ]
+    assert kill["pass"] is True
+    one, every = two_gpus.gpu_sets([], tiny=True)
+    assert (one.start_args, every.start_args) == (("-n", "1"), ("-n", "2")) and one.workers == 1 and every.workers == 2
+    assert one.env == every.env == {"CUDA_VISIBLE_DEVICES": ""}  # no GPU for any command: the device is the CPU
+
+
+def test_a_set_without_one_worker_per_gpu_runs_nothing_on_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers that did not start, or not one per GPU, would measure something else: the set's runs are not run."""
+    check = _gpu_check(tmp_path, monkeypatch, ["0", "1"])
+    fake = FakeWorkers(tmp_path, check, TWO_GPU_WALLS)
+    started = fake.__call__
+
+    def start_one(label: str, argv: list[str], env: dict[str, str] | None = None) -> dict:
+        result = started(label, argv, env)
+        if label == "all-gpus-workers-start":
+            fake.workers = fake.workers[:1]  # one GPU's worker never came up
+        return result
+
+    monkeypatch.setattr(check, "command", start_one)
+    two_gpus.run_two_gpus(check, ["w1"], clips=4)
+    assert [label for label in fake.order if label.startswith("all-gpus")] == [
+        "all-gpus-workers-start",
+        "all-gpus-workers-status",
+        "all-gpus-workers-stop",
+    ]
+    rows = {row["run"]: row for row in check.rows}
+    assert rows["all-gpus-workers"]["rc"] == 1 and rows["all-gpus-workers"]["note"].startswith(
+        "expected 2 warm workers, found 1 (pid 102 GPU 0)"
+    )
+    w1 = {v["target"]: v for v in check.verdicts()}["W1 on all GPUs, second run <= 0.55x one GPU's"]
+    assert w1["pass"] is None and w1["missing"] == ["all-gpus-W1-2"]
