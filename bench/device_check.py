@@ -42,7 +42,8 @@ than 2 GPUs one row says so. One call holds one of these (a bundle and a warm co
 
     python3 bench/device_check.py --runs two-gpus --two-gpu-parts w1,kill --deadline 560
     python3 bench/device_check.py --runs two-gpus --two-gpu-parts multiwindow --deadline 560
-    python3 bench/device_check.py --runs two-gpus --two-gpu-parts archive --archive-clips 4 --deadline 560
+    python3 bench/device_check.py --runs two-gpus --two-gpu-parts archive --archive-clips 4 --archive-max-parallel 2 \\
+        --deadline 560
 
 Runs that would not finish before `--deadline` are skipped and listed. Later GPU issues add their runs here.
 """
@@ -572,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     if "memory" in runs:
         run_memory(check)
     if "two-gpus" in runs:
-        two_gpus.run_two_gpus(check, parts, args.archive_clips)
+        two_gpus.run_two_gpus(check, parts, args.archive_clips, args.archive_max_parallel)
     # The local Prefect server the runs started lasts by design; the check's own home is not the user's: stop it.
     check.command("server-stop", [sys.executable, "-m", "entrypoints.cli", "server", "stop"])
     skipped = [

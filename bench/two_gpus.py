@@ -17,7 +17,9 @@ store and an output folder of its own:
 - `w1`: W1 twice; the second run is the figure (the first loads what the shapes need);
 - `multiwindow`: streaming's three-window clip (`W1-long`), seconds per window measured as streaming measures them
   (the GPU stream: the first GPU item's start to the last one's end, over the windows; `bench/streaming.py`);
-- `archive`: streaming's archive of `--archive-clips` W1 clips through `k6vsr archive` (clips per hour);
+- `archive`: streaming's archive of `--archive-clips` W1 clips through `k6vsr archive` (clips per hour), with
+  `--max-parallel` from `--archive-max-parallel` on both sets (the command's default runs one clip at a time: a
+  second GPU then helps only with the tiles of that clip, not with its ingest, blend, segment and mux);
 - `kill` (all GPUs only): W1 once more while a watcher polls the run's timeline: at the first denoise item written,
   the worker that did not write it (still in its own tile) is SIGKILLed (`kill -s KILL PID`, the pid from the
   status taken just before). The nanny restarts it, the other worker takes the tile; the run must finish with the
@@ -37,7 +39,8 @@ references, so every ratio is of one call:
 
     python3 bench/device_check.py --runs two-gpus --two-gpu-parts w1,kill --deadline 560
     python3 bench/device_check.py --runs two-gpus --two-gpu-parts multiwindow --deadline 560
-    python3 bench/device_check.py --runs two-gpus --two-gpu-parts archive --archive-clips 4 --deadline 560
+    python3 bench/device_check.py --runs two-gpus --two-gpu-parts archive --archive-clips 4 --archive-max-parallel 2 \\
+        --deadline 560
 
 An archive of 8 clips (the issue's) costs about 15 minutes over both sets at those speeds, more than one call; the
 parts that would pass the deadline are left out before anything starts, and listed in a row.
@@ -128,8 +131,9 @@ def fitting(parts: list[str], clips: int, seconds: float) -> tuple[list[str], li
     return kept, [part for part in parts if part not in kept]
 
 
-def run_two_gpus(check: Check, parts: list[str], clips: int) -> None:
-    """Both sets of warm workers and their runs, as `parts` asks; rows and verdicts go into `check`."""
+def run_two_gpus(check: Check, parts: list[str], clips: int, max_parallel: int | None = None) -> None:
+    """Both sets of warm workers and their runs, as `parts` asks (the archive's `--max-parallel` the same for both);
+    rows and verdicts go into `check`."""
     gpus = [] if check.args.tiny else visible_gpus()
     if not check.args.tiny and len(gpus) < 2:
         note = f"{len(gpus)} GPU visible ({', '.join(gpus) or 'none'}): the two-GPU runs need at least 2; none run"
@@ -143,11 +147,11 @@ def run_two_gpus(check: Check, parts: list[str], clips: int) -> None:
         return
     one, every = gpu_sets(gpus, check.args.tiny)
     _cli(check, f"{GROUP}-workers-clear", one.env, "workers", "stop")  # workers an earlier call left would be reused
-    run_set(check, one, kept, clips)
-    run_set(check, every, kept, clips)
+    run_set(check, one, kept, clips, max_parallel)
+    run_set(check, every, kept, clips, max_parallel)
 
 
-def run_set(check: Check, gpu_set: GpuSet, parts: list[str], clips: int) -> None:
+def run_set(check: Check, gpu_set: GpuSet, parts: list[str], clips: int, max_parallel: int | None = None) -> None:
     """Start the set's warm workers, run its parts on them, stop them."""
     name, env = gpu_set.name, gpu_set.env
     bundle = str(check.work / "bundle")
@@ -166,7 +170,7 @@ def run_set(check: Check, gpu_set: GpuSet, parts: list[str], clips: int) -> None
         if "multiwindow" in parts and check.fits(f"{cost}-multiwindow"):
             run_multiwindow(check, gpu_set)
         if "archive" in parts and check.fits(f"{cost}-archive-clip", clips):
-            run_archive(check, gpu_set, clips)
+            run_archive(check, gpu_set, clips, max_parallel)
         if "kill" in parts and name == ALL and check.fits("gpus-kill"):
             run_killed(check, gpu_set)
     _cli(check, f"{name}-workers-stop", env, "workers", "stop")
@@ -231,7 +235,7 @@ def run_multiwindow(check: Check, gpu_set: GpuSet) -> dict[str, Any]:
     return row
 
 
-def run_archive(check: Check, gpu_set: GpuSet, clips: int) -> dict[str, Any]:
+def run_archive(check: Check, gpu_set: GpuSet, clips: int, max_parallel: int | None = None) -> dict[str, Any]:
     """Streaming's archive of `clips` W1 clips through `k6vsr archive` on the set's workers; its row."""
     from bench.device_check import as_archive, readme_gpu_command
 
@@ -239,7 +243,11 @@ def run_archive(check: Check, gpu_set: GpuSet, clips: int) -> dict[str, Any]:
     folder = streaming.archive_input(check, clips)
     store, out_dir = _fresh(check, label)
     argv = as_archive(readme_gpu_command(), folder, out_dir)
-    note = f"{clips} W1 clips, warm workers, {_gpus(gpu_set)}"
+    if max_parallel is not None:
+        argv += ["--max-parallel", str(max_parallel)]
+    note = f"{clips} W1 clips, warm workers, {_gpus(gpu_set)}" + (
+        f", --max-parallel {max_parallel}" if max_parallel else ""
+    )
     row = check.measure(label, f"W1 x{clips}", note, argv, gpu_set.env, store, out_dir, GROUP, add=False)
     row["md5"] = None  # one output per clip, each with its own tone: no md5 to compare
     row.update(streaming.archive_figures(out_dir, row["wall_s"], clips))

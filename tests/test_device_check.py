@@ -418,7 +418,7 @@ def test_the_two_gpu_runs_reach_their_commands_and_give_the_issues_verdicts(
     check = _gpu_check(tmp_path, monkeypatch, ["0", "1"])
     fake = FakeWorkers(tmp_path, check, TWO_GPU_WALLS)
     monkeypatch.setattr(check, "command", fake)
-    two_gpus.run_two_gpus(check, list(two_gpus.PARTS), clips=4)
+    two_gpus.run_two_gpus(check, list(two_gpus.PARTS), clips=4, max_parallel=2)
 
     per_set = ["workers-start", "workers-status", "W1-1", "W1-2", "multiwindow", "archive"]
     assert fake.order == [
@@ -441,6 +441,7 @@ def test_the_two_gpu_runs_reach_their_commands_and_give_the_issues_verdicts(
     assert all("CUDA_VISIBLE_DEVICES" not in fake.calls[label][1] for label in all_gpus)
     assert fake.calls["one-gpu-multiwindow"][0][4] == str(tmp_path / "W1-long.mp4")
     assert fake.calls["all-gpus-archive"][0][3:5] == ["archive", str(check.work / "archive-in")]
+    assert fake.calls["one-gpu-archive"][0][-2:] == fake.calls["all-gpus-archive"][0][-2:] == ["--max-parallel", "2"]
     # Warm workers, never one-shot; a store of each run's own.
     runs = [label for label in fake.order if label.endswith(("W1-1", "W1-2", "multiwindow", "archive", "killed"))]
     assert all("K6VSR_WARM_WORKERS" not in fake.calls[label][1] for label in runs)
