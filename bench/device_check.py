@@ -34,6 +34,17 @@ cards' against the default:
 
     python3 bench/device_check.py --runs memory --deadline 560
 
+`--runs two-gpus` is the two-GPU issue's (`bench/two_gpus.py`): warm workers on the first GPU only
+(`CUDA_VISIBLE_DEVICES`), then one per visible GPU, each set running the `--two-gpu-parts` asked: W1 twice, the
+three-window clip, an archive of `--archive-clips` W1 clips, and (all GPUs) W1 with one worker SIGKILLed mid-tile;
+W1 and the window at most 0.55x one GPU, clips per hour at least 1.9x, the killed run with one GPU's md5. With fewer
+than 2 GPUs one row says so. One call holds one of these (a bundle and a warm compile cache already there):
+
+    python3 bench/device_check.py --runs two-gpus --two-gpu-parts w1,kill --deadline 560
+    python3 bench/device_check.py --runs two-gpus --two-gpu-parts multiwindow --deadline 560
+    python3 bench/device_check.py --runs two-gpus --two-gpu-parts archive --archive-clips 4 --archive-max-parallel 2 \\
+        --deadline 560
+
 Runs that would not finish before `--deadline` are skipped and listed. Later GPU issues add their runs here.
 """
 
@@ -57,7 +68,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import same_bytes, streaming  # noqa: E402 - after the checkout is on the path, as for a script
+from bench import same_bytes, streaming, two_gpus  # noqa: E402 - after the checkout is on the path, as for a script
 
 # W1-long: W1's size for three windows (121 + 2 x 105 frames: the window stride at the default overlap of 16).
 WORKLOADS = {"W1": (768, 512, 121), "W2": (384, 256, 33), "W1-long": (768, 512, 331)}
@@ -78,6 +89,18 @@ COST = {
     "multiwindow": 220,
     "archive-clip": 95,
     "memory": 560,  # bench/memory_bench.py's MEMORY_MODES, one process each
+    # bench/two_gpus.py, on warm workers (start 48 s and a first W1 on them 130-164 s on the H200, 2026-12-01/02): gpu1
+    # on one GPU, gpus on two (about 0.6x one: the issue's 0.55x and the tiles a GPU waits for); W1: the mean of a
+    # first and a hot run; kill: W1 with a tile computed again.
+    "gpus-start": 60,
+    "gpus-stop": 15,
+    "gpu1-W1": 100,
+    "gpus-W1": 60,
+    "gpu1-multiwindow": 200,
+    "gpus-multiwindow": 120,
+    "gpu1-archive-clip": 60,
+    "gpus-archive-clip": 35,
+    "gpus-kill": 70,
 }
 # The memory issue's modes (bench/memory_bench.py): the default, its whole-tile-decode reference, `auto` on smaller
 # cards simulated by the process's memory fraction.
@@ -92,6 +115,10 @@ TARGETS = {
     "warm_oneshot_over_inmemory_s": 15.0,  # one-shot W1 with a warm compile cache at most in-memory hot + 15 s
     "window_vs_gpu_work": 1.05,  # multi-window GPU stream's seconds a window at most 1.05x one window's GPU work
     "archive_vs_serial_inmemory": 1.15,  # archive clips per hour at least 1.15x in-memory hot runs one after another
+    # The two-GPU issue's (bench/two_gpus.py), all visible GPUs against the first one alone, warm workers both:
+    "two_gpus_w1_vs_one": 0.55,  # W1, second run, at most 0.55x
+    "two_gpus_window_vs_one": 0.55,  # multi-window seconds per window at most 0.55x
+    "two_gpus_archive_vs_one": 1.9,  # archive clips per hour at least 1.9x
 }
 
 
@@ -380,7 +407,10 @@ class Check:
                 {"target": "W1: one md5 for every process", "measured": len({r["md5"] for r in w1}), "pass": same}
             )
         memory = memory_verdicts(self.memory_targets, self.rows)
-        return verdicts + streaming.verdicts(self.rows, TARGETS) + same_bytes.verdicts(self.rows) + memory
+        found = streaming.verdicts(self.rows, TARGETS) + same_bytes.verdicts(self.rows) + memory
+        if any(row.get("group") == two_gpus.GROUP for row in self.rows):
+            found += two_gpus.verdicts(self.rows, TARGETS)
+        return verdicts + found
 
     def render(self) -> str:
         lines = [
@@ -478,7 +508,14 @@ def main(argv: list[str] | None = None) -> int:
         "inmemory (the in-memory runner on W1, first and hot), W2, warm (W1 one-shot with the warm cache), "
         "workers (start, W1 twice, stop), multiwindow (a three-window clip one-shot), archive (W1 clips through "
         "`k6vsr archive`), same-bytes (bench/same_bytes.py), memory (bench/memory_bench.py's modes "
-        f"{MEMORY_MODES}, through the in-memory runner); run in that order",
+        f"{MEMORY_MODES}, through the in-memory runner), two-gpus (bench/two_gpus.py: warm workers on one GPU, then "
+        "on every GPU); run in that order",
+    )
+    parser.add_argument(
+        "--two-gpu-parts",
+        default=",".join(two_gpus.PARTS),
+        help="comma-separated, the two-gpus runs on each set of workers: w1 (W1 twice), multiwindow (three windows), "
+        "archive (--archive-clips W1 clips), kill (all GPUs: W1 with a worker SIGKILLed mid-tile)",
     )
     parser.add_argument("--archive-clips", type=int, default=4, help="W1 clips in the archive run")
     parser.add_argument("--archive-max-parallel", type=int, default=None, help="the archive's --max-parallel")
@@ -489,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.archive_clips < 1:
         parser.error(f"--archive-clips must be at least 1, not {args.archive_clips}")
+    try:
+        parts = two_gpus.parse_parts(args.two_gpu_parts)
+    except ValueError as err:
+        parser.error(str(err))
     check = Check(args)
     check.out.mkdir(parents=True, exist_ok=True)
     check.work.mkdir(parents=True, exist_ok=True)
@@ -531,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         same_bytes.run_same_bytes(check, args.same_workload, args.parallel)
     if "memory" in runs:
         run_memory(check)
+    if "two-gpus" in runs:
+        two_gpus.run_two_gpus(check, parts, args.archive_clips, args.archive_max_parallel)
     # The local Prefect server the runs started lasts by design; the check's own home is not the user's: stop it.
     check.command("server-stop", [sys.executable, "-m", "entrypoints.cli", "server", "stop"])
     skipped = [

@@ -8,12 +8,14 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
-from bench import device_check, same_bytes, streaming
+from bench import device_check, same_bytes, streaming, two_gpus
 
 SAME = hashlib.md5(b"same").hexdigest()
 
@@ -322,3 +324,274 @@ def test_the_memory_run_reaches_the_memory_bench_on_the_checks_bundle_and_gives_
     assert verdicts["memory auto24: time vs the default"]["pass"] is False  # 1.25x > 1.15x
     assert "memory auto16: peak reserved <= 16.0 GiB" not in verdicts  # it failed: no figure to judge...
     assert verdicts["memory-auto16 completes"]["pass"] is False  # ...and the failure is a verdict
+
+
+# ------------------------------------------------------------------------------------------------ two GPUs
+
+
+class FakeWorkers:
+    """`check.command` for the two-GPU runs: warm workers that start with as many workers as the environment shows
+    GPUs, runs that write what the real ones would (outputs, timelines, the archive's manifest), and a kill that a
+    nanny answers with a fresh pid."""
+
+    def __init__(self, tmp_path: Path, check: device_check.Check, walls: dict[str, float]) -> None:
+        self.tmp_path, self.check, self.walls = tmp_path, check, walls
+        self.calls: dict[str, tuple[list[str], dict[str, str]]] = {}
+        self.order: list[str] = []
+        self.workers: list[dict] = []
+        self.killed = threading.Event()
+        self.next_pid = 100
+
+    def __call__(self, label: str, argv: list[str], env: dict[str, str] | None = None) -> dict:
+        env = env or self.check.env
+        self.calls[label] = (argv, env)
+        self.order.append(label)
+        stdout, rc = "", 0
+        if argv[0] == "kill":
+            pid = int(argv[-1])
+            self.workers = [w if w["pid"] != pid else self._worker(w["gpu"]) for w in self.workers]
+            self.killed.set()
+        elif argv[3:5] == ["workers", "start"]:
+            gpus = env.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")
+            self.workers = [self._worker(gpu) for gpu in gpus]
+        elif argv[3:5] == ["workers", "stop"]:
+            self.workers = []
+        elif argv[3:5] == ["workers", "status"]:
+            stdout = json.dumps({"running": bool(self.workers), "workers": self.workers}, indent=2)
+        elif argv[3] == "upscale":
+            self._upscale(label, argv, Path(env["K6VSR_STORE"]))
+        elif argv[3] == "archive":
+            out_dir = Path(argv[argv.index("-o") + 1])
+            out_dir.mkdir(parents=True)
+            rows = [{"status": "done", "seconds": 30.0} for _ in Path(argv[4]).iterdir()]
+            (out_dir / "k6vsr-archive-manifest.json").write_text(json.dumps({"rows": rows}))
+        return {"label": label, "wall_s": self.walls.get(label, 100.0), "rc": rc, "stdout": stdout, "stderr": ""}
+
+    def _worker(self, gpu: str) -> dict:
+        self.next_pid += 1
+        return {"name": f"worker-{gpu}", "pid": self.next_pid, "gpu": gpu, "models": ["bundle"], "loads": 1}
+
+    def _upscale(self, label: str, argv: list[str], store: Path) -> None:
+        now = time.time()
+        if label.endswith("multiwindow"):  # one GPU: windows one after another; two: two windows side by side
+            _window_timeline(store, now, [now + e for e in ((50, 98, 146) if "one" in label else (50, 52, 74))])
+        if label == two_gpus.KILLED:
+            folder = store / "runs" / "key"
+            folder.mkdir(parents=True)
+            writer = self.workers[0]["pid"]
+            line = {"stage": "denoise", "item": "0-0", "start": now - 20, "end": now, "pid": writer}
+            (folder / "timeline.jsonl").write_text(json.dumps(line) + "\n")
+            assert self.killed.wait(10), "the watcher never killed a worker"
+        out_dir = Path(argv[argv.index("-o") + 1])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "clip_sr2x.mp4").write_bytes(b"same")
+
+
+def _gpu_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpus: list[str]) -> device_check.Check:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(two_gpus, "visible_gpus", lambda: gpus)
+    monkeypatch.setattr(device_check, "WORKLOADS", device_check.TINY_WORKLOADS)  # the archive's clips are made
+    args = argparse.Namespace(work=str(tmp_path / "work"), out=str(tmp_path / "out"), deadline=3000.0, tiny=False)
+    check = device_check.Check(args)
+    check.work.mkdir()
+    check.out.mkdir()
+    monkeypatch.setattr(check, "clip", lambda workload: tmp_path / f"{workload}.mp4")
+    return check
+
+
+TWO_GPU_WALLS = {
+    "one-gpu-W1-1": 130.0,
+    "one-gpu-W1-2": 60.0,
+    "all-gpus-W1-1": 80.0,
+    "all-gpus-W1-2": 32.0,
+    "one-gpu-archive": 240.0,
+    "all-gpus-archive": 120.0,
+}
+
+
+def test_the_two_gpu_runs_reach_their_commands_and_give_the_issues_verdicts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Warm workers on the first GPU (every command of the set sees only it), then on both; each part on each set;
+    a worker SIGKILLed once the killed run's first denoise item is written; a verdict for each of the issue's
+    targets from runs of the same call."""
+    check = _gpu_check(tmp_path, monkeypatch, ["0", "1"])
+    fake = FakeWorkers(tmp_path, check, TWO_GPU_WALLS)
+    monkeypatch.setattr(check, "command", fake)
+    two_gpus.run_two_gpus(check, list(two_gpus.PARTS), clips=4, max_parallel=2)
+
+    per_set = ["workers-start", "workers-status", "W1-1", "W1-2", "multiwindow", "archive"]
+    assert fake.order == [
+        "two-gpus-workers-clear",
+        *[f"one-gpu-{label}" for label in per_set],
+        "one-gpu-workers-stop",
+        *[f"all-gpus-{label}" for label in per_set],
+        "all-gpus-status-before-kill",
+        "all-gpus-W1-killed",
+        "all-gpus-kill",
+        "all-gpus-status-after-kill",
+        "all-gpus-workers-stop",
+    ]
+    bundle = str(check.work / "bundle")
+    assert fake.calls["one-gpu-workers-start"][0][3:] == ["workers", "start", "--gpus", "--model", bundle]
+    assert fake.calls["all-gpus-workers-start"][0][3:] == ["workers", "start", "--gpus", "--model", bundle]
+    one_gpu = [label for label in fake.order if label.startswith("one-gpu")]
+    assert all(fake.calls[label][1]["CUDA_VISIBLE_DEVICES"] == "0" for label in one_gpu)
+    all_gpus = [label for label in fake.order if label.startswith("all-gpus")]
+    assert all("CUDA_VISIBLE_DEVICES" not in fake.calls[label][1] for label in all_gpus)
+    assert fake.calls["one-gpu-multiwindow"][0][4] == str(tmp_path / "W1-long.mp4")
+    assert fake.calls["all-gpus-archive"][0][3:5] == ["archive", str(check.work / "archive-in")]
+    assert fake.calls["one-gpu-archive"][0][-2:] == fake.calls["all-gpus-archive"][0][-2:] == ["--max-parallel", "2"]
+    # Warm workers, never one-shot; a store of each run's own.
+    runs = [label for label in fake.order if label.endswith(("W1-1", "W1-2", "multiwindow", "archive", "killed"))]
+    assert all("K6VSR_WARM_WORKERS" not in fake.calls[label][1] for label in runs)
+    assert len({fake.calls[label][1]["K6VSR_STORE"] for label in runs}) == len(runs)
+    # The kill: the worker that did not write the first denoise item (pids 102 and 103 for the two-GPU set).
+    assert fake.calls["all-gpus-kill"][0] == ["kill", "-s", "KILL", "103"]
+
+    rows = {row["run"]: row for row in check.rows}
+    assert rows["one-gpu-workers-status"]["workers"] == [{"pid": 101, "gpu": "0"}]
+    assert [w["gpu"] for w in rows["all-gpus-workers-status"]["workers"]] == ["0", "1"]
+    killed = rows["all-gpus-W1-killed"]
+    assert killed["kill"]["pid"] == 103 and killed["kill"]["writer"] == 102 and killed["kill"]["rc"] == 0
+    assert killed["workers_after"] == [102, 104]  # the nanny's fresh worker in the killed one's place
+    assert rows["one-gpu-multiwindow"]["windows"] == 3 and rows["all-gpus-multiwindow"]["s_per_window_gpu"] == 23.3
+    assert rows["all-gpus-archive"]["clips_per_hour"] == 120.0 and rows["one-gpu-archive"]["clips_per_hour"] == 60.0
+
+    verdicts = {v["target"]: v for v in check.verdicts()}
+    w1 = verdicts["W1 on all GPUs, second run <= 0.55x one GPU's"]
+    assert w1["pass"] is True and w1["measured"] == "32.0 s / 60.0 s = 0.533x"
+    assert verdicts["W1 on all GPUs: the md5 of one GPU's"]["pass"] is True
+    window = verdicts["multi-window on all GPUs: s/window <= 0.55x one GPU's"]
+    assert window["pass"] is True and window["measured"].startswith("GPU stream 23.3 s a window / 47.3 s = 0.493x")
+    archive = verdicts["archive on all GPUs: clips/h >= 1.9x one GPU's"]
+    assert archive["pass"] is True and archive["measured"].endswith("= 2.0x")
+    kill = verdicts["a worker SIGKILLed mid-tile: the run completes with one GPU's md5"]
+    assert kill["pass"] is True and kill["measured"].startswith("pid 103 killed")
+    assert verdicts["all-gpus-W1-killed completes"]["pass"] is True
+    assert "W1: one md5 for every process" not in verdicts  # the sets' md5s are judged by their own verdicts
+    table = (check.out / "device-check.md").read_text()
+    assert "| all-gpus-W1-killed | W1 |" in table and "FAIL" not in table
+
+
+def _two_gpu_rows(**changes: dict) -> list[dict]:
+    """The rows of a passing call; `changes` updates a run's row."""
+    rows = {
+        "one-gpu-W1-2": {"wall_s": 60.0, "md5": "a"},
+        "all-gpus-W1-2": {"wall_s": 30.0, "md5": "a"},
+        "one-gpu-multiwindow": {"windows": 3, "s_per_window_gpu": 48.0, "s_per_window_wall": 60.0},
+        "all-gpus-multiwindow": {"windows": 3, "s_per_window_gpu": 24.0, "s_per_window_wall": 34.0},
+        "one-gpu-archive": {"clips": 4, "clips_done": 4, "clips_per_hour": 60.0, "wall_s": 240.0},
+        "all-gpus-archive": {"clips": 4, "clips_done": 4, "clips_per_hour": 120.0, "wall_s": 120.0},
+        two_gpus.KILLED: {"md5": "a", "kill": {"pid": 2, "rc": 0, "after_s": 9.0}},
+    }
+    for name, change in changes.items():
+        rows[name.replace("_", "-")] = {**rows[name.replace("_", "-")], **change}
+    return [{"run": name, "rc": 0, "group": two_gpus.GROUP, **row} for name, row in rows.items()]
+
+
+@pytest.mark.parametrize(
+    ("changes", "target"),
+    [
+        ({"all_gpus_W1_2": {"wall_s": 34.0}}, "W1 on all GPUs, second run <= 0.55x one GPU's"),  # 0.567x
+        ({"all_gpus_W1_2": {"md5": "b"}}, "W1 on all GPUs: the md5 of one GPU's"),
+        ({"all_gpus_multiwindow": {"s_per_window_gpu": 27.0}}, "multi-window on all GPUs: s/window <= 0.55x one GPU's"),
+        ({"all_gpus_multiwindow": {"windows": 2}}, "multi-window on all GPUs: s/window <= 0.55x one GPU's"),
+        ({"all_gpus_archive": {"clips_per_hour": 110.0}}, "archive on all GPUs: clips/h >= 1.9x one GPU's"),  # 1.83x
+        ({"all_gpus_archive": {"clips_done": 3}}, "archive on all GPUs: clips/h >= 1.9x one GPU's"),
+        ({"all_gpus_W1_killed": {"md5": "b"}}, "a worker SIGKILLed mid-tile: the run completes with one GPU's md5"),
+        ({"all_gpus_W1_killed": {"kill": {}}}, "a worker SIGKILLed mid-tile: the run completes with one GPU's md5"),
+    ],
+)
+def test_each_two_gpu_verdict_fails_on_its_own(changes: dict, target: str) -> None:
+    passing = {v["target"]: v for v in two_gpus.verdicts(_two_gpu_rows(), device_check.TARGETS)}
+    assert len(passing) == 5 and all(v["pass"] is True for v in passing.values())
+    found = {v["target"]: v for v in two_gpus.verdicts(_two_gpu_rows(**changes), device_check.TARGETS)}
+    assert found[target]["pass"] is False
+    assert all(v["pass"] is True for name, v in found.items() if name != target)
+
+
+def test_with_fewer_than_two_gpus_one_row_says_so_and_nothing_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check = _gpu_check(tmp_path, monkeypatch, ["0"])
+    fake = FakeWorkers(tmp_path, check, {})
+    monkeypatch.setattr(check, "command", fake)
+    two_gpus.run_two_gpus(check, list(two_gpus.PARTS), clips=4)
+    assert fake.order == []
+    assert check.rows == [{"run": "two-gpus", "group": "two-gpus", "wall_s": 0.0, "note": mock.ANY}]
+    assert check.rows[0]["note"].startswith("1 GPU visible (0): the two-GPU runs need at least 2")
+    verdicts = two_gpus.verdicts(check.rows, device_check.TARGETS)
+    assert len(verdicts) == 5 and all(v["pass"] is None and v["measured"] is None for v in verdicts)
+    assert "| W1 on all GPUs, second run <= 0.55x one GPU's | no one-gpu-W1-2, all-gpus-W1-2 | not measured |" in (
+        check.render()
+    )
+
+
+def test_two_gpu_parts_that_would_pass_the_deadline_are_left_out_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kept, left_out = two_gpus.fitting(["w1", "kill"], 4, 560)
+    assert kept == ["w1", "kill"] and not left_out  # the docstring's first call
+    assert two_gpus.fitting(["multiwindow"], 4, 560) == (["multiwindow"], [])
+    assert two_gpus.fitting(["archive"], 4, 560) == (["archive"], [])
+    assert two_gpus.fitting(["archive"], 8, 560) == ([], ["archive"])  # the issue's 8 clips: more than a call
+    assert two_gpus.fitting(list(two_gpus.PARTS), 4, 560) == (["w1"], ["multiwindow", "archive", "kill"])
+    check = _gpu_check(tmp_path, monkeypatch, ["0", "1"])
+    check.deadline = time.monotonic() + 400
+    fake = FakeWorkers(tmp_path, check, TWO_GPU_WALLS)
+    monkeypatch.setattr(check, "command", fake)
+    two_gpus.run_two_gpus(check, ["w1", "archive"], clips=4)
+    assert check.rows[0]["run"] == "two-gpus-left-out" and check.rows[0]["note"].endswith(": w1, archive")
+    assert fake.order == []
+
+
+def test_the_two_gpu_parts_are_checked_before_anything_runs() -> None:
+    assert two_gpus.parse_parts("kill, w1") == ["w1", "kill"]  # always in the sets' order
+    with pytest.raises(SystemExit):
+        device_check.main(["--runs", "two-gpus", "--two-gpu-parts", "w1,windows"])
+
+
+def test_kill_alone_runs_w1_once_on_one_gpu_for_its_md5_and_cpu_workers_stand_for_gpus_with_tiny(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    check = _gpu_check(tmp_path, monkeypatch, ["0", "1"])
+    fake = FakeWorkers(tmp_path, check, TWO_GPU_WALLS)
+    monkeypatch.setattr(check, "command", fake)
+    two_gpus.run_two_gpus(check, ["kill"], clips=4)
+    runs = [label for label in fake.order if "W1" in label]
+    assert runs == ["one-gpu-W1-1", "all-gpus-W1-killed"]
+    kill = {v["target"]: v for v in check.verdicts()}[
+        "a worker SIGKILLed mid-tile: the run completes with one GPU's md5"
+    ]
+    assert kill["pass"] is True
+    one, every = two_gpus.gpu_sets([], tiny=True)
+    assert (one.start_args, every.start_args) == (("-n", "1"), ("-n", "2")) and one.workers == 1 and every.workers == 2
+    assert one.env == every.env == {"CUDA_VISIBLE_DEVICES": ""}  # no GPU for any command: the device is the CPU
+
+
+def test_a_set_without_one_worker_per_gpu_runs_nothing_on_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers that did not start, or not one per GPU, would measure something else: the set's runs are not run."""
+    check = _gpu_check(tmp_path, monkeypatch, ["0", "1"])
+    fake = FakeWorkers(tmp_path, check, TWO_GPU_WALLS)
+    started = fake.__call__
+
+    def start_one(label: str, argv: list[str], env: dict[str, str] | None = None) -> dict:
+        result = started(label, argv, env)
+        if label == "all-gpus-workers-start":
+            fake.workers = fake.workers[:1]  # one GPU's worker never came up
+        return result
+
+    monkeypatch.setattr(check, "command", start_one)
+    two_gpus.run_two_gpus(check, ["w1"], clips=4)
+    assert [label for label in fake.order if label.startswith("all-gpus")] == [
+        "all-gpus-workers-start",
+        "all-gpus-workers-status",
+        "all-gpus-workers-stop",
+    ]
+    rows = {row["run"]: row for row in check.rows}
+    assert rows["all-gpus-workers"]["rc"] == 1 and rows["all-gpus-workers"]["note"].startswith(
+        "expected 2 warm workers, found 1 (pid 102 GPU 0)"
+    )
+    w1 = {v["target"]: v for v in check.verdicts()}["W1 on all GPUs, second run <= 0.55x one GPU's"]
+    assert w1["pass"] is None and w1["missing"] == ["all-gpus-W1-2"]
