@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
 
 from k6vsr_core.errors import BundleError
-from k6vsr_core.memory import MemoryGate, Stage
+from k6vsr_core.gate import MemoryGate, Stage
 from k6vsr_core.plan import ModelTraits
 from k6vsr_core.tiling import RESOLUTIONS, Size
 

@@ -10,11 +10,12 @@ A budget settles three things, none of which changes a computed value:
 - whether the stages of one process take turns on the GPU (a decode then no longer overlaps the next denoise).
 
 A process runs up to two model tasks at once (`flows.slots`), and an archive's clips share a warm worker's. Whatever
-runs together, each stage's call first takes its share of the card from the bundle's `MemoryGate`: its activations
-as estimated here (all of the room when stages take turns). Calls run together only while their shares fit beside the
-resident weights under the budget's limit, so the budget covers every pairing the scheduler allows (two denoise
-chunks, two decodes, an encode beside a decode), not only the decode beside a denoise that the KVAE chunk is chosen
-for. A call that waits keeps its place: a large decode is not overtaken by a stream of small denoise chunks.
+runs together, each stage's call first takes its share of the card from the bundle's `MemoryGate`
+(`k6vsr_core.gate`): its activations as estimated here (all of the room when stages take turns). Calls run together
+only while their shares fit beside the resident weights under the budget's limit, so the budget covers every pairing
+the scheduler allows (two denoise chunks, two decodes, an encode beside a decode), not only the decode beside a
+denoise that the KVAE chunk is chosen for. A call that waits keeps its place: a large decode is not overtaken by a
+stream of small denoise chunks.
 
 Where stages may overlap, every process budgets for a decode beside a denoise, also one that happens to run one
 stage at a time (a one-thread worker, the in-memory runner): the KVAE chunk decides how the decode's sums are split,
@@ -36,16 +37,14 @@ are `RELEASED_FOOTPRINT`, the released model's, measured on an H200 where noted.
 
 from __future__ import annotations
 
-import threading
-from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import UserFacingError
+from k6vsr_core.gate import Stage
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan
 from k6vsr_core.tiling import SPATIAL_FACTOR, Size
 
@@ -233,7 +232,6 @@ def _chunk_words(chunk: int | None) -> str:
 
 # Allocated bytes at a KVAE stage's peak: (layout, footprint, source or tile size, pixel frames, chunk).
 Peak = Callable[[Layout, Footprint, Size, int, "int | None"], float]
-Stage = Literal["encode", "denoise", "decode"]
 
 
 def _resident(layout: Layout, footprint: Footprint) -> int:
@@ -436,43 +434,3 @@ def apply_budget(bundle: ModelBundle, budget: MemoryBudget) -> None:
 
             torch.cuda.empty_cache()
     bundle.memory = budget
-
-
-# A condition variable of our own, not a Dask worker resource or a Prefect concurrency limit: shares are bytes that
-# differ per call, the callers are the threads of one process (a command's, a warm worker's, the in-memory runner's),
-# and a call that waits must not cost a round trip to a scheduler.
-class MemoryGate:
-    """Admits a process's model calls while their shares fit the room together, first come first served."""
-
-    def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._queue: deque[object] = deque()
-        self._taken = 0
-        self._running = 0
-
-    @contextmanager
-    def hold(self, share: int, room: int) -> Iterator[None]:
-        """Run the block once `share` fits beside what runs (always when nothing runs: a stage alone was budgeted
-        to fit), and no call that came first still waits."""
-        ticket = object()
-        with self._changed:
-            self._queue.append(ticket)
-            self._changed.wait_for(
-                lambda: self._queue[0] is ticket and (self._running == 0 or self._taken + share <= room)
-            )
-            self._queue.popleft()
-            self._taken += share
-            self._running += 1
-            self._changed.notify_all()  # the next in line may fit too
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._taken -= share
-                self._running -= 1
-                self._changed.notify_all()
-
-    @property
-    def running(self) -> int:
-        with self._changed:
-            return self._running

@@ -14,13 +14,13 @@ import torch
 from pydantic import ValidationError
 
 from k6vsr_core.bundle import ModelBundle, load_bundle, model_traits
+from k6vsr_core.gate import MemoryGate
 from k6vsr_core.memory import (
     BUDGETS,
     GIB,
     Footprint,
     MemoryBudget,
     MemoryBudgetError,
-    MemoryGate,
     apply_budget,
     budget_for,
     card_bytes,
