@@ -148,22 +148,23 @@ def as_archive(command: list[str], input_dir: Path, out_dir: Path) -> list[str]:
 
 
 class NvmlPeak:
-    """Device-wide used memory, sampled every 0.1 s while a run lasts (NVML sees every process on the GPU)."""
+    """Used memory of every GPU, sampled every 0.1 s while a run lasts (NVML sees every process on a GPU); `gib` is
+    the largest card's peak, what a per-card budget is judged by, and `per_gpu` each card's."""
 
     def __init__(self) -> None:
-        self.peak = 0
+        self.peaks: list[int] = []
         self._stop = threading.Event()
         try:
             import pynvml
 
             pynvml.nvmlInit()
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
             self._nvml = pynvml
         except Exception:  # noqa: BLE001 - no NVML: the column stays empty
             self._nvml = None
 
     def __enter__(self) -> NvmlPeak:
-        self.peak = 0
+        self.peaks = [0] * len(self._handles) if self._nvml is not None else []
         self._stop.clear()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()
@@ -171,8 +172,8 @@ class NvmlPeak:
 
     def _poll(self) -> None:
         while self._nvml is not None and not self._stop.wait(0.1):
-            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used
-            self.peak = max(self.peak, used)
+            for index, handle in enumerate(self._handles):
+                self.peaks[index] = max(self.peaks[index], self._nvml.nvmlDeviceGetMemoryInfo(handle).used)
 
     def __exit__(self, *exc: Any) -> None:
         self._stop.set()
@@ -180,7 +181,11 @@ class NvmlPeak:
 
     @property
     def gib(self) -> float | None:
-        return round(self.peak / 2**30, 2) if self._nvml is not None else None
+        return round(max(self.peaks) / 2**30, 2) if self.peaks else None
+
+    @property
+    def per_gpu(self) -> list[float]:
+        return [round(peak / 2**30, 2) for peak in self.peaks]
 
 
 def md5(path: Path) -> str:
@@ -325,6 +330,7 @@ class Check:
             "stages": stages,
             "peak_reserved_gib": process_peak,
             "nvml_peak_gib": nvml.gib,
+            "nvml_peak_gib_per_gpu": nvml.per_gpu,
             "md5": md5(outputs[-1]) if outputs else None,
             "compile_notices": result["stderr"].count("compiling GPU kernels"),
             "stage_sums": stage_checksums(store),

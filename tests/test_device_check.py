@@ -595,3 +595,35 @@ def test_a_set_without_one_worker_per_gpu_runs_nothing_on_it(tmp_path: Path, mon
     )
     w1 = {v["target"]: v for v in check.verdicts()}["W1 on all GPUs, second run <= 0.55x one GPU's"]
     assert w1["pass"] is None and w1["missing"] == ["all-gpus-W1-2"]
+
+
+def test_nvml_peaks_are_per_gpu_and_the_largest_card_is_the_figure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine of several GPUs each card's peak is kept (a two-GPU run's second card was not seen before); the
+    table's figure is the largest card's, what a per-card budget is judged by."""
+    import types
+
+    used = {0: [1, 5, 2], 1: [3, 9, 4]}  # GiB each sample, per GPU
+    samples = {index: iter(values) for index, values in used.items()}
+    done = threading.Event()
+
+    def memory_info(index: int) -> types.SimpleNamespace:
+        value = next(samples[index], None)
+        if value is None:
+            done.set()
+            value = used[index][-1]
+        return types.SimpleNamespace(used=value * 2**30)
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda index: index,
+        nvmlDeviceGetMemoryInfo=memory_info,
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with device_check.NvmlPeak() as nvml:
+        assert done.wait(10)
+    assert nvml.per_gpu == [5.0, 9.0] and nvml.gib == 9.0
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML: no figure
+    with device_check.NvmlPeak() as none:
+        pass
+    assert none.gib is None and none.per_gpu == []
