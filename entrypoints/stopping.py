@@ -52,7 +52,11 @@ def stop(signum: int) -> NoReturn:
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not break the stop into a traceback
         with contextlib.suppress(ValueError):  # outside the main thread, where no interrupt is raised anyway
             signal.signal(sig, signal.SIG_IGN)
-    # The one line is the last: a Dask scheduler in this process would log the workers it loses below.
+    # The one line is the last. What this command started is frozen before it is written (a Dask worker that was
+    # printing a warning went on below it), and killed after; a Dask scheduler in this process would log the workers
+    # it loses below it.
+    children = _descendants(os.getpid())
+    _send(children, signal.SIGSTOP)
     logging.disable(logging.CRITICAL)
     warnings.simplefilter("ignore")
     # Written past Python's buffers: this may run inside a signal handler that interrupted a write to them.
@@ -62,45 +66,43 @@ def stop(signum: int) -> NoReturn:
     fresh_line = "\n" if sys.stderr.isatty() else ""  # after the progress bar or the terminal's ^C
     with contextlib.suppress(OSError):
         os.write(2, f"{fresh_line}k6vsr: {MESSAGE}\n".encode())
-    helper = _end_runs_after_exit(signum) if "flows.prefect_server" in sys.modules else None  # else no flow ran
-    _kill_children(spare=helper)
+    if "flows.prefect_server" in sys.modules:  # else no flow ran
+        _end_runs_after_exit(signum)  # started after the list of what to kill was taken: it outlives this process
+    _send(children, signal.SIGKILL)
     # Not `sys.exit`: the interpreter would wait for the threads still computing tiles, which nothing can stop.
     os._exit(128 + signum)
 
 
-def _end_runs_after_exit(signum: int) -> int | None:
+def _end_runs_after_exit(signum: int) -> None:
     """Start the helper that marks this command's runs Cancelled once it has exited (`end_leased_runs`): in its own
     session, so that a second Ctrl-C does not reach it, and silent, so that the one line stays the last."""
     how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     reason = f"the k6vsr command was interrupted ({how}); finished items are kept, rerun to resume"
     code = f"from flows.prefect_server import end_leased_runs; end_leased_runs({os.getpid()}, {reason!r})"
-    try:
-        helper = subprocess.Popen(
+    with contextlib.suppress(OSError):  # else the next command marks them Crashed instead
+        subprocess.Popen(
             [sys.executable, "-c", code],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-    except OSError:  # the next command marks them Crashed instead
-        return None
-    return helper.pid
 
 
-def _kill_children(spare: int | None) -> None:
-    """SIGKILL every process this one started, and theirs: Dask workers computing tiles, which the store survives
-    as it survives a kill -9 of the command; a gentler signal would only give a nanny time to restart them.
+def _send(pids: list[int], sig: int) -> None:
+    """Signal each of `pids`, gone or not.
 
-    Python's resource tracker is left: it exits by itself when this process does, after freeing the shared memory
-    the workers left, and killed it would only be relaunched, to print errors about what it never saw.
+    Used on every process this one started, and theirs: first SIGSTOP, then SIGKILL. Dask workers computing tiles
+    are killed, which the store survives as it survives a kill -9 of the command. A gentler signal would only give
+    a nanny time to restart them. All are stopped before any is killed: a worker that outlived its nanny by a moment
+    would see the connection reset and print a traceback on the terminal, below the one line.
 
-    All are stopped (SIGSTOP) before any is killed: a worker that outlived its nanny by a moment would see the
-    connection reset and print a traceback on the terminal, below the one line."""
-    doomed = [pid for pid in _descendants(os.getpid()) if pid != spare]
-    for sig in (signal.SIGSTOP, signal.SIGKILL):
-        for pid in doomed:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+    Python's resource tracker is not among them (`_descendants`): it exits by itself when this process does, after
+    freeing the shared memory the workers left, and killed it would only be relaunched, to print errors about what
+    it never saw."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _descendants(root: int) -> list[int]:
