@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -202,25 +203,35 @@ def archive_figures(out_dir: Path, wall: float, clips: int) -> dict[str, Any]:
     }
 
 
+class Verdicts:
+    """Targets judged from the rows of one call: a target whose runs did not happen, or failed, is "not measured"
+    (pass and measured None, with those runs under `missing`)."""
+
+    def __init__(self, rows: list[dict[str, Any]]) -> None:
+        self.every = {row["run"]: row for row in rows}
+        self.runs = {name: row for name, row in self.every.items() if row.get("rc") == 0}
+        self.found: list[dict[str, Any]] = []
+
+    def add(self, target: str, needs: list[str], measure: Callable[[], tuple[Any, bool | None]]) -> None:
+        """Judge `target` by `measure()` (what was measured, and whether it passes) if every run it `needs` is in."""
+        missing = [
+            name if name not in self.every else f"{name} (exit {self.every[name].get('rc')})"
+            for name in needs
+            if name not in self.runs
+        ]
+        if missing:
+            self.found.append({"target": target, "measured": None, "pass": None, "missing": missing})
+            return
+        measured, passed = measure()
+        self.found.append({"target": target, "measured": measured, "pass": passed})
+
+
 def verdicts(rows: list[dict[str, Any]], targets: dict[str, float]) -> list[dict[str, Any]]:
     """The streaming issue's targets from the runs of this call; "not measured" (pass and measured None, with the
     runs that did not happen or failed under `missing`) where a run they need is not there to measure."""
-    every = {row["run"]: row for row in rows}
-    runs = {name: row for name, row in every.items() if row.get("rc") == 0}
+    judged = Verdicts(rows)
+    runs, verdict, found = judged.runs, judged.add, judged.found
     hot = runs.get(INMEMORY_HOT)
-    found = []
-
-    def verdict(target: str, needs: list[str], measure: Any) -> None:
-        missing = [
-            name if name not in every else f"{name} (exit {every[name].get('rc')})"
-            for name in needs
-            if name not in runs
-        ]
-        if missing:
-            found.append({"target": target, "measured": None, "pass": None, "missing": missing})
-            return
-        measured, passed = measure()
-        found.append({"target": target, "measured": measured, "pass": passed})
 
     goal = targets["workers_vs_inmemory"]
     for name in WORKER_RUNS:

@@ -336,21 +336,8 @@ def _watch(
 def verdicts(rows: list[dict[str, Any]], targets: dict[str, float]) -> list[dict[str, Any]]:
     """The two-GPU issue's targets from the runs of this call; "not measured" (pass and measured None, with the runs
     that did not happen or failed under `missing`) where a run they need is not there to measure."""
-    every = {row["run"]: row for row in rows}
-    runs = {name: row for name, row in every.items() if row.get("rc") == 0}
-    found: list[dict[str, Any]] = []
-
-    def verdict(target: str, needs: list[str], measure: Any) -> None:
-        missing = [
-            name if name not in every else f"{name} (exit {every[name].get('rc')})"
-            for name in needs
-            if name not in runs
-        ]
-        if missing:
-            found.append({"target": target, "measured": None, "pass": None, "missing": missing})
-            return
-        measured, passed = measure()
-        found.append({"target": target, "measured": measured, "pass": passed})
+    judged = streaming.Verdicts(rows)
+    runs, verdict, found = judged.runs, judged.add, judged.found
 
     one_w1, all_w1 = f"{ONE}-{W1_FIGURE}", f"{ALL}-{W1_FIGURE}"
     speed = targets["two_gpus_w1_vs_one"]
