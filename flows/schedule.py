@@ -11,7 +11,14 @@ its inputs are in, to one of two lanes:
   window before it is under way: its frames are read and encoded while that window's tiles decode, and no more than
   one window is encoded ahead;
 - the CPU lane (blend, segment) takes a task the moment its inputs are in, beside the model lane, so a window's
-  blend and segment overlap the next window's model work.
+  blend and segment overlap the next window's model work. A window's blend starts with its first decoded tile and
+  adds the others as they are decoded (`tasks.stage_tasks.blend` waits for them), so what is left of it after the
+  window's last decode is one tile and the division.
+
+The model lane's slots are a `ModelQueue`, which the clips of an archive share: it grants a free slot to the most
+urgent ready item of every clip that computes on the same workers, an earlier clip's before a later one's, so the
+next clip's frames are read and encoded while the clip before it finishes, and its tiles take the GPU the moment
+the earlier clip has nothing ready for it.
 
 This module knows nothing of Prefect: a lane is a function that starts an item and returns a future with
 `add_done_callback` (a Prefect future, or a `concurrent.futures.Future` in tests).
@@ -20,7 +27,9 @@ This module knows nothing of Prefect: a lane is a function that starts an item a
 from __future__ import annotations
 
 import heapq
+import itertools
 import queue
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -52,20 +61,29 @@ class Item:
 
 @dataclass(frozen=True)
 class Graph:
-    """A clip's items in pipeline order, what each needs finished, and what needs only to have started."""
+    """A clip's items in pipeline order, what each needs finished, and what needs only to have started.
+
+    An item in `starts_with` starts once those of its needs are finished and waits for the others itself (a blend
+    adds tiles as they are decoded); should one of those fail, it fails too, and so does what needs it.
+    """
 
     items: tuple[Item, ...]
     needs: dict[Item, tuple[Item, ...]]
     after_start: dict[Item, tuple[Item, ...]]  # only the items that have such a condition
+    starts_with: dict[Item, tuple[Item, ...]]  # likewise
 
     def waits_for_start(self, item: Item) -> tuple[Item, ...]:
         return self.after_start.get(item, ())
+
+    def needs_to_start(self, item: Item) -> tuple[Item, ...]:
+        return self.starts_with.get(item, self.needs[item])
 
 
 def clip_graph(plan: ClipPlan) -> Graph:
     items: list[Item] = []
     needs: dict[Item, tuple[Item, ...]] = {}
     after_start: dict[Item, tuple[Item, ...]] = {}
+    starts_with: dict[Item, tuple[Item, ...]] = {}
     blends: list[Item] = []
     last_denoises: tuple[Item, ...] = ()
     for window in range(plan.num_windows):
@@ -80,11 +98,12 @@ def clip_graph(plan: ClipPlan) -> Graph:
             needs[decode] = (chunks[plan.chunk_of(decode.index).index],)
         blends.append(Item("blend", window))
         needs[blends[-1]] = tuple(decodes)
+        starts_with[blends[-1]] = (decodes[0],)  # it adds the others as they are decoded, in tile order
         segment = Item("segment", window)
         needs[segment] = tuple(blends[-2:])
         items += [encode, *chunks.values(), *decodes, blends[-1], segment]
         last_denoises = tuple(chunks.values())
-    return Graph(tuple(items), needs, after_start)
+    return Graph(tuple(items), needs, after_start, starts_with)
 
 
 class Future(Protocol):
@@ -92,33 +111,88 @@ class Future(Protocol):
 
 
 Submit = Callable[[Item], Future]
+Grant = Callable[[], None]
+
+
+class ModelQueue:
+    """The model lane's slots, shared by every scheduler whose model tasks go to the same workers.
+
+    A scheduler offers each ready model item with its rank (the clip's place in an archive) and urgency; whenever
+    a slot is free the most urgent offer of all, the lowest rank first, is granted: its `grant` is called, from the
+    thread that freed the slot, and the scheduler that offered it starts it in its own thread (a task is submitted
+    from its own flow run). A granted item holds its slot until `release`.
+    """
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError(f"the model lane needs a slot at least, got {slots}")
+        self.slots = slots
+        self._lock = threading.Lock()
+        self._running = 0
+        self._offers: list[tuple[tuple[int, ...], int, Grant]] = []  # a heap, most urgent first
+        self._arrival = itertools.count()
+
+    def offer(self, rank: tuple[int, ...], grant: Grant) -> None:
+        with self._lock:
+            heapq.heappush(self._offers, (rank, next(self._arrival), grant))
+            granted = self._grants()
+        for call in granted:
+            call()
+
+    def release(self) -> None:
+        with self._lock:
+            self._running -= 1
+            granted = self._grants()
+        for call in granted:
+            call()
+
+    def withdraw(self, grants: set[Grant]) -> None:
+        """Drop the offers of a scheduler that stops."""
+        with self._lock:
+            self._offers = [offer for offer in self._offers if offer[2] not in grants]
+            heapq.heapify(self._offers)
+
+    def _grants(self) -> list[Grant]:
+        granted = []
+        while self._offers and self._running < self.slots:
+            granted.append(heapq.heappop(self._offers)[2])
+            self._running += 1
+        return granted
 
 
 class Scheduler:
-    """Runs a graph's items through a model lane of `slots` and an unbounded CPU lane, in the order above.
+    """Runs a graph's items through the model lane's `ModelQueue` and an unbounded CPU lane, in the order above.
 
     `run` yields each finished item with its future, in the order they finish; the caller reads the future and calls
     `failed(item)` before asking for the next one if it did not succeed. Items that need a failed one never start;
     an item waiting only for such an item to start starts anyway, so a window that fails does not stop the next.
+    `rank` places this clip's model work among the other clips sharing `slots` (smaller first).
     """
 
-    def __init__(self, graph: Graph, model: Submit, cpu: Submit, slots: int) -> None:
-        if slots < 1:
-            raise ValueError(f"the model lane needs a slot at least, got {slots}")
-        self._model, self._cpu, self._slots = model, cpu, slots
+    def __init__(self, graph: Graph, model: Submit, cpu: Submit, slots: ModelQueue | int, rank: int = 0) -> None:
+        self._queue = slots if isinstance(slots, ModelQueue) else ModelQueue(slots)
+        self._model, self._cpu, self._rank = model, cpu, rank
         self._order = {item: n for n, item in enumerate(graph.items)}
-        self._blocked = {item: len(graph.needs[item]) + len(graph.waits_for_start(item)) for item in graph.items}
-        self._needed_by: dict[Item, list[Item]] = {item: [] for item in graph.items}
+        self._blocked = {
+            item: len(graph.needs_to_start(item)) + len(graph.waits_for_start(item)) for item in graph.items
+        }
+        self._needed_by: dict[Item, list[Item]] = {item: [] for item in graph.items}  # fail with it
+        self._unblocks: dict[Item, list[Item]] = {item: [] for item in graph.items}  # may start once it is done
         self._started_for: dict[Item, list[Item]] = {item: [] for item in graph.items}
         for item in graph.items:
             for need in graph.needs[item]:
                 self._needed_by[need].append(item)
+            for need in graph.needs_to_start(item):
+                self._unblocks[need].append(item)
             for first in graph.waits_for_start(item):
                 self._started_for[first].append(item)
-        self._ready_model: list[tuple[tuple[int, int, int], int, Item]] = []  # a heap, most urgent first
         self._ready_cpu: list[Item] = []
         self._failed: set[Item] = set()
-        self._finished: queue.Queue[tuple[Item, Future]] = queue.Queue()
+        # ("done", item, future) when an item ends; ("granted", item, None) when the queue gives it a slot.
+        self._events: queue.Queue[tuple[str, Item, Future | None]] = queue.Queue()
+        self._offered: dict[Item, Grant] = {}  # offered to the queue, not yet started
+        self._lock = threading.Lock()
+        self._closed = False
         for item in graph.items:
             if not self._blocked[item]:
                 self._make_ready(item)
@@ -127,50 +201,87 @@ class Scheduler:
         self._failed.add(item)
 
     def run(self) -> Iterator[tuple[Item, Future]]:
-        running_model = running_cpu = 0
-        while True:
-            while self._ready_cpu:
-                self._start(self._ready_cpu.pop(0), self._cpu)
-                running_cpu += 1
-            while self._ready_model and running_model < self._slots:
-                self._start(heapq.heappop(self._ready_model)[2], self._model)
-                running_model += 1
-            if not running_model + running_cpu:
-                return  # what is left needs a failed item
-            item, future = self._finished.get()
-            if item.on_model:
-                running_model -= 1
-            else:
-                running_cpu -= 1
-            yield item, future
-            if item in self._failed:
-                self._abandon(item)
-            else:
-                for dependent in self._needed_by[item]:
-                    self._unblock(dependent)
+        running = 0
+        try:
+            while True:
+                while self._ready_cpu:
+                    self._start(self._ready_cpu.pop(0), self._cpu)
+                    running += 1
+                if not running and not self._offered:
+                    return  # what is left needs a failed item
+                kind, item, future = self._events.get()
+                if kind == "granted":
+                    del self._offered[item]
+                    self._start(item, self._model)
+                    running += 1
+                    continue
+                running -= 1
+                try:
+                    yield item, future
+                    if item in self._failed:
+                        self._abandon(item)
+                    else:
+                        for dependent in self._unblocks[item]:
+                            self._unblock(dependent)
+                finally:
+                    # After its dependents are offered: a tile is decoded as soon as its chunk is denoised.
+                    if item.on_model:
+                        self._queue.release()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Give back the slots this scheduler holds and will not use, and withdraw what it still offers; a model
+        task still running gives its slot back as it ends."""
+        with self._lock:
+            self._closed = True
+            self._queue.withdraw(set(self._offered.values()))
+        while not self._events.empty():
+            kind, item, _ = self._events.get_nowait()
+            if kind == "granted" or item.on_model:
+                self._queue.release()
 
     def _make_ready(self, item: Item) -> None:
-        if item.on_model:
-            heapq.heappush(self._ready_model, (item.urgency, self._order[item], item))
-        else:
+        if not item.on_model:
             self._ready_cpu.append(item)
+            return
+
+        def grant(item: Item = item) -> None:
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self._events.put(("granted", item, None))
+            if closed:
+                self._queue.release()
+
+        self._offered[item] = grant
+        self._queue.offer((self._rank, *item.urgency, self._order[item]), grant)
 
     def _unblock(self, item: Item) -> None:
         self._blocked[item] -= 1
-        if not self._blocked[item]:
+        if not self._blocked[item] and item not in self._failed:
             self._make_ready(item)
 
     def _start(self, item: Item, lane: Submit) -> None:
         future = lane(item)
-        future.add_done_callback(lambda done, item=item: self._finished.put((item, done)))
+        future.add_done_callback(lambda done, item=item: self._ended(item, done))
         self._started(item)
+
+    def _ended(self, item: Item, future: Future) -> None:
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._events.put(("done", item, future))
+        if closed and item.on_model:
+            self._queue.release()  # nobody reads this scheduler's events any more; another clip may want the slot
 
     def _started(self, item: Item) -> None:
         for waiting in self._started_for[item]:
             self._unblock(waiting)
 
     def _abandon(self, item: Item) -> None:
-        """`item` failed or will never start: what needs it never starts, what waits for it to start may."""
+        """`item` failed or will never start: what needs it never starts (or, started, fails of itself), what waits
+        for it to start may."""
         for dependent in self._needed_by[item]:
             if dependent not in self._failed:
                 self._failed.add(dependent)

@@ -8,7 +8,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from flows.schedule import Item, Scheduler, clip_graph
+from flows.schedule import Item, ModelQueue, Scheduler, clip_graph
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan, make_plan
 
@@ -26,6 +26,8 @@ class Lanes:
 
     def __init__(self, seconds: float = 0.0, failing: tuple[Item, ...] = ()) -> None:
         self.seconds, self.failing = seconds, failing
+        self.decoded: dict[tuple[int, int], threading.Event] = {}  # set when a decode ends, whether or not it failed
+        self.failed: set[Item] = set()
         self.log: list[tuple[str, Item, float, float]] = []
         self._pool = ThreadPoolExecutor(max_workers=16)
         self._lock = threading.Lock()
@@ -45,24 +47,40 @@ class Lanes:
                 self.at_once = max(self.at_once, self._model_running)
         start = time.monotonic()
         time.sleep(self.seconds)
+        if item.stage == "blend":
+            self._wait_for_tiles(item.window)  # as the blend task does: it adds tiles as they are decoded
         with self._lock:
             self.log.append((lane, item, start, time.monotonic()))
             self._model_running -= lane == "model"
+        if item.stage == "decode":
+            self._decoded(item.window, item.index).set()
         if item in self.failing:
             raise RuntimeError(f"{item} failed")
         return item
+
+    def _decoded(self, window: int, tile: int) -> threading.Event:
+        with self._lock:
+            return self.decoded.setdefault((window, tile), threading.Event())
+
+    def _wait_for_tiles(self, window: int) -> None:
+        for tile in range(9):
+            self._decoded(window, tile).wait()
+            if Item("decode", window, tile, (tile,)) in self.failing:
+                raise RuntimeError(f"window {window}: tile {tile} will not come")
 
     def span(self, stage: str, window: int, index: int = 0) -> tuple[float, float]:
         return next((s, e) for _, i, s, e in self.log if (i.stage, i.window, i.index) == (stage, window, index))
 
 
 def _run(plan: ClipPlan, lanes: Lanes, slots: int) -> list[Item]:
-    """Every item the scheduler ran to its end, in the order they finished; failures are told to it."""
+    """Every item the scheduler ran to its end, in the order they finished; failures are told to it (and kept in
+    `lanes.failed`)."""
     scheduler = Scheduler(clip_graph(plan), lanes.model, lanes.cpu, slots)
     finished = []
     for item, future in scheduler.run():
         if future.exception() is not None:
             scheduler.failed(item)
+            lanes.failed.add(item)
         finished.append(item)
     return finished
 
@@ -88,8 +106,10 @@ def test_blend_and_segment_overlap_the_next_windows_model_work() -> None:
         # Window k's blend and segment run while window k+1's tiles are still being denoised or decoded.
         next_model_end = max(e for lane, i, _, e in lanes.log if lane == "model" and i.window == window + 1)
         assert blend[0] < next_model_end and segment[0] < next_model_end
-        # And neither starts before what it reads exists.
-        assert blend[0] >= max(lanes.span("decode", window, t)[1] for t in range(9))
+        # The blend starts with the first decoded tile and takes the others as they come: it begins before the
+        # window's last decode ends, and ends after it. The segment starts once the blend has ended.
+        last_decode_end = max(lanes.span("decode", window, t)[1] for t in range(9))
+        assert lanes.span("decode", window, 0)[1] <= blend[0] < last_decode_end <= blend[1]
         assert segment[0] >= blend[1]
     first_decode = lanes.span("decode", 0, 0)[0]
     assert first_decode < lanes.span("denoise", 0, 8)[1]
@@ -100,8 +120,10 @@ def test_a_failed_tile_stops_only_what_needs_it() -> None:
     lanes = Lanes(failing=failing)
     finished = _run(_plan(2), lanes, slots=2)
     ran = {(i.stage, i.window) for i in finished}
-    # Window 0 cannot be blended, so neither its segment nor window 1's (which reads window 0's frames) is made.
-    assert ("blend", 0) not in ran and ("segment", 0) not in ran and ("segment", 1) not in ran
+    # Window 0 cannot be blended (its blend started with tile 0 and failed for want of tile 4), so neither its segment
+    # nor window 1's (which reads window 0's frames) is made.
+    assert ("segment", 0) not in ran and ("segment", 1) not in ran
+    assert ("blend", 0) not in {(i.stage, i.window) for i in finished if i not in lanes.failed}
     # Everything else is computed, so that a rerun has only that tile and what follows it left.
     assert sum(1 for i in finished if i.window == 1 and i.stage == "decode") == 9
     assert ("blend", 1) in ran
@@ -117,3 +139,64 @@ def test_a_window_whose_encode_fails_does_not_hold_back_the_next() -> None:
 def test_the_model_lane_needs_a_slot() -> None:
     with pytest.raises(ValueError, match="slot"):
         Scheduler(clip_graph(_plan(1)), Lanes().model, Lanes().cpu, slots=0)
+
+
+def _run_clips(plans: list[ClipPlan], lanes: Lanes, slots: int) -> dict[int, list[Item]]:
+    """The clips' schedulers at once, each in a thread of its own, sharing one model queue (as an archive's do)."""
+    shared = ModelQueue(slots)
+    finished: dict[int, list[Item]] = {}
+
+    def clip(rank: int) -> None:
+        scheduler = Scheduler(clip_graph(plans[rank]), lanes.model, lanes.cpu, shared, rank=rank)
+        finished[rank] = [item for item, _ in scheduler.run()]
+
+    threads = [threading.Thread(target=clip, args=(rank,)) for rank in range(len(plans))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return finished
+
+
+def test_clips_sharing_a_queue_never_exceed_its_slots_and_the_earlier_clip_goes_first() -> None:
+    lanes = Lanes(seconds=0.01)
+    finished = _run_clips([_plan(1), _plan(1)], lanes, slots=2)
+    assert sorted(finished) == [0, 1] and all(len(items) == len(clip_graph(_plan(1)).items) for items in finished.values())
+    assert lanes.at_once == 2  # two clips, each of which alone would take two slots, still share two
+    # Both clips' encodes ran first, side by side: the second clip's frames are encoded while the first clip has
+    # nothing else ready for the model (which clip goes first is test_the_queue_grants_the_lowest_rank_first's).
+    model = sorted((start, end, item) for lane, item, start, end in lanes.log if lane == "model")
+    encodes = [start for start, _, item in model if item.stage == "encode"]
+    assert len(encodes) == 2 and max(encodes) < model[2][0]
+
+
+def test_a_scheduler_that_stops_gives_its_slots_to_the_others() -> None:
+    shared = ModelQueue(1)
+    lanes = Lanes(seconds=0.01)
+    stopped = Scheduler(clip_graph(_plan(1)), lanes.model, lanes.cpu, shared, rank=0)
+    run = stopped.run()
+    next(run)  # its encode ran; its first denoise is granted or offered
+    run.close()  # the flow stops reading it (an interrupt, say)
+    other = Scheduler(clip_graph(_plan(1)), lanes.model, lanes.cpu, shared, rank=1)
+    done = threading.Event()
+    items: list[Item] = []
+
+    def drain() -> None:
+        items.extend(item for item, _ in other.run())
+        done.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    assert done.wait(timeout=20), "the stopped scheduler kept the only slot"
+    assert len(items) == len(clip_graph(_plan(1)).items)
+
+
+def test_the_queue_grants_the_lowest_rank_first() -> None:
+    shared = ModelQueue(1)
+    granted: list[str] = []
+    shared.offer((0,), lambda: granted.append("holder"))
+    shared.offer((5, 0), lambda: granted.append("late clip"))
+    shared.offer((1, 9), lambda: granted.append("early clip"))
+    assert granted == ["holder"]
+    shared.release()
+    shared.release()
+    assert granted == ["holder", "early clip", "late clip"]
