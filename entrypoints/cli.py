@@ -27,6 +27,7 @@ from entrypoints import stopping
 from entrypoints.console import configure_terminal, plan_lines, plural, size_text, summary_lines
 from entrypoints.progress import archive_progress, run_progress
 from flows import interrupts
+from flows.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from k6vsr_core.bundle import DEFAULT_MODEL, weights_present
 from k6vsr_core.errors import ArchiveFailed, ParameterError, ServiceError, UserFacingError, describe_error
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
@@ -200,7 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     archive.add_argument("--include", action="append", default=None, help="glob of files to take (repeatable)")
     archive.add_argument("--exclude", action="append", default=None, help="glob of files to skip (repeatable)")
     archive.add_argument("--plan", action="store_true", help="write the plan and manifest, run nothing")
-    archive.add_argument("--max-parallel", type=int, default=1, help="clips run at once")
+    archive.add_argument(
+        "--max-parallel",
+        type=int,
+        default=ARCHIVE_CLIPS_IN_FLIGHT,
+        help=f"clips in flight at once (default {ARCHIVE_CLIPS_IN_FLIGHT}: the next clip computes while the one "
+        "before it is finished)",
+    )
     archive.add_argument("--overwrite", action="store_true", help="replace finished outputs")
     _param_flags(archive)
     _model_flags(archive)

@@ -12,14 +12,17 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.runners import is_dask_runner
+from flows.schedule import ModelQueue
 from flows.slots import CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS
 
 SubmitTask = Callable[[Any, dict[str, Any]], Any]  # (task, parameters) -> its Prefect future
@@ -53,3 +56,30 @@ def lanes_for(runner: Any) -> Iterator[Lanes]:
         return
     threads = sum(int(worker.get("nthreads", 1)) for worker in workers) or 1
     yield Lanes(runner.submit, runner.submit, threads, f"{threads} threads on workers without {MODEL_RESOURCE}")
+
+
+@dataclass
+class SharedQueue:
+    """One model queue for the clips of an archive, whose model tasks go to the same workers: made to the width of
+    the first clip's lanes (every clip's lanes are the same workers)."""
+
+    _queue: ModelQueue | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def for_lanes(self, lanes: Lanes) -> ModelQueue:
+        with self._lock:
+            if self._queue is None:
+                self._queue = ModelQueue(lanes.slots)
+            return self._queue
+
+
+# Set by the archive flow in each clip's context: the queue its clips share, and this clip's place among them.
+ARCHIVE_QUEUE: ContextVar[tuple[SharedQueue, int] | None] = ContextVar("k6vsr_archive_queue", default=None)
+
+
+def shared_model_queue(lanes: Lanes) -> tuple[ModelQueue, int]:
+    """The model queue a clip's scheduler takes slots from, and the clip's rank in it: the archive's, else its own."""
+    shared = ARCHIVE_QUEUE.get()
+    if shared is None:
+        return ModelQueue(lanes.slots), 0
+    return shared[0].for_lanes(lanes), shared[1]

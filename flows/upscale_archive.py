@@ -6,8 +6,11 @@
    probed is `skipped` with the reason. Each output mirrors the input tree under `output_dir`, named
    `<stem>_sr<scale>x.mp4`: the clip flow's rule without the timestamp, so a rerun finds what an earlier run made.
    An existing output is `reused`, never overwritten unless `overwrite`.
-3. Run the pending clips, `max_parallel` at once, each as its own `upscale-clip` flow run (a subflow of the
-   archive run); a clip that fails is recorded as `failed` with the reason and the others go on.
+3. Run the pending clips, `max_parallel` at once (2 by default), each as its own `upscale-clip` flow run (a subflow
+   of the archive run); a clip that fails is recorded as `failed` with the reason and the others go on. The clips
+   share one model queue, in which an earlier clip's ready work goes first: the next clip's work fills the model
+   slots the earlier one leaves free (its first encode while the earlier one decodes, its tiles while the earlier
+   one blends, encodes its segments and muxes).
 
 The manifest (`k6vsr-archive-manifest.json` and `.csv` in `output_dir`, one row per clip) is rewritten atomically
 after planning and after every clip. In the Prefect UI the archive run shows a progress artifact over clips and one
@@ -41,8 +44,10 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
+from flows.lanes import ARCHIVE_QUEUE, SharedQueue
 from flows.prefect_server import leased
 from flows.runners import make_task_runner, resolve_address, start_cluster, uses_processes
+from flows.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams, output_name
@@ -439,7 +444,7 @@ def upscale_archive(
     store_root: str | None = None,
     include: list[str] | None = None,
     exclude: list[str] | None = None,
-    max_parallel: int = 1,
+    max_parallel: int = ARCHIVE_CLIPS_IN_FLIGHT,
     overwrite: bool = False,
     plan_only: bool = False,
     workers: int = 1,
@@ -530,8 +535,11 @@ def run_clips(
     # `Flow.submit` sends a flow to a work pool's infrastructure, a new process per run that loads the model again;
     # a concurrency limit bounds runs but starts none; and a clip run started from a task would file its artifacts
     # under that task (flows.artifacts).
+    shared = SharedQueue()
+
     def run(index: int) -> tuple[int, float, str | None, Any]:
         row = rows[index]
+        ARCHIVE_QUEUE.set((shared, index))  # this clip's model work after every earlier clip's, before later ones'
         run_ref = plans[row.relative_path].run
         progress.started(row.relative_path, RunStore(run_ref.store_root, run_ref.run_key))
         started = time.perf_counter()

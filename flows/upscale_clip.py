@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
-from flows.lanes import SubmitTask, lanes_for
+from flows.lanes import SubmitTask, lanes_for, shared_model_queue
 from flows.prefect_server import leased
 from flows.run_log import run_log
 from flows.runners import WarmOrThreadsTaskRunner, is_dask_runner
@@ -227,22 +227,33 @@ def _windows(
         def start(lane: SubmitTask) -> Callable[[Item], Any]:
             return lambda item: lane(*_task_of(item, run, model, attempt))
 
-        scheduler = Scheduler(clip_graph(plan), start(lanes.model), start(lanes.cpu), lanes.slots)
-        # Every task is recorded as it ends, so the stage clock sees when each one finished.
-        for item, future in scheduler.run():
-            try:
-                result = record(future.result())
-            except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
-                scheduler.failed(item)
-                if isinstance(err, StoreUnreachable):
-                    unreachable = err
-                message = f"{type(err).__name__}: {err}"
-                for key in [(item.window, tile) for tile in item.tiles] or [(item.window, -1)]:
-                    failures.setdefault(key, message)
-                continue
-            progress.update(read_progress(store, plan))  # each task's end may move the run to its next stage
-            if item.stage == "denoise":
-                denoised.append(result)
+        queue, rank = shared_model_queue(lanes)
+        scheduler = Scheduler(clip_graph(plan), start(lanes.model), start(lanes.cpu), queue, rank)
+        finished = False
+        try:
+            # Every task is recorded as it ends, so the stage clock sees when each one finished.
+            for item, future in scheduler.run():
+                try:
+                    result = record(future.result())
+                except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
+                    scheduler.failed(item)
+                    if item.on_model:
+                        store.stop_window(item.window, attempt)  # its blend, waiting for the tile, gives up
+                    if isinstance(err, StoreUnreachable):
+                        unreachable = err
+                    message = f"{type(err).__name__}: {err}"
+                    for key in [(item.window, tile) for tile in item.tiles] or [(item.window, -1)]:
+                        failures.setdefault(key, message)
+                    continue
+                progress.update(read_progress(store, plan))  # each task's end may move the run to its next stage
+                if item.stage == "denoise":
+                    denoised.append(result)
+            finished = True
+        finally:
+            if not finished:  # interrupted: a blend still waiting on a worker must not wait for ever
+                with suppress(Exception):
+                    for window in range(plan.num_windows):
+                        store.stop_window(window, attempt)
     if unreachable is not None:
         raise unreachable
     if failures:

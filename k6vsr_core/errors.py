@@ -76,6 +76,10 @@ class MissingInput(PipelineError):
     """A stage's input is not (or no longer) in the store; the flow reruns the stage that makes it."""
 
 
+class WindowStopped(PipelineError):
+    """A task waiting for a window's items was told that they will not come (one failed, or the run stopped)."""
+
+
 class ArchiveFailed(PipelineError):
     """Some clips failed; every other clip is finished and the manifest says which failed and why."""
 

@@ -65,6 +65,7 @@ LOG = "run.log"
 AUDIO = "audio.f32"
 SEGMENTS = "segments"
 SOURCE = "source"
+STOPS = "stops"  # `<attempt>-<window>`: that attempt will not finish that window's model work
 # Sources a process keeps downloaded from object stores (`RunStore.source_file`): the windows of the clips it works
 # on now read them again and again; older ones are deleted.
 SOURCES_KEPT = 4
@@ -190,6 +191,22 @@ class RunStore:
     def tile_done(self, name: str, key: tuple[int, ...], *, stage: str) -> bool:
         """Recorded, stored and intact. Without a record (a first run) it reads nothing."""
         return self.get_tile(name, key, stage=stage) is not None
+
+    def tile_recorded(self, stage: str, key: tuple[int, ...]) -> bool:
+        """Whether part `key` has a completion record, reading only the record (not the part, as `tile_done` does):
+        what a task waiting for another's output asks again and again."""
+        return self.records.read(stage, item_name(key)) is not None
+
+    def stop_window(self, window: int, attempt: str) -> None:
+        """Tell `attempt`'s tasks that wait for window `window`'s items (its blend) that some will never come."""
+        (self.where / STOPS / f"{attempt}-{window}").write_bytes(b"")
+
+    def window_stopped(self, window: int, attempt: str) -> bool:
+        try:
+            (self.where / STOPS / f"{attempt}-{window}").read_bytes()
+        except FileNotFoundError:
+            return False
+        return True
 
     def drop_window(self, names: Collection[str], window: int) -> None:
         """Delete window `window`'s chunks of the arrays `names` (records stay: they say the work was done)."""

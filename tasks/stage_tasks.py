@@ -24,7 +24,7 @@ from prefect.cache_policies import NO_CACHE
 
 from k6vsr_core import media, segments
 from k6vsr_core.compute import apply_profile
-from k6vsr_core.errors import MissingInput, ParameterError, UserFacingError
+from k6vsr_core.errors import MissingInput, ParameterError, UserFacingError, WindowStopped
 from k6vsr_core.latent import fit_latent, read_latent
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.windows import segment_frames
@@ -40,9 +40,10 @@ if TYPE_CHECKING:
 
     from k6vsr_core.bundle import ModelBundle
 
-# Errors that another attempt cannot fix: the user's (a MemoryBudgetError is one). Anything else, a broken invariant
-# (a ValueError) included, may be a fault of this attempt (a damaged stored chunk, a worker's memory) and is retried.
-PERMANENT_ERRORS = (UserFacingError,)
+# Errors that another attempt cannot fix: the user's (a MemoryBudgetError is one), and a window the flow stopped.
+# Anything else, a broken invariant (a ValueError) included, may be a fault of this attempt (a damaged stored chunk,
+# a worker's memory) and is retried.
+PERMANENT_ERRORS = (UserFacingError, WindowStopped)
 
 
 def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
@@ -207,7 +208,13 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
 
 @task(name="blend", task_run_name="blend-window-{window}", **STAGE_TASK)
 def blend(run: RunRef, window: int, attempt: str) -> StageResult:
-    """Hann-blend one window's stored tiles, crop, and downscale to the delivery tier; then drop its tiles."""
+    """Hann-blend one window's tiles as they are decoded, crop, and downscale to the delivery tier; then drop its
+    tiles.
+
+    It starts with the window's first decoded tile and adds each next one, in tile order (the bytes of adding them
+    all at the end), as soon as its decode is recorded: what is left after the window's last decode is one tile and
+    the division. Its timeline line spans the wait; its busy seconds do not.
+    """
     import torch
 
     from k6vsr_core import stages
@@ -218,19 +225,46 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
         store.drop_window(WINDOW_INTERMEDIATES, window)
         return StageResult(stage="blend", item=str(window), computed=False, window=window)
     started = time.perf_counter()
-    tiles = []
+    span = plan.windows[window]
+    blender = stages.window_blender(plan, span)
+    waited = 0.0
     for index in range(plan.num_tiles):
+        waited += _wait_for_decode(store, run, window, index, attempt)
         pixels = _require(
             store.get_tile("tiles", (window, index), stage="decode"), run, f"decoded tile {index} of window {window}"
         )
-        tiles.append((index, torch.from_numpy(pixels)))
-    span = plan.windows[window]
-    video = stages.tensor_to_frames(stages.deliver(stages.blend(plan, tiles, span), plan))
-    del tiles
+        blender.add(index, torch.from_numpy(pixels))
+        del pixels
+    video = stages.tensor_to_frames(stages.deliver(stages.blended(blender, span), plan))
+    del blender
     seconds = time.perf_counter() - started
     store.put_tile("video", (window,), (plan.num_windows,), video, stage="blend", seconds=seconds, attempt=attempt)
     store.drop_window(WINDOW_INTERMEDIATES, window)
-    return StageResult(stage="blend", item=str(window), computed=True, seconds=seconds, window=window)
+    return StageResult(stage="blend", item=str(window), computed=True, seconds=seconds - waited, window=window)
+
+
+# How long a blend waits for the next tile of its window before it gives up: a killed command's blend on a warm
+# worker must not wait for ever. A decode takes seconds on a GPU; on a CPU, a full-size tile can take many minutes.
+BLEND_WAIT_S = float(os.environ.get("K6VSR_BLEND_WAIT", "3600"))
+POLL_S = (0.02, 0.5)  # the first and the longest pause between two looks at the tile's record
+
+
+def _wait_for_decode(store: RunStore, run: RunRef, window: int, tile: int, attempt: str) -> float:
+    """Seconds spent waiting until tile `tile` of `window` is recorded decoded; raises once the flow says it will
+    not be (`RunStore.stop_window`) or after `BLEND_WAIT_S` without it."""
+    started = time.monotonic()
+    pause = POLL_S[0]
+    while not store.tile_recorded("decode", (window, tile)):
+        if store.window_stopped(window, attempt):
+            raise WindowStopped(f"run {run.run_key}: window {window} stopped before tile {tile} was decoded")
+        if time.monotonic() - started > BLEND_WAIT_S:
+            raise MissingInput(
+                f"run {run.run_key}: tile {tile} of window {window} was not decoded within {BLEND_WAIT_S:g} s "
+                "(K6VSR_BLEND_WAIT sets the wait)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 1.5, POLL_S[1])
+    return time.monotonic() - started
 
 
 @task(name="segment", task_run_name="segment-window-{window}", **STAGE_TASK)

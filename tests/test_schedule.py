@@ -161,7 +161,8 @@ def _run_clips(plans: list[ClipPlan], lanes: Lanes, slots: int) -> dict[int, lis
 def test_clips_sharing_a_queue_never_exceed_its_slots_and_the_earlier_clip_goes_first() -> None:
     lanes = Lanes(seconds=0.01)
     finished = _run_clips([_plan(1), _plan(1)], lanes, slots=2)
-    assert sorted(finished) == [0, 1] and all(len(items) == len(clip_graph(_plan(1)).items) for items in finished.values())
+    everything = len(clip_graph(_plan(1)).items)
+    assert sorted(finished) == [0, 1] and all(len(items) == everything for items in finished.values())
     assert lanes.at_once == 2  # two clips, each of which alone would take two slots, still share two
     # Both clips' encodes ran first, side by side: the second clip's frames are encoded while the first clip has
     # nothing else ready for the model (which clip goes first is test_the_queue_grants_the_lowest_rank_first's).
