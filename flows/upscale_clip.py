@@ -30,7 +30,7 @@ from flows.runners import WarmOrThreadsTaskRunner, is_dask_runner
 from flows.schedule import Item, Scheduler, clip_graph
 from flows.stage_clock import StageClock
 from k6vsr_core import media
-from k6vsr_core.errors import TileFailure, WorkersUnavailable
+from k6vsr_core.errors import TileFailure, WindowStopped, WorkersUnavailable
 from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
@@ -241,6 +241,8 @@ def _windows(
                         store.stop_window(item.window, attempt)  # its blend, waiting for the tile, gives up
                     if isinstance(err, StoreUnreachable):
                         unreachable = err
+                    if isinstance(err, WindowStopped):
+                        continue  # a blend told that a tile it waited for failed: that tile's failure says why
                     message = f"{type(err).__name__}: {err}"
                     for key in [(item.window, tile) for tile in item.tiles] or [(item.window, -1)]:
                         failures.setdefault(key, message)

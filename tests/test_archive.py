@@ -7,11 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+import timelines
 
-from k6vsr_core import media
+from k6vsr_core import media, upscale
+from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
+from storage import RunStore
 
 PARAMS = UpscaleParams(scale=2)
 
@@ -314,3 +317,38 @@ def test_the_tiles_column_counts_every_window(prefect_server: str, tiny_bundle_p
     assert main([*argv, "--device", "cpu", "--store", str(tmp_path / "store"), "--plan", "--json"]) == 0
     (row,) = json.loads((tmp_path / "out" / "k6vsr-archive-manifest.json").read_text())["rows"]
     assert row["status"] == "planned" and row["tiles"] == 3  # one 64x64 tile a window, three windows
+
+
+def test_the_next_clip_computes_while_the_one_before_is_finished(
+    prefect_server: str, tiny_bundle: ModelBundle, tiny_bundle_path: Path, tmp_path: Path
+) -> None:
+    """Two clips at the default `max_parallel`: one model queue, the first clip's work first; the second clip's
+    first model item starts before the first clip's segment ends, and each output is the in-memory runner's."""
+    from flows.upscale_archive import upscale_archive
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for name, tone in (("a.mp4", 440.0), ("b.mp4", 220.0)):
+        make_sample_clip(folder / name, width=128, height=96, num_frames=1, tone_hz=tone)
+    store = tmp_path / "store"
+    summary = upscale_archive(
+        input_dir=str(folder),
+        output_dir=str(tmp_path / "out"),
+        params=PARAMS,
+        model=_model(tiny_bundle_path),
+        store_root=str(store),
+    )
+    assert summary.counts == {"done": 2}
+    rows = _by_path(summary.model_dump()["rows"])
+    ran = {name: timelines.spans(RunStore(store, rows[name]["run_key"]).path) for name in ("a.mp4", "b.mp4")}
+    model_items = [span for (stage, _), span in ran["b.mp4"].items() if stage in ("encode", "denoise", "decode")]
+    assert min(start for start, _ in model_items) < ran["a.mp4"][("segment", "0")][1]
+    # The earlier clip's model work is not held back by the later one's: its last decode ends first.
+    last_decode = {
+        name: max(e for (stage, _), (_, e) in spans.items() if stage == "decode") for name, spans in ran.items()
+    }
+    assert last_decode["a.mp4"] < last_decode["b.mp4"]
+    for name in ("a.mp4", "b.mp4"):
+        reference = tmp_path / f"ref-{name}"
+        upscale(folder / name, reference, tiny_bundle, PARAMS)
+        assert Path(rows[name]["output"]).read_bytes() == reference.read_bytes()

@@ -116,6 +116,9 @@ def test_flow_output_equals_runner_and_reuses_everything(
     # A tile is decoded as soon as its chunk is denoised, not once every chunk is (flows.schedule).
     ran = timelines.spans(RunStore(tmp_path / "store", first.run_key).path)
     assert ran[("decode", "0-0")][0] < max(end for (stage, _), (_, end) in ran.items() if stage == "denoise")
+    # The window's blend takes its tiles as they are decoded: it begins before the last decode ends.
+    last_decode = max(end for (stage, _), (_, end) in ran.items() if stage == "decode")
+    assert ran[("decode", "0-0")][1] <= ran[("blend", "0")][0] < last_decode <= ran[("blend", "0")][1]
     again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
     assert len(plan_calls) == 2
     assert (tmp_path / "b.mp4").read_bytes() == reference
