@@ -7,10 +7,13 @@ every process the command starts through the environment: Dask workers would oth
 
 from __future__ import annotations
 
+from prefect.task_runners import ThreadPoolTaskRunner
+
 from flows.prefect_server import prefect_api
 from flows.runners import make_task_runner
 from flows.upscale_clip import ClipSummary, upscale_clip
 from service.runs import ModelSpec, PreparedRun
+from tasks.worker_preload import preload_in_background
 
 __all__ = ["prefect_api", "run_clip"]
 
@@ -25,5 +28,7 @@ def run_clip(
 ) -> ClipSummary:
     """Run the clip flow on the plan `prepared`, its tiles on threads or Dask workers, reporting to one Prefect API."""
     runner = make_task_runner(workers, dask_address, gpus)
+    if isinstance(runner, ThreadPoolTaskRunner) and not prepared.finished:
+        preload_in_background(model, prepared.plan)  # the tiles compute here: load it beside the flow's start
     with prefect_api():
         return upscale_clip.with_options(task_runner=runner)(prepared=prepared, output=output, model=model)

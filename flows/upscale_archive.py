@@ -54,6 +54,7 @@ from k6vsr_core.params import UpscaleParams, output_name
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
 from storage import RunStore, default_store_root, parse_store_root
 from storage.records import atomic_write_bytes
+from tasks.worker_preload import preload_in_background
 
 VIDEO_GLOBS = (
     "*.mp4",
@@ -484,6 +485,9 @@ def upscale_archive(
     progress = artifacts.ArchiveProgress(slug, flow_run.id, len(pending))
     manifest_artifact.show(rows, {})
     with shared_tiles_cluster(workers, gpus, dask_address) as address:
+        computing = [plans[rows[i].relative_path] for i in pending if not plans[rows[i].relative_path].finished]
+        if address is None and computing:  # the tiles compute in this process: load it beside the first clip's start
+            preload_in_background(model, computing[0].plan)
         run_clips(rows, pending, plans, model, address, max_parallel, out_dir, header, manifest_artifact, progress)
 
     summary = _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)

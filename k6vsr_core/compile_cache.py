@@ -161,7 +161,8 @@ class CompileWatch:
         with self._lock:
             first_here = key not in self._seen
             self._seen.add(key)
-        if first_here and not _marker(self.root, key).exists():
+        announced = first_here and not _marker(self.root, key).exists()
+        if announced:
             warnings.warn(
                 f"compiling GPU kernels for the {component} at {'x'.join(map(str, shape))} "
                 f"(first run on this machine for this shape: {self.estimate}; later runs reuse "
@@ -169,10 +170,64 @@ class CompileWatch:
                 CompileNotice,
                 stacklevel=3,
             )
+        before = CompileCounts.now()
+        started = time.perf_counter()
         yield
+        done = CompileCounts.now() - before
+        if done.graphs:
+            log.info(
+                "the %s at %s: %d graphs compiled in %.1f s (%d built, %d from the cache)",
+                component,
+                "x".join(map(str, shape)),
+                done.graphs,
+                time.perf_counter() - started,
+                done.built,
+                done.loaded,
+            )
+        if done.built and not announced:
+            # A compile the shape markers did not foresee: the kernels were not where this process looked.
+            who = "this machine" if first_here else "this process"
+            warnings.warn(
+                f"compiled {done.built} graphs of the {component} at {'x'.join(map(str, shape))} in "
+                f"{time.perf_counter() - started:.0f} s although {who} ran this shape before: Inductor's cache "
+                f"({_inductor_cache_dir()}) did not hold them for this process's settings (another "
+                "TORCHINDUCTOR_CACHE_DIR, torch version, thread count or a guard that differs); "
+                "TORCH_LOGS=recompiles says which",
+                CompileNotice,
+                stacklevel=3,
+            )
         if first_here:
             _write_marker(self.root, key)
             save_process_artifacts(self.root)
+
+
+class CompileCounts(BaseModel):
+    """The process's compile counters (torch's own): frames Dynamo compiled, and Inductor graphs built or loaded."""
+
+    graphs: int
+    built: int
+    loaded: int
+
+    @classmethod
+    def now(cls) -> CompileCounts:
+        from torch._dynamo.utils import counters  # no public counter says whether a call compiled
+
+        return cls(
+            graphs=counters["frames"]["ok"],
+            built=counters["inductor"]["fxgraph_cache_miss"],
+            loaded=counters["inductor"]["fxgraph_cache_hit"],
+        )
+
+    def __sub__(self, other: CompileCounts) -> CompileCounts:
+        return CompileCounts(
+            graphs=self.graphs - other.graphs, built=self.built - other.built, loaded=self.loaded - other.loaded
+        )
+
+
+def _inductor_cache_dir() -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
 
 
 # ---------------------------------------------------------------------------------------------------- artefacts

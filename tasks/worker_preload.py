@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec
 
 MODEL_ENV = "K6VSR_WARM_MODEL"  # a ModelSpec as JSON, set by `flows.warm_workers` for the workers it starts
@@ -64,8 +65,9 @@ def warms(spec: ModelSpec) -> bool:
     return spec.compile and torch.device(resolve_device(spec.device)).type == "cuda"
 
 
-def preload(spec: ModelSpec, state: PreloadState) -> None:
-    """Load `spec` into the worker's model cache and, where it compiles, warm it; `state` says how it went."""
+def preload(spec: ModelSpec, state: PreloadState, plan: ClipPlan | None = None) -> None:
+    """Load `spec` into the worker's model cache and, where it compiles, warm it for `plan` (default: the shapes a
+    default run compiles); `state` says how it went."""
     from k6vsr_core.bundle import model_traits
     from k6vsr_core.warm_plan import warm_plan
     from k6vsr_core.warmup import warm_up
@@ -74,20 +76,30 @@ def preload(spec: ModelSpec, state: PreloadState) -> None:
     started = time.perf_counter()
     pid = os.getpid()
     try:
-        bundle = get_bundle(spec)
-        log.info("warm worker %d: loaded %s", pid, spec.model)
+        bundle = get_bundle(spec, plan)
+        log.info("preload %d: loaded %s", pid, spec.model)
         if warms(spec):
-            plan = warm_plan(model_traits(bundle.info))
+            plan = plan or warm_plan(model_traits(bundle.info))
             # The preloaded bundle takes the budget a run of the plan gets: the decode's chunks come from it.
             warmed = warm_up(get_bundle(spec, plan), plan)
             state.warmed = warmed.shapes
-            log.info("warm worker %d: warmed %d shapes in %.1f s", pid, warmed.shapes, warmed.seconds)
+            log.info("preload %d: warmed %d shapes in %.1f s", pid, warmed.shapes, warmed.seconds)
     except Exception as err:  # noqa: BLE001 - the first tile loads it again and reports the error to its run
         state.error = f"{type(err).__name__}: {err}"
-        log.warning("warm worker %d: could not load or warm %s: %s", pid, spec.model, state.error)
+        log.warning("preload %d: could not load or warm %s: %s", pid, spec.model, state.error)
     finally:
         state.seconds = round(time.perf_counter() - started, 1)
         state.done = True
+
+
+def preload_in_background(spec: ModelSpec, plan: ClipPlan) -> PreloadState:
+    """Load `spec` under `plan`'s budget, and warm it for the plan where it compiles, in a thread of this process:
+    for a command whose tasks compute in its own threads, which then loads and warms the model while its flow
+    starts and ingests the clip, instead of in its first encode, denoise and decode. A task that comes sooner waits
+    for the same load (the model cache's lock), and a failed load is the first task's to report."""
+    state = PreloadState(model=spec.model)
+    threading.Thread(target=preload, args=(spec, state, plan), daemon=True, name="k6vsr-preload").start()
+    return state
 
 
 def _log_to_stderr() -> None:

@@ -37,8 +37,11 @@ print(json.dumps({"hits": inductor["fxgraph_cache_hit"], "misses": inductor["fxg
 """
 
 
-def _start_compile(cache: Path, tmp: Path, artifacts: Path | None = None) -> subprocess.Popen[str]:
-    env = {**os.environ, compile_cache.CACHE_ENV: str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+def _start_compile(
+    cache: Path, tmp: Path, artifacts: Path | None = None, inductor: Path | None = None
+) -> subprocess.Popen[str]:
+    inductor = inductor or cache / "inductor"
+    env = {**os.environ, compile_cache.CACHE_ENV: str(cache), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
     env.pop(compile_cache.ARTIFACTS_ENV, None)
     if artifacts is not None:
         env[compile_cache.ARTIFACTS_ENV] = str(artifacts)
@@ -74,6 +77,12 @@ def test_exported_kernels_hit_in_an_empty_cache_after_import(tmp_path: Path) -> 
 
     warm = _compile_in_fresh_process(first, tmp_path)
     assert warm["hits"] >= 1 and warm["notices"] == []  # same machine: the shape is known, the kernels cached
+
+    # The shape is known but this process's Inductor cache is another one: it compiles, and says so and why.
+    elsewhere = _compiled(_start_compile(first, tmp_path, inductor=tmp_path / "other-inductor"))
+    assert elsewhere["misses"] >= 1
+    (notice,) = elsewhere["notices"]
+    assert "although this machine ran this shape before" in notice and str(tmp_path / "other-inductor") in notice
 
     exported = _cli("export", str(tmp_path / "kernels.zip"), cache=first)
     assert exported.returncode == 0, exported.stderr

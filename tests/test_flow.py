@@ -105,8 +105,14 @@ def test_flow_output_equals_runner_and_reuses_everything(
     reference: bytes,
     tmp_path: Path,
     plan_calls: list[int],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level("INFO", logger="k6vsr.workers")
     first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
+    # Its tiles compute in this process: the model was loaded beside the flow's start, in a thread of its own.
+    preloads = [r for r in caplog.records if r.getMessage().startswith("preload ")]
+    assert [r.threadName for r in preloads] == ["k6vsr-preload"] and "loaded" in preloads[0].getMessage()
+    caplog.clear()
     # One plan per run: `prepare_run` makes it, ingest records it, every task reads it from the manifest.
     assert len(plan_calls) == 1
     assert (tmp_path / "a.mp4").read_bytes() == reference
@@ -123,6 +129,7 @@ def test_flow_output_equals_runner_and_reuses_everything(
     assert len(plan_calls) == 2
     assert (tmp_path / "b.mp4").read_bytes() == reference
     assert (again.tiles_computed, again.tiles_reused, again.dit_calls) == (0, first.tiles_total, 0)
+    assert not [r for r in caplog.records if r.getMessage().startswith("preload ")]  # nothing to compute
     assert not list(tmp_path.glob(".*partial"))
 
 
