@@ -4,6 +4,7 @@ the offload hooks and the chunked KVAE run exactly as on a GPU."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -405,3 +406,30 @@ def test_a_worker_gives_a_clip_with_another_budget_a_bundle_of_its_own(
     assert (first.memory.budget, second.memory.budget) == ("fast", "24g") and first is not second
     assert model_cache.get_bundle(spec, short) is first and model_cache.get_bundle(spec, W1) is second
     assert [name.rsplit(" ", 1)[-1] for name in model_cache.cache_info().loaded] == ["(fast)", "(24g)"]
+
+
+def test_processes_get_expandable_segments_unless_the_environment_chose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command sets the allocator default before any CUDA call, for itself and every process it starts (warm
+    workers, Dask workers and job processes inherit its environment); a value the user set is kept."""
+    import subprocess
+    import sys
+
+    from entrypoints.cli import main
+    from k6vsr_core.memory import ALLOC_ENV, ALLOCATOR_DEFAULT
+
+    monkeypatch.delenv(ALLOC_ENV, raising=False)
+    assert main(["plan", "/nonexistent/clip.mp4"]) != 0
+    assert os.environ[ALLOC_ENV] == ALLOCATOR_DEFAULT
+    monkeypatch.setenv(ALLOC_ENV, "max_split_size_mb:128")
+    assert main(["plan", "/nonexistent/clip.mp4"]) != 0
+    assert os.environ[ALLOC_ENV] == "max_split_size_mb:128"
+    # A process the command did not start (a deployment's flow run): the model cache sets it before its CUDA call.
+    env = {key: value for key, value in os.environ.items() if key != ALLOC_ENV}
+    child = subprocess.run(
+        [sys.executable, "-c", f"import os, tasks.model_cache; print(os.environ[{ALLOC_ENV!r}])"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.stdout.strip() == ALLOCATOR_DEFAULT, child.stderr[-2000:]
