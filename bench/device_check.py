@@ -80,14 +80,14 @@ TINY_WORKLOADS = {"W1": (96, 64, 9), "W2": (64, 64, 9), "W1-long": (64, 64, 331)
 # inmemory: the child's start, load, first and hot run (about 3 minutes more on a cold cache); archive-clip: per clip.
 COST = {
     "oneshot-cold": 260,
-    "oneshot": 130,
+    "oneshot": 140,  # 138.3 s warm cache (2026-12-03, 26f52be)
     "W2": 60,
-    "workers-start": 150,  # with --model it now also warms a default run's shapes (about 3 minutes more if cold)
-    "workers-run": 150,
-    "workers-stop": 30,
+    "workers-start": 90,  # with --model it also warms a default run's shapes: 72.5 s warm cache (2026-12-03)
+    "workers-run": 90,  # 84.0 / 81.1 s (2026-12-03)
+    "workers-stop": 10,  # 4.6 s
     "inmemory": 170,
-    "multiwindow": 220,
-    "archive-clip": 95,
+    "multiwindow": 260,  # 249.9 s one-shot (2026-12-03)
+    "archive-clip": 75,  # 98.6 s a clip at 2 clips (2026-12-03); the cross-clip queue aims at a clip's GPU work
     "memory": 560,  # bench/memory_bench.py's MEMORY_MODES, one process each
     # bench/two_gpus.py, on warm workers (start 48 s and a first W1 on them 130-164 s on the H200, 2026-12-01/02): gpu1
     # on one GPU, gpus on two (about 0.6x one: the issue's 0.55x and the tiles a GPU waits for); W1: the mean of a
@@ -115,6 +115,11 @@ TARGETS = {
     "warm_oneshot_over_inmemory_s": 15.0,  # one-shot W1 with a warm compile cache at most in-memory hot + 15 s
     "window_vs_gpu_work": 1.05,  # multi-window GPU stream's seconds a window at most 1.05x one window's GPU work
     "archive_vs_serial_inmemory": 1.15,  # archive clips per hour at least 1.15x in-memory hot runs one after another
+    # The archive issue's (#33): the GPU never waits.
+    "archive_vs_gpu_work": 0.9,  # archive clips per hour at least 0.9x 3600 / one clip's GPU work
+    "workers_head_s": 5.0,  # warm workers: the command's start to its first GPU item
+    "oneshot_head_s": 15.0,  # one-shot with a warm compile cache: likewise
+    "tail_s": 5.0,  # the last GPU item's end to the command's end
     # The two-GPU issue's (bench/two_gpus.py), all visible GPUs against the first one alone, warm workers both:
     "two_gpus_w1_vs_one": 0.55,  # W1, second run, at most 0.55x
     "two_gpus_window_vs_one": 0.55,  # multi-window seconds per window at most 0.55x
@@ -215,6 +220,15 @@ def timeline(store: Path, started: float) -> tuple[dict[str, list[float]], float
         if row.get("cuda_peak_gib") is not None:
             peak = max(peak or 0.0, row["cuda_peak_gib"])
     return {k: [round(v[0], 1), round(v[1], 1), int(v[2])] for k, v in stages.items()}, peak
+
+
+def head_and_tail(stages: dict[str, list[float]], wall: float) -> dict[str, float | None]:
+    """Seconds from the command's start to its first GPU item (`head_s`), and from its last GPU item's end to the
+    command's end (`tail_s`), from the stage spans of `timeline`."""
+    gpu = [stages[stage] for stage in ("encode", "denoise", "decode") if stage in stages]
+    if not gpu:
+        return {"head_s": None, "tail_s": None}
+    return {"head_s": round(min(s[0] for s in gpu), 1), "tail_s": round(wall - max(s[1] for s in gpu), 1)}
 
 
 def stage_checksums(store: Path) -> dict[str, str]:
@@ -328,6 +342,7 @@ class Check:
             "wall_s": result["wall_s"],
             "rc": result["rc"],
             "stages": stages,
+            **head_and_tail(stages, result["wall_s"]),
             "peak_reserved_gib": process_peak,
             "nvml_peak_gib": nvml.gib,
             "nvml_peak_gib_per_gpu": nvml.per_gpu,
@@ -341,6 +356,13 @@ class Check:
         if add:
             self.add_row(row)
         return row
+
+    def reuse(self, earlier: Path) -> None:
+        """The in-memory rows of an earlier call on this machine, as this call's reference."""
+        rows = json.loads(earlier.read_text())["rows"]
+        for row in rows:
+            if str(row.get("run", "")).startswith(streaming.INMEMORY):
+                self.add_row({**row, "note": f"{row.get('note', '')} (from the earlier call {earlier})"})
 
     def add_row(self, row: dict[str, Any]) -> None:
         with self._lock:
@@ -529,6 +551,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parallel", type=int, default=3, help="same-bytes runs at once (their md5s do not care)")
     parser.add_argument("--cache-import", default=None, help="a `k6vsr cache export` file to import first")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny bundle, small clips")
+    parser.add_argument(
+        "--reuse-rows",
+        default=None,
+        help="an earlier call's device-check.json on this machine: its in-memory rows are this call's reference "
+        "(instead of running `inmemory` again), marked as from that call",
+    )
     args = parser.parse_args(argv)
     if args.archive_clips < 1:
         parser.error(f"--archive-clips must be at least 1, not {args.archive_clips}")
@@ -541,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     check.work.mkdir(parents=True, exist_ok=True)
     runs = args.runs.split(",")
     check.log(f"README GPU command: {shlex.join(readme_gpu_command())}")
+    if args.reuse_rows:
+        check.reuse(Path(args.reuse_rows))
     check.bundle()
     check.clip("W1"), check.clip("W2")
     if args.cache_import:

@@ -289,4 +289,41 @@ def verdicts(rows: list[dict[str, Any]], targets: dict[str, float]) -> list[dict
         return measured, ratio >= archive_goal and row["clips_done"] == row["clips"]
 
     verdict(f"archive clips/h >= {archive_goal}x serial in-memory", [ARCHIVE, INMEMORY_HOT], archive)
+
+    busy_goal = targets["archive_vs_gpu_work"]
+
+    def archive_busy() -> tuple[str, bool]:
+        row = runs[ARCHIVE]
+        ceiling = round(3600 / hot["gpu_work_s"], 1)  # clips per hour were the GPU never to wait
+        ratio = round(row["clips_per_hour"] / ceiling, 3)
+        return (
+            f"{row['clips_per_hour']} clips/h, 3600 / {hot['gpu_work_s']} s = {ceiling}: {ratio}x",
+            ratio >= busy_goal,
+        )
+
+    verdict(f"archive clips/h >= {busy_goal}x 3600 / one clip's GPU work", [ARCHIVE, INMEMORY_HOT], archive_busy)
+
+    head_goal = targets["workers_head_s"]
+    for name in WORKER_RUNS:
+        verdict(f"{name}: first GPU item within {head_goal} s", [name], lambda n=name: _head(runs[n], head_goal))
+    verdict(
+        f"one-shot W1 warm: first GPU item within {targets['oneshot_head_s']} s",
+        [WARM_ONESHOT],
+        lambda: _head(runs[WARM_ONESHOT], targets["oneshot_head_s"]),
+    )
+    for name in (*WORKER_RUNS, WARM_ONESHOT):
+        limit = targets["tail_s"]
+        verdict(
+            f"{name}: tail after the last GPU item within {limit} s", [name], lambda n=name, g=limit: _tail(runs[n], g)
+        )
     return found
+
+
+def _head(row: dict[str, Any], limit: float) -> tuple[str, bool | None]:
+    head = row.get("head_s")
+    return (f"{head} s", head <= limit) if head is not None else ("no GPU item in the timeline", False)
+
+
+def _tail(row: dict[str, Any], limit: float) -> tuple[str, bool | None]:
+    tail = row.get("tail_s")
+    return (f"{tail} s", tail <= limit) if tail is not None else ("no GPU item in the timeline", False)

@@ -197,9 +197,12 @@ def test_the_streaming_runs_reach_their_commands_and_give_the_issues_verdicts(
     streaming.run_inmemory(check)
     streaming.run_multiwindow(check)
     streaming.run_archive(check, clips=4, max_parallel=2)
-    check.add_row({"run": "workers-W1-1", "workload": "W1", "wall_s": 60.0, "rc": 0, "md5": SAME})
-    check.add_row({"run": "workers-W1-2", "workload": "W1", "wall_s": 52.0, "rc": 0, "md5": SAME})
-    check.add_row({"run": "oneshot-W1-warm", "workload": "W1", "wall_s": 66.0, "rc": 0, "md5": SAME})
+    spans = {"encode": [4.0, 5.0, 1], "decode": [9.0, 46.0, 9], "blend": [12.0, 48.0, 1]}
+    head_tail = device_check.head_and_tail(spans, 52.0)
+    assert head_tail == {"head_s": 4.0, "tail_s": 6.0}
+    check.add_row({"run": "workers-W1-1", "workload": "W1", "wall_s": 60.0, "rc": 0, "md5": SAME, "head_s": 6.0})
+    check.add_row({"run": "workers-W1-2", "workload": "W1", "wall_s": 52.0, "rc": 0, "md5": SAME, **head_tail})
+    check.add_row({"run": "oneshot-W1-warm", "workload": "W1", "wall_s": 66.0, "rc": 0, "md5": SAME, "head_s": 15.0})
 
     assert calls["inmemory-W1"][0][2:4] == ["--runner-child", str(tmp_path / "W1.mp4")]
     multiwindow, archive = calls["multiwindow-W1"], calls["archive-W1"]
@@ -231,6 +234,13 @@ def test_the_streaming_runs_reach_their_commands_and_give_the_issues_verdicts(
     assert stream["pass"] is True and stream["measured"].endswith("1.028x")  # 47.3 / 46
     served = verdicts["archive clips/h >= 1.15x serial in-memory"]
     assert served["pass"] is True and served["measured"].endswith("1.333x")  # 96 / (3600 / 50)
+    busy = verdicts["archive clips/h >= 0.9x 3600 / one clip's GPU work"]
+    assert busy["pass"] is True and busy["measured"].endswith("1.226x")  # 96 / 78.3
+    assert verdicts["workers-W1-1: first GPU item within 5.0 s"]["pass"] is False  # 6 s
+    assert verdicts["workers-W1-2: first GPU item within 5.0 s"]["pass"] is True  # 4 s
+    assert verdicts["one-shot W1 warm: first GPU item within 15.0 s"]["pass"] is True
+    assert verdicts["workers-W1-2: tail after the last GPU item within 5.0 s"]["pass"] is False  # 6 s
+    assert verdicts["workers-W1-1: tail after the last GPU item within 5.0 s"]["measured"] == "no GPU item in the timeline"
     assert verdicts["W1: one md5 for every process"]["pass"]  # the in-memory runner's bytes among the command's
     table = (check.out / "device-check.md").read_text()
     assert "| FAIL |" in table and "not measured" not in table
@@ -250,7 +260,7 @@ def test_a_target_whose_runs_did_not_happen_or_failed_reads_not_measured(tmp_pat
     assert "| workers-W1-2 <= 1.05x in-memory W1 hot | no workers-W1-2 | not measured |" in table
     assert "| no archive-W1 (exit 1) | not measured |" in table
     found = streaming.verdicts([], device_check.TARGETS)
-    assert len(found) == 6 and all(v["pass"] is None and v["measured"] is None for v in found)
+    assert len(found) == 13 and all(v["pass"] is None and v["measured"] is None for v in found)
 
 
 def test_a_run_cut_at_the_deadline_is_a_row_and_the_deadline_counts_archive_clips(
@@ -265,7 +275,7 @@ def test_a_run_cut_at_the_deadline_is_a_row_and_the_deadline_counts_archive_clip
     result = check.command("archive-W1", ["k6vsr", "archive"])
     assert result["rc"] == device_check.TIMED_OUT and result["stdout"] == "started\n"
     assert "cut at the check's deadline" in result["stderr"]
-    check.deadline = time.monotonic() + 350
+    check.deadline = time.monotonic() + 4 * device_check.COST["archive-clip"] - 10
     assert check.fits("archive-clip", 3) and not check.fits("archive-clip", 4)
 
 
@@ -627,3 +637,19 @@ def test_nvml_peaks_are_per_gpu_and_the_largest_card_is_the_figure(monkeypatch: 
     with device_check.NvmlPeak() as none:
         pass
     assert none.gib is None and none.per_gpu == []
+
+
+def test_an_earlier_calls_in_memory_rows_are_this_calls_reference(tmp_path: Path) -> None:
+    """`--reuse-rows`: a second call on the same machine takes the first one's in-memory rows (and nothing else of
+    it) instead of running the runner again, and judges its own runs against them."""
+    (tmp_path / "first").mkdir(), (tmp_path / "second").mkdir()
+    first = _check(tmp_path / "first")
+    first.add_row({"run": "inmemory-W1-2", "workload": "W1", "wall_s": 50.0, "rc": 0, "md5": SAME, "gpu_work_s": 46})
+    first.add_row({"run": "workers-W1-1", "workload": "W1", "wall_s": 51.0, "rc": 0, "md5": SAME})
+    second = _check(tmp_path / "second")
+    second.reuse(first.out / "device-check.json")
+    assert [row["run"] for row in second.rows] == ["inmemory-W1-2"]
+    assert "from the earlier call" in second.rows[0]["note"]
+    second.add_row({"run": "workers-W1-2", "workload": "W1", "wall_s": 52.0, "rc": 0, "md5": SAME})
+    verdicts = {v["target"]: v for v in second.verdicts()}
+    assert verdicts["workers-W1-2 <= 1.05x in-memory W1 hot"]["pass"] is True
