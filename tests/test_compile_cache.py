@@ -77,12 +77,10 @@ def test_exported_kernels_hit_in_an_empty_cache_after_import(tmp_path: Path) -> 
 
     warm = _compile_in_fresh_process(first, tmp_path)
     assert warm["hits"] >= 1 and warm["notices"] == []  # same machine: the shape is known, the kernels cached
-
-    # The shape is known but this process's Inductor cache is another one: it compiles, and says so and why.
-    elsewhere = _compiled(_start_compile(first, tmp_path, inductor=tmp_path / "other-inductor"))
-    assert elsewhere["misses"] >= 1
-    (notice,) = elsewhere["notices"]
-    assert "although this machine ran this shape before" in notice and str(tmp_path / "other-inductor") in notice
+    # The shape is known but this process's Inductor cache is another one: it compiles, and says so and why (started
+    # now, it compiles while the cache is exported and imported below).
+    (tmp_path / "tmp-a").mkdir()
+    on_first_elsewhere = _start_compile(first, tmp_path / "tmp-a", inductor=tmp_path / "other-inductor")
 
     exported = _cli("export", str(tmp_path / "kernels.zip"), cache=first)
     assert exported.returncode == 0, exported.stderr
@@ -101,6 +99,10 @@ def test_exported_kernels_hit_in_an_empty_cache_after_import(tmp_path: Path) -> 
     assert after["hits"] >= 1 and after["misses"] == 0
     assert after["notices"] == []
     assert configured["hits"] >= 1 and configured["misses"] == 0 and configured["notices"] == []
+    elsewhere = _compiled(on_first_elsewhere)
+    assert elsewhere["misses"] >= 1
+    (notice,) = elsewhere["notices"]
+    assert "although this machine ran this shape before" in notice and str(tmp_path / "other-inductor") in notice
 
 
 def test_export_of_an_empty_cache_and_import_of_a_foreign_file_are_refused(tmp_path: Path) -> None:
