@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,21 @@ def _run(clip: Path, out: Path, bundle_path: Path, store: Path, **kwargs):
 
     model = ModelSpec(model=str(bundle_path), device="cpu")
     return run_clip(prepare_run(clip, PARAMS, model, store), str(out), model, **kwargs)
+
+
+@contextmanager
+def _preload_lines() -> Iterator[list[logging.LogRecord]]:
+    """The lines of the model preload logged while the block runs (a handler on its own logger: Prefect's logging
+    setup replaces the root logger's handlers, pytest's among them)."""
+    lines: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record) if record.getMessage().startswith("preload ") else None
+    logger = logging.getLogger("k6vsr.workers")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 # --------------------------------------------------------------------------------------------------- store
@@ -105,14 +123,13 @@ def test_flow_output_equals_runner_and_reuses_everything(
     reference: bytes,
     tmp_path: Path,
     plan_calls: list[int],
-    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    caplog.set_level("INFO", logger="k6vsr.workers")
-    first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
+    monkeypatch.setattr(logging.getLogger("k6vsr.workers"), "level", logging.INFO)
+    with _preload_lines() as preloads:
+        first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
     # Its tiles compute in this process: the model was loaded beside the flow's start, in a thread of its own.
-    preloads = [r for r in caplog.records if r.getMessage().startswith("preload ")]
     assert [r.threadName for r in preloads] == ["k6vsr-preload"] and "loaded" in preloads[0].getMessage()
-    caplog.clear()
     # One plan per run: `prepare_run` makes it, ingest records it, every task reads it from the manifest.
     assert len(plan_calls) == 1
     assert (tmp_path / "a.mp4").read_bytes() == reference
@@ -125,11 +142,12 @@ def test_flow_output_equals_runner_and_reuses_everything(
     # The window's blend takes its tiles as they are decoded: it begins before the last decode ends.
     last_decode = max(end for (stage, _), (_, end) in ran.items() if stage == "decode")
     assert ran[("decode", "0-0")][1] <= ran[("blend", "0")][0] < last_decode <= ran[("blend", "0")][1]
-    again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
+    with _preload_lines() as preloads:
+        again = _run(clip_1f, tmp_path / "b.mp4", tiny_bundle_path, tmp_path / "store")
+    assert not preloads  # nothing to compute, nothing loaded
     assert len(plan_calls) == 2
     assert (tmp_path / "b.mp4").read_bytes() == reference
     assert (again.tiles_computed, again.tiles_reused, again.dit_calls) == (0, first.tiles_total, 0)
-    assert not [r for r in caplog.records if r.getMessage().startswith("preload ")]  # nothing to compute
     assert not list(tmp_path.glob(".*partial"))
 
 
