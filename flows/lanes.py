@@ -34,6 +34,10 @@ class Lanes:
     cpu: SubmitTask
     slots: int  # model tasks the flow keeps running at once
     where: str  # how the lanes were chosen, for the run's log
+    # CPU tasks at once where the two lanes share threads (None: the CPU lane's own pool bounds them); None or a
+    # count, a window's blend may start with its first tile and wait for the others on its thread.
+    cpu_slots: int | None = None
+    stream_blend: bool = True
 
 
 @contextmanager
@@ -52,34 +56,46 @@ def lanes_for(runner: Any) -> Iterator[Lanes]:
             with dask.annotate(resources={MODEL_RESOURCE: 1}):
                 return runner.submit(task, parameters)
 
-        yield Lanes(model, runner.submit, sum(declared), f"{sum(declared)} model slots on {len(declared)} workers")
+        # The threads a worker has beside its model slots: so many blends and segments at once, never a thread more,
+        # so that a model task always finds one.
+        spare = sum(max(0, int(w.get("nthreads", 1)) - d) for w, d in zip(workers, declared, strict=True))
+        where = f"{sum(declared)} model slots and {spare} CPU threads on {len(declared)} workers"
+        yield Lanes(model, runner.submit, sum(declared), where, cpu_slots=spare, stream_blend=spare > 0)
         return
     threads = sum(int(worker.get("nthreads", 1)) for worker in workers) or 1
-    yield Lanes(runner.submit, runner.submit, threads, f"{threads} threads on workers without {MODEL_RESOURCE}")
+    where = f"{threads} threads on workers without {MODEL_RESOURCE}"
+    # Both lanes take any thread: a blend waiting there for its tiles could hold the one a decode needs.
+    yield Lanes(runner.submit, runner.submit, threads, where, stream_blend=False)
 
 
 @dataclass
 class SharedQueue:
-    """One model queue for the clips of an archive, whose model tasks go to the same workers: made to the width of
-    the first clip's lanes (every clip's lanes are the same workers)."""
+    """The lane queues of the clips of an archive, whose tasks go to the same workers: made to the width of the
+    first clip's lanes (every clip's lanes are the same workers)."""
 
-    _queue: ModelQueue | None = None
+    _queues: tuple[ModelQueue, ModelQueue | None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def for_lanes(self, lanes: Lanes) -> ModelQueue:
+    def for_lanes(self, lanes: Lanes) -> tuple[ModelQueue, ModelQueue | None]:
         with self._lock:
-            if self._queue is None:
-                self._queue = ModelQueue(lanes.slots)
-            return self._queue
+            if self._queues is None:
+                self._queues = _queues(lanes)
+            return self._queues
 
 
-# Set by the archive flow in each clip's context: the queue its clips share, and this clip's place among them.
+# Set by the archive flow in each clip's context: the queues its clips share, and this clip's place among them.
 ARCHIVE_QUEUE: ContextVar[tuple[SharedQueue, int] | None] = ContextVar("k6vsr_archive_queue", default=None)
 
 
-def shared_model_queue(lanes: Lanes) -> tuple[ModelQueue, int]:
-    """The model queue a clip's scheduler takes slots from, and the clip's rank in it: the archive's, else its own."""
+def shared_queues(lanes: Lanes) -> tuple[ModelQueue, ModelQueue | None, int]:
+    """The model queue and CPU queue (None: unbounded) a clip's scheduler takes slots from, and the clip's rank in
+    them: the archive's, else its own."""
     shared = ARCHIVE_QUEUE.get()
     if shared is None:
-        return ModelQueue(lanes.slots), 0
-    return shared[0].for_lanes(lanes), shared[1]
+        return *_queues(lanes), 0
+    return *shared[0].for_lanes(lanes), shared[1]
+
+
+def _queues(lanes: Lanes) -> tuple[ModelQueue, ModelQueue | None]:
+    cpu = ModelQueue(lanes.cpu_slots) if lanes.cpu_slots else None
+    return ModelQueue(lanes.slots), cpu

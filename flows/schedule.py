@@ -55,8 +55,10 @@ class Item:
 
     @property
     def urgency(self) -> tuple[int, int, int]:
-        """Smaller runs first among ready model work."""
-        return (self.window, MODEL_STAGES.index(self.stage), self.index)
+        """Smaller runs first among ready work of its lane: an earlier window first, then by stage (a decode before a
+        denoise before an encode; a blend before a segment), then by chunk or tile."""
+        stages = MODEL_STAGES if self.on_model else CPU_STAGES
+        return (self.window, stages.index(self.stage), self.index)
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,9 @@ class Graph:
         return self.starts_with.get(item, self.needs[item])
 
 
-def clip_graph(plan: ClipPlan) -> Graph:
+def clip_graph(plan: ClipPlan, stream_blend: bool = True) -> Graph:
+    """The items of a clip. With `stream_blend`, a window's blend starts with its first decoded tile (it waits for the
+    others itself: its lane must have a thread for it that no decode needs); without, once every tile is decoded."""
     items: list[Item] = []
     needs: dict[Item, tuple[Item, ...]] = {}
     after_start: dict[Item, tuple[Item, ...]] = {}
@@ -98,7 +102,8 @@ def clip_graph(plan: ClipPlan) -> Graph:
             needs[decode] = (chunks[plan.chunk_of(decode.index).index],)
         blends.append(Item("blend", window))
         needs[blends[-1]] = tuple(decodes)
-        starts_with[blends[-1]] = (decodes[0],)  # it adds the others as they are decoded, in tile order
+        if stream_blend:
+            starts_with[blends[-1]] = (decodes[0],)  # it adds the others as they are decoded, in tile order
         segment = Item("segment", window)
         needs[segment] = tuple(blends[-2:])
         items += [encode, *chunks.values(), *decodes, blends[-1], segment]
@@ -115,7 +120,8 @@ Grant = Callable[[], None]
 
 
 class ModelQueue:
-    """The model lane's slots, shared by every scheduler whose model tasks go to the same workers.
+    """A lane's slots, shared by every scheduler whose tasks go to the same workers (the model lane's; and the CPU
+    lane's where it shares their threads).
 
     A scheduler offers each ready model item with its rank (the clip's place in an archive) and urgency; whenever
     a slot is free the most urgent offer of all, the lowest rank first, is granted: its `grant` is called, from the
@@ -161,16 +167,26 @@ class ModelQueue:
 
 
 class Scheduler:
-    """Runs a graph's items through the model lane's `ModelQueue` and an unbounded CPU lane, in the order above.
+    """Runs a graph's items through the model lane's `ModelQueue` and the CPU lane, in the order above.
 
     `run` yields each finished item with its future, in the order they finish; the caller reads the future and calls
     `failed(item)` before asking for the next one if it did not succeed. Items that need a failed one never start;
     an item waiting only for such an item to start starts anyway, so a window that fails does not stop the next.
-    `rank` places this clip's model work among the other clips sharing `slots` (smaller first).
+    `rank` places this clip's work among the other clips sharing the queues (smaller first). The CPU lane takes every
+    ready item at once unless it is given a queue too (`cpu_slots`): on workers whose threads both lanes share, a
+    blend waiting for its tiles must never hold the thread a decode needs.
     """
 
-    def __init__(self, graph: Graph, model: Submit, cpu: Submit, slots: ModelQueue | int, rank: int = 0) -> None:
-        self._queue = slots if isinstance(slots, ModelQueue) else ModelQueue(slots)
+    def __init__(
+        self,
+        graph: Graph,
+        model: Submit,
+        cpu: Submit,
+        slots: ModelQueue | int,
+        rank: int = 0,
+        cpu_slots: ModelQueue | None = None,
+    ) -> None:
+        self._queues = {True: slots if isinstance(slots, ModelQueue) else ModelQueue(slots), False: cpu_slots}
         self._model, self._cpu, self._rank = model, cpu, rank
         self._order = {item: n for n, item in enumerate(graph.items)}
         self._blocked = {
@@ -186,11 +202,11 @@ class Scheduler:
                 self._unblocks[need].append(item)
             for first in graph.waits_for_start(item):
                 self._started_for[first].append(item)
-        self._ready_cpu: list[Item] = []
+        self._ready_cpu: list[Item] = []  # without a CPU queue: started at once
         self._failed: set[Item] = set()
-        # ("done", item, future) when an item ends; ("granted", item, None) when the queue gives it a slot.
+        # ("done", item, future) when an item ends; ("granted", item, None) when its queue gives it a slot.
         self._events: queue.Queue[tuple[str, Item, Future | None]] = queue.Queue()
-        self._offered: dict[Item, Grant] = {}  # offered to the queue, not yet started
+        self._offered: dict[Item, Grant] = {}  # offered to a queue, not yet started
         self._lock = threading.Lock()
         self._closed = False
         for item in graph.items:
@@ -205,14 +221,14 @@ class Scheduler:
         try:
             while True:
                 while self._ready_cpu:
-                    self._start(self._ready_cpu.pop(0), self._cpu)
+                    self._start(self._ready_cpu.pop(0))
                     running += 1
                 if not running and not self._offered:
                     return  # what is left needs a failed item
                 kind, item, future = self._events.get()
                 if kind == "granted":
                     del self._offered[item]
-                    self._start(item, self._model)
+                    self._start(item)
                     running += 1
                     continue
                 running -= 1
@@ -225,24 +241,33 @@ class Scheduler:
                             self._unblock(dependent)
                 finally:
                     # After its dependents are offered: a tile is decoded as soon as its chunk is denoised.
-                    if item.on_model:
-                        self._queue.release()
+                    self._release(item)
         finally:
             self._close()
 
+    def _queue(self, item: Item) -> ModelQueue | None:
+        return self._queues[item.on_model]
+
+    def _release(self, item: Item) -> None:
+        lane = self._queue(item)
+        if lane is not None:
+            lane.release()
+
     def _close(self) -> None:
-        """Give back the slots this scheduler holds and will not use, and withdraw what it still offers; a model
-        task still running gives its slot back as it ends."""
+        """Give back the slots this scheduler holds and will not use, and withdraw what it still offers; a task
+        still running gives its slot back as it ends."""
         with self._lock:
             self._closed = True
-            self._queue.withdraw(set(self._offered.values()))
+            for lane in self._queues.values():
+                if lane is not None:
+                    lane.withdraw(set(self._offered.values()))
         while not self._events.empty():
-            kind, item, _ = self._events.get_nowait()
-            if kind == "granted" or item.on_model:
-                self._queue.release()
+            _, item, _ = self._events.get_nowait()
+            self._release(item)  # a slot granted and not used, or held by a task that ended
 
     def _make_ready(self, item: Item) -> None:
-        if not item.on_model:
+        lane = self._queue(item)
+        if lane is None:
             self._ready_cpu.append(item)
             return
 
@@ -252,18 +277,18 @@ class Scheduler:
                 if not closed:
                     self._events.put(("granted", item, None))
             if closed:
-                self._queue.release()
+                self._release(item)
 
         self._offered[item] = grant
-        self._queue.offer((self._rank, *item.urgency, self._order[item]), grant)
+        lane.offer((self._rank, *item.urgency, self._order[item]), grant)
 
     def _unblock(self, item: Item) -> None:
         self._blocked[item] -= 1
         if not self._blocked[item] and item not in self._failed:
             self._make_ready(item)
 
-    def _start(self, item: Item, lane: Submit) -> None:
-        future = lane(item)
+    def _start(self, item: Item) -> None:
+        future = (self._model if item.on_model else self._cpu)(item)
         future.add_done_callback(lambda done, item=item: self._ended(item, done))
         self._started(item)
 
@@ -272,8 +297,8 @@ class Scheduler:
             closed = self._closed
             if not closed:
                 self._events.put(("done", item, future))
-        if closed and item.on_model:
-            self._queue.release()  # nobody reads this scheduler's events any more; another clip may want the slot
+        if closed:
+            self._release(item)  # nobody reads this scheduler's events any more; another clip may want the slot
 
     def _started(self, item: Item) -> None:
         for waiting in self._started_for[item]:

@@ -23,7 +23,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
-from flows.lanes import SubmitTask, lanes_for, shared_model_queue
+from flows.lanes import SubmitTask, lanes_for, shared_queues
 from flows.prefect_server import leased
 from flows.run_log import run_log
 from flows.runners import WarmOrThreadsTaskRunner, is_dask_runner
@@ -227,8 +227,9 @@ def _windows(
         def start(lane: SubmitTask) -> Callable[[Item], Any]:
             return lambda item: lane(*_task_of(item, run, model, attempt))
 
-        queue, rank = shared_model_queue(lanes)
-        scheduler = Scheduler(clip_graph(plan), start(lanes.model), start(lanes.cpu), queue, rank)
+        model_slots, cpu_slots, rank = shared_queues(lanes)
+        graph = clip_graph(plan, stream_blend=lanes.stream_blend)
+        scheduler = Scheduler(graph, start(lanes.model), start(lanes.cpu), model_slots, rank, cpu_slots)
         finished = False
         try:
             # Every task is recorded as it ends, so the stage clock sees when each one finished.

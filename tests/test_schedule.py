@@ -201,3 +201,70 @@ def test_the_queue_grants_the_lowest_rank_first() -> None:
     shared.release()
     shared.release()
     assert granted == ["holder", "early clip", "late clip"]
+
+
+def test_a_cpu_queue_bounds_the_cpu_lane_and_everything_still_runs() -> None:
+    """Where both lanes share the workers' threads, the CPU lane takes slots too: never more CPU items at once than
+    it has, and the blends, which wait for their tiles on their thread, never keep a decode from running."""
+    lanes = Lanes(seconds=0.01)
+    cpu_at_once = 0
+    running = 0
+    lock = threading.Lock()
+
+    def cpu(item: Item) -> Future:
+        nonlocal running, cpu_at_once
+        with lock:
+            running += 1
+            cpu_at_once = max(cpu_at_once, running)
+        future = lanes.cpu(item)
+
+        def ended(_: Future) -> None:
+            nonlocal running
+            with lock:
+                running -= 1
+
+        future.add_done_callback(ended)
+        return future
+
+    plan = _plan(3)
+    scheduler = Scheduler(clip_graph(plan), lanes.model, cpu, 2, cpu_slots=ModelQueue(1))
+    finished = [item for item, _ in scheduler.run()]
+    assert len(finished) == len(clip_graph(plan).items) and cpu_at_once == 1
+
+
+def test_without_a_streaming_blend_a_window_is_blended_once_every_tile_is_decoded() -> None:
+    """What a cluster whose threads both lanes share without model slots gets (`flows.lanes`)."""
+    graph = clip_graph(_plan(1), stream_blend=False)
+    blend = Item("blend", 0)
+    assert graph.needs_to_start(blend) == graph.needs[blend] and len(graph.needs[blend]) == 9
+    assert clip_graph(_plan(1)).needs_to_start(blend) == (Item("decode", 0, 0, (0,)),)
+
+
+@pytest.mark.parametrize(
+    ("workers", "slots", "cpu_slots", "streams"),
+    [
+        # Workers k6vsr starts: two model slots and three CPU threads each.
+        ([{"nthreads": 5, "resources": {"k6vsr-model": 2}}] * 2, 4, 6, True),
+        # A fleet's workers started by hand with no thread beside their slots: the lanes share every thread.
+        ([{"nthreads": 2, "resources": {"k6vsr-model": 2}}], 2, None, False),
+        # Workers without model slots: both lanes on every thread, and a blend that never waits on one.
+        ([{"nthreads": 1}, {"nthreads": 1}], 2, None, False),
+    ],
+)
+def test_lanes_on_dask_workers_bound_the_cpu_lane_where_threads_are_shared(
+    workers: list[dict], slots: int, cpu_slots: int | None, streams: bool
+) -> None:
+    from prefect_dask import DaskTaskRunner
+
+    from flows.lanes import lanes_for
+
+    class Client:
+        def scheduler_info(self, n_workers: int) -> dict:
+            return {"workers": {f"w{n}": worker for n, worker in enumerate(workers)}}
+
+    runner = DaskTaskRunner.__new__(DaskTaskRunner)
+    runner.__dict__["_client"] = Client()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DaskTaskRunner, "client", property(lambda self: self.__dict__["_client"]))
+        with lanes_for(runner) as lanes:
+            assert (lanes.slots, lanes.cpu_slots or None, lanes.stream_blend) == (slots, cpu_slots, streams)
