@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext, suppress
 from datetime import datetime
 from pathlib import Path
@@ -239,7 +239,7 @@ def _windows(
                 except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
                     scheduler.failed(item)
                     if item.on_model:
-                        store.stop_window(item.window, attempt)  # its blend, waiting for the tile, gives up
+                        _stop_blends(store, [item.window], attempt)
                     if isinstance(err, StoreUnreachable):
                         unreachable = err
                     if isinstance(err, WindowStopped):
@@ -254,14 +254,20 @@ def _windows(
             finished = True
         finally:
             if not finished:  # interrupted: a blend still waiting on a worker must not wait for ever
-                with suppress(Exception):
-                    for window in range(plan.num_windows):
-                        store.stop_window(window, attempt)
+                _stop_blends(store, range(plan.num_windows), attempt)
     if unreachable is not None:
         raise unreachable
     if failures:
         raise TileFailure(_failure_message(run, plan, failures))
     return denoised
+
+
+def _stop_blends(store: RunStore, windows: Iterable[int], attempt: str) -> None:
+    """Tell the blends waiting for these windows' tiles that some will not come. Best effort: a blend that does not
+    hear it (the store unreachable) gives up after `K6VSR_BLEND_WAIT` seconds without a tile."""
+    with suppress(Exception):
+        for window in windows:
+            store.stop_window(window, attempt)
 
 
 def _task_of(item: Item, run: RunRef, model: ModelSpec, attempt: str) -> tuple[Any, dict[str, Any]]:
