@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -320,17 +321,39 @@ def test_the_tiles_column_counts_every_window(prefect_server: str, tiny_bundle_p
 
 
 def test_the_next_clip_computes_while_the_one_before_is_finished(
-    prefect_server: str, tiny_bundle: ModelBundle, tiny_bundle_path: Path, tmp_path: Path
+    prefect_server: str,
+    tiny_bundle: ModelBundle,
+    tiny_bundle_path: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Two clips at the default `max_parallel`: one model queue, the first clip's work first; the second clip's
-    first model item starts before the first clip's segment ends, and each output is the in-memory runner's."""
+    """Two clips at the default `max_parallel`, one model queue: the second clip's model work runs while the first
+    clip writes its segment (that segment waits for the second clip's first decode, and would wait in vain were the
+    second clip held back until the first is finished); the first clip's work goes first; each output is the
+    in-memory runner's."""
     from flows.upscale_archive import upscale_archive
+    from k6vsr_core import segments
+    from service.runs import prepare_run
 
     folder = tmp_path / "in"
     folder.mkdir()
     for name, tone in (("a.mp4", 440.0), ("b.mp4", 220.0)):
         make_sample_clip(folder / name, width=128, height=96, num_frames=1, tone_hz=tone)
     store = tmp_path / "store"
+    first, second = (prepare_run(folder / name, PARAMS, _model(tiny_bundle_path), store).run.run_key for name in "ab")
+    seen: list[bool] = []
+    plain = segments.write_segment
+
+    def write_segment(path, *args, **kwargs) -> None:  # noqa: ANN001 - the stage's own call
+        if first in str(path):
+            later = RunStore(store, second)
+            deadline = time.monotonic() + 120
+            while not later.tile_recorded("decode", (0, 0)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen.append(later.tile_recorded("decode", (0, 0)))
+        plain(path, *args, **kwargs)
+
+    monkeypatch.setattr(segments, "write_segment", write_segment)
     summary = upscale_archive(
         input_dir=str(folder),
         output_dir=str(tmp_path / "out"),
@@ -339,10 +362,10 @@ def test_the_next_clip_computes_while_the_one_before_is_finished(
         store_root=str(store),
     )
     assert summary.counts == {"done": 2}
+    assert seen == [True]
     rows = _by_path(summary.model_dump()["rows"])
+    assert (rows["a.mp4"]["run_key"], rows["b.mp4"]["run_key"]) == (first, second)
     ran = {name: timelines.spans(RunStore(store, rows[name]["run_key"]).path) for name in ("a.mp4", "b.mp4")}
-    model_items = [span for (stage, _), span in ran["b.mp4"].items() if stage in ("encode", "denoise", "decode")]
-    assert min(start for start, _ in model_items) < ran["a.mp4"][("segment", "0")][1]
     # The earlier clip's model work is not held back by the later one's: its last decode ends first.
     last_decode = {
         name: max(e for (stage, _), (_, e) in spans.items() if stage == "decode") for name, spans in ran.items()
