@@ -76,6 +76,7 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
         uploads_per_key=limits.uploads_per_key,
         queued_per_key=limits.queued_per_key,
         finished_quota_bytes=limits.finished_quota_bytes,
+        finished_per_key=limits.finished_per_key,
     )
 
     @asynccontextmanager
@@ -118,6 +119,7 @@ def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | N
     same folder). The model is checked before the port opens."""
     import uvicorn
 
+    from entrypoints.server.serving import fit_connections, uvicorn_config
     from flows.orchestrate import prefect_api
 
     if not log.handlers:  # our own handler: Prefect's logging setup reconfigures the root logger
@@ -137,11 +139,9 @@ def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | N
     signal.signal(signal.SIGTERM, _exit_on_signal)
     # Job processes report to one Prefect API: the configured one, else a server of this service's own, in the store,
     # on loopback behind an auth string that no HTTP client sees: the jobs' flow runs are no client's to read.
+    bounds = fit_connections(config.connections)
     with prefect_api(Path(store_root) / PREFECT_HOME, secured=True):
-        uvicorn.run(
-            create_app(config, spec),
-            host=args.host,
-            port=args.port,
-            log_level="debug" if args.debug else "info",
-            server_header=False,
-        )
+        app = create_app(config, spec)
+        uvicorn.Server(
+            uvicorn_config(app, bounds, args.host, args.port, log_level="debug" if args.debug else "info")
+        ).run()

@@ -486,17 +486,22 @@ class JobRunner:
         uploads_per_key: int | None = None,
         finished_quota_bytes: int | None = None,
         queued_per_key: int | None = None,
+        finished_per_key: int | None = None,
     ) -> None:
         self.store = store
         self.spec = spec
         self.max_queued = max_queued
         self.retention_s = retention_s
-        self.uploads_per_key = uploads_per_key or max_queued
+        self.uploads_per_key = uploads_per_key or max(1, max_queued // 2)
         self.queued_per_key = queued_per_key or max_queued
         self.finished_quota_bytes = finished_quota_bytes
+        self.finished_per_key = finished_per_key
         self.queue: queue.Queue[str | None] = queue.Queue()
         self.waiting: dict[str, str | None] = {}  # queued jobs no worker has taken yet, and their owners (store.lock)
         self._admitting: dict[str | None, int] = {}  # requests being read that will queue a job, by key
+        # Deletions (a client's DELETE, the janitor's expiry) one at a time: two at once would race to remove the
+        # same run's files, and the second must find the job gone (404), not half-removed.
+        self._deleting = threading.Lock()
         self.stopping = threading.Event()
         self.slots = [WorkerSlot(self, i) for i in range(max(1, workers))]
         self.janitor = threading.Thread(target=self._janitor_loop, name="k6vsr-job-janitor", daemon=True)
@@ -578,16 +583,19 @@ class JobRunner:
             self.store.discard_dir(job_id)
         if job["status"] == CANCELLED:
             self.reclaim_run(job["run_key"])
-        elif job["status"] == COMPLETED and self.finished_quota_bytes is not None:
-            self.expire()  # its output may take the finished jobs past their disk budget
+        if self.finished_per_key is not None or (job["status"] == COMPLETED and self.finished_quota_bytes is not None):
+            self.expire()  # one more finished job: its key may be past its count, the outputs past their budget
 
-    def delete(self, job_id: str) -> None:
+    def delete(self, job_id: str) -> bool:
         """Delete a job that no worker runs: its run unless another job refers to it, its files, and its record last
-        (so a job that is gone has nothing left)."""
-        job = self.store.get(job_id)
-        if job is not None:
+        (so a job that is gone has nothing left). False when it was already gone."""
+        with self._deleting:
+            job = self.store.get(job_id)
+            if job is None:
+                return False
             self.reclaim_run(job["run_key"], leaving=job_id)
-        self.store.remove(job_id)
+            self.store.remove(job_id)
+            return True
 
     def reclaim_run(self, run_key: str, leaving: str | None = None) -> None:
         """Delete the run from the run store unless a job (other than `leaving`) that is not cancelled refers to it;
@@ -603,16 +611,29 @@ class JobRunner:
         collect_garbage(self.store.run_root, run_keys=(run_key,))
 
     def expire(self) -> list[str]:
-        """Delete the finished jobs that finished `retention_s` ago or earlier, then, oldest first, those that take
-        the finished jobs past `finished_quota_bytes` on disk. The newest finished job is kept whatever its size:
-        its client can still fetch it."""
+        """Delete the finished jobs that finished `retention_s` ago or earlier, a key's oldest finished jobs past
+        `finished_per_key` of them, then, oldest first, those that take the finished jobs past `finished_quota_bytes`
+        on disk. The newest finished job is kept whatever its size: its client can still fetch it."""
         deadline = time.time() - self.retention_s
         finished = sorted(
             (entry for entry in self.store.entries() if entry.status in FINISHED and not self.running(entry.id)),
             key=lambda entry: (entry.completed_at or 0, entry.created_ns),
         )
         expired = [entry for entry in finished if (entry.completed_at or 0) <= deadline]
-        kept = [entry for entry in finished if entry not in expired]
+        kept = [entry for entry in finished if (entry.completed_at or 0) > deadline]
+        if self.finished_per_key is not None:  # each key's oldest finished jobs past its count
+            counts: dict[str | None, int] = {}
+            for entry in kept:
+                counts[entry.owner] = counts.get(entry.owner, 0) + 1
+            over_count = {owner: count - self.finished_per_key for owner, count in counts.items()}
+            still = []
+            for entry in kept:  # oldest first
+                if over_count[entry.owner] > 0:
+                    over_count[entry.owner] -= 1
+                    expired.append(entry)
+                else:
+                    still.append(entry)
+            kept = still
         if self.finished_quota_bytes is not None:
             over = sum(entry.disk_bytes for entry in kept) - self.finished_quota_bytes
             for entry in kept[:-1]:
@@ -624,7 +645,7 @@ class JobRunner:
         for entry in expired:
             self.delete(entry.id)
         if expired:
-            log.info("deleted %d finished job(s): past the retention time or the disk budget", len(expired))
+            log.info("deleted %d finished job(s): past retention, a key's count or the disk budget", len(expired))
         return [entry.id for entry in expired]
 
     def _janitor_loop(self) -> None:
@@ -662,6 +683,12 @@ class JobRunner:
                 slot.process.wait(timeout=TERMINATE_GRACE_S)
         if self.janitor.is_alive():
             self.janitor.join(timeout=TERMINATE_GRACE_S)
+        # The children are gone: their flow runs are marked Crashed now, by this thread, before the server exits.
+        # A slot thread does it too once its child is gone, but the process may end before that thread gets there.
+        try:
+            _mark_crashed_runs()
+        except Exception:  # noqa: BLE001 - the next command that looks marks them
+            log.warning("could not mark the stopped jobs' flow runs as crashed", exc_info=True)
 
 
 def job_message(store: JobStore, job: dict[str, Any]) -> dict[str, Any]:
