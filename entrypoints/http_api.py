@@ -77,6 +77,7 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
         queued_per_key=limits.queued_per_key,
         finished_quota_bytes=limits.finished_quota_bytes,
         finished_per_key=limits.finished_per_key,
+        memory_budget=limits.memory_budget_bytes,
     )
 
     @asynccontextmanager

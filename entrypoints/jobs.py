@@ -47,9 +47,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # The child process runs this module: it imports only the standard library (and the standard-library-only
-# `confine`) at the top, so that it is bound to its parent before the pipeline's imports (seconds on a busy machine)
-# run. The pipeline is imported where it is used.
+# `confine` and `server.memory`) at the top, so that it is bound to its parent before the pipeline's imports
+# (seconds on a busy machine) run. The pipeline is imported where it is used.
 from entrypoints.confine import scrub_paths
+from entrypoints.server.memory import MemoryLedger, own_rss, tree_rss
 
 if TYPE_CHECKING:
     from service.runs import ModelSpec
@@ -65,6 +66,8 @@ ACTIVE = (QUEUED, IN_PROGRESS)
 FINISHED = (COMPLETED, FAILED, CANCELLED)
 
 TERMINATE_GRACE_S = 3.0
+# How often the memory watch measures the server and its worker processes.
+MEMORY_WATCH_S = 0.1
 # A job's error message, as stored and as answered, is one line of at most this many characters: a library's error
 # can be megabytes (one named every parameter of a refused flow run).
 MAX_MESSAGE_CHARS = 500
@@ -304,6 +307,7 @@ class WorkerSlot:
         self.index = index
         self.process: subprocess.Popen[str] | None = None
         self.current: str | None = None
+        self.over_memory: str | None = None  # set by the memory watch when it stops this job: the reason
         self.thread = threading.Thread(target=self._loop, name=f"k6vsr-job-worker-{index}", daemon=True)
 
     # The thread that starts a child must outlive it: PR_SET_PDEATHSIG fires when that *thread* exits. So only this
@@ -387,18 +391,16 @@ class WorkerSlot:
             _mark_crashed_runs()
             if self.runner.stopping.is_set():
                 return  # stays in_progress, input kept: the next server start resumes it
-            store.update(
-                job_id,
-                only_if=(IN_PROGRESS,),
-                status=FAILED,
-                completed_at=now,
-                error={
-                    "message": f"the worker process exited (code {code}) during the job; resubmit the same "
-                    "request to resume from its finished tiles",
-                    "type": "server_error",
-                    "code": "worker_exited",
-                },
-            )
+            error = {
+                "message": f"the worker process exited (code {code}) during the job; resubmit the same "
+                "request to resume from its finished tiles",
+                "type": "server_error",
+                "code": "worker_exited",
+            }
+            if self.over_memory is not None:
+                error = {"message": self.over_memory, "type": "invalid_request_error", "code": "memory_exceeded"}
+                self.over_memory = None
+            store.update(job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now, error=error)
             self._spawn()  # warm up the next child while the queue is idle
         elif reply["event"] == "done":
             summary = reply["summary"]
@@ -487,6 +489,7 @@ class JobRunner:
         finished_quota_bytes: int | None = None,
         queued_per_key: int | None = None,
         finished_per_key: int | None = None,
+        memory_budget: int | None = None,
     ) -> None:
         self.store = store
         self.spec = spec
@@ -505,6 +508,8 @@ class JobRunner:
         self.stopping = threading.Event()
         self.slots = [WorkerSlot(self, i) for i in range(max(1, workers))]
         self.janitor = threading.Thread(target=self._janitor_loop, name="k6vsr-job-janitor", daemon=True)
+        self.memory = MemoryLedger(memory_budget, server_bytes=own_rss()) if memory_budget is not None else None
+        self.watch = threading.Thread(target=self._watch_loop, name="k6vsr-memory-watch", daemon=True)
 
     def start(self) -> list[str]:
         """Requeue the jobs a previous server left queued or running, oldest first, then start the workers."""
@@ -520,6 +525,8 @@ class JobRunner:
         for slot in self.slots:
             slot.thread.start()
         self.janitor.start()
+        if self.memory is not None:
+            self.watch.start()
         if resumed:
             log.info("resuming %d job(s): %s", len(resumed), ", ".join(resumed))
         return resumed
@@ -647,6 +654,37 @@ class JobRunner:
         if expired:
             log.info("deleted %d finished job(s): past retention, a key's count or the disk budget", len(expired))
         return [entry.id for entry in expired]
+
+    def _watch_loop(self) -> None:
+        while not self.stopping.wait(MEMORY_WATCH_S):
+            try:
+                self.check_memory()
+            except Exception:  # noqa: BLE001 - the next round measures again
+                log.exception("could not measure the server's memory")
+
+    def check_memory(self) -> None:
+        """Measure the server and its worker processes; stop the largest job while together they pass the budget
+        (it fails naming the budget), and note the size of idle workers for admission."""
+        assert self.memory is not None
+        self.memory.server_bytes = own_rss()
+        sizes = self._worker_sizes()
+        for slot, size in sizes.items():
+            if slot.current is None:
+                self.memory.idle_worker(size)
+        total = self.memory.server_bytes + sum(sizes.values())
+        running = [slot for slot in sizes if slot.current is not None and slot.over_memory is None]
+        if total > self.memory.budget and running:
+            largest = max(running, key=lambda slot: sizes[slot])
+            largest.over_memory = (
+                f"the job outgrew the server's memory budget: {total >> 20} MB with the server and its workers, "
+                f"over {self.memory.budget >> 20} MB (--memory-budget-mb); lower sr_resolution_scale, set "
+                "max_frames or send a smaller clip"
+            )
+            log.warning("job %s stopped: %s", largest.current, largest.over_memory)
+            largest._signal(signal.SIGKILL)  # memory runs out faster than a graceful stop
+
+    def _worker_sizes(self) -> dict[WorkerSlot, int]:
+        return {slot: tree_rss(slot.process.pid) for slot in self.slots if slot._alive() and slot.process is not None}
 
     def _janitor_loop(self) -> None:
         interval = min(60.0, max(0.5, self.retention_s / 4))

@@ -31,6 +31,7 @@ from entrypoints.server.config import Limits, ServerConfig
 from entrypoints.server.download import OpenedFileResponse
 from entrypoints.server.errors import ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
+from entrypoints.server.memory import job_bytes
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale
 from k6vsr_core.params import UpscaleParams
@@ -107,6 +108,25 @@ def check_work(plan: Any, limits: Limits) -> None:
             "max_frames or send a smaller clip",
             param="sr_resolution_scale",
             code="too_many_tiles",
+        )
+
+
+def check_memory(plan: Any, runner: JobRunner) -> None:
+    """The host memory a job will hold, bounded before it is queued: it must fit the budget beside the server and
+    every worker running a job of its own."""
+    if runner.memory is None:
+        return
+    needed, room = job_bytes(plan), runner.memory.job_room(len(runner.slots))
+    if needed > room:
+        height, width = plan.sr_size
+        raise ApiError(
+            400,
+            f"this job would hold about {needed >> 20} MB of host memory ({plan.window_frames} frame(s) of "
+            f"{width}x{height} a window, {plan.num_tiles} tiles); this server gives a job at most {max(0, room) >> 20}"
+            " MB (--memory-budget-mb, less the server and its workers): lower sr_resolution_scale, set max_frames "
+            "or send a smaller clip",
+            param="sr_resolution_scale",
+            code="memory_too_large",
         )
 
 
@@ -237,6 +257,7 @@ async def create_video(request: Request) -> JSONResponse:
             params, origin = received.params, received.origin
             prepared = await run_in_threadpool(videos.prepare, job_id, received)
             check_work(prepared.plan, videos.config.limits)
+            check_memory(prepared.plan, videos.runner)
             plan = prepared.plan
             job = await run_in_threadpool(
                 videos.store.put,
