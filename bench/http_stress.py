@@ -9,9 +9,11 @@ two keys, `--memory-budget-mb`, and an open-file limit of 1024, as `ulimit -n 10
 1. unloaded: key B submits a job (9 tiles), polls it and downloads it; its time is the reference;
 2. loaded: the same request (another seed, so it computes again) while this process holds `--half-open` connections
    that never finish their request head and `--idle` keep-alive connections (key A, one answered request each, then
-   nothing), reopening whatever the server closes; the job must finish within 2x the reference;
-3. probes: an upload of a few KB whose plan would not fit the memory budget (must be refused, 4xx), 20 DELETEs of a
-   finished job at once beside 10 downloads of it (no 500; every 200 download complete).
+   nothing), reopening whatever the server closes; it starts once every one of them was opened, and must finish
+   within 2x the reference;
+3. probes: an upload of a few KB whose plan would not fit the memory budget (must be refused, 4xx), a larger job
+   (49 tiles) that fits, 20 DELETEs of a finished job at once beside 10 downloads of it (no 500; every 200
+   download complete).
 
 All along, the resident memory of the server process and of its job processes is sampled (psutil, every 0.1 s); its
 peak must stay under the budget. Every HTTP status answered is counted; none may be a 500. Nothing but 127.0.0.1 is
@@ -27,6 +29,7 @@ import json
 import os
 import resource
 import selectors
+import shutil
 import socket
 import subprocess
 import sys
@@ -170,7 +173,8 @@ def timed_job(client: httpx.Client, clip: Path, seed: int, statuses: Statuses, d
             continue
         statuses.add(response.status_code)
         polls += 1
-        status = response.json().get("status")
+        job = response.json()
+        status = job.get("status")
         if status in ("completed", "failed", "cancelled"):
             break
         if time.monotonic() > deadline:
@@ -184,6 +188,7 @@ def timed_job(client: httpx.Client, clip: Path, seed: int, statuses: Statuses, d
         "seconds": round(time.monotonic() - started, 2),
         "polls": polls,
         "bytes": len(content.content),
+        "whole": content.status_code == 200 and len(content.content) == job["output"]["bytes"],
     }
 
 
@@ -216,9 +221,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--half-open", type=int, default=2000)
     parser.add_argument("--idle", type=int, default=2000)
-    parser.add_argument("--budget-mb", type=int, default=4096, help="the server's --memory-budget-mb")
+    parser.add_argument("--budget-mb", type=int, default=2048, help="the server's --memory-budget-mb")
     parser.add_argument("--deadline", type=float, default=900, help="seconds the whole run may take")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--keep", action="store_true", help="keep the temporary store, bundle and server log")
     args = parser.parse_args()
     if not (0 <= args.half_open <= 5000 and 0 <= args.idle <= 5000 and args.deadline <= 1800):
         parser.error("bounded: at most 5000 connections of each kind and 1800 s")
@@ -233,6 +239,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="k6vsr-stress-"))
     bundle = make_tiny_bundle(work / "tiny")
     clip = make_sample_clip(work / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
+    medium = make_sample_clip(work / "medium.mp4", width=128, height=128, num_frames=1, audio=False)
     huge = make_sample_clip(work / "huge.mp4", width=512, height=512, num_frames=33, audio=False)
     port = free_port()
     command = [
@@ -286,9 +293,14 @@ def main() -> int:
         unloaded = timed_job(client, clip, 2, statuses, deadline)
         result["unloaded"] = unloaded
 
+        started_flood = time.monotonic()
         flood = Flood(port, args.half_open, args.idle, statuses)
         flood.start()
-        time.sleep(5)  # the flood at full strength before the client starts
+        # The flood at full strength before the client starts: every connection of both kinds opened once.
+        while flood.opened["half_open"] < args.half_open or flood.opened["idle"] < args.idle:
+            assert time.monotonic() < deadline and flood.is_alive(), "the flood did not open its connections"
+            time.sleep(0.2)
+        result["flood_ramp_s"] = round(time.monotonic() - started_flood, 1)
         log_before = (work / "serve.log").stat().st_size
         loaded = timed_job(client, clip, 3, statuses, deadline)
         result["loaded"] = loaded
@@ -312,7 +324,7 @@ def main() -> int:
         checks["loaded job within 2x unloaded"] = (
             loaded["status"] == unloaded["status"] == "completed" and loaded["seconds"] <= 2 * unloaded["seconds"]
         )
-        checks["job downloaded whole"] = loaded["bytes"] == unloaded["bytes"] > 0
+        checks["job downloaded whole"] = loaded["whole"] and unloaded["whole"]
 
         files = {"video_reference": ("huge.mp4", huge.read_bytes(), "video/mp4")}
         refused = client.post("/v1/videos", files=files, data={"sr_resolution_scale": "4"})
@@ -323,6 +335,11 @@ def main() -> int:
             "code": refused.json().get("error", {}).get("code") if refused.status_code != 200 else None,
         }
         checks["memory probe refused with a 4xx"] = 400 <= refused.status_code < 500
+
+        # The largest job of the run: 49 tiles, accepted under the budget; the memory is sampled while it runs.
+        near = timed_job(client, medium, 5, statuses, deadline)
+        result["medium_job"] = near
+        checks["medium job completed"] = near["status"] == "completed" and near["whole"]
 
         finished = timed_job(client, clip, 4, statuses, deadline)
         result["race"] = race_probe(base, finished["id"], finished["bytes"], statuses)
@@ -341,7 +358,11 @@ def main() -> int:
     checks["memory under the budget"] = 0 < memory.peak < args.budget_mb << 20
     checks["no 500"] = not any(code.startswith("5") for code in statuses.counts)
     result["checks"] = checks
-    result["log"] = str(work / "serve.log")
+    result["log_tail"] = (work / "serve.log").read_text(errors="replace").splitlines()[-5:]
+    if args.keep:
+        result["work"] = str(work)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:

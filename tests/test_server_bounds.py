@@ -494,7 +494,7 @@ def test_a_job_over_the_memory_budget_is_refused_at_submit(tmp_path: Path, tiny_
 
 def test_the_memory_watch_stops_a_job_that_outgrows_the_budget(tmp_path: Path) -> None:
     """Whatever the estimate said: once the server and its workers pass the budget, the largest running job's
-    process is stopped, and the job fails naming the budget."""
+    process is stopped, and the job fails naming the budget. An idle worker is measured, never stopped."""
     import signal
     import subprocess
     import sys
@@ -515,12 +515,14 @@ def test_the_memory_watch_stops_a_job_that_outgrows_the_budget(tmp_path: Path) -
     )
     try:
         assert slot.process.stdout is not None and slot.process.stdout.readline() == "\n"
+        assert runner.memory is not None
+        runner.check_memory()  # idle: its size is measured (what admission counts a worker at), nothing stopped
+        assert slot.process.poll() is None and runner.memory.worker_bytes > 200 << 20
+        assert runner.memory.job_room(1) < 0  # no job fits beside it
         slot.current = "video_abcdefghijklmnopqr"
         runner.check_memory()
         assert slot.process.wait(timeout=10) == -signal.SIGKILL
         assert slot.over_memory is not None and "--memory-budget-mb" in slot.over_memory
-        slot.current = None
-        runner.check_memory()  # an idle worker of that size is measured, not stopped
     finally:
         if slot.process.poll() is None:
             slot.process.kill()

@@ -23,7 +23,7 @@ MIB = 1 << 20
 # its decoded pixels, the task's own bookkeeping).
 BYTES_PER_OUTPUT_PIXEL = 64
 BYTES_PER_SOURCE_PIXEL = 48
-BYTES_PER_TILE = 2 * MIB
+BYTES_PER_TILE = MIB
 # Windows whose data a job holds at once: the one being computed and the one being blended and encoded.
 WINDOWS_HELD = 2
 # A worker process's idle size until one has been measured: the libraries and a small model.

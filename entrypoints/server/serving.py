@@ -35,6 +35,8 @@ log = logging.getLogger("k6vsr.server")
 # accepted on every turn of the event loop, and takes about three turns to reach the cap below and another to be
 # closed: that many batches may be open beside the capped connections.
 ACCEPT_BATCH = 128
+# Seconds a stop waits for the requests in flight.
+GRACEFUL_SHUTDOWN_S = 10
 # File descriptors kept for everything but connections: the accept batches in flight, and job records, uploads,
 # outputs, pipes and the Prefect client.
 RESERVED_FDS = 4 * ACCEPT_BATCH + 128
@@ -142,6 +144,9 @@ def uvicorn_config(app: Any, bounds: Connections, host: str, port: int, **option
         timeout_keep_alive=bounds.keep_alive_s,  # type: ignore[arg-type]  # a float works: it is a call_later delay
         h11_max_incomplete_event_size=bounds.max_header_bytes,
         backlog=ACCEPT_BATCH,
+        # A stop (SIGTERM, Ctrl-C) waits this long for requests in flight (a slow upload may take
+        # --upload-timeout-s), then cancels them: the job processes are stopped, and their runs marked, promptly.
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         server_header=False,
         **options,
     )
