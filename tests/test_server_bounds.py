@@ -476,8 +476,8 @@ def test_a_job_over_the_memory_budget_is_refused_at_submit(tmp_path: Path, tiny_
     params = {"scale": 4.0}
     from k6vsr_core.params import parse_params
 
-    big_bytes = job_bytes(prepare_run(big, parse_params(**params), spec, tmp_path / "plans").plan)
-    small_bytes = job_bytes(prepare_run(small, parse_params(**params), spec, tmp_path / "plans").plan)
+    big_bytes = job_bytes(prepare_run(big, parse_params(**params), spec, tmp_path / "plans").plan, on_cpu=True)
+    small_bytes = job_bytes(prepare_run(small, parse_params(**params), spec, tmp_path / "plans").plan, on_cpu=True)
     assert small_bytes < 64 << 20 < big_bytes
     # The budget: the server's size, a worker's, and room for the small job but not the big one.
     from entrypoints.server.memory import own_rss
@@ -516,6 +516,7 @@ def test_the_memory_watch_stops_a_job_that_outgrows_the_budget(tmp_path: Path) -
     try:
         assert slot.process.stdout is not None and slot.process.stdout.readline() == "\n"
         assert runner.memory is not None
+        runner.memory.worker_bytes = 0  # below the stand-in's size, to see it measured
         runner.check_memory()  # idle: its size is measured (what admission counts a worker at), nothing stopped
         assert slot.process.poll() is None and runner.memory.worker_bytes > 200 << 20
         assert runner.memory.job_room(1) < 0  # no job fits beside it

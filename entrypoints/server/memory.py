@@ -24,22 +24,41 @@ MIB = 1 << 20
 BYTES_PER_OUTPUT_PIXEL = 64
 BYTES_PER_SOURCE_PIXEL = 48
 BYTES_PER_TILE = MIB
+# On a CPU the model's activations are host memory too: per pixel-frame of one KVAE call (a tile decoded, the
+# source encoded), at most `KVAE_CALL_FRAMES` frames a call (the KVAE's own segments). A 2-tile job of 17 frames of
+# 192x128 grew its process by 682 MB (2026-12-03): 2.4 KB per pixel-frame of its decode calls.
+BYTES_PER_KVAE_PIXEL = 3 * 1024
+KVAE_CALL_FRAMES = 17
 # Windows whose data a job holds at once: the one being computed and the one being blended and encoded.
 WINDOWS_HELD = 2
-# A worker process's idle size until one has been measured: the libraries and a small model.
+# The least a worker process is counted at: the libraries, a small model, and what its first job imports.
 DEFAULT_WORKER_BYTES = 1024 * MIB
 
 
-def job_bytes(plan: Any) -> int:
-    """Host memory a job of `plan` (a `ClipPlan`) adds to its worker process at its peak, at most."""
+def job_bytes(plan: Any, on_cpu: bool) -> int:
+    """Host memory a job of `plan` (a `ClipPlan`) adds to its worker process at its peak, at most; `on_cpu`: the
+    model computes on the CPU, so its activations count too."""
     frames = plan.window_frames
     out_h, out_w = plan.sr_size
     del_h, del_w = plan.delivery_size
     src_h, src_w = plan.grid.padded_size
+    tile_h, tile_w = plan.grid.base
     output = frames * max(out_h * out_w, del_h * del_w)
     source = frames * src_h * src_w
     window = BYTES_PER_OUTPUT_PIXEL * output + BYTES_PER_SOURCE_PIXEL * source + BYTES_PER_TILE * plan.num_tiles
-    return window * min(WINDOWS_HELD, plan.num_windows)
+    held = window * min(WINDOWS_HELD, plan.num_windows)
+    if on_cpu:
+        call_frames = min(frames, KVAE_CALL_FRAMES)
+        held += BYTES_PER_KVAE_PIXEL * call_frames * max(tile_h * tile_w, src_h * src_w)
+    return held
+
+
+def computes_on_cpu(device: str) -> bool:
+    """Whether a job process of `device` ("cpu", "cuda[:n]", "auto") computes on the CPU; for "auto", whether this
+    machine has no NVIDIA device (the server itself imports no torch)."""
+    if device == "auto":
+        return not os.path.exists("/dev/nvidia0")
+    return device == "cpu"
 
 
 def own_rss() -> int:
@@ -69,13 +88,14 @@ def tree_rss(pid: int) -> int:
 
 @dataclass
 class MemoryLedger:
-    """The budget, and what was last measured of the processes under it: the server's own size and the largest
-    idle size of a worker process."""
+    """The budget, and what was last measured of the processes under it: the server's own size, and the size a
+    worker process is counted at: the largest measured idle (waiting for a job), and never less than
+    `DEFAULT_WORKER_BYTES`, which covers what a worker's first job loads beyond its idle size after start (the
+    pipeline's imports: about 350 MB with the tiny bundle)."""
 
     budget: int
     server_bytes: int = 0
     worker_bytes: int = DEFAULT_WORKER_BYTES
-    worker_measured: bool = False
 
     def job_room(self, workers: int) -> int:
         """What one job may add to its worker, with every worker running one: the budget less the server and the
@@ -83,6 +103,4 @@ class MemoryLedger:
         return (self.budget - self.server_bytes - workers * self.worker_bytes) // workers
 
     def idle_worker(self, size: int) -> None:
-        if size > 0:
-            self.worker_bytes = size if not self.worker_measured else max(self.worker_bytes, size)
-            self.worker_measured = True
+        self.worker_bytes = max(self.worker_bytes, size)

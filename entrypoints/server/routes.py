@@ -31,7 +31,7 @@ from entrypoints.server.config import Limits, ServerConfig
 from entrypoints.server.download import OpenedFileResponse
 from entrypoints.server.errors import ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
-from entrypoints.server.memory import job_bytes
+from entrypoints.server.memory import computes_on_cpu, job_bytes
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale
 from k6vsr_core.params import UpscaleParams
@@ -116,7 +116,8 @@ def check_memory(plan: Any, runner: JobRunner) -> None:
     every worker running a job of its own."""
     if runner.memory is None:
         return
-    needed, room = job_bytes(plan), runner.memory.job_room(len(runner.slots))
+    needed = job_bytes(plan, computes_on_cpu(runner.spec.device))
+    room = runner.memory.job_room(len(runner.slots))
     if needed > room:
         height, width = plan.sr_size
         raise ApiError(
