@@ -67,7 +67,7 @@ FINISHED = (COMPLETED, FAILED, CANCELLED)
 
 TERMINATE_GRACE_S = 3.0
 # How often the memory watch measures the server and its worker processes.
-MEMORY_WATCH_S = 0.1
+MEMORY_WATCH_S = 0.25
 # A job's error message, as stored and as answered, is one line of at most this many characters: a library's error
 # can be megabytes (one named every parameter of a refused flow run).
 MAX_MESSAGE_CHARS = 500
@@ -431,6 +431,9 @@ class WorkerSlot:
             store.update(job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now, error=error)
             if reply["event"] == "fatal":
                 self._reap()
+        # Its process is done with it (idle, or gone): a DELETE from here on deletes it rather than waiting for it
+        # to stop, whatever settling is left.
+        self.current = None
         self.runner.settle(job_id)
 
     def _reap(self) -> int | None:
@@ -504,7 +507,7 @@ class JobRunner:
         self._admitting: dict[str | None, int] = {}  # requests being read that will queue a job, by key
         # Deletions (a client's DELETE, the janitor's expiry) one at a time: two at once would race to remove the
         # same run's files, and the second must find the job gone (404), not half-removed.
-        self._deleting = threading.Lock()
+        self._deleting = threading.RLock()
         self.stopping = threading.Event()
         self.slots = [WorkerSlot(self, i) for i in range(max(1, workers))]
         self.janitor = threading.Thread(target=self._janitor_loop, name="k6vsr-job-janitor", daemon=True)
@@ -580,16 +583,18 @@ class JobRunner:
 
     def settle(self, job_id: str) -> None:
         """Free what a job that no longer runs does not need: a completed job keeps only its output; a failed or
-        cancelled one keeps no file, and a cancelled one's run is reclaimed."""
-        job = self.store.get(job_id)
-        if job is None:
-            return
-        if job["status"] == COMPLETED:
-            self.store.drop_input(job_id)
-        else:
-            self.store.discard_dir(job_id)
-        if job["status"] == CANCELLED:
-            self.reclaim_run(job["run_key"])
+        cancelled one keeps no file, and a cancelled one's run is reclaimed. As a deletion: one at a time with
+        them."""
+        with self._deleting:
+            job = self.store.get(job_id)
+            if job is None:
+                return
+            if job["status"] == COMPLETED:
+                self.store.drop_input(job_id)
+            else:
+                self.store.discard_dir(job_id)
+            if job["status"] == CANCELLED:
+                self.reclaim_run(job["run_key"])
         if self.finished_per_key is not None or (job["status"] == COMPLETED and self.finished_quota_bytes is not None):
             self.expire()  # one more finished job: its key may be past its count, the outputs past their budget
 
