@@ -91,6 +91,39 @@ def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
     assert (limits.uploads_per_key, limits.finished_quota_bytes) == (1, 3 << 20)
     with pytest.raises(ParameterError, match="--max-tiles"):
         config_from(build_parser().parse_args(["serve", "--max-tiles", "0"]), tmp_path, "m")
+    assert (defaults.finished_per_key, defaults.memory_budget_bytes > 1 << 30) == (1000, True)
+    connections = config_from(build_parser().parse_args(["serve"]), tmp_path, "m").connections
+    assert (connections.max_connections, connections.header_timeout_s, connections.keep_alive_s) == (1000, 10, 5)
+    flags = "--max-connections 50 --header-timeout-s 2 --keep-alive-s 3 --max-finished-per-key 7 --memory-budget-mb 512"
+    config = config_from(build_parser().parse_args(["serve", *flags.split()]), tmp_path, "m")
+    assert (config.connections.max_connections, config.connections.header_timeout_s) == (50, 2)
+    assert (config.connections.keep_alive_s, config.limits.finished_per_key) == (3, 7)
+    assert config.limits.memory_budget_bytes == 512 << 20
+
+
+def test_connections_fit_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `ulimit -n 1024` (soft and hard) the connections are lowered so that the accept batches in flight and
+    the files the server opens always have descriptors; a soft limit below the hard one is raised instead."""
+    import resource
+
+    from entrypoints.server import serving
+    from entrypoints.server.config import Connections
+
+    raised: list[tuple[int, int]] = []
+
+    def refuse(_: int, limits: tuple[int, int]) -> None:
+        raised.append(limits)
+        raise ValueError("not permitted")
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1024))
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    fitted = serving.fit_connections(Connections(max_connections=1000, header_timeout_s=2.0))
+    assert fitted.max_connections == 1024 - serving.RESERVED_FDS and fitted.header_timeout_s == 2.0
+    assert raised == [(1024, 1024)]
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 65536))
+    monkeypatch.setattr(resource, "setrlimit", lambda _, limits: raised.append(limits))
+    assert serving.fit_connections(Connections(max_connections=1000)).max_connections == 1000
+    assert raised[-1] == (1000 + serving.RESERVED_FDS, 65536)
 
 
 # ------------------------------------------------------------------------------------------- refused at submit

@@ -4,10 +4,10 @@ while jobs run (a job whose process outgrows the budget anyway is stopped, and f
 
 File sizes and tile counts do not bound memory: a few kilobytes of video can declare frames of any size, and a
 window's frames are held decoded, encoded into latents, decoded into tiles and blended at the output's size. The
-estimate follows those: per pixel-frame of a window's source and of its result, and per tile task. Its constants
-are upper bounds of what the job process was measured to add over its idle size with the tiny bundle on a CPU
-(bench/RESULTS.md, 2026-12-03); the idle size itself (the model, the libraries) is measured, not estimated: the
-size of a worker process waiting for a job.
+estimate follows those: per pixel-frame of a window's source and of its result, per tile task, and on a CPU per
+pixel-frame of a KVAE call. Its constants are upper bounds of what a warm job process was measured to add with the
+tiny bundle on a CPU (bench/RESULTS.md, 2026-12-03); the idle size itself (the model, the libraries) is measured,
+not estimated: the size of a worker process waiting for a job, counted at `DEFAULT_WORKER_BYTES` at least.
 """
 
 from __future__ import annotations
