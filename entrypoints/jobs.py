@@ -477,7 +477,8 @@ class JobRunner:
     more than `finished_quota_bytes` on disk.
 
     A request being read holds one of the `max_queued` admission slots; one key holds at most `uploads_per_key` of
-    them at once, so a key whose uploads stall (until their deadline) never leaves another key without a slot. And
+    them at once, and less while other keys send (`admission`), so keys whose uploads stall (until their deadline)
+    never leave another key without a slot. And
     one key holds at most `queued_per_key` places of the queue, its waiting jobs and its requests being read
     together, so a key that submits many quick jobs never fills the queue for the others."""
 
@@ -536,15 +537,21 @@ class JobRunner:
 
     @contextmanager
     def admission(self, owner: str | None = None) -> Iterator[None]:
-        """Hold a place in the queue while a request of `owner` (a key's id; None without keys) is read:
-        `QueueFull` when `max_queued` jobs already wait, `UploadsBusy` or `KeyQueueFull` when the key already holds
-        its share of the requests being read or of the queue."""
+        """Hold a place in the queue while a request of `owner` (a key's id, or a client address's; None: anyone)
+        is read: `QueueFull` when `max_queued` jobs already wait, `UploadsBusy` or `KeyQueueFull` when the key
+        already holds its share of the requests being read or of the queue.
+
+        Its share of the requests being read is `uploads_per_key` at most, and less while other keys send: at most
+        `max_queued // (senders + 1)`, the senders counting it, so that one more key always finds a slot free. Keys
+        whose uploads stall (until their deadline) thus never take every slot, however many of them there are
+        (short of more keys than slots)."""
         with self.store.lock:
             if len(self.waiting) + sum(self._admitting.values()) >= self.max_queued:
                 raise QueueFull(self.max_queued)
-            # Without keys every client is the same one: only the queue bounds it.
-            if owner is not None and self._admitting.get(owner, 0) >= self.uploads_per_key:
-                raise UploadsBusy(self.uploads_per_key)
+            senders = len(self._admitting.keys() - {owner}) + 1
+            share = min(self.uploads_per_key, max(1, self.max_queued // (senders + 1)))
+            if owner is not None and self._admitting.get(owner, 0) >= share:
+                raise UploadsBusy(share)
             held = self._admitting.get(owner, 0) + sum(1 for who in self.waiting.values() if who == owner)
             if owner is not None and held >= self.queued_per_key:
                 raise KeyQueueFull(self.queued_per_key)

@@ -474,7 +474,7 @@ def test_one_key_holds_at_most_its_share_of_the_queue(tmp_path: Path) -> None:
     `key_queue_full` while another key is still admitted; a job taken by a worker frees its place."""
     from entrypoints.cli import build_parser
     from entrypoints.http_api import config_from
-    from entrypoints.jobs import JobRunner, JobStore, KeyQueueFull, QueueFull
+    from entrypoints.jobs import JobRunner, JobStore, KeyQueueFull, QueueFull, UploadsBusy
 
     store = JobStore(tmp_path, input_quota_bytes=1 << 20)
     runner = JobRunner(store, ModelSpec(model="unused"), workers=1, max_queued=5, retention_s=60, queued_per_key=3)
@@ -483,9 +483,13 @@ def test_one_key_holds_at_most_its_share_of_the_queue(tmp_path: Path) -> None:
     with runner.admission("key-a"):  # its third place: a request being read
         with pytest.raises(KeyQueueFull), runner.admission("key-a"):
             pass
-        with runner.admission("key-b"), runner.admission("key-b"):
-            with pytest.raises(QueueFull), runner.admission("key-c"):  # 2 waiting + 3 being read: the queue is full
+        with runner.admission("key-b"):
+            # Two keys send: a third must find a slot, so key-b's share is 5 // 3 = 1.
+            with pytest.raises(UploadsBusy), runner.admission("key-b"):
                 pass
+            with runner.admission("key-c"):
+                with pytest.raises(QueueFull), runner.admission("key-d"):  # 2 waiting + 3 being read: full
+                    pass
     runner.waiting.pop("a1")  # what a worker does when it takes the job
     with runner.admission("key-a"):
         pass
