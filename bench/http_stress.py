@@ -17,7 +17,8 @@ two keys, `--memory-budget-mb`, and an open-file limit of 1024, as `ulimit -n 10
 
 All along, the resident memory of the server process and of its job processes is sampled (psutil, every 0.1 s); its
 peak must stay under the budget. Every HTTP status answered is counted; none may be a 500. Nothing but 127.0.0.1 is
-ever connected to. Exits 0 when every check holds, 1 otherwise; the figures are printed as JSON (and written to
+ever connected to. At the end the server, its Prefect server and (without `--keep`) its temporary folder are
+removed. Exits 0 when every check holds, 1 otherwise; the figures are printed as JSON (and written to
 `--out`).
 """
 
@@ -352,6 +353,10 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+        # serve leaves its own Prefect server running (for the next start); this run's goes with its folder.
+        stop_env = {**env, "K6VSR_SERVER_HOME": str(work / "store" / "prefect-server")}
+        stop = [sys.executable, "-m", "entrypoints.cli", "server", "stop"]
+        subprocess.run(stop, cwd=ROOT, env=stop_env, timeout=120, check=False, capture_output=True)
     result["peak_rss_mb"] = memory.peak >> 20
     result["peak_job_processes_rss_mb"] = memory.peak_jobs >> 20
     result["statuses"] = dict(statuses.counts)
