@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-uploads-per-key",
         type=int,
         default=4,
-        help="request bodies one key may send at once (its share of the --max-queued admission slots), then 429",
+        help="request bodies one key (without keys: one client address) may send at once, at most half of "
+        "--max-queued (a larger value is lowered to it), then 429",
     )
     limits.add_argument(
         "--max-queued-per-key",
@@ -330,6 +331,35 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=51200,
         help="disk that finished jobs (outputs and runs) may keep; past it the oldest finished are deleted first",
+    )
+    limits.add_argument(
+        "--max-finished-per-key",
+        type=int,
+        default=1000,
+        help="finished jobs (completed, failed, cancelled) one key keeps; past it its oldest finished are deleted",
+    )
+    limits.add_argument(
+        "--memory-budget-mb",
+        type=float,
+        default=None,
+        help="host memory the server and its job processes may use (default: 80%% of this machine's); a job whose "
+        "estimate does not fit is refused at submit, one that outgrows it is stopped",
+    )
+    connections = serve.add_argument_group("connections")
+    connections.add_argument(
+        "--max-connections",
+        type=int,
+        default=1000,
+        help="connections open at once (lowered to fit the open-file limit); past it the longest idle is closed",
+    )
+    connections.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=10,
+        help="seconds a connection may take to send a request's line and headers, then it is closed",
+    )
+    connections.add_argument(
+        "--keep-alive-s", type=float, default=5, help="seconds an idle keep-alive connection stays open"
     )
     serve.add_argument("--workers", type=int, default=1, help="jobs run at once (each loads the model once)")
     serve.add_argument("--store", default=None, help="the run store: a folder or an object-store URL (s3://...)")

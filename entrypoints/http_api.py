@@ -12,7 +12,8 @@
 Request fields and their defaults are SGLang's Kandinsky 6 SR sampling parameters. Safe by default: loopback bind;
 a JSON `video_path` is opened only inside `--allow-path` folders, with no symbolic link followed, and copied into
 the job's folder, so the file checked is the file that runs (`entrypoints.confine`); uploads are streamed to disk
-under a size cap; every resource a client can spend is bounded (`Limits`); with API keys each job belongs to the key
+under a size cap; every resource a client can spend is bounded (`Limits`: bodies, the queue, disk, host memory;
+`Connections`: open connections and how long they may idle, `server.serving`); with API keys each job belongs to the key
 that made it; errors are JSON `{"error": {"message", "type", "param", "code"}}` with one line of message, never a
 stack trace or a path of the server. Jobs, their queue and their worker processes are in `entrypoints.jobs`.
 """
@@ -76,6 +77,8 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
         uploads_per_key=limits.uploads_per_key,
         queued_per_key=limits.queued_per_key,
         finished_quota_bytes=limits.finished_quota_bytes,
+        finished_per_key=limits.finished_per_key,
+        memory_budget=limits.memory_budget_bytes,
     )
 
     @asynccontextmanager
@@ -118,6 +121,7 @@ def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | N
     same folder). The model is checked before the port opens."""
     import uvicorn
 
+    from entrypoints.server.serving import fit_connections, uvicorn_config
     from flows.orchestrate import prefect_api
 
     if not log.handlers:  # our own handler: Prefect's logging setup reconfigures the root logger
@@ -137,11 +141,9 @@ def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | N
     signal.signal(signal.SIGTERM, _exit_on_signal)
     # Job processes report to one Prefect API: the configured one, else a server of this service's own, in the store,
     # on loopback behind an auth string that no HTTP client sees: the jobs' flow runs are no client's to read.
+    bounds = fit_connections(config.connections)
     with prefect_api(Path(store_root) / PREFECT_HOME, secured=True):
-        uvicorn.run(
-            create_app(config, spec),
-            host=args.host,
-            port=args.port,
-            log_level="debug" if args.debug else "info",
-            server_header=False,
-        )
+        app = create_app(config, spec)
+        uvicorn.Server(
+            uvicorn_config(app, bounds, args.host, args.port, log_level="debug" if args.debug else "info")
+        ).run()

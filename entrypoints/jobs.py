@@ -47,9 +47,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 # The child process runs this module: it imports only the standard library (and the standard-library-only
-# `confine`) at the top, so that it is bound to its parent before the pipeline's imports (seconds on a busy machine)
-# run. The pipeline is imported where it is used.
+# `confine` and `server.memory`) at the top, so that it is bound to its parent before the pipeline's imports
+# (seconds on a busy machine) run. The pipeline is imported where it is used.
 from entrypoints.confine import scrub_paths
+from entrypoints.server.memory import MemoryLedger, own_rss, tree_rss
 
 if TYPE_CHECKING:
     from service.runs import ModelSpec
@@ -65,6 +66,8 @@ ACTIVE = (QUEUED, IN_PROGRESS)
 FINISHED = (COMPLETED, FAILED, CANCELLED)
 
 TERMINATE_GRACE_S = 3.0
+# How often the memory watch measures the server and its worker processes.
+MEMORY_WATCH_S = 0.25
 # A job's error message, as stored and as answered, is one line of at most this many characters: a library's error
 # can be megabytes (one named every parameter of a refused flow run).
 MAX_MESSAGE_CHARS = 500
@@ -304,6 +307,7 @@ class WorkerSlot:
         self.index = index
         self.process: subprocess.Popen[str] | None = None
         self.current: str | None = None
+        self.over_memory: str | None = None  # set by the memory watch when it stops this job: the reason
         self.thread = threading.Thread(target=self._loop, name=f"k6vsr-job-worker-{index}", daemon=True)
 
     # The thread that starts a child must outlive it: PR_SET_PDEATHSIG fires when that *thread* exits. So only this
@@ -387,18 +391,16 @@ class WorkerSlot:
             _mark_crashed_runs()
             if self.runner.stopping.is_set():
                 return  # stays in_progress, input kept: the next server start resumes it
-            store.update(
-                job_id,
-                only_if=(IN_PROGRESS,),
-                status=FAILED,
-                completed_at=now,
-                error={
-                    "message": f"the worker process exited (code {code}) during the job; resubmit the same "
-                    "request to resume from its finished tiles",
-                    "type": "server_error",
-                    "code": "worker_exited",
-                },
-            )
+            error = {
+                "message": f"the worker process exited (code {code}) during the job; resubmit the same "
+                "request to resume from its finished tiles",
+                "type": "server_error",
+                "code": "worker_exited",
+            }
+            if self.over_memory is not None:
+                error = {"message": self.over_memory, "type": "invalid_request_error", "code": "memory_exceeded"}
+                self.over_memory = None
+            store.update(job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now, error=error)
             self._spawn()  # warm up the next child while the queue is idle
         elif reply["event"] == "done":
             summary = reply["summary"]
@@ -429,6 +431,9 @@ class WorkerSlot:
             store.update(job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now, error=error)
             if reply["event"] == "fatal":
                 self._reap()
+        # Its process is done with it (idle, or gone): a DELETE from here on deletes it rather than waiting for it
+        # to stop, whatever settling is left.
+        self.current = None
         self.runner.settle(job_id)
 
     def _reap(self) -> int | None:
@@ -472,7 +477,8 @@ class JobRunner:
     more than `finished_quota_bytes` on disk.
 
     A request being read holds one of the `max_queued` admission slots; one key holds at most `uploads_per_key` of
-    them at once, so a key whose uploads stall (until their deadline) never leaves another key without a slot. And
+    them at once, and less while other keys send (`admission`), so keys whose uploads stall (until their deadline)
+    never leave another key without a slot. And
     one key holds at most `queued_per_key` places of the queue, its waiting jobs and its requests being read
     together, so a key that submits many quick jobs never fills the queue for the others."""
 
@@ -486,20 +492,28 @@ class JobRunner:
         uploads_per_key: int | None = None,
         finished_quota_bytes: int | None = None,
         queued_per_key: int | None = None,
+        finished_per_key: int | None = None,
+        memory_budget: int | None = None,
     ) -> None:
         self.store = store
         self.spec = spec
         self.max_queued = max_queued
         self.retention_s = retention_s
-        self.uploads_per_key = uploads_per_key or max_queued
+        self.uploads_per_key = uploads_per_key or max(1, max_queued // 2)
         self.queued_per_key = queued_per_key or max_queued
         self.finished_quota_bytes = finished_quota_bytes
+        self.finished_per_key = finished_per_key
         self.queue: queue.Queue[str | None] = queue.Queue()
         self.waiting: dict[str, str | None] = {}  # queued jobs no worker has taken yet, and their owners (store.lock)
         self._admitting: dict[str | None, int] = {}  # requests being read that will queue a job, by key
+        # Deletions (a client's DELETE, the janitor's expiry) one at a time: two at once would race to remove the
+        # same run's files, and the second must find the job gone (404), not half-removed.
+        self._deleting = threading.RLock()
         self.stopping = threading.Event()
         self.slots = [WorkerSlot(self, i) for i in range(max(1, workers))]
         self.janitor = threading.Thread(target=self._janitor_loop, name="k6vsr-job-janitor", daemon=True)
+        self.memory = MemoryLedger(memory_budget, server_bytes=own_rss()) if memory_budget is not None else None
+        self.watch = threading.Thread(target=self._watch_loop, name="k6vsr-memory-watch", daemon=True)
 
     def start(self) -> list[str]:
         """Requeue the jobs a previous server left queued or running, oldest first, then start the workers."""
@@ -515,21 +529,29 @@ class JobRunner:
         for slot in self.slots:
             slot.thread.start()
         self.janitor.start()
+        if self.memory is not None:
+            self.watch.start()
         if resumed:
             log.info("resuming %d job(s): %s", len(resumed), ", ".join(resumed))
         return resumed
 
     @contextmanager
     def admission(self, owner: str | None = None) -> Iterator[None]:
-        """Hold a place in the queue while a request of `owner` (a key's id; None without keys) is read:
-        `QueueFull` when `max_queued` jobs already wait, `UploadsBusy` or `KeyQueueFull` when the key already holds
-        its share of the requests being read or of the queue."""
+        """Hold a place in the queue while a request of `owner` (a key's id, or a client address's; None: anyone)
+        is read: `QueueFull` when `max_queued` jobs already wait, `UploadsBusy` or `KeyQueueFull` when the key
+        already holds its share of the requests being read or of the queue.
+
+        Its share of the requests being read is `uploads_per_key` at most, and less while other keys send: at most
+        `max_queued // (senders + 1)`, the senders counting it, so that one more key always finds a slot free. Keys
+        whose uploads stall (until their deadline) thus never take every slot, however many of them there are
+        (short of more keys than slots)."""
         with self.store.lock:
             if len(self.waiting) + sum(self._admitting.values()) >= self.max_queued:
                 raise QueueFull(self.max_queued)
-            # Without keys every client is the same one: only the queue bounds it.
-            if owner is not None and self._admitting.get(owner, 0) >= self.uploads_per_key:
-                raise UploadsBusy(self.uploads_per_key)
+            senders = len(self._admitting.keys() - {owner}) + 1
+            share = min(self.uploads_per_key, max(1, self.max_queued // (senders + 1)))
+            if owner is not None and self._admitting.get(owner, 0) >= share:
+                raise UploadsBusy(share)
             held = self._admitting.get(owner, 0) + sum(1 for who in self.waiting.values() if who == owner)
             if owner is not None and held >= self.queued_per_key:
                 raise KeyQueueFull(self.queued_per_key)
@@ -568,26 +590,31 @@ class JobRunner:
 
     def settle(self, job_id: str) -> None:
         """Free what a job that no longer runs does not need: a completed job keeps only its output; a failed or
-        cancelled one keeps no file, and a cancelled one's run is reclaimed."""
-        job = self.store.get(job_id)
-        if job is None:
-            return
-        if job["status"] == COMPLETED:
-            self.store.drop_input(job_id)
-        else:
-            self.store.discard_dir(job_id)
-        if job["status"] == CANCELLED:
-            self.reclaim_run(job["run_key"])
-        elif job["status"] == COMPLETED and self.finished_quota_bytes is not None:
-            self.expire()  # its output may take the finished jobs past their disk budget
+        cancelled one keeps no file, and a cancelled one's run is reclaimed. As a deletion: one at a time with
+        them."""
+        with self._deleting:
+            job = self.store.get(job_id)
+            if job is None:
+                return
+            if job["status"] == COMPLETED:
+                self.store.drop_input(job_id)
+            else:
+                self.store.discard_dir(job_id)
+            if job["status"] == CANCELLED:
+                self.reclaim_run(job["run_key"])
+        if self.finished_per_key is not None or (job["status"] == COMPLETED and self.finished_quota_bytes is not None):
+            self.expire()  # one more finished job: its key may be past its count, the outputs past their budget
 
-    def delete(self, job_id: str) -> None:
+    def delete(self, job_id: str) -> bool:
         """Delete a job that no worker runs: its run unless another job refers to it, its files, and its record last
-        (so a job that is gone has nothing left)."""
-        job = self.store.get(job_id)
-        if job is not None:
+        (so a job that is gone has nothing left). False when it was already gone."""
+        with self._deleting:
+            job = self.store.get(job_id)
+            if job is None:
+                return False
             self.reclaim_run(job["run_key"], leaving=job_id)
-        self.store.remove(job_id)
+            self.store.remove(job_id)
+            return True
 
     def reclaim_run(self, run_key: str, leaving: str | None = None) -> None:
         """Delete the run from the run store unless a job (other than `leaving`) that is not cancelled refers to it;
@@ -603,16 +630,29 @@ class JobRunner:
         collect_garbage(self.store.run_root, run_keys=(run_key,))
 
     def expire(self) -> list[str]:
-        """Delete the finished jobs that finished `retention_s` ago or earlier, then, oldest first, those that take
-        the finished jobs past `finished_quota_bytes` on disk. The newest finished job is kept whatever its size:
-        its client can still fetch it."""
+        """Delete the finished jobs that finished `retention_s` ago or earlier, a key's oldest finished jobs past
+        `finished_per_key` of them, then, oldest first, those that take the finished jobs past `finished_quota_bytes`
+        on disk. The newest finished job is kept whatever its size: its client can still fetch it."""
         deadline = time.time() - self.retention_s
         finished = sorted(
             (entry for entry in self.store.entries() if entry.status in FINISHED and not self.running(entry.id)),
             key=lambda entry: (entry.completed_at or 0, entry.created_ns),
         )
         expired = [entry for entry in finished if (entry.completed_at or 0) <= deadline]
-        kept = [entry for entry in finished if entry not in expired]
+        kept = [entry for entry in finished if (entry.completed_at or 0) > deadline]
+        if self.finished_per_key is not None:  # each key's oldest finished jobs past its count
+            counts: dict[str | None, int] = {}
+            for entry in kept:
+                counts[entry.owner] = counts.get(entry.owner, 0) + 1
+            over_count = {owner: count - self.finished_per_key for owner, count in counts.items()}
+            still = []
+            for entry in kept:  # oldest first
+                if over_count[entry.owner] > 0:
+                    over_count[entry.owner] -= 1
+                    expired.append(entry)
+                else:
+                    still.append(entry)
+            kept = still
         if self.finished_quota_bytes is not None:
             over = sum(entry.disk_bytes for entry in kept) - self.finished_quota_bytes
             for entry in kept[:-1]:
@@ -624,8 +664,39 @@ class JobRunner:
         for entry in expired:
             self.delete(entry.id)
         if expired:
-            log.info("deleted %d finished job(s): past the retention time or the disk budget", len(expired))
+            log.info("deleted %d finished job(s): past retention, a key's count or the disk budget", len(expired))
         return [entry.id for entry in expired]
+
+    def _watch_loop(self) -> None:
+        while not self.stopping.wait(MEMORY_WATCH_S):
+            try:
+                self.check_memory()
+            except Exception:  # noqa: BLE001 - the next round measures again
+                log.exception("could not measure the server's memory")
+
+    def check_memory(self) -> None:
+        """Measure the server and its worker processes; stop the largest job while together they pass the budget
+        (it fails naming the budget), and note the size of idle workers for admission."""
+        assert self.memory is not None
+        self.memory.server_bytes = own_rss()
+        sizes = self._worker_sizes()
+        for slot, size in sizes.items():
+            if slot.current is None:
+                self.memory.idle_worker(size)
+        total = self.memory.server_bytes + sum(sizes.values())
+        running = [slot for slot in sizes if slot.current is not None and slot.over_memory is None]
+        if total > self.memory.budget and running:
+            largest = max(running, key=lambda slot: sizes[slot])
+            largest.over_memory = (
+                f"the job outgrew the server's memory budget: {total >> 20} MB with the server and its workers, "
+                f"over {self.memory.budget >> 20} MB (--memory-budget-mb); lower sr_resolution_scale, set "
+                "max_frames or send a smaller clip"
+            )
+            log.warning("job %s stopped: %s", largest.current, largest.over_memory)
+            largest._signal(signal.SIGKILL)  # memory runs out faster than a graceful stop
+
+    def _worker_sizes(self) -> dict[WorkerSlot, int]:
+        return {slot: tree_rss(slot.process.pid) for slot in self.slots if slot._alive() and slot.process is not None}
 
     def _janitor_loop(self) -> None:
         interval = min(60.0, max(0.5, self.retention_s / 4))
@@ -662,6 +733,12 @@ class JobRunner:
                 slot.process.wait(timeout=TERMINATE_GRACE_S)
         if self.janitor.is_alive():
             self.janitor.join(timeout=TERMINATE_GRACE_S)
+        # The children are gone: their flow runs are marked Crashed now, by this thread, before the server exits.
+        # A slot thread does it too once its child is gone, but the process may end before that thread gets there.
+        try:
+            _mark_crashed_runs()
+        except Exception:  # noqa: BLE001 - the next command that looks marks them
+            log.warning("could not mark the stopped jobs' flow runs as crashed", exc_info=True)
 
 
 def job_message(store: JobStore, job: dict[str, Any]) -> dict[str, Any]:

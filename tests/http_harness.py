@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import select
 import signal
 import socket
@@ -31,8 +32,18 @@ def free_port() -> int:
 class Server:
     """A `k6vsr serve` process on a free loopback port, on `store` with the tiny `bundle`, with `args` added."""
 
-    def __init__(self, root: Path, store: Path, bundle: Path, name: str, args: list[str], key: str | None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        store: Path,
+        bundle: Path,
+        name: str,
+        args: list[str],
+        key: str | None,
+        nofile: int | None = None,
+    ) -> None:
         self.store, self.bundle, self.args = store, bundle, args
+        self.nofile = nofile  # the server's open-file limit (soft and hard), if not this process's
         self.port = free_port()
         self.log_path = root / f"{name}.log"
         self.process: subprocess.Popen | None = None
@@ -58,7 +69,9 @@ class Server:
             *self.args,
         ]
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), preexec_fn=self._limit_files
+            )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"server exited:\n{self.log()}"
@@ -69,6 +82,10 @@ class Server:
                 pass
             time.sleep(0.2)
         raise AssertionError(f"server did not answer in 120 s:\n{self.log()}")
+
+    def _limit_files(self) -> None:
+        if self.nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]

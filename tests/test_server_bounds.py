@@ -13,8 +13,10 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import av
 import pytest
@@ -89,6 +91,39 @@ def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
     assert (limits.uploads_per_key, limits.finished_quota_bytes) == (1, 3 << 20)
     with pytest.raises(ParameterError, match="--max-tiles"):
         config_from(build_parser().parse_args(["serve", "--max-tiles", "0"]), tmp_path, "m")
+    assert (defaults.finished_per_key, defaults.memory_budget_bytes > 1 << 30) == (1000, True)
+    connections = config_from(build_parser().parse_args(["serve"]), tmp_path, "m").connections
+    assert (connections.max_connections, connections.header_timeout_s, connections.keep_alive_s) == (1000, 10, 5)
+    flags = "--max-connections 50 --header-timeout-s 2 --keep-alive-s 3 --max-finished-per-key 7 --memory-budget-mb 512"
+    config = config_from(build_parser().parse_args(["serve", *flags.split()]), tmp_path, "m")
+    assert (config.connections.max_connections, config.connections.header_timeout_s) == (50, 2)
+    assert (config.connections.keep_alive_s, config.limits.finished_per_key) == (3, 7)
+    assert config.limits.memory_budget_bytes == 512 << 20
+
+
+def test_connections_fit_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under `ulimit -n 1024` (soft and hard) the connections are lowered so that the accept batches in flight and
+    the files the server opens always have descriptors; a soft limit below the hard one is raised instead."""
+    import resource
+
+    from entrypoints.server import serving
+    from entrypoints.server.config import Connections
+
+    raised: list[tuple[int, int]] = []
+
+    def refuse(_: int, limits: tuple[int, int]) -> None:
+        raised.append(limits)
+        raise ValueError("not permitted")
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1024))
+    monkeypatch.setattr(resource, "setrlimit", refuse)
+    fitted = serving.fit_connections(Connections(max_connections=1000, header_timeout_s=2.0))
+    assert fitted.max_connections == 1024 - serving.RESERVED_FDS and fitted.header_timeout_s == 2.0
+    assert raised == [(1024, 1024)]
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 65536))
+    monkeypatch.setattr(resource, "setrlimit", lambda _, limits: raised.append(limits))
+    assert serving.fit_connections(Connections(max_connections=1000)).max_connections == 1000
+    assert raised[-1] == (1000 + serving.RESERVED_FDS, 65536)
 
 
 # ------------------------------------------------------------------------------------------- refused at submit
@@ -253,37 +288,48 @@ def test_submit_and_cancel_rounds_keep_records_small_and_listing_flat(
 # ---------------------------------------------------------------------------------------- slow uploads, fairness
 
 
-@pytest.fixture
-def served(tmp_path: Path, tiny_bundle_path: Path) -> Iterator[int]:
-    """The app on a loopback port (uvicorn in a thread), with a 2 s body deadline and one upload a key at once."""
-    limits = replace(LIMITS, upload_timeout_s=2.0, uploads_per_key=1)
+@contextmanager
+def serving(app: Any) -> Iterator[int]:
+    """`app` on a loopback port (uvicorn in a thread, no lifespan: jobs are queued, never run)."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app_for(tmp_path / "store", tiny_bundle_path, limits),
-            host="127.0.0.1",
-            port=port,
-            lifespan="off",
-            log_level="warning",
-        )
-    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
-    yield port
-    server.should_exit = True
-    thread.join(timeout=15)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
 
 
-def stalled_upload(port: int, key: str) -> socket.socket:
-    """A chunked multipart upload that sends its head and a first chunk of the clip, then nothing."""
+@pytest.fixture
+def served(tmp_path: Path, tiny_bundle_path: Path) -> Iterator[int]:
+    """The app with two keys, a 2 s body deadline and one upload a key at once."""
+    limits = replace(LIMITS, upload_timeout_s=2.0, uploads_per_key=1)
+    with serving(app_for(tmp_path / "store", tiny_bundle_path, limits)) as port:
+        yield port
+
+
+@pytest.fixture
+def served_anonymous(tmp_path: Path, tiny_bundle_path: Path) -> Iterator[int]:
+    """The app without keys, a 5 s body deadline and the default share of uploads."""
+    limits = replace(LIMITS, upload_timeout_s=5.0)
+    with serving(app_for(tmp_path / "store", tiny_bundle_path, limits, keys=())) as port:
+        yield port
+
+
+def stalled_upload(port: int, key: str | None) -> socket.socket:
+    """A chunked multipart upload (with `key`, if any) that sends its head and a first chunk of the clip, then
+    nothing."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    authorization = f"Authorization: Bearer {key}\r\n" if key else ""
     head = (
         "POST /v1/videos HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
-        f"Authorization: Bearer {key}\r\nContent-Type: multipart/form-data; boundary=b0undary\r\n\r\n"
+        f"{authorization}Content-Type: multipart/form-data; boundary=b0undary\r\n\r\n"
     )
     part = b'--b0undary\r\nContent-Disposition: form-data; name="video_reference"; filename="x"\r\n\r\n' + b"\0" * 1000
     sock.sendall(head.encode() + b"%x\r\n" % len(part) + part + b"\r\n")
@@ -428,7 +474,7 @@ def test_one_key_holds_at_most_its_share_of_the_queue(tmp_path: Path) -> None:
     `key_queue_full` while another key is still admitted; a job taken by a worker frees its place."""
     from entrypoints.cli import build_parser
     from entrypoints.http_api import config_from
-    from entrypoints.jobs import JobRunner, JobStore, KeyQueueFull, QueueFull
+    from entrypoints.jobs import JobRunner, JobStore, KeyQueueFull, QueueFull, UploadsBusy
 
     store = JobStore(tmp_path, input_quota_bytes=1 << 20)
     runner = JobRunner(store, ModelSpec(model="unused"), workers=1, max_queued=5, retention_s=60, queued_per_key=3)
@@ -437,11 +483,139 @@ def test_one_key_holds_at_most_its_share_of_the_queue(tmp_path: Path) -> None:
     with runner.admission("key-a"):  # its third place: a request being read
         with pytest.raises(KeyQueueFull), runner.admission("key-a"):
             pass
-        with runner.admission("key-b"), runner.admission("key-b"):
-            with pytest.raises(QueueFull), runner.admission("key-c"):  # 2 waiting + 3 being read: the queue is full
+        with runner.admission("key-b"):
+            # Two keys send: a third must find a slot, so key-b's share is 5 // 3 = 1.
+            with pytest.raises(UploadsBusy), runner.admission("key-b"):
                 pass
+            with runner.admission("key-c"):
+                with pytest.raises(QueueFull), runner.admission("key-d"):  # 2 waiting + 3 being read: full
+                    pass
     runner.waiting.pop("a1")  # what a worker does when it takes the job
     with runner.admission("key-a"):
         pass
     flags = ["serve", "--max-queued-per-key", "2"]
     assert config_from(build_parser().parse_args(flags), tmp_path, "m").limits.queued_per_key == 2
+
+
+# ---------------------------------------------------------------------------------------- memory, pages, fairness
+
+
+def test_a_job_over_the_memory_budget_is_refused_at_submit(tmp_path: Path, tiny_bundle_path: Path) -> None:
+    """The probe: a few kilobytes of video within every other cap whose frames, latents and result would not fit the
+    host memory the server may use: 400 naming --memory-budget-mb, and nothing left behind. A small job fits."""
+    from entrypoints.server.memory import DEFAULT_WORKER_BYTES, job_bytes
+    from service.runs import prepare_run
+
+    big = make_sample_clip(tmp_path / "big.mp4", width=512, height=512, num_frames=33, audio=False)
+    small = make_sample_clip(tmp_path / "small.mp4", width=64, height=64, num_frames=1, audio=False)
+    assert big.stat().st_size < 100 << 10
+    spec = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    params = {"scale": 4.0}
+    from k6vsr_core.params import parse_params
+
+    big_bytes = job_bytes(prepare_run(big, parse_params(**params), spec, tmp_path / "plans").plan, on_cpu=True)
+    small_bytes = job_bytes(prepare_run(small, parse_params(**params), spec, tmp_path / "plans").plan, on_cpu=True)
+    assert small_bytes < 64 << 20 < big_bytes
+    # The budget: the server's size, a worker's, and room for the small job but not the big one.
+    from entrypoints.server.memory import own_rss
+
+    budget = own_rss() + DEFAULT_WORKER_BYTES + (256 << 20)
+    assert big_bytes > 256 << 20, big_bytes
+    store = tmp_path / "store"
+    client = TestClient(app_for(store, tiny_bundle_path, replace(LIMITS, memory_budget_bytes=budget)))
+    error = error_of(upload(client, big, KEY_A, sr_resolution_scale="4"), 400, [str(tmp_path)])
+    assert error["code"] == "memory_too_large" and "--memory-budget-mb" in error["message"], error
+    assert not list((store / "jobs").iterdir())
+    assert upload(client, small, KEY_A, sr_resolution_scale="4").status_code == 200
+
+
+def test_the_memory_watch_stops_a_job_that_outgrows_the_budget(tmp_path: Path) -> None:
+    """Whatever the estimate said: once the server and its workers pass the budget, the largest running job's
+    process is stopped, and the job fails naming the budget. An idle worker is measured, never stopped."""
+    import signal
+    import subprocess
+    import sys
+
+    from entrypoints.server.memory import own_rss
+
+    store = JobStore(tmp_path, 1 << 20)
+    runner = JobRunner(
+        store, ModelSpec(model="unused"), workers=1, max_queued=4, retention_s=60, memory_budget=own_rss() + (64 << 20)
+    )
+    slot = runner.slots[0]
+    # A stand-in for a job process that holds 200 MB.
+    slot.process = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; x = bytearray(200 << 20); print(flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert slot.process.stdout is not None and slot.process.stdout.readline() == "\n"
+        assert runner.memory is not None
+        runner.memory.worker_bytes = 0  # below the stand-in's size, to see it measured
+        runner.check_memory()  # idle: its size is measured (what admission counts a worker at), nothing stopped
+        assert slot.process.poll() is None and runner.memory.worker_bytes > 200 << 20
+        assert runner.memory.job_room(1) < 0  # no job fits beside it
+        slot.current = "video_abcdefghijklmnopqr"
+        runner.check_memory()
+        assert slot.process.wait(timeout=10) == -signal.SIGKILL
+        assert slot.over_memory is not None and "--memory-budget-mb" in slot.over_memory
+    finally:
+        if slot.process.poll() is None:
+            slot.process.kill()
+
+
+def test_list_pages_and_a_keys_finished_jobs_are_capped(tmp_path: Path, tiny_bundle_path: Path) -> None:
+    """Submit-and-cancel rounds past --max-finished-per-key leave that many records, the newest; the list comes in
+    pages of `limit`, the next one after `last_id`, `has_more` until the last."""
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
+    store = tmp_path / "store"
+    client = TestClient(app_for(store, tiny_bundle_path, replace(LIMITS, finished_per_key=5)))
+    b = {"Authorization": f"Bearer {KEY_B}"}
+    ids = []
+    for round_ in range(8):
+        posted = upload(client, clip, KEY_B, seed=str(round_)).json()["id"]
+        assert client.delete(f"/v1/videos/{posted}", headers=b).json()["status"] == "cancelled"
+        ids.append(posted)
+    assert len(list((store / "jobs").glob("video_*.json"))) == 5
+    pages, after = [], None
+    while True:
+        query = {"limit": "2", **({"after": after} if after else {})}
+        page = client.get("/v1/videos", params=query, headers=b).json()
+        pages.append([job["id"] for job in page["data"]])
+        after = page["last_id"]
+        if not page["has_more"]:
+            break
+    assert pages == [ids[3:5], ids[5:7], ids[7:]]
+    for bad in ({"limit": "0"}, {"limit": "101"}, {"limit": "x"}):
+        assert error_of(client.get("/v1/videos", params=bad, headers=b), 400)["param"] == "limit"
+    assert error_of(client.get("/v1/videos", params={"after": ids[0]}, headers=b), 404)["param"] == "after"
+
+
+def test_no_key_or_client_holds_every_upload_slot(served_anonymous: int, tmp_path: Path) -> None:
+    """Without keys, four never-finishing uploads of one client address take half the four admission slots, not
+    all: the others are refused, and a client at another address is taken at once. And no setting lets one key
+    hold every slot: --max-uploads-per-key is lowered to half of --max-queued."""
+    import httpx
+
+    from entrypoints.cli import build_parser
+    from entrypoints.http_api import config_from
+
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
+    stalled = [stalled_upload(served_anonymous, None)]
+    try:
+        time.sleep(0.3)
+        stalled += [stalled_upload(served_anonymous, None) for _ in range(LIMITS.max_queued - 1)]
+        time.sleep(0.3)
+        refused = [answer_of(sock) for sock in stalled[2:]]
+        assert all(status == 429 and body["error"]["code"] == "too_many_uploads" for status, body in refused), refused
+        other = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(base_url=f"http://127.0.0.1:{served_anonymous}", transport=other, timeout=15) as client:
+            files = {"video_reference": ("x.mp4", clip.read_bytes(), "video/mp4")}
+            assert client.post("/v1/videos", files=files).status_code == 200
+    finally:
+        for sock in stalled:
+            sock.close()
+    flags = ["serve", "--max-queued", "4", "--max-uploads-per-key", "4"]
+    assert config_from(build_parser().parse_args(flags), tmp_path, "m").limits.uploads_per_key == 2

@@ -204,7 +204,8 @@ def test_listing_needs_keys_or_list_jobs(tmp_path: Path) -> None:
     closed = TestClient(create_app(config, ModelSpec(model="unused")))
     assert error_of(closed.get("/v1/videos"), 403)["code"] == "listing_disabled"
     opened = TestClient(create_app(replace(config, list_jobs=True), ModelSpec(model="unused")))
-    assert opened.get("/v1/videos").json() == {"object": "list", "data": []}
+    listed = opened.get("/v1/videos").json()
+    assert listed == {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
 
 
 # ---------------------------------------------------------------------------------------------- fuzz

@@ -28,10 +28,22 @@ class Limits:
     uploads_per_key: int | None = None  # --max-uploads-per-key: request bodies one key sends at once (None: any)
     queued_per_key: int | None = None  # --max-queued-per-key: queue places one key holds (None: all)
     finished_quota_bytes: int | None = None  # --finished-quota-mb: disk finished jobs may keep (None: no budget)
+    finished_per_key: int | None = None  # --max-finished-per-key: finished job records one key keeps (None: any)
+    memory_budget_bytes: int | None = None  # --memory-budget-mb: host memory of the server and its jobs (None: any)
 
     @property
     def max_request_bytes(self) -> int:
         return self.max_upload_bytes + self.max_fields_bytes
+
+
+@dataclass(frozen=True)
+class Connections:
+    """What open connections may cost: their number, and how long one may sit without a request (see `serving`)."""
+
+    max_connections: int = 1000  # --max-connections: open at once; past it the longest idle one is closed
+    header_timeout_s: float = 10.0  # --header-timeout-s: a request's head (line and headers) must arrive within this
+    keep_alive_s: float = 5.0  # --keep-alive-s: an idle keep-alive connection is closed after this
+    max_header_bytes: int = 16 << 10  # a request head larger than this is refused (400) by h11
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,7 @@ class ServerConfig:
     workers: int = 1
     model_name: str = ""
     run_root: str | Path | None = None  # where the runs live when not in store_root (e.g. an object-store URL)
+    connections: Connections = Connections()
 
     @property
     def runs(self) -> str | Path:
@@ -71,6 +84,15 @@ def _at_least(value: float, minimum: float, flag: str) -> float:
     return value
 
 
+def memory_budget(megabytes: float | None) -> int:
+    """`--memory-budget-mb` in bytes; by default 80 % of this machine's memory."""
+    if megabytes is None:
+        import psutil
+
+        return int(psutil.virtual_memory().total * 0.8)
+    return int(_at_least(megabytes, 256, "--memory-budget-mb")) << 20
+
+
 def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Path | None = None) -> ServerConfig:
     roots = []
     for raw in args.allow_path or []:
@@ -78,13 +100,17 @@ def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Pa
         if not root.is_dir():
             raise ParameterError(f"--allow-path {raw}: not a directory")
         roots.append(root)
+    max_queued = int(_at_least(args.max_queued, 1, "--max-queued"))
+    # One key (or, without keys, one client address) never holds more than half of the admission slots, so its
+    # stalled uploads always leave room for another.
+    uploads_per_key = min(int(_at_least(args.max_uploads_per_key, 1, "--max-uploads-per-key")), max(1, max_queued // 2))
     env_key = os.environ.get("K6VSR_API_KEY")
     api_keys = [*(args.api_key or ([env_key] if env_key else [])), *_keys_in(args.api_key_file or [])]
     limits = Limits(
         max_upload_bytes=int(_at_least(args.max_upload_mb, 1, "--max-upload-mb")) << 20,
         max_fields=int(_at_least(args.max_fields, 1, "--max-fields")),
         max_fields_bytes=int(_at_least(args.max_fields_kb, 1, "--max-fields-kb")) << 10,
-        max_queued=int(_at_least(args.max_queued, 1, "--max-queued")),
+        max_queued=max_queued,
         input_quota_bytes=int(
             _at_least(args.input_quota_mb, args.max_upload_mb, "--input-quota-mb (at least --max-upload-mb)")
         )
@@ -94,9 +120,16 @@ def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Pa
         max_tiles=int(_at_least(args.max_tiles, 1, "--max-tiles")),
         max_windows=int(_at_least(args.max_windows, 1, "--max-windows")),
         upload_timeout_s=_at_least(args.upload_timeout_s, 0.1, "--upload-timeout-s"),
-        uploads_per_key=int(_at_least(args.max_uploads_per_key, 1, "--max-uploads-per-key")),
+        uploads_per_key=uploads_per_key,
         queued_per_key=int(_at_least(args.max_queued_per_key, 1, "--max-queued-per-key")),
         finished_quota_bytes=int(_at_least(args.finished_quota_mb, 0, "--finished-quota-mb")) << 20,
+        finished_per_key=int(_at_least(args.max_finished_per_key, 1, "--max-finished-per-key")),
+        memory_budget_bytes=memory_budget(args.memory_budget_mb),
+    )
+    connections = Connections(
+        max_connections=int(_at_least(args.max_connections, 16, "--max-connections")),
+        header_timeout_s=_at_least(args.header_timeout_s, 0.1, "--header-timeout-s"),
+        keep_alive_s=_at_least(args.keep_alive_s, 0.1, "--keep-alive-s"),
     )
     try:
         umask = int(args.umask, 8)
@@ -115,4 +148,5 @@ def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Pa
         workers=max(1, int(getattr(args, "workers", 1) or 1)),
         model_name=model_name,
         run_root=run_root,
+        connections=connections,
     )

@@ -91,7 +91,8 @@ BUSY_ANSWERS: dict[type[Exception], tuple[str, str]] = {
         "key_queue_full",
     ),
     UploadsBusy: (
-        "this key is already sending {limit} request(s) (--max-uploads-per-key); retry once one is done",
+        "this key (or client address) is already sending {limit} request(s), its share of the upload slots "
+        "(--max-uploads-per-key, less while other keys send); retry once one is done",
         "too_many_uploads",
     ),
     InputQuotaFull: (

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from entrypoints.confine import quote, scrub_paths
@@ -28,8 +28,10 @@ from entrypoints.jobs import (
 from entrypoints.server.auth import Caller, caller_of
 from entrypoints.server.bodies import UploadTooLarge, copy_path_source, read_form, read_json
 from entrypoints.server.config import Limits, ServerConfig
+from entrypoints.server.download import OpenedFileResponse
 from entrypoints.server.errors import ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
+from entrypoints.server.memory import computes_on_cpu, job_bytes
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale
 from k6vsr_core.params import UpscaleParams
@@ -37,6 +39,9 @@ from service.runs import ModelSpec, prepare_run
 from storage import RunStore
 
 log = logging.getLogger("k6vsr.server")
+
+# Jobs in one answer of GET /v1/videos, at most (and by default): the next page is `?after=<last_id>`.
+PAGE_SIZE = 100
 
 
 def job_view(job: dict[str, Any], caller: Caller, store_root: str | Path, retention_s: float) -> dict[str, Any]:
@@ -103,6 +108,26 @@ def check_work(plan: Any, limits: Limits) -> None:
             "max_frames or send a smaller clip",
             param="sr_resolution_scale",
             code="too_many_tiles",
+        )
+
+
+def check_memory(plan: Any, runner: JobRunner) -> None:
+    """The host memory a job will hold, bounded before it is queued: it must fit the budget beside the server and
+    every worker running a job of its own."""
+    if runner.memory is None:
+        return
+    needed = job_bytes(plan, computes_on_cpu(runner.spec.device))
+    room = runner.memory.job_room(len(runner.slots))
+    if needed > room:
+        height, width = plan.sr_size
+        raise ApiError(
+            400,
+            f"this job would hold about {needed >> 20} MB of host memory ({plan.window_frames} frame(s) of "
+            f"{width}x{height} a window, {plan.num_tiles} tiles); this server gives a job at most {max(0, room) >> 20}"
+            " MB (--memory-budget-mb, less the server and its workers): lower sr_resolution_scale, set max_frames "
+            "or send a smaller clip",
+            param="sr_resolution_scale",
+            code="memory_too_large",
         )
 
 
@@ -224,12 +249,16 @@ async def create_video(request: Request) -> JSONResponse:
             code="unsupported_media_type",
         )
     job_id = new_job_id()
-    with videos.runner.admission(caller.owner):
+    # Whose share of the admission slots and of the queue this request takes: its key's, or without keys its
+    # client address's, so one anonymous client's stalled uploads do not lock out another.
+    sharer = caller.owner if videos.keyed else f"address:{request.client.host if request.client else '?'}"
+    with videos.runner.admission(sharer):
         try:
             received = await videos.receive(request, media_type, job_id)
             params, origin = received.params, received.origin
             prepared = await run_in_threadpool(videos.prepare, job_id, received)
             check_work(prepared.plan, videos.config.limits)
+            check_memory(prepared.plan, videos.runner)
             plan = prepared.plan
             job = await run_in_threadpool(
                 videos.store.put,
@@ -265,14 +294,15 @@ async def create_video(request: Request) -> JSONResponse:
         except BaseException:
             videos.store.discard_dir(job_id)  # a partial or refused request leaves nothing behind
             raise
-        videos.runner.submit(job_id, caller.owner)
+        videos.runner.submit(job_id, sharer)
     log.info("job %s queued: run %s, %d tiles", job_id, prepared.run.run_key, plan.num_tiles)
     return JSONResponse(videos.view(job, caller))
 
 
 # Plain functions: FastAPI runs them in its thread pool, so file reads and process signals never block the loop.
 @router.get("/v1/videos")
-def list_videos(request: Request) -> dict[str, Any]:
+def list_videos(request: Request, limit: str = str(PAGE_SIZE), after: str | None = None) -> dict[str, Any]:
+    """The caller's jobs, oldest first, a page at a time: at most `limit` of them, those after job `after`."""
     videos = videos_of(request)
     caller = caller_of(request)
     if not videos.keyed and not videos.config.list_jobs:
@@ -282,10 +312,23 @@ def list_videos(request: Request) -> dict[str, Any]:
             "--list-jobs, or with API keys so that each key lists its own jobs)",
             code="listing_disabled",
         )
-    # Only the caller's records are read (every one for an admin): a list costs what it lists.
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= PAGE_SIZE):
+        raise ApiError(400, f"limit must be a whole number from 1 to {PAGE_SIZE}", param="limit", code="invalid_value")
+    entries = videos.store.entries(caller.owner, caller.admin)
+    start = 0
+    if after is not None:
+        start = next((index + 1 for index, entry in enumerate(entries) if entry.id == after), -1)
+        if start < 0:
+            raise ApiError(404, f"no video job {quote(after)} to list after", param="after", code="job_not_found")
+    page = entries[start : start + int(limit)]
+    # Only the page's records are read: a list costs what it lists.
+    data = [videos.view(job, caller) for job in (videos.store.get(entry.id) for entry in page) if job is not None]
     return {
         "object": "list",
-        "data": [videos.view(job, caller) for job in videos.store.jobs(caller.owner, caller.admin)],
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": start + len(page) < len(entries),
     }
 
 
@@ -297,18 +340,20 @@ def get_video(request: Request, video_id: str) -> dict[str, Any]:
 
 
 @router.get("/v1/videos/{video_id}/content")
-def get_content(request: Request, video_id: str) -> FileResponse:
+def get_content(request: Request, video_id: str) -> OpenedFileResponse:
     videos = videos_of(request)
     job = videos.find(video_id, caller_of(request))
     if job["status"] != COMPLETED:
         hint = "poll GET /v1/videos/{id} until it is completed" if job["status"] in ACTIVE else "it has no output"
         raise ApiError(409, f"video job {video_id} is {job['status']}; {hint}", code=f"job_{job['status']}")
-    output = videos.store.output_path(video_id)
-    if not output.is_file():
-        raise ApiError(404, f"the output of video job {video_id} is gone from the store", code="output_gone")
+    try:
+        # Opened here, before the answer starts: a job deleted while it downloads keeps its bytes for this answer.
+        output = videos.store.output_path(video_id).open("rb")
+    except OSError:
+        raise ApiError(404, f"the output of video job {video_id} is gone from the store", code="output_gone") from None
     mkv = job.get("request", {}).get("codec") == "ffv1"
     media_type, suffix = ("video/x-matroska", ".mkv") if mkv else ("video/mp4", ".mp4")
-    return FileResponse(output, media_type=media_type, filename=f"{video_id}{suffix}")
+    return OpenedFileResponse(output, media_type=media_type, filename=f"{video_id}{suffix}")
 
 
 @router.delete("/v1/videos/{video_id}")
@@ -324,5 +369,6 @@ def delete_video(request: Request, video_id: str) -> dict[str, Any]:
         raise ApiError(
             409, f"video job {video_id} is still stopping; delete it again in a few seconds", code="job_stopping"
         )
-    videos.runner.delete(video_id)
+    if not videos.runner.delete(video_id):  # another request deleted it meanwhile
+        raise ApiError(404, f"no video job {quote(video_id)}", param="video_id", code="job_not_found")
     return {"id": video_id, "object": "video.deleted", "deleted": True}
