@@ -134,6 +134,11 @@ def _param_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         help=f"frames shared by neighbouring windows, at least (default {defaults.window_overlap})",
     )
+    group.add_argument(
+        "--windows",
+        help="even (windows spread over the clip) or scenes (windows within each shot, none across a scene cut; "
+        f"the source is decoded once more to find them) (default {defaults.windows})",
+    )
 
 
 def _input_args(parser: argparse.ArgumentParser) -> None:
@@ -537,6 +542,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "frames_kept": plan.num_frames,
         "fps": plan.fps,
         "output_format": plan.output_format(),
+        "window_mode": plan.params.windows,
+        "cuts": list(plan.cuts),
         "windows": [
             {
                 "window": w.index,

@@ -117,6 +117,22 @@ def _weights_note(plan: dict[str, Any]) -> str:
     return " (configs only)"
 
 
+CUTS_SHOWN = 12  # a long film has hundreds: `plan --json` lists them all
+
+
+def _cuts(plan: dict[str, Any]) -> str:
+    """How the windows were laid: nothing for even windows; the cuts (kept frames that start a shot) for scenes."""
+    if plan.get("window_mode") != "scenes":
+        return ""
+    cuts = plan["cuts"]
+    if not cuts:
+        return ", within shots: no scene cut found"
+    shown = ", ".join(str(cut) for cut in cuts[:CUTS_SHOWN]) + (
+        f" and {len(cuts) - CUTS_SHOWN} more" if len(cuts) > CUTS_SHOWN else ""
+    )
+    return f", within shots: {plural(len(cuts), 'scene cut')}, before frame{'s' if len(cuts) > 1 else ''} {shown}"
+
+
 def plan_lines(plan: dict[str, Any]) -> list[str]:
     """`k6vsr plan` for people: what goes in and out, the tiles, the windows as a table, the disk and the progress."""
     size = plan["source_size"]
@@ -141,7 +157,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
         f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
         f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "
         f"{_seeds(seeds)}, {plan['dit_steps_per_tile']} DiT steps a tile",
-        f"windows   {len(plan['windows'])}",
+        f"windows   {len(plan['windows'])}{_cuts(plan)}",
         "            window  frames        computed as  overlap  segment",
     ]
     for window in plan["windows"]:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from k6vsr_core import media
 from k6vsr_core.errors import ParameterError
 from k6vsr_core.params import UpscaleParams
+from k6vsr_core.scenes import source_cuts
 from k6vsr_core.tiling import (
     RESOLUTIONS,
     Size,
@@ -25,7 +26,7 @@ from k6vsr_core.tiling import (
     tile_chunks,
     tile_grid,
 )
-from k6vsr_core.windows import Window, plan_windows, segment_range
+from k6vsr_core.windows import Window, plan_scene_windows, plan_windows, segment_range
 
 TEMPORAL_FACTOR = 4
 
@@ -58,8 +59,11 @@ class ClipPlan(BaseModel):
     fps: int  # the output's rate, rounded (exact unless `fps_mode='source'` keeps a fractional one)
     source_rate: str | None = None  # with `fps_mode='source'`: the exact rate written, e.g. "30000/1001"
     windows: tuple[Window, ...]
-    window_frames: int  # frames each window computes (1 + 8k; the one window of a short clip is padded to it)
-    latent_frames: int  # latent frames of one window
+    # With `windows='scenes'`: the kept frames that start a shot (k6vsr_core.scenes); no window spans one.
+    cuts: tuple[int, ...] = ()
+    # Frames the longest window computes (1 + 8k; the one window of a short clip, or a short shot's, is padded to it)
+    window_frames: int
+    latent_frames: int  # latent frames of the longest window
     params: UpscaleParams
     steps: int
     grid: TileGrid
@@ -120,6 +124,14 @@ def select_kept_frames(source_frames: int, source_fps: float, params: UpscalePar
     return media.select_all_frames(source_frames, source_fps, params.max_frames)
 
 
+def scene_cuts(path: str, source_frames: int, source_fps: float, params: UpscaleParams) -> tuple[int, ...]:
+    """The scene cuts `make_plan` needs for `params`: detected in the kept frames of `path` with `windows='scenes'`
+    (which decodes the whole source), none otherwise."""
+    if params.windows != "scenes":
+        return ()
+    return source_cuts(path, select_kept_frames(source_frames, source_fps, params)[0])
+
+
 def resolve_steps(params: UpscaleParams, traits: ModelTraits) -> int:
     """DiT evaluations per tile: the trained count for PiFlow (warns if asked otherwise), else as asked (4)."""
     if traits.scheduler == "PiflowScheduler":
@@ -140,8 +152,10 @@ def make_plan(
     params: UpscaleParams,
     traits: ModelTraits | None = None,
     source_rate: Fraction | str | None = None,
+    cuts: tuple[int, ...] = (),
 ) -> ClipPlan:
-    """Plan a source of `source_frames` frames of `source_size` at `source_fps`.
+    """Plan a source of `source_frames` frames of `source_size` at `source_fps`; with `windows='scenes'`, its kept
+    frames cut into shots before each of `cuts` (positions among the kept frames, `scene_cuts`).
 
     Raises ValueError when the selection keeps no frame, ParameterError when the request does not fit this clip.
     """
@@ -156,7 +170,12 @@ def make_plan(
             "output may differ in quality from the official pipeline's",
             stacklevel=2,
         )
-    windows = plan_windows(len(indices), params.window_overlap)
+    if params.windows == "scenes":
+        windows = plan_scene_windows(len(indices), params.window_overlap, cuts)
+    else:
+        cuts = ()
+        windows = plan_windows(len(indices), params.window_overlap)
+    longest = max(window.padded for window in windows)
     height, width = source_size
     if params.pre_upscale:
         height, width = pre_upscale_size(height, width)
@@ -186,8 +205,9 @@ def make_plan(
         fps=fps,
         source_rate=None if exact is None else str(exact),
         windows=windows,
-        window_frames=windows[0].padded,
-        latent_frames=1 + (windows[0].padded - 1) // TEMPORAL_FACTOR,
+        cuts=tuple(cuts),
+        window_frames=longest,
+        latent_frames=1 + (longest - 1) // TEMPORAL_FACTOR,
         params=params,
         steps=resolve_steps(params, traits),
         grid=grid,
