@@ -14,6 +14,7 @@ from k6vsr_core import UpscaleParams, media, upscale
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import ParameterError
+from k6vsr_core.params import parse_params
 from k6vsr_core.latent import plan_latent
 from k6vsr_core.plan import ModelTraits, make_plan
 from k6vsr_core.scenes import MIN_SHOT_FRAMES, find_cuts, source_cuts
@@ -218,3 +219,16 @@ def test_the_flow_runs_scene_windows_as_the_runner_does(
     assert (plan["window_mode"], plan["cuts"], plan["run_key"]) == ("scenes", [15], summary.run_key)
     assert [w["frames"] for w in plan["windows"]] == [[0, 15], [15, 24]]
     assert plan["windows"][1]["overlap_before"] == 0
+
+
+def test_the_request_field_and_the_plan_lines_name_the_mode() -> None:
+    from entrypoints.console import _cuts
+    from entrypoints.server.fields import params_from_fields
+
+    assert params_from_fields({"sr_windows": "scenes"}).windows == "scenes"
+    with pytest.raises(ParameterError, match="windows='shots'"):
+        parse_params(windows="shots")
+    assert _cuts({"window_mode": "even", "cuts": []}) == ""
+    assert _cuts({"window_mode": "scenes", "cuts": []}) == ", within shots: no scene cut found"
+    assert _cuts({"window_mode": "scenes", "cuts": [40, 75]}) == ", within shots: 2 scene cuts, before frames 40, 75"
+    assert _cuts({"window_mode": "scenes", "cuts": list(range(1, 21))}).endswith("11, 12 and 8 more")
