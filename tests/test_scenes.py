@@ -14,8 +14,8 @@ from k6vsr_core import UpscaleParams, media, upscale
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import ParameterError
-from k6vsr_core.params import parse_params
 from k6vsr_core.latent import plan_latent
+from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ModelTraits, make_plan
 from k6vsr_core.scenes import MIN_SHOT_FRAMES, find_cuts, source_cuts
 from k6vsr_core.windows import (
