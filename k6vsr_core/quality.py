@@ -27,11 +27,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
-import cv2
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from k6vsr_core import media
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.windows import Window
 
@@ -106,6 +107,8 @@ class QualityMeter:
     def __init__(
         self, windows: tuple[Window, ...], cuts: tuple[int, ...], borders: tuple[list[int], list[int]]
     ) -> None:
+        import cv2  # here: the report's model is imported by commands that never measure
+
         self._joins, self._cuts = join_pairs(windows, cuts)
         self._borders = borders
         self._flow = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST)
@@ -121,6 +124,8 @@ class QualityMeter:
 
     def add(self, output: np.ndarray, source: np.ndarray) -> None:
         """One output frame `(H, W, 3)` uint8 and the source frame it was made from."""
+        import cv2
+
         started = time.perf_counter()
         height, width = source.shape[:2]
         scaled = cv2.resize(output, (width, height), interpolation=cv2.INTER_AREA).astype(np.float32)
@@ -189,8 +194,19 @@ def measure(plan: ClipPlan, outputs: Iterable[np.ndarray], sources: Iterable[np.
     return meter.report()
 
 
+def measure_files(plan: ClipPlan, output: str | Path, source: str | Path) -> QualityReport:
+    """The report of the output file of `plan` made from the video `source`, both decoded once, a frame at a time;
+    `seconds` counts the decoding."""
+    started = time.perf_counter()
+    outputs = media.iter_frames(output, list(range(plan.num_frames)))
+    report = measure(plan, outputs, media.iter_frames(source, plan.source_indices()))
+    return report.model_copy(update={"seconds": round(time.perf_counter() - started, 3)})
+
+
 def _warp(frame: np.ndarray, flow: np.ndarray) -> np.ndarray:
     """`frame` moved onto the next one: each pixel of the next frame fetched from where the flow says it was."""
+    import cv2
+
     height, width = flow.shape[:2]
     xs, ys = np.meshgrid(np.arange(width, dtype=np.float32), np.arange(height, dtype=np.float32))
     return cv2.remap(frame, xs + flow[..., 0], ys + flow[..., 1], cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
@@ -212,6 +228,8 @@ def _step_energy(frame: np.ndarray, borders: tuple[list[int], list[int]]) -> tup
 
 
 def _delta_e(output: np.ndarray, reference: np.ndarray) -> float:
+    import cv2
+
     height, width = output.shape[:2]
     size = (max(1, width // COLOUR_BLOCK), max(1, height // COLOUR_BLOCK))
     labs = [

@@ -158,3 +158,15 @@ def test_measure_checks_the_frame_count(truth) -> None:
     with pytest.raises(ValueError, match="249 frames to measure, its plan 250"):
         measure(PLAN, ideal[:-1], source)
     assert measure(PLAN, ideal, source).frames == FRAMES
+
+
+def test_the_report_artifact_has_a_quality_section(truth) -> None:
+    from flows.artifacts import quality_markdown
+
+    ideal, source = truth
+    clean = quality_markdown(meter_report(ideal, source))
+    assert clean[0] == "## Quality" and "no measure past its limit" in clean[-1]
+    assert "| flicker at window joins: difference energy |" in clean[1]
+    warmer = np.clip(ideal * np.array([1.12, 1.0, 0.88]), 0, 255).astype(np.uint8)
+    assert "colour drift: mean ΔE" in quality_markdown(meter_report(warmer, source))[-1]
+    assert quality_markdown(None) == []

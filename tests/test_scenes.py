@@ -210,6 +210,12 @@ def test_the_flow_runs_scene_windows_as_the_runner_does(
     summary = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "flow.mp4"), model)
     assert (tmp_path / "flow.mp4").read_bytes() == reference.read_bytes()
     assert RunStore(store, summary.run_key).read_manifest().plan.cuts == (15,)
+    # The run's quality report: measured on the output, kept in the store, found there by the next run.
+    quality = summary.quality
+    assert quality is not None and quality.frames == 24 and quality.joins == 0 and quality.join_warping_error is None
+    assert (store / "runs" / summary.run_key / "quality.json").is_file()
+    again = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "again.mp4"), model)
+    assert again.quality == quality and again.reused_output
     planned = procs.run(
         [sys.executable, "-m", "entrypoints.cli", "plan", str(two_shots[0]), "--scale", "2", "--windows", "scenes",
          "--model", str(tiny_bundle_path), "--store", str(store), "--json"],
