@@ -108,6 +108,22 @@ class ClipPlan(BaseModel):
         return segment_range(self.windows, window)
 
 
+def representative_windows(plan: ClipPlan, count: int) -> tuple[int, ...]:
+    """`count` windows that show the clip: spread evenly over it, or, with scene cuts, the first window of each shot
+    (spread evenly over the shots when there are more). Fewer when the plan has fewer windows."""
+    if count < 1:
+        raise ValueError(f"a preview needs at least one window, got {count}")
+    starts = set(plan.cuts)
+    candidates = [w.index for w in plan.windows if w.index == 0 or w.start in starts] if plan.cuts else []
+    if len(candidates) < count:
+        candidates = [w.index for w in plan.windows]
+    if len(candidates) <= count:
+        return tuple(candidates)
+    if count == 1:
+        return (candidates[len(candidates) // 2],)
+    return tuple(sorted({candidates[round(i * (len(candidates) - 1) / (count - 1))] for i in range(count)}))
+
+
 def select_kept_frames(source_frames: int, source_fps: float, params: UpscaleParams) -> tuple[list[int], int]:
     """The source frames a request keeps and their rate: every one (`all`, up to `max_frames`) or the contract's.
 

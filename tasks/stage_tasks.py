@@ -105,7 +105,12 @@ def _window_finished(store: RunStore, plan: ClipPlan, window: int) -> bool:
     return all(store.segment_done(w) for w in (window, *following))
 
 
-def _window_blended(store: RunStore, plan: ClipPlan, window: int) -> bool:
+def blended_frames(store: RunStore, plan: ClipPlan, window: int) -> np.ndarray | None:
+    """The window's blended, delivered frames, while the store holds them (until its segments are written)."""
+    return store.get_tile(_array(plan, "video", window), (window,), stage="blend")
+
+
+def window_blended(store: RunStore, plan: ClipPlan, window: int) -> bool:
     """The window's frames are stored (or no longer needed): its tiles and latents are not needed either."""
     return store.tile_done(_array(plan, "video", window), (window,), stage="blend") or _window_finished(
         store, plan, window
@@ -123,7 +128,7 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
 
     store = _store(run)
     plan = _plan(store)
-    if _window_blended(store, plan, window) or store.tile_done(
+    if window_blended(store, plan, window) or store.tile_done(
         _array(plan, "latent", window), (window,), stage="encode"
     ):
         return StageResult(stage="encode", item=str(window), computed=False, window=window)
@@ -174,7 +179,7 @@ def denoise(
     plan = _plan(store)
     chunk = plan.chunks[chunk_index]
     counts = (plan.num_windows, plan.num_tiles)
-    done = _window_blended(store, plan, window) or all(
+    done = window_blended(store, plan, window) or all(
         store.tile_done(_array(plan, "tile_latents", window), (window, i), stage="denoise") for i in chunk.tiles
     )
     if done:
@@ -223,7 +228,7 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
     store = _store(run)
     plan = _plan(store)
     key = (window, tile)
-    if _window_blended(store, plan, window) or store.tile_done(_array(plan, "tiles", window), key, stage="decode"):
+    if window_blended(store, plan, window) or store.tile_done(_array(plan, "tiles", window), key, stage="decode"):
         return StageResult(stage="decode", item=str(tile), computed=False, tiles=(tile,), window=window)
     started = time.perf_counter()
     latent = _require(
@@ -249,7 +254,7 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
 
     store = _store(run)
     plan = _plan(store)
-    if _window_blended(store, plan, window):
+    if window_blended(store, plan, window):
         store.drop_window(_arrays(plan, WINDOW_INTERMEDIATES, window), window)
         return StageResult(stage="blend", item=str(window), computed=False, window=window)
     started = time.perf_counter()
