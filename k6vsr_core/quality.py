@@ -18,8 +18,9 @@ edges) is not blamed on the upscaler:
 - **Consistency with the source.** The PSNR of the output scaled down to the source's size (area averaging)
   against the source: an upscaler that only adds detail scores high.
 
-Seams and colour are measured on every `SPATIAL_EVERY`-th frame, which is enough for quantities that change slowly;
-the temporal measures need every pair.
+Seams, colour and consistency are measured on every `SPATIAL_EVERY`-th frame, which is enough for quantities that
+change slowly; the temporal measures need every pair, and are taken on frames scaled down to at most
+`TEMPORAL_WIDTH` pixels wide. Together these keep the report a few per cent of a run (README, "Quality report").
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from k6vsr_core.plan import ClipPlan
 from k6vsr_core.windows import Window
 
 SPATIAL_EVERY = 8
+TEMPORAL_WIDTH = 320
 COLOUR_BLOCK = 16
 # Findings: a measure past its limit is named in `findings`. A join or a border more than 1.5x the inside level is
 # visible on a still-camera shot; ΔE 3 is about where people notice a colour change side by side; a consistency
@@ -128,24 +130,30 @@ class QualityMeter:
 
         started = time.perf_counter()
         height, width = source.shape[:2]
-        scaled = cv2.resize(output, (width, height), interpolation=cv2.INTER_AREA).astype(np.float32)
-        src = source.astype(np.float32)
-        grey = cv2.cvtColor(source, cv2.COLOR_RGB2GRAY)
-        difference = scaled - src
-        self._squared_error += float(np.mean(difference * difference))
-        self._samples += 1
+        # Temporal measures at most `TEMPORAL_WIDTH` wide: a join's flicker is in the whole picture, not in detail.
+        # An integer factor of the source: OpenCV's area averaging is several times faster at whole ratios.
+        factor = max(1, math.ceil(width / TEMPORAL_WIDTH))
+        size = (max(8, width // factor), max(8, height // factor))
+        small = cv2.resize(output, size, interpolation=cv2.INTER_AREA).astype(np.float32)
+        src = source if size == (width, height) else cv2.resize(source, size, interpolation=cv2.INTER_AREA)
+        grey = cv2.cvtColor(src, cv2.COLOR_RGB2GRAY)
+        src = src.astype(np.float32)
         t = self._frame
         if self._previous is not None and t not in self._cuts:
             before, src_before, grey_before = self._previous
-            change = (scaled - before) - (src - src_before)
+            change = (small - before) - (src - src_before)
             self._energy[t] = float(np.mean(change * change))
-            self._warping[t] = float(np.mean(np.abs(scaled - _warp(before, self._flow.calc(grey, grey_before, None)))))
+            self._warping[t] = float(np.mean(np.abs(small - _warp(before, self._flow.calc(grey, grey_before, None)))))
         if t % SPATIAL_EVERY == 0:
+            scaled = cv2.resize(output, (width, height), interpolation=cv2.INTER_AREA).astype(np.float32)
+            difference = scaled - source.astype(np.float32)
+            self._squared_error += float(np.mean(difference * difference))
+            self._samples += 1
             upscaled = cv2.resize(source, (output.shape[1], output.shape[0]), interpolation=cv2.INTER_CUBIC)
             if self._borders[0] or self._borders[1]:
                 self._seams.append((*_step_energy(output, self._borders), *_step_energy(upscaled, self._borders)))
             self._delta_e.append(_delta_e(output, upscaled))
-        self._previous = (scaled, src, grey)
+        self._previous = (small, src, grey)
         self._frame += 1
         self._seconds += time.perf_counter() - started
 
@@ -215,15 +223,18 @@ def _warp(frame: np.ndarray, flow: np.ndarray) -> np.ndarray:
 def _step_energy(frame: np.ndarray, borders: tuple[list[int], list[int]]) -> tuple[float, float]:
     """Mean square pixel step into the border rows and columns, and the same next to them (2 to 5 pixels either
     side): a seam is a step its neighbourhood does not have, where the picture's own detail is about the same."""
-    image = frame.astype(np.float32)
-    rows = np.mean(np.diff(image, axis=0) ** 2, axis=(1, 2))  # rows[i]: the step from row i to row i + 1
-    cols = np.mean(np.diff(image, axis=1) ** 2, axis=(0, 2))
     at, near = [], []
-    for steps, edges in ((rows, borders[0]), (cols, borders[1])):
+    for axis, edges in ((0, borders[0]), (1, borders[1])):
+        length = frame.shape[axis]
         for edge in edges:
-            at.append(float(steps[edge - 1]))  # the step into the border's row or column
-            around = [edge - 1 + k for k in (-5, -4, -3, -2, 2, 3, 4, 5) if 0 <= edge - 1 + k < steps.shape[0]]
-            near.append(float(np.mean(steps[around])))
+            # Step i is from line i to line i + 1; the border's own is the step into it, edge - 1.
+            steps = [edge - 1 + k for k in (-5, -4, -3, -2, 0, 2, 3, 4, 5) if 0 <= edge - 1 + k < length - 1]
+            lines = np.take(frame, steps, axis=axis).astype(np.float32)
+            following = np.take(frame, [i + 1 for i in steps], axis=axis).astype(np.float32)
+            energy = np.mean((following - lines) ** 2, axis=tuple(a for a in range(3) if a != axis))
+            own = steps.index(edge - 1)
+            at.append(float(energy[own]))
+            near.append(float(np.mean(np.delete(energy, own))))
     return float(np.mean(at)) if at else 0.0, float(np.mean(near)) if near else 0.0
 
 
