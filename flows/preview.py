@@ -47,6 +47,9 @@ class PreviewSummary(BaseModel):
 
 @flow(name="preview-clip", log_prints=False, validate_parameters=True)
 def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: str) -> PreviewSummary:
+    """Upscale `count` representative windows of the planned clip into its run store, write the side-by-side MP4
+    and the contact sheet into `out_dir`, and estimate the whole run from the rates measured (or kept by an earlier
+    preview, when every window chosen was already computed)."""
     run = prepared.run
     store = RunStore(run.store_root, run.run_key)
     attempt = uuid.uuid4().hex
@@ -54,13 +57,14 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
         ingested = ingest_tasks.ingest(prepared, attempt)
         plan = ingested.plan
         chosen = representative_windows(plan, count)
-        model_s, model_frames = 0.0, 0
+        model_s, model_frames, measured = 0.0, 0, 0
         pieces = []
         for window in chosen:
             results = _window(run, model, plan, window, attempt)
             if all(result.computed for result in results):
                 model_s += sum(result.seconds for result in results)
                 model_frames += plan.windows[window].padded
+                measured += 1
             pieces.append((window, _window_frames(store, plan, window)))
         stem = Path(prepared.source).stem
         side_by_side, sheet = Path(out_dir) / f"{stem}_preview.mp4", Path(out_dir) / f"{stem}_preview.png"
@@ -77,7 +81,7 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
                 model_s_per_frame=model_s / model_frames,
                 segment_s_per_frame=segment_s_per_frame,
                 encoded_bytes_per_frame=bytes_per_frame,
-                windows_measured=len(pieces),
+                windows_measured=measured,
             )
             _keep_rates(store, rates, attempt)
     return PreviewSummary(

@@ -9,6 +9,7 @@ import av
 import numpy as np
 import pytest
 from PIL import Image
+from test_scenes import clip_frames
 
 from entrypoints.cli import build_parser
 from entrypoints.console import preview_lines
@@ -18,7 +19,6 @@ from k6vsr_core.plan import ModelTraits, make_plan, representative_windows
 from service.runs import ModelSpec, prepare_run
 from storage import RunStore
 from storage.estimate import StageRates, estimate_run, read_rates
-from test_scenes import clip_frames
 
 SCENES = UpscaleParams(scale=2, windows="scenes")
 
