@@ -105,7 +105,8 @@ def _window(run: RunRef, model: ModelSpec, plan: ClipPlan, window: int, attempt:
     """One window's model work, stage after stage, as the clip flow's tasks do it."""
     results = [stage_tasks.encode(run, model, window, attempt)]
     for chunk in plan.chunks:
-        results.append(stage_tasks.denoise(run, model, window, chunk.index, attempt))
+        label = "-".join(map(str, chunk.tiles))
+        results.append(stage_tasks.denoise(run, model, window, chunk.index, attempt, tiles_label=label))
     for tile in range(plan.num_tiles):
         results.append(stage_tasks.decode(run, model, window, tile, attempt))
     results.append(stage_tasks.blend(run, window, attempt))
