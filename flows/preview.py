@@ -57,14 +57,12 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
         ingested = ingest_tasks.ingest(prepared, attempt)
         plan = ingested.plan
         chosen = representative_windows(plan, count)
-        model_s, model_frames, measured = 0.0, 0, 0
+        measured: list[tuple[float, int]] = []  # (seconds, frames computed) of each window this preview computed
         pieces = []
         for window in chosen:
             results = _window(run, model, plan, window, attempt)
             if all(result.computed for result in results):
-                model_s += sum(result.seconds for result in results)
-                model_frames += plan.windows[window].padded
-                measured += 1
+                measured.append((sum(result.seconds for result in results), plan.windows[window].padded))
             pieces.append((window, _window_frames(store, plan, window)))
         stem = Path(prepared.source).stem
         side_by_side, sheet = Path(out_dir) / f"{stem}_preview.mp4", Path(out_dir) / f"{stem}_preview.png"
@@ -75,13 +73,15 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
         _write_side_by_side(side_by_side, plan, halves)
         _write_contact_sheet(sheet, halves)
         rates = read_rates(store)
-        if model_frames:
+        if measured:
+            per_frame, first_extra = model_rates(measured)
             rates = StageRates(
                 ingest_s=ingested.seconds if ingested.computed else (rates.ingest_s if rates else 0.0),
-                model_s_per_frame=model_s / model_frames,
+                model_s_per_frame=per_frame,
+                first_window_extra_s=first_extra,
                 segment_s_per_frame=segment_s_per_frame,
                 encoded_bytes_per_frame=bytes_per_frame,
-                windows_measured=measured,
+                windows_measured=len(measured),
             )
             _keep_rates(store, rates, attempt)
     return PreviewSummary(
@@ -94,6 +94,20 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
         rates=rates,
         estimate=None if rates is None else estimate_run(plan, rates, windows_done(store, plan)),
     )
+
+
+def model_rates(measured: list[tuple[float, int]]) -> tuple[float, float]:
+    """Model seconds per computed frame, and what the first window of a process costs beyond that, from the
+    (seconds, frames) of the windows computed in order. A process's first window also pays for what it does once
+    (kernels chosen, memory mapped, caches filled), so the rate is taken from the windows after it; with one window
+    there is nothing to separate, and the rate is an upper bound."""
+    if len(measured) == 1:
+        seconds, frames = measured[0]
+        return seconds / frames, 0.0
+    later = measured[1:]
+    per_frame = sum(seconds for seconds, _ in later) / sum(frames for _, frames in later)
+    first_seconds, first_frames = measured[0]
+    return per_frame, max(0.0, first_seconds - per_frame * first_frames)
 
 
 def windows_done(store: RunStore, plan: ClipPlan) -> list[int]:

@@ -60,6 +60,7 @@ class StageRates(BaseModel):
 
     ingest_s: float  # the whole ingest (a scan of the source: about the same for any part of it)
     model_s_per_frame: float  # encode + denoise + decode + blend of a window, per frame it computes (padded)
+    first_window_extra_s: float = 0.0  # what a process's first window costs beyond that, once a run
     segment_s_per_frame: float  # cross-fade and encoding, per output frame
     encoded_bytes_per_frame: float  # the encoded output, per frame
     windows_measured: int
@@ -75,11 +76,13 @@ class RunEstimate(BaseModel):
 
 def estimate_run(plan: ClipPlan, rates: StageRates, windows_done: Collection[int] = ()) -> RunEstimate:
     """A run's time and disk from measured rates: its stages, one after another (a worker's CPU or GPU does them in
-    turn), so an upper bound where stages overlap on separate devices; the mux copies streams and costs little."""
+    turn), so an upper bound where stages overlap on separate devices, plus what a process's first window costs
+    once; the mux copies streams and costs little."""
     computed = [window.padded for window in plan.windows]
     model = rates.model_s_per_frame * sum(computed)
     segments = rates.segment_s_per_frame * plan.num_frames
-    total = rates.ingest_s + model + segments
+    total = rates.ingest_s + rates.first_window_extra_s + model + segments
+    # The windows done are not computed again; a new process still pays for its first window.
     done = rates.model_s_per_frame * sum(plan.windows[index].padded for index in windows_done)
     encoded = round(rates.encoded_bytes_per_frame * plan.num_frames)
     store = store_estimate(plan)

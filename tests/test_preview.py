@@ -45,6 +45,19 @@ def test_the_estimate_adds_the_stages_up_by_their_units() -> None:
     assert estimate.seconds == pytest.approx(2.0 + 0.1 * 363 + 0.01 * 250, abs=0.05)
     assert estimate.output_bytes == 250_000 and estimate.seconds_left == estimate.seconds
     assert estimate_run(plan, rates, [0, 2]).seconds_left == pytest.approx(estimate.seconds - 0.1 * 242, abs=0.1)
+    # What a process's first window costs beyond the rate is paid once, by the whole run and by what is left.
+    first = estimate_run(plan, rates.model_copy(update={"first_window_extra_s": 30.0}), [0])
+    assert first.seconds == pytest.approx(estimate.seconds + 30, abs=0.05)
+    assert first.seconds_left == pytest.approx(first.seconds - 0.1 * 121, abs=0.1)
+
+
+def test_the_rate_is_taken_after_the_first_window() -> None:
+    from flows.preview import model_rates
+
+    assert model_rates([(121.0, 121)]) == (1.0, 0.0)  # one window: nothing to separate, an upper bound
+    per_frame, extra = model_rates([(150.0, 121), (60.5, 121), (30.0, 57)])
+    assert per_frame == pytest.approx(90.5 / 178) and extra == pytest.approx(150 - 121 * 90.5 / 178)
+    assert model_rates([(10.0, 121), (121.0, 121)]) == (1.0, 0.0)  # never a negative extra
 
 
 def test_the_preview_count_and_the_window_mode_are_two_flags() -> None:
