@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from entrypoints import stopping
-from entrypoints.console import configure_terminal, plan_lines, plural, size_text, summary_lines
+from entrypoints.console import configure_terminal, plan_lines, plural, preview_lines, size_text, summary_lines
 from entrypoints.progress import archive_progress, run_progress
 from flows import interrupts
 from flows.slots import ARCHIVE_CLIPS_IN_FLIGHT
@@ -34,7 +34,7 @@ from k6vsr_core.memory import allocator_defaults
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from service.runs import ModelSpec, model_info, prepare_run
 from storage import RunStore, collect_garbage, default_store_root, parse_store_root
-from storage.estimate import store_estimate
+from storage.estimate import estimate_run, read_rates, store_estimate
 from storage.urls import check_output_prefix, fetch_source, is_url, url_parent
 
 EXIT_USAGE = 2
@@ -72,8 +72,9 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _param_flags(parser: argparse.ArgumentParser) -> None:
-    """The request flags. A flag not given is left out, so the request takes `UpscaleParams`' (official) default."""
+def _param_flags(parser: argparse.ArgumentParser, windows_flag: bool = True) -> None:
+    """The request flags. A flag not given is left out, so the request takes `UpscaleParams`' (official) default.
+    `k6vsr preview` takes `--windows N` for its window count: there the mode is `--window-mode` only."""
     defaults = UpscaleParams()
     group = parser.add_argument_group("request", argument_default=argparse.SUPPRESS)
     group.add_argument(
@@ -136,6 +137,12 @@ def _param_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         help=f"frames shared by neighbouring windows, at least (default {defaults.window_overlap})",
     )
+    group.add_argument(
+        *(("--windows", "--window-mode") if windows_flag else ("--window-mode",)),
+        dest="windows",
+        help="even (windows spread over the clip) or scenes (windows within each shot, none across a scene cut; "
+        f"the source is decoded once more to find them) (default {defaults.windows})",
+    )
 
 
 def _input_args(parser: argparse.ArgumentParser) -> None:
@@ -188,6 +195,20 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--store", default=None)
     plan.add_argument("--json", action="store_true")
     plan.add_argument("--debug", action="store_true")
+
+    preview = commands.add_parser(
+        "preview", help="upscale a few representative windows first: a side-by-side MP4, a contact sheet, an estimate"
+    )
+    preview.add_argument("input", help="the video")
+    preview.add_argument(
+        "--windows", dest="preview_windows", type=int, default=3, help="windows to upscale (default 3)"
+    )
+    preview.add_argument("-o", "--output-dir", dest="output_dir", default=None, help="default: beside the input")
+    _param_flags(preview, windows_flag=False)
+    _model_flags(preview)
+    preview.add_argument("--store", default=None, help="run store root (env K6VSR_STORE; default: per-user cache)")
+    preview.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    preview.add_argument("--debug", action="store_true")
 
     demo = commands.add_parser("demo", help="run the whole pipeline on a synthetic clip with a tiny random model")
     demo.add_argument("-o", "--output-dir", dest="output_dir", default="k6vsr-demo")
@@ -557,6 +578,24 @@ def output_file_name(name: str, params: UpscaleParams) -> str:
     return name if name.lower().endswith(suffix) else name + suffix
 
 
+def cmd_preview(args: argparse.Namespace) -> dict[str, Any]:
+    if args.preview_windows < 1:
+        raise ParameterError(f"--windows {args.preview_windows}: a preview needs at least one window")
+    source = Path(args.input).expanduser().absolute()
+    spec = model_from(args)
+    prepared = prepare_run(source, params_from(args), spec, store_from(args), tensors=False)
+    out_dir = Path(args.output_dir).expanduser().resolve() if args.output_dir else source.resolve().parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_info(spec)
+    _check_device(spec.device)
+    from flows.orchestrate import prefect_api
+    from flows.preview import preview_clip
+
+    with prefect_api():
+        summary = preview_clip(prepared=prepared, model=spec, count=args.preview_windows, out_dir=str(out_dir))
+    return summary.model_dump(mode="json")
+
+
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
     with local_input(args) as (local, url):
         planned = _plan(local)
@@ -575,6 +614,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "frames_kept": plan.num_frames,
         "fps": plan.fps,
         "output_format": plan.output_format(),
+        "window_mode": plan.params.windows,
+        "cuts": list(plan.cuts),
         "windows": [
             {
                 "window": w.index,
@@ -589,6 +630,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "tiles_per_window": plan.num_tiles,
         "items": progress_of(prepared),
         "store_estimate": store_estimate(plan).model_dump(),
+        "run_estimate": _run_estimate(prepared),
         "padding": {"bottom": grid.padding[0], "right": grid.padding[1]},
         "tile": {"base": list(grid.base), "lr": list(grid.tile), "tops": list(grid.tops), "lefts": list(grid.lefts)},
         "tiles": plan.num_tiles,
@@ -601,6 +643,14 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "run_key": prepared.run.run_key,
         "finished_run_exists": prepared.finished,
     }
+
+
+def _run_estimate(prepared: Any) -> dict[str, Any] | None:
+    """The whole run's time and disk from the rates a preview of this run measured (`k6vsr preview`); None
+    without one."""
+    store = RunStore(prepared.run.store_root, prepared.run.run_key)
+    rates = read_rates(store)
+    return None if rates is None else estimate_run(prepared.plan, rates).model_dump()
 
 
 def _source_facts(prepared: Any) -> dict[str, Any]:
@@ -831,6 +881,8 @@ def _print_server(result: dict[str, Any]) -> None:
 def _print_human(command: str, result: dict[str, Any]) -> None:
     if command == "plan":
         print("\n".join(plan_lines(result)))
+    elif command == "preview":
+        print("\n".join(preview_lines(result)))
     elif command in ("upscale", "demo"):
         print("\n".join(summary_lines(result)))
     elif command == "server":
@@ -862,6 +914,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {
         "upscale": cmd_upscale,
         "plan": cmd_plan,
+        "preview": cmd_preview,
         "demo": cmd_demo,
         "gc": cmd_gc,
         "archive": cmd_archive,

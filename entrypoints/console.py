@@ -117,6 +117,44 @@ def _weights_note(plan: dict[str, Any]) -> str:
     return " (configs only)"
 
 
+CUTS_SHOWN = 12  # a long film has hundreds: `plan --json` lists them all
+
+
+def _cuts(plan: dict[str, Any]) -> str:
+    """How the windows were laid: nothing for even windows; the cuts (kept frames that start a shot) for scenes."""
+    if plan.get("window_mode") != "scenes":
+        return ""
+    cuts = plan["cuts"]
+    if not cuts:
+        return ", within shots: no scene cut found"
+    shown = ", ".join(str(cut) for cut in cuts[:CUTS_SHOWN]) + (
+        f" and {len(cuts) - CUTS_SHOWN} more" if len(cuts) > CUTS_SHOWN else ""
+    )
+    return f", within shots: {plural(len(cuts), 'scene cut')}, before frame{'s' if len(cuts) > 1 else ''} {shown}"
+
+
+def _cost(estimate: dict[str, Any] | None) -> str:
+    """The whole run's time and disk as a preview measured them on this machine, or how to get them."""
+    if estimate is None:
+        return "no estimate yet: `k6vsr preview` upscales a few windows and measures this machine's rates"
+    return (
+        f"about {estimate['seconds']:.0f} s on this machine ({estimate['seconds_left']:.0f} s left), "
+        f"{size_text(estimate['output_bytes'])} of output, at most {size_text(estimate['peak_store_bytes'])} of "
+        f"store, from {plural(estimate['windows_measured'], 'window')} previewed"
+    )
+
+
+def preview_lines(preview: dict[str, Any]) -> list[str]:
+    """`k6vsr preview` for people: what was upscaled, where to look, and what the whole run will cost."""
+    spans = ", ".join(f"{start}-{stop - 1}" for start, stop in preview["frames"])
+    return [
+        f"previewed {plural(len(preview['windows']), 'window')} (frames {spans}), kept in run {preview['run_key']}",
+        f"side by side  {preview['side_by_side']}",
+        f"contact sheet {preview['contact_sheet']}",
+        f"whole run     {_cost(preview['estimate'])}",
+    ]
+
+
 def plan_lines(plan: dict[str, Any]) -> list[str]:
     """`k6vsr plan` for people: what goes in and out, the tiles, the windows as a table, the disk and the progress."""
     size = plan["source_size"]
@@ -141,7 +179,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
         f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
         f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "
         f"{_seeds(seeds)}, {plan['dit_steps_per_tile']} DiT steps a tile",
-        f"windows   {len(plan['windows'])}",
+        f"windows   {len(plan['windows'])}{_cuts(plan)}",
         "            window  frames        computed as  overlap  segment",
     ]
     for window in plan["windows"]:
@@ -153,6 +191,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     lines += [
         f"store     at most about {peak} while it runs ({window_bytes} a window in flight), "
         f"{size_text(estimate['encoded_bytes'])} of video",
+        f"cost      {_cost(plan.get('run_estimate'))}",
         f"run       {plan['run_key']}: "
         + (
             "finished, the output is in the store"

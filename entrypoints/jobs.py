@@ -423,6 +423,7 @@ class WorkerSlot:
                     "bytes": written,
                 },
                 tiles=tile_counts(summary, (store.get(job_id) or {}).get("tiles_found")),
+                quality=summary.get("quality"),
                 # What the job keeps once its input is dropped: its output and its run.
                 disk_bytes=(written or 0) + _run_bytes(store.run_root, summary["run_key"]),
             )

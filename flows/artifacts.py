@@ -31,6 +31,7 @@ from PIL import Image
 from flows.runners import is_dask_runner
 from flows.stage_clock import StageSpan
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.quality import Comparison, QualityReport
 from storage import RunStore
 from storage.progress import (
     SEPARATOR,
@@ -175,6 +176,7 @@ class ClipReport:
     output_bytes: int
     store: str  # the run's folder in the run store
     reused_output: bool = False
+    quality: QualityReport | None = None
 
 
 def _thumbnail(frame: np.ndarray) -> str:
@@ -214,6 +216,35 @@ def _stills(report: ClipReport, after_size: str) -> str:
     return markdown_table(
         [f"before ({before_size})", f"after ({after_size})"], [[f"![before]({_thumbnail(report.before)})", after]]
     )
+
+
+def _ratio(comparison: Comparison | None) -> str:
+    return "-" if comparison is None else f"{comparison.ratio:g}x ({comparison.at:g} / {comparison.inside:g})"
+
+
+def quality_markdown(quality: QualityReport | None) -> list[str]:
+    """The quality section: one row per measure, and what is past its limit."""
+    if quality is None:
+        return []
+    rows = [
+        ["flicker at window joins: difference energy", _ratio(quality.join_difference_energy), "joins / inside"],
+        ["flicker at window joins: warping error (DIS flow)", _ratio(quality.join_warping_error), "joins / inside"],
+        ["tile seams: step energy", _ratio(quality.tile_seam_energy), "borders / beside them"],
+        ["tile seams of the bicubic source", _ratio(quality.tile_seam_energy_source), "borders / beside them"],
+        [
+            "colour drift (mean ΔE, CIELAB)",
+            f"{quality.colour_drift_delta_e:g} (worst frame {quality.colour_drift_delta_e_max:g})",
+            "against the bicubic-upscaled source",
+        ],
+        ["consistency with the source (PSNR)", f"{quality.source_psnr_db:g} dB", "output scaled down, against it"],
+    ]
+    verdict = "; ".join(quality.findings) if quality.findings else "no measure past its limit"
+    return [
+        "## Quality",
+        markdown_table(["measure", "value", "compares"], rows, align="lrl"),
+        f"{quality.joins} joins, {quality.tile_borders} tile borders, {quality.frames} frames, measured in "
+        f"{quality.seconds:g} s on the CPU. **{verdict}.**",
+    ]
 
 
 def clip_report_markdown(report: ClipReport) -> str:
@@ -256,6 +287,7 @@ def clip_report_markdown(report: ClipReport) -> str:
                     [[stage, c.computed + c.reused, c.computed, c.reused] for stage, c in report.items.items()],
                     align="lrrr",
                 ),
+                *quality_markdown(report.quality),
                 f"**Output** `{report.output}` ({size_text(report.output_bytes)}){reused}",
                 f"**Run store** `{report.store}`: the manifest, the stored stages and their completion records; "
                 "rerunning the same command resumes from it.",

@@ -33,11 +33,13 @@ from k6vsr_core import media
 from k6vsr_core.errors import TileFailure, WindowStopped, WorkersUnavailable
 from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.quality import QualityReport
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
 from storage.location import is_url
 from storage.progress import StageCount, read_progress, run_finished, stage_counts
 from tasks import ingest as ingest_tasks
+from tasks import quality as quality_tasks
 from tasks import stage_tasks
 from tasks.descriptors import StageResult
 
@@ -61,6 +63,7 @@ class ClipSummary(BaseModel):
     spans: dict[str, float] = {}  # wall-clock seconds from each stage's first start to its last end
     items: dict[str, StageCount] = {}  # per stage: the items this attempt computed and those it reused
     reused_output: bool
+    quality: QualityReport | None = None  # the output's quality report (tasks.quality); None for a latent run
 
 
 # Long enough for a cluster of GPU workers to start and import torch; a worker that cannot import k6vsr would
@@ -175,6 +178,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
             progress.update(read_progress(store, plan))
         record(stage_tasks.publish(run, published))
         progress.update(run_finished(plan))
+        quality = quality_tasks.measure_quality(run, attempt)
 
     # The store says what this attempt computed: a tile Dask recomputed after a worker died is counted, once.
     computed = store.tiles_computed(attempt)
@@ -198,6 +202,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
         spans={span.stage: round(span.span, 3) for span in clock.spans()},
         items=stage_counts(store, plan, attempt),
         reused_output=store.attempt_of("mux") != attempt,
+        quality=quality,
     )
     _report(store, summary, clock, plan)
     return summary
@@ -340,6 +345,7 @@ def _report(store: RunStore, summary: ClipSummary, clock: StageClock, plan: Clip
             output_bytes=output_bytes,
             store=summary.store,
             reused_output=summary.reused_output,
+            quality=summary.quality,
         )
         artifacts.publish_clip_report(report, flow_run.id)
     except Exception as err:  # noqa: BLE001

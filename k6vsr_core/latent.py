@@ -116,6 +116,8 @@ def plan_latent(
 ) -> ClipPlan:
     """The plan of a latent's clip (the tensor, or its `[T, C, H, W]` shape): `1 + 4(T - 1)` frames of `16H x 16W`
     pixels at `rate`, every one kept, for the request as a latent run computes it (`latent_params`)."""
+    if params.windows == "scenes":
+        raise ParameterError("windows='scenes' needs a video to find its scene cuts in; a latent run has no frames")
     frames, size = latent_clip(latent)
     with warnings.catch_warnings():
         # The rate is the caller's: no frame is dropped or added, whatever it is.

@@ -45,6 +45,8 @@ class UpscaleParams(BaseModel):
     frames: Literal["all", "contract"] = "all"
     max_frames: int | None = None  # caps `all` (a preview of the first N kept frames)
     window_overlap: int = 16  # at least this many frames shared by neighbouring windows
+    # `even`: windows spread evenly over the clip; `scenes`: within each shot, none across a scene cut.
+    windows: Literal["even", "scenes"] = "even"
     # Output controls (k6vsr_core.encoding): the defaults write the contract's file, byte for byte.
     codec: str = "h264"
     crf: int | None = None

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 from k6vsr_core import media
 from k6vsr_core.errors import ParameterError
 from k6vsr_core.params import UpscaleParams
+from k6vsr_core.scenes import source_cuts
 from k6vsr_core.tiling import (
     RESOLUTIONS,
     Size,
@@ -25,7 +26,7 @@ from k6vsr_core.tiling import (
     tile_chunks,
     tile_grid,
 )
-from k6vsr_core.windows import Window, plan_windows, segment_range
+from k6vsr_core.windows import Window, plan_scene_windows, plan_windows, segment_range
 
 TEMPORAL_FACTOR = 4
 
@@ -58,8 +59,11 @@ class ClipPlan(BaseModel):
     fps: int  # the output's rate, rounded (exact unless `fps_mode='source'` keeps a fractional one)
     source_rate: str | None = None  # with `fps_mode='source'`: the exact rate written, e.g. "30000/1001"
     windows: tuple[Window, ...]
-    window_frames: int  # frames each window computes (1 + 8k; the one window of a short clip is padded to it)
-    latent_frames: int  # latent frames of one window
+    # With `windows='scenes'`: the kept frames that start a shot (k6vsr_core.scenes); no window spans one.
+    cuts: tuple[int, ...] = ()
+    # Frames the longest window computes (1 + 8k; the one window of a short clip, or a short shot's, is padded to it)
+    window_frames: int
+    latent_frames: int  # latent frames of the longest window
     params: UpscaleParams
     steps: int
     grid: TileGrid
@@ -104,6 +108,22 @@ class ClipPlan(BaseModel):
         return segment_range(self.windows, window)
 
 
+def representative_windows(plan: ClipPlan, count: int) -> tuple[int, ...]:
+    """`count` windows that show the clip: spread evenly over it, or, with scene cuts, the first window of each shot
+    (spread evenly over the shots when there are more). Fewer when the plan has fewer windows."""
+    if count < 1:
+        raise ValueError(f"a preview needs at least one window, got {count}")
+    starts = set(plan.cuts)
+    candidates = [w.index for w in plan.windows if w.index == 0 or w.start in starts] if plan.cuts else []
+    if len(candidates) < count:
+        candidates = [w.index for w in plan.windows]
+    if len(candidates) <= count:
+        return tuple(candidates)
+    if count == 1:
+        return (candidates[len(candidates) // 2],)
+    return tuple(sorted({candidates[round(i * (len(candidates) - 1) / (count - 1))] for i in range(count)}))
+
+
 def select_kept_frames(source_frames: int, source_fps: float, params: UpscaleParams) -> tuple[list[int], int]:
     """The source frames a request keeps and their rate: every one (`all`, up to `max_frames`) or the contract's.
 
@@ -118,6 +138,14 @@ def select_kept_frames(source_frames: int, source_fps: float, params: UpscalePar
     if params.frames == "contract":
         return media.select_frames(source_frames, source_fps)
     return media.select_all_frames(source_frames, source_fps, params.max_frames)
+
+
+def scene_cuts(path: str, source_frames: int, source_fps: float, params: UpscaleParams) -> tuple[int, ...]:
+    """The scene cuts `make_plan` needs for `params`: detected in the kept frames of `path` with `windows='scenes'`
+    (which decodes the whole source), none otherwise."""
+    if params.windows != "scenes":
+        return ()
+    return source_cuts(path, select_kept_frames(source_frames, source_fps, params)[0])
 
 
 def resolve_steps(params: UpscaleParams, traits: ModelTraits) -> int:
@@ -140,8 +168,10 @@ def make_plan(
     params: UpscaleParams,
     traits: ModelTraits | None = None,
     source_rate: Fraction | str | None = None,
+    cuts: tuple[int, ...] = (),
 ) -> ClipPlan:
-    """Plan a source of `source_frames` frames of `source_size` at `source_fps`.
+    """Plan a source of `source_frames` frames of `source_size` at `source_fps`; with `windows='scenes'`, its kept
+    frames cut into shots before each of `cuts` (positions among the kept frames, `scene_cuts`).
 
     Raises ValueError when the selection keeps no frame, ParameterError when the request does not fit this clip.
     """
@@ -156,7 +186,12 @@ def make_plan(
             "output may differ in quality from the official pipeline's",
             stacklevel=2,
         )
-    windows = plan_windows(len(indices), params.window_overlap)
+    if params.windows == "scenes":
+        windows = plan_scene_windows(len(indices), params.window_overlap, cuts)
+    else:
+        cuts = ()
+        windows = plan_windows(len(indices), params.window_overlap)
+    longest = max(window.padded for window in windows)
     height, width = source_size
     if params.pre_upscale:
         height, width = pre_upscale_size(height, width)
@@ -186,8 +221,9 @@ def make_plan(
         fps=fps,
         source_rate=None if exact is None else str(exact),
         windows=windows,
-        window_frames=windows[0].padded,
-        latent_frames=1 + (windows[0].padded - 1) // TEMPORAL_FACTOR,
+        cuts=tuple(cuts),
+        window_frames=longest,
+        latent_frames=1 + (longest - 1) // TEMPORAL_FACTOR,
         params=params,
         steps=resolve_steps(params, traits),
         grid=grid,

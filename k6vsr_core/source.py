@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from k6vsr_core import media
 from k6vsr_core.errors import MediaError
 from k6vsr_core.params import UpscaleParams
-from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
+from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan, scene_cuts
 from k6vsr_core.windows import Window
 
 
@@ -47,7 +47,8 @@ def read_source(
     if planned is not None and planned.source_frames == count:
         return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=planned)
     try:
-        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate)
+        cuts = scene_cuts(str(path), count, probe.fps, params)
+        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate, cuts)
     except ValueError as err:
         raise MediaError(str(path), str(err)) from None
     return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)

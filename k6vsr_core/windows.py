@@ -10,6 +10,11 @@ one encoded segment per window: segment `w` holds the frames from the start of w
 `w + 1`, beginning with the cross-fade from window `w - 1` (cut at the segment's end when window `w + 1` starts
 before window `w - 1` ends), so it needs only windows `w - 1` and `w`.
 
+With scene windows (`windows='scenes'`), the kept frames are first cut into shots at the source's scene cuts
+(`k6vsr_core.scenes`), and each shot is windowed as above on its own: a shot no longer than one window is one window,
+padded to `1 + 8k` as a short clip is. No window holds frames of two shots, so neighbours across a cut share no frame
+and nothing is cross-faded there: the cut stays a hard cut.
+
 Seeds: the noise of a tile chunk is drawn from `seed + first tile of the chunk` in every window, the contract's
 seeding (the first window's noise is exactly the contract's). A window's result then depends only on its frames:
 where the picture does not change across a seam, the two windows compute the same pixels and the seam cannot show.
@@ -65,6 +70,39 @@ def plan_windows(num_frames: int, overlap: int, window: int = WINDOW_FRAMES) -> 
     return tuple(Window(index=i, start=s, stop=s + window, padded=window) for i, s in enumerate(starts))
 
 
+def shot_ranges(num_frames: int, cuts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """The shots `[start, stop)` of `num_frames` frames cut before each frame in `cuts` (ascending, inside)."""
+    if any(not 0 < cut < num_frames for cut in cuts) or list(cuts) != sorted(set(cuts)):
+        raise ValueError(f"scene cuts {list(cuts)} are not ascending positions inside 1 to {num_frames - 1}")
+    bounds = (0, *cuts, num_frames)
+    return tuple(zip(bounds, bounds[1:], strict=False))
+
+
+def plan_scene_windows(
+    num_frames: int, overlap: int, cuts: tuple[int, ...], window: int = WINDOW_FRAMES
+) -> tuple[Window, ...]:
+    """`plan_windows` within each shot: no window spans a cut, so no cross-fade does."""
+    if num_frames < 1:
+        raise ValueError(f"need at least one frame, got {num_frames}")
+    windows: list[Window] = []
+    for start, stop in shot_ranges(num_frames, cuts):
+        for shot_window in plan_windows(stop - start, overlap, window):
+            windows.append(
+                Window(
+                    index=len(windows),
+                    start=start + shot_window.start,
+                    stop=start + shot_window.stop,
+                    padded=shot_window.padded,
+                )
+            )
+    return tuple(windows)
+
+
+def shares_frames(windows: tuple[Window, ...], index: int) -> bool:
+    """Window `index` shares frames with the one before it: its segment begins with their cross-fade."""
+    return index > 0 and windows[index - 1].stop > windows[index].start
+
+
 def segment_range(windows: tuple[Window, ...], index: int) -> tuple[int, int]:
     """The frames segment `index` holds: from its window's start to the next window's start (or the end)."""
     end = windows[index + 1].start if index + 1 < len(windows) else windows[index].stop
@@ -95,7 +133,7 @@ def segment_frames(
     if current.shape[0] != window.frames:
         raise ValueError(f"window {index} has {current.shape[0]} frames, expected {window.frames}")
     own = current[: end - start]
-    if index == 0:
+    if not shares_frames(windows, index):
         return own
     before = windows[index - 1]
     if previous is None or previous.shape[0] != before.frames:

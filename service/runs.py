@@ -18,7 +18,7 @@ from k6vsr_core.errors import BundleError, MediaError
 from k6vsr_core.latent import plan_latent, read_latent
 from k6vsr_core.memory import MemoryMode
 from k6vsr_core.params import ParameterError, UpscaleParams
-from k6vsr_core.plan import ClipPlan, make_plan, select_kept_frames
+from k6vsr_core.plan import ClipPlan, make_plan, scene_cuts, select_kept_frames
 from storage import RunStore, run_key, source_info
 
 
@@ -92,8 +92,9 @@ def prepare_run(
         raise MediaError(source, str(err)) from None
     info = model_info(spec, weights, tensors)
     try:
+        cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params)
         plan = make_plan(
-            (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate
+            (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate, cuts
         )
     except ParameterError:
         raise

@@ -7,10 +7,13 @@ what grows with length is only the encoded video (the segments, then the output)
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from pydantic import BaseModel
 
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.tiling import SPATIAL_FACTOR
+from storage.run_store import RunStore
 
 # Windows whose intermediates coexist: the one being blended, the one on the GPU and the one being encoded.
 WINDOWS_IN_FLIGHT = 3
@@ -47,3 +50,55 @@ def store_estimate(plan: ClipPlan) -> StoreEstimate:
         peak_bytes=in_flight * window + 2 * encoded,
         bytes_per_output_minute=per_minute,
     )
+
+
+RATES = "preview.json"  # in a run's folder: the rates its last preview measured (flows.preview)
+
+
+class StageRates(BaseModel):
+    """What a preview measured on this machine, per unit of work: what a run's time and disk are estimated from."""
+
+    ingest_s: float  # the whole ingest (a scan of the source: about the same for any part of it)
+    model_s_per_frame: float  # encode + denoise + decode + blend of a window, per frame it computes (padded)
+    first_window_extra_s: float = 0.0  # what a process's first window costs beyond that, once a run
+    segment_s_per_frame: float  # cross-fade and encoding, per output frame
+    encoded_bytes_per_frame: float  # the encoded output, per frame
+    windows_measured: int
+
+
+class RunEstimate(BaseModel):
+    seconds: float  # the whole run from nothing, on the machine and with the workers the preview ran on
+    seconds_left: float  # what is left after the windows already done in the store
+    output_bytes: int
+    peak_store_bytes: int
+    windows_measured: int
+
+
+def estimate_run(plan: ClipPlan, rates: StageRates, windows_done: Collection[int] = ()) -> RunEstimate:
+    """A run's time and disk from measured rates: its stages, one after another (a worker's CPU or GPU does them in
+    turn), so an upper bound where stages overlap on separate devices, plus what a process's first window costs
+    once; the mux copies streams and costs little."""
+    computed = [window.padded for window in plan.windows]
+    model = rates.model_s_per_frame * sum(computed)
+    segments = rates.segment_s_per_frame * plan.num_frames
+    total = rates.ingest_s + rates.first_window_extra_s + model + segments
+    # The windows done are not computed again; a new process still pays for its first window.
+    done = rates.model_s_per_frame * sum(plan.windows[index].padded for index in windows_done)
+    encoded = round(rates.encoded_bytes_per_frame * plan.num_frames)
+    store = store_estimate(plan)
+    return RunEstimate(
+        seconds=round(total, 1),
+        seconds_left=round(max(0.0, total - done), 1),
+        output_bytes=encoded,
+        peak_store_bytes=min(WINDOWS_IN_FLIGHT, plan.num_windows) * store.window_bytes + 2 * encoded,
+        windows_measured=rates.windows_measured,
+    )
+
+
+def read_rates(store: RunStore) -> StageRates | None:
+    """The rates the last preview of this run measured, if any."""
+    path = store.where / RATES
+    try:
+        return StageRates.model_validate_json(path.read_bytes()) if store.file_done(path, "preview", "all") else None
+    except (OSError, ValueError):
+        return None

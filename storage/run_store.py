@@ -13,6 +13,7 @@ Layout of one run, under `<root>/runs/<run key>/`:
     done/<stage>/<item>    completion records with checksums (see `records`); items are `<window>` or
                            `<window>-<tile>`
     output.mp4             the muxed result, published atomically
+    quality.json           the output's quality report (`tasks.quality`), once measured
     run.log                what the flow runs of this run and their tasks logged
     .lock                  held (shared) by every live run, so `gc` never deletes a store in use
 

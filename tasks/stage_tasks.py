@@ -27,7 +27,7 @@ from k6vsr_core.compute import apply_profile
 from k6vsr_core.errors import MissingInput, ParameterError, UserFacingError, WindowStopped
 from k6vsr_core.latent import fit_latent, read_latent
 from k6vsr_core.plan import ClipPlan
-from k6vsr_core.windows import segment_frames
+from k6vsr_core.windows import segment_frames, shares_frames
 from service.runs import ModelSpec, RunRef
 from storage import RunManifest, RunStore, source_info
 from storage import publish as publish_file
@@ -87,15 +87,35 @@ def _require(value: Any, run: RunRef, what: str) -> Any:
     return value
 
 
+def _array(plan: ClipPlan, name: str, window: int) -> str:
+    """The stored array that holds `name` for `window`. A Zarr array's parts share one shape, and scene windows
+    differ in length: each length then has its own array (`video-49`); even windows keep the one array."""
+    if plan.params.windows == "even":
+        return name
+    span = plan.windows[window]
+    return f"{name}-{span.frames if name == 'video' else span.padded}"
+
+
+def _arrays(plan: ClipPlan, names: tuple[str, ...], window: int) -> tuple[str, ...]:
+    return tuple(_array(plan, name, window) for name in names)
+
+
 def _window_finished(store: RunStore, plan: ClipPlan, window: int) -> bool:
     """Its segment and the next one are written: nothing will read the window's frames again."""
     following = [window + 1] if window + 1 < plan.num_windows else []
     return all(store.segment_done(w) for w in (window, *following))
 
 
-def _window_blended(store: RunStore, plan: ClipPlan, window: int) -> bool:
+def blended_frames(store: RunStore, plan: ClipPlan, window: int) -> np.ndarray | None:
+    """The window's blended, delivered frames, while the store holds them (until its segments are written)."""
+    return store.get_tile(_array(plan, "video", window), (window,), stage="blend")
+
+
+def window_blended(store: RunStore, plan: ClipPlan, window: int) -> bool:
     """The window's frames are stored (or no longer needed): its tiles and latents are not needed either."""
-    return store.tile_done("video", (window,), stage="blend") or _window_finished(store, plan, window)
+    return store.tile_done(_array(plan, "video", window), (window,), stage="blend") or _window_finished(
+        store, plan, window
+    )
 
 
 # Deleted as soon as the window is blended; its frames once the segments that read them are written.
@@ -109,7 +129,9 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
 
     store = _store(run)
     plan = _plan(store)
-    if _window_blended(store, plan, window) or store.tile_done("latent", (window,), stage="encode"):
+    if window_blended(store, plan, window) or store.tile_done(
+        _array(plan, "latent", window), (window,), stage="encode"
+    ):
         return StageResult(stage="encode", item=str(window), computed=False, window=window)
     started = time.perf_counter()
     manifest = store.read_manifest()
@@ -123,7 +145,13 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
         latent = stages.encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started
     store.put_tile(
-        "latent", (window,), (plan.num_windows,), latent.numpy(), stage="encode", seconds=seconds, attempt=attempt
+        _array(plan, "latent", window),
+        (window,),
+        (plan.num_windows,),
+        latent.numpy(),
+        stage="encode",
+        seconds=seconds,
+        attempt=attempt,
     )
     return StageResult(stage="encode", item=str(window), computed=True, seconds=seconds, window=window)
 
@@ -152,13 +180,15 @@ def denoise(
     plan = _plan(store)
     chunk = plan.chunks[chunk_index]
     counts = (plan.num_windows, plan.num_tiles)
-    done = _window_blended(store, plan, window) or all(
-        store.tile_done("tile_latents", (window, i), stage="denoise") for i in chunk.tiles
+    done = window_blended(store, plan, window) or all(
+        store.tile_done(_array(plan, "tile_latents", window), (window, i), stage="denoise") for i in chunk.tiles
     )
     if done:
         return StageResult(stage="denoise", item=str(chunk_index), computed=False, tiles=chunk.tiles, window=window)
     started = time.perf_counter()
-    latent = _require(store.get_tile("latent", (window,), stage="encode"), run, f"the latent of window {window}")
+    latent = _require(
+        store.get_tile(_array(plan, "latent", window), (window,), stage="encode"), run, f"the latent of window {window}"
+    )
     calls = 0
 
     def count(_: int) -> None:
@@ -170,7 +200,13 @@ def denoise(
     seconds = time.perf_counter() - started
     for index, tile in zip(chunk.tiles, denoised, strict=True):
         store.put_tile(
-            "tile_latents", (window, index), counts, tile.numpy(), stage="denoise", seconds=seconds, attempt=attempt
+            _array(plan, "tile_latents", window),
+            (window, index),
+            counts,
+            tile.numpy(),
+            stage="denoise",
+            seconds=seconds,
+            attempt=attempt,
         )
     return StageResult(
         stage="denoise",
@@ -193,16 +229,20 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
     store = _store(run)
     plan = _plan(store)
     key = (window, tile)
-    if _window_blended(store, plan, window) or store.tile_done("tiles", key, stage="decode"):
+    if window_blended(store, plan, window) or store.tile_done(_array(plan, "tiles", window), key, stage="decode"):
         return StageResult(stage="decode", item=str(tile), computed=False, tiles=(tile,), window=window)
     started = time.perf_counter()
     latent = _require(
-        store.get_tile("tile_latents", key, stage="denoise"), run, f"the denoised latent of window {window} tile {tile}"
+        store.get_tile(_array(plan, "tile_latents", window), key, stage="denoise"),
+        run,
+        f"the denoised latent of window {window} tile {tile}",
     )
     pixels = stages.decode_tile(_bundle(model, plan), torch.from_numpy(latent))
     seconds = time.perf_counter() - started
     counts = (plan.num_windows, plan.num_tiles)
-    store.put_tile("tiles", key, counts, pixels.numpy(), stage="decode", seconds=seconds, attempt=attempt)
+    store.put_tile(
+        _array(plan, "tiles", window), key, counts, pixels.numpy(), stage="decode", seconds=seconds, attempt=attempt
+    )
     return StageResult(stage="decode", item=str(tile), computed=True, seconds=seconds, tiles=(tile,), window=window)
 
 
@@ -221,8 +261,8 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
 
     store = _store(run)
     plan = _plan(store)
-    if _window_blended(store, plan, window):
-        store.drop_window(WINDOW_INTERMEDIATES, window)
+    if window_blended(store, plan, window):
+        store.drop_window(_arrays(plan, WINDOW_INTERMEDIATES, window), window)
         return StageResult(stage="blend", item=str(window), computed=False, window=window)
     started = time.perf_counter()
     span = plan.windows[window]
@@ -231,15 +271,25 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
     for index in range(plan.num_tiles):
         waited += _wait_for_decode(store, run, window, index, attempt)
         pixels = _require(
-            store.get_tile("tiles", (window, index), stage="decode"), run, f"decoded tile {index} of window {window}"
+            store.get_tile(_array(plan, "tiles", window), (window, index), stage="decode"),
+            run,
+            f"decoded tile {index} of window {window}",
         )
         blender.add(index, torch.from_numpy(pixels))
         del pixels
     video = stages.tensor_to_frames(stages.deliver(stages.blended(blender, span), plan))
     del blender
     seconds = time.perf_counter() - started
-    store.put_tile("video", (window,), (plan.num_windows,), video, stage="blend", seconds=seconds, attempt=attempt)
-    store.drop_window(WINDOW_INTERMEDIATES, window)
+    store.put_tile(
+        _array(plan, "video", window),
+        (window,),
+        (plan.num_windows,),
+        video,
+        stage="blend",
+        seconds=seconds,
+        attempt=attempt,
+    )
+    store.drop_window(_arrays(plan, WINDOW_INTERMEDIATES, window), window)
     return StageResult(stage="blend", item=str(window), computed=True, seconds=seconds - waited, window=window)
 
 
@@ -277,11 +327,15 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
     if store.segment_done(window) or store.output_done():
         return StageResult(stage="segment", item=str(window), computed=False, window=window)
     started = time.perf_counter()
-    current = _require(store.get_tile("video", (window,), stage="blend"), run, f"the frames of window {window}")
+    current = _require(
+        store.get_tile(_array(plan, "video", window), (window,), stage="blend"), run, f"the frames of window {window}"
+    )
     previous = None
-    if window > 0:
+    if shares_frames(plan.windows, window):  # across a scene cut, nothing is cross-faded
         previous = _require(
-            store.get_tile("video", (window - 1,), stage="blend"), run, f"the frames of window {window - 1}"
+            store.get_tile(_array(plan, "video", window - 1), (window - 1,), stage="blend"),
+            run,
+            f"the frames of window {window - 1}",
         )
     frames = segment_frames(plan.windows, window, current, previous)
     del current, previous
@@ -296,7 +350,7 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
         tmp.unlink(missing_ok=True)
     for finished in (window - 1, window):
         if finished >= 0 and _window_finished(store, plan, finished):
-            store.drop_window(("video",), finished)
+            store.drop_window((_array(plan, "video", finished),), finished)
     return StageResult(stage="segment", item=str(window), computed=True, seconds=time.perf_counter() - started)
 
 

@@ -127,6 +127,7 @@ def test_json_and_upload_give_the_same_frames(
     assert by_upload["source"] == {"type": "upload"} and by_path["source"] == {"type": "path", "video_path": clip}
     assert by_path["params"]["sr_resolution_scale"] == float(scale)
     assert by_path["size"] == f"{size[0]}x{size[1]}"
+    assert by_path["quality"]["frames"] == by_path["output"]["frames"] and "findings" in by_path["quality"]
 
     a = server.content(by_path["id"], tmp_path / "path.mp4")
     b = server.content(by_upload["id"], tmp_path / "upload.mp4")

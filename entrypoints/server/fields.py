@@ -22,6 +22,7 @@ FIELDS = {
     "sr_frames": "frames",
     "max_frames": "max_frames",
     "sr_window_overlap": "window_overlap",
+    "sr_windows": "windows",
     # Output controls, as the command line's --codec, --crf, --preset, --pix-fmt, --audio and --fps.
     "codec": "codec",
     "crf": "crf",

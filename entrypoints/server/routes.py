@@ -73,6 +73,7 @@ def job_view(job: dict[str, Any], caller: Caller, store_root: str | Path, retent
         "seconds": f"{output['frames'] / output['fps']:.3f}",
         "output": output,
         "tiles": job["tiles"],
+        "quality": job.get("quality"),  # the output's quality report, once completed (README, "Quality report")
         "source": source,
     }
 

@@ -17,7 +17,7 @@ would shadow a function or module imported by name.
 
 from k6vsr_core.media.audio import AUDIO_SAMPLE_RATE, check_audio_file, decode_audio, trim_audio, write_audio_track
 from k6vsr_core.media.probing import MAX_SOURCE_PIXELS, MAX_SOURCE_SIDE, VideoProbe, probe
-from k6vsr_core.media.reading import read_frames, scan_frames
+from k6vsr_core.media.reading import iter_frames, read_frames, scan_frames
 from k6vsr_core.media.selection import (
     MAX_NUM_FRAMES,
     RESAMPLE_FPS_TOLERANCE,
@@ -38,6 +38,7 @@ __all__ = [
     "TARGET_FPS",
     "VideoProbe",
     "aligned_frame_count",
+    "iter_frames",
     "check_audio_file",
     "concat_segments",
     "decode_audio",

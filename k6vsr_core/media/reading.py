@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
 
 import av
 import av.container
@@ -127,3 +128,32 @@ def _decode_by_pts(path: str, indices: list[int], frame_pts: np.ndarray) -> dict
         except av.error.FFmpegError:
             return None
     return kept if len(kept) == len(indices) else None
+
+
+def iter_frames(path: PathLike, indices: list[int], max_width: int | None = None) -> Iterator[np.ndarray]:
+    """The source frames at ``indices`` (ascending) as RGB, one at a time, decoding the stream once from the start:
+    a whole video read this way holds one frame. A stream shorter than its header says, or with a damaged tail, ends
+    the frames early (as `scan_frames` counts them). With ``max_width``, wider frames are scaled down to it (aspect
+    kept, even height), for analyses that need no full-size frame."""
+    path = os.fspath(path)
+    if not indices:
+        return
+    wanted = set(indices)
+    last = indices[-1]
+    index = -1
+    with open_input(path) as container:
+        stream = video_stream(container, path)
+        stream.thread_type = "AUTO"
+        try:
+            for index, frame in enumerate(container.decode(stream)):
+                if index in wanted:
+                    if max_width is not None and frame.width > max_width:
+                        height = max(2, round(frame.height * max_width / frame.width / 2) * 2)
+                        yield frame.to_ndarray(format="rgb24", width=max_width, height=height)
+                    else:
+                        yield frame.to_ndarray(format="rgb24")
+                if index >= last:
+                    return
+        except av.error.FFmpegError as exc:
+            if index < 0:
+                raise MediaError(path, f"decoding failed ({exc})") from exc

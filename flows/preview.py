@@ -1,0 +1,207 @@
+"""The preview flow: a few representative windows of a clip, upscaled before the whole run is started.
+
+It runs the clip's own tasks (ingest, then encode, denoise, decode and blend of each chosen window) on the clip's
+own run store, under the same run key: the whole run (`k6vsr upscale` with the same parameters) finds those windows
+blended and computes only the others. It stops short of the segments, which need each window's neighbour.
+
+It writes a side-by-side MP4 (the bicubic-upscaled source on the left, the output on the right, window after
+window) and a contact sheet PNG (the middle frame of each window, source and output), and, from the seconds its
+tasks took, estimates the whole run's time and disk on this machine (`storage.estimate.estimate_run`). The rates
+are kept in the store (`preview.json`), where `k6vsr plan` finds them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+from prefect import flow
+from pydantic import BaseModel
+
+from k6vsr_core import media
+from k6vsr_core.errors import MissingInput
+from k6vsr_core.plan import ClipPlan, representative_windows
+from service.runs import ModelSpec, PreparedRun, RunRef
+from storage import RunStore
+from storage.estimate import RATES, RunEstimate, StageRates, estimate_run, read_rates
+from tasks import ingest as ingest_tasks
+from tasks import stage_tasks
+from tasks.descriptors import StageResult
+
+HALF_WIDTH = 960  # each half of the side-by-side at most this wide: a 4K preview stays a small file
+SHEET_HALF_WIDTH = 480
+
+
+class PreviewSummary(BaseModel):
+    source: str
+    run_key: str
+    windows: list[int]  # the windows previewed
+    frames: list[tuple[int, int]]  # their kept frames [start, stop)
+    side_by_side: str
+    contact_sheet: str
+    rates: StageRates | None  # None when every chosen window was already in the store and no rate was kept
+    estimate: RunEstimate | None
+
+
+@flow(name="preview-clip", log_prints=False, validate_parameters=True)
+def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: str) -> PreviewSummary:
+    """Upscale `count` representative windows of the planned clip into its run store, write the side-by-side MP4
+    and the contact sheet into `out_dir`, and estimate the whole run from the rates measured (or kept by an earlier
+    preview, when every window chosen was already computed)."""
+    run = prepared.run
+    store = RunStore(run.store_root, run.run_key)
+    attempt = uuid.uuid4().hex
+    with store.in_use():
+        ingested = ingest_tasks.ingest(prepared, attempt)
+        plan = ingested.plan
+        chosen = representative_windows(plan, count)
+        measured: list[tuple[float, int]] = []  # (seconds, frames computed) of each window this preview computed
+        pieces = []
+        for window in chosen:
+            results = _window(run, model, plan, window, attempt)
+            if all(result.computed for result in results):
+                measured.append((sum(result.seconds for result in results), plan.windows[window].padded))
+            pieces.append((window, _window_frames(store, plan, window)))
+        stem = Path(prepared.source).stem
+        side_by_side, sheet = Path(out_dir) / f"{stem}_preview.mp4", Path(out_dir) / f"{stem}_preview.png"
+        segment_s_per_frame, bytes_per_frame = _encoding_rate(
+            Path(out_dir), plan, np.concatenate([frames for _, frames in pieces])
+        )
+        halves = [_halves(store, plan, window, frames) for window, frames in pieces]
+        _write_side_by_side(side_by_side, plan, halves)
+        _write_contact_sheet(sheet, halves)
+        rates = read_rates(store)
+        if measured:
+            per_frame, first_extra = model_rates(measured)
+            rates = StageRates(
+                ingest_s=ingested.seconds if ingested.computed else (rates.ingest_s if rates else 0.0),
+                model_s_per_frame=per_frame,
+                first_window_extra_s=first_extra,
+                segment_s_per_frame=segment_s_per_frame,
+                encoded_bytes_per_frame=bytes_per_frame,
+                windows_measured=len(measured),
+            )
+            _keep_rates(store, rates, attempt)
+    return PreviewSummary(
+        source=prepared.source,
+        run_key=run.run_key,
+        windows=list(chosen),
+        frames=[(plan.windows[w].start, plan.windows[w].stop) for w in chosen],
+        side_by_side=str(side_by_side),
+        contact_sheet=str(sheet),
+        rates=rates,
+        estimate=None if rates is None else estimate_run(plan, rates, windows_done(store, plan)),
+    )
+
+
+def model_rates(measured: list[tuple[float, int]]) -> tuple[float, float]:
+    """Model seconds per computed frame, and what the first window of a process costs beyond that, from the
+    (seconds, frames) of the windows computed in order. A process's first window also pays for what it does once
+    (kernels chosen, memory mapped, caches filled), so the rate is taken from the windows after it; with one window
+    there is nothing to separate, and the rate is an upper bound."""
+    if len(measured) == 1:
+        seconds, frames = measured[0]
+        return seconds / frames, 0.0
+    later = measured[1:]
+    per_frame = sum(seconds for seconds, _ in later) / sum(frames for _, frames in later)
+    first_seconds, first_frames = measured[0]
+    return per_frame, max(0.0, first_seconds - per_frame * first_frames)
+
+
+def windows_done(store: RunStore, plan: ClipPlan) -> list[int]:
+    """The windows whose model work the store already holds (blended, or written into segments)."""
+    return [w.index for w in plan.windows if stage_tasks.window_blended(store, plan, w.index)]
+
+
+def _window(run: RunRef, model: ModelSpec, plan: ClipPlan, window: int, attempt: str) -> list[StageResult]:
+    """One window's model work, stage after stage, as the clip flow's tasks do it."""
+    results = [stage_tasks.encode(run, model, window, attempt)]
+    for chunk in plan.chunks:
+        label = "-".join(map(str, chunk.tiles))
+        results.append(stage_tasks.denoise(run, model, window, chunk.index, attempt, tiles_label=label))
+    for tile in range(plan.num_tiles):
+        results.append(stage_tasks.decode(run, model, window, tile, attempt))
+    results.append(stage_tasks.blend(run, window, attempt))
+    return results
+
+
+def _window_frames(store: RunStore, plan: ClipPlan, window: int) -> np.ndarray:
+    """The window's delivered frames: from the store, or from the finished output once the run has written it."""
+    frames = stage_tasks.blended_frames(store, plan, window)
+    if frames is not None:
+        return frames
+    if store.output_done():
+        span = plan.windows[window]
+        with store.output_path.fetch() as output:
+            return media.read_frames(output, list(range(span.start, span.stop)))
+    raise MissingInput(
+        f"run {store.run_key}: window {window} is already written into its segments; finish the run "
+        "(k6vsr upscale with the same parameters) to see it"
+    )
+
+
+def _halves(store: RunStore, plan: ClipPlan, window: int, frames: np.ndarray) -> np.ndarray:
+    """Side by side: the source's frames of `window` upscaled bicubically to the output's size (each half at most
+    `HALF_WIDTH` wide), and the output."""
+    import cv2
+
+    manifest = store.read_manifest()
+    pts = store.get("frame_pts", stage="ingest")
+    originals = media.read_frames(
+        store.source_file(manifest),
+        plan.source_indices(plan.windows[window]),
+        pts if pts is not None and len(pts) else None,
+    )
+    height, width = frames.shape[1:3]
+    scale = min(1.0, HALF_WIDTH / width)
+    size = (max(2, round(width * scale / 2) * 2), max(2, round(height * scale / 2) * 2))
+    out = np.empty((frames.shape[0], size[1], 2 * size[0], 3), dtype=np.uint8)
+    for i, (before, after) in enumerate(zip(originals, frames, strict=True)):
+        out[i, :, : size[0]] = cv2.resize(before, size, interpolation=cv2.INTER_CUBIC)
+        out[i, :, size[0] :] = cv2.resize(after, size, interpolation=cv2.INTER_AREA) if scale < 1 else after
+    return out
+
+
+def _encoding_rate(folder: Path, plan: ClipPlan, frames: np.ndarray) -> tuple[float, float]:
+    """Seconds and bytes of encoding one output frame as the run's segments will: timed on the preview's frames."""
+    probe = folder / f".k6vsr-preview-{uuid.uuid4().hex}{plan.params.encoding.suffix}"
+    try:
+        started = time.perf_counter()
+        media.write_segment(probe, frames, plan.frame_rate, plan.params.encoding)
+        return (time.perf_counter() - started) / len(frames), probe.stat().st_size / len(frames)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def _write_side_by_side(path: Path, plan: ClipPlan, halves: list[np.ndarray]) -> None:
+    tmp = path.with_name(f".{path.name}.part.mp4")
+    media.write_video(tmp, np.concatenate(halves), plan.frame_rate, None)
+    tmp.replace(path)
+
+
+def _write_contact_sheet(path: Path, halves: list[np.ndarray]) -> None:
+    """One row a window: its middle frame, source and output, each half at most `SHEET_HALF_WIDTH` wide."""
+    import cv2
+    from PIL import Image
+
+    rows = []
+    for pair in halves:
+        middle = pair[pair.shape[0] // 2]
+        width = min(2 * SHEET_HALF_WIDTH, middle.shape[1])
+        height = max(1, round(middle.shape[0] * width / middle.shape[1]))
+        rows.append(cv2.resize(middle, (width, height), interpolation=cv2.INTER_AREA))
+    tmp = path.with_name(f".{path.name}.part.png")
+    Image.fromarray(np.concatenate(rows)).save(tmp, format="PNG")
+    tmp.replace(path)
+
+
+def _keep_rates(store: RunStore, rates: StageRates, attempt: str) -> None:
+    path = store.where / RATES
+    tmp = store.temp_file(path, ".json")
+    try:
+        tmp.write_text(rates.model_dump_json(indent=2))
+        store.commit_file(tmp, path, "preview", "all", attempt=attempt)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,105 @@
+"""`k6vsr preview`: representative windows upscaled into the run's own store, reused by the whole run; the files it
+writes and the estimate it makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+from PIL import Image
+from test_scenes import clip_frames
+
+from entrypoints.cli import build_parser
+from entrypoints.console import preview_lines
+from k6vsr_core import UpscaleParams, media
+from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core.plan import ModelTraits, make_plan, representative_windows
+from service.runs import ModelSpec, prepare_run
+from storage import RunStore
+from storage.estimate import StageRates, estimate_run, read_rates
+
+SCENES = UpscaleParams(scale=2, windows="scenes")
+
+
+def test_representative_windows_spread_over_the_clip_or_one_per_shot() -> None:
+    even = make_plan((64, 64), 1440, 24.0, UpscaleParams(scale=2), ModelTraits())
+    assert even.num_windows == 14
+    assert representative_windows(even, 3) == (0, 6, 13)
+    assert representative_windows(even, 1) == (7,)
+    assert representative_windows(even, 50) == tuple(range(14))
+    shots = make_plan((64, 64), 700, 24.0, SCENES, ModelTraits(), cuts=(300, 500))
+    firsts = [w.index for w in shots.windows if w.start in (0, 300, 500)]
+    assert representative_windows(shots, 3) == tuple(firsts) and len(shots.windows) > 3
+    with pytest.raises(ValueError, match="at least one window"):
+        representative_windows(even, 0)
+
+
+def test_the_estimate_adds_the_stages_up_by_their_units() -> None:
+    plan = make_plan((64, 64), 250, 24.0, UpscaleParams(scale=2), ModelTraits())  # 3 windows of 121
+    rates = StageRates(
+        ingest_s=2.0, model_s_per_frame=0.1, segment_s_per_frame=0.01, encoded_bytes_per_frame=1000, windows_measured=1
+    )
+    estimate = estimate_run(plan, rates)
+    assert estimate.seconds == pytest.approx(2.0 + 0.1 * 363 + 0.01 * 250, abs=0.05)
+    assert estimate.output_bytes == 250_000 and estimate.seconds_left == estimate.seconds
+    assert estimate_run(plan, rates, [0, 2]).seconds_left == pytest.approx(estimate.seconds - 0.1 * 242, abs=0.1)
+    # What a process's first window costs beyond the rate is paid once, by the whole run and by what is left.
+    first = estimate_run(plan, rates.model_copy(update={"first_window_extra_s": 30.0}), [0])
+    assert first.seconds == pytest.approx(estimate.seconds + 30, abs=0.05)
+    assert first.seconds_left == pytest.approx(first.seconds - 0.1 * 121, abs=0.1)
+
+
+def test_the_rate_is_taken_after_the_first_window() -> None:
+    from flows.preview import model_rates
+
+    assert model_rates([(121.0, 121)]) == (1.0, 0.0)  # one window: nothing to separate, an upper bound
+    per_frame, extra = model_rates([(150.0, 121), (60.5, 121), (30.0, 57)])
+    assert per_frame == pytest.approx(90.5 / 178) and extra == pytest.approx(150 - 121 * 90.5 / 178)
+    assert model_rates([(10.0, 121), (121.0, 121)]) == (1.0, 0.0)  # never a negative extra
+
+
+def test_the_preview_count_and_the_window_mode_are_two_flags() -> None:
+    args = build_parser().parse_args(["preview", "in.mp4", "--windows", "2", "--window-mode", "scenes"])
+    assert (args.preview_windows, args.windows) == (2, "scenes")
+    assert build_parser().parse_args(["plan", "in.mp4", "--windows", "scenes"]).windows == "scenes"
+
+
+@pytest.fixture(scope="module")
+def three_shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three short shots (15 + 15 + 9 frames): three small windows under scene windows."""
+    frames, _ = clip_frames([15, 15, 9])
+    path = tmp_path_factory.mktemp("preview") / "three.mkv"
+    media.write_video(path, frames, 24, None, encoding=VideoEncoding(codec="ffv1"))
+    return path
+
+
+def test_a_preview_is_reused_by_the_whole_run(
+    prefect_server: str, tiny_bundle_path: Path, three_shots: Path, tmp_path: Path
+) -> None:
+    from flows.orchestrate import prefect_api, run_clip
+    from flows.preview import preview_clip
+
+    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    store = tmp_path / "store"
+    prepared = prepare_run(three_shots, SCENES, model, store)
+    assert prepared.plan.cuts == (15, 30) and prepared.plan.num_windows == 3
+    with prefect_api():
+        preview = preview_clip(prepared=prepared, model=model, count=2, out_dir=str(tmp_path))
+    assert preview.windows == [0, 2] and preview.frames == [(0, 15), (30, 39)]
+    # The side-by-side holds the previewed frames, source and output side by side; the sheet a row per window.
+    with av.open(preview.side_by_side) as container:
+        decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+    assert len(decoded) == 24 and decoded[0].shape == (128, 256, 3)
+    assert np.asarray(Image.open(preview.contact_sheet)).shape == (256, 256, 3)
+    # Measured rates, kept in the store, and an estimate from them.
+    assert preview.rates is not None and preview.rates.windows_measured == 2 and preview.rates.model_s_per_frame > 0
+    assert read_rates(RunStore(store, prepared.run.run_key)) == preview.rates
+    estimate = preview.estimate
+    assert estimate is not None and 0 < estimate.seconds_left < estimate.seconds
+    assert "whole run     about" in preview_lines(preview.model_dump(mode="json"))[-1]
+    # The whole run computes only the window the preview did not.
+    summary = run_clip(prepare_run(three_shots, SCENES, model, store), str(tmp_path / "out.mp4"), model)
+    assert (summary.tiles_computed, summary.tiles_reused) == (1, 2)
+    assert summary.quality is not None and summary.quality.frames == 39

@@ -1,0 +1,240 @@
+"""Scene-cut windows: cuts found in the decoded source, no window across a cut, a hard cut stays a hard cut."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import procs
+import pytest
+
+from k6vsr_core import UpscaleParams, media, upscale
+from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core.errors import ParameterError
+from k6vsr_core.latent import plan_latent
+from k6vsr_core.params import parse_params
+from k6vsr_core.plan import ModelTraits, make_plan
+from k6vsr_core.scenes import MIN_SHOT_FRAMES, find_cuts, source_cuts
+from k6vsr_core.windows import (
+    WINDOW_FRAMES,
+    plan_scene_windows,
+    plan_windows,
+    segment_frames,
+    segment_range,
+    shares_frames,
+    shot_ranges,
+)
+from service.runs import ModelSpec, prepare_run
+from storage import RunStore
+from storage.manifest import output_params
+
+SCENES = UpscaleParams(scale=2, windows="scenes")
+HUES = ((200, 60, 30), (30, 120, 220), (40, 200, 60), (220, 200, 40))
+
+
+def shot_frames(shot: int, count: int, size: tuple[int, int] = (64, 64), start: int = 0) -> np.ndarray:
+    """`count` frames of a shot: a smooth pattern of the shot's own colours, panning a little every frame."""
+    y, x = np.mgrid[0 : size[0], 0 : size[1]]
+    frames = []
+    for i in range(start, start + count):
+        wave = np.sin((x + 2 * i) / 9.0 + shot) * 0.35 + np.cos((y - i) / 13.0 + 2 * shot) * 0.15 + 0.5
+        frames.append((wave[..., None] * np.array(HUES[shot % len(HUES)])).astype(np.uint8))
+    return np.stack(frames)
+
+
+def clip_frames(lengths: list[int]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Shots of `lengths` frames one after the other, and the known cuts between them."""
+    frames = np.concatenate([shot_frames(shot, count) for shot, count in enumerate(lengths)])
+    return frames, tuple(int(cut) for cut in np.cumsum(lengths)[:-1])
+
+
+# --------------------------------------------------------------------------------------------- windows (pure)
+
+
+@pytest.mark.parametrize(
+    ("frames", "cuts"),
+    [(300, ()), (300, (40,)), (300, (1, 2, 299)), (700, (100, 130, 400)), (50, (20, 30)), (1000, (121, 242, 600))],
+)
+@pytest.mark.parametrize("overlap", [0, 16])
+def test_no_scene_window_spans_a_cut(frames: int, cuts: tuple[int, ...], overlap: int) -> None:
+    windows = plan_scene_windows(frames, overlap, cuts)
+    assert [w.index for w in windows] == list(range(len(windows)))
+    for window in windows:
+        assert not any(window.start < cut < window.stop for cut in cuts)
+        # Each window is computed as the trained length, or as a short clip is: padded to 1 + 8k.
+        assert window.padded >= window.frames and (window.padded - 1) % 8 == 0 and window.padded <= WINDOW_FRAMES
+    # Each shot is windowed exactly as a clip of its length is.
+    for start, stop in shot_ranges(frames, cuts):
+        inside = [(w.start - start, w.stop - start, w.padded) for w in windows if start <= w.start < stop]
+        assert inside == [(w.start, w.stop, w.padded) for w in plan_windows(stop - start, overlap)]
+    # The segments still partition the frames, and only windows of one shot share frames.
+    ranges = [segment_range(windows, i) for i in range(len(windows))]
+    assert ranges[0][0] == 0 and ranges[-1][1] == frames
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert all(not shares_frames(windows, i) for i, w in enumerate(windows) if w.start in cuts)
+
+
+def test_no_cut_gives_the_even_windows() -> None:
+    assert plan_scene_windows(1000, 16, ()) == plan_windows(1000, 16)
+    assert plan_scene_windows(50, 16, ()) == plan_windows(50, 16)
+
+
+@pytest.mark.parametrize("cuts", [(0,), (300,), (50, 40), (40, 40), (-1,)])
+def test_cuts_outside_the_clip_or_out_of_order_are_refused(cuts: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="scene cuts"):
+        plan_scene_windows(300, 16, cuts)
+
+
+def test_a_hard_cut_stays_hard_where_even_windows_would_blend_it() -> None:
+    """A window's model sees all its frames at once: here each window renders a frame as 4/5 of its shot's value and
+    1/5 of the window's mean. A window of one shot renders it exactly; any output frame that is neither shot's value
+    holds something of the other shot."""
+    frames, cuts = 300, (130,)
+    shot_of = np.searchsorted(cuts, np.arange(frames), side="right")
+    value = np.array([50, 200])[shot_of]
+
+    def render(start: int, stop: int) -> np.ndarray:
+        seen = 0.8 * value[start:stop] + 0.2 * value[start:stop].mean()
+        return np.rint(seen)[:, None, None, None].repeat(3, -1).astype(np.uint8)
+
+    def join(windows: tuple) -> np.ndarray:
+        renders = [render(w.start, w.stop) for w in windows]
+        return np.concatenate(
+            [segment_frames(windows, i, renders[i], renders[i - 1] if i else None) for i in range(len(windows))]
+        )[:, 0, 0, 0]
+
+    assert np.array_equal(join(plan_scene_windows(frames, 16, cuts)), value)
+    blended = join(plan_windows(frames, 16))  # the even windows overlap across frame 130: the cut is cross-faded
+    assert not np.isin(blended, (50, 200)).all()
+
+
+# --------------------------------------------------------------------------------------------- detection
+
+
+def test_cuts_are_found_where_the_shots_change() -> None:
+    frames, cuts = clip_frames([40, 35, 60])
+    assert find_cuts(frames) == cuts == (40, 75)
+
+
+def test_motion_within_one_shot_is_no_cut() -> None:
+    assert find_cuts(shot_frames(1, 150)) == ()
+
+
+def test_a_shot_shorter_than_the_detector_allows_merges_into_the_next() -> None:
+    frames, _ = clip_frames([40, MIN_SHOT_FRAMES - 5, 40])
+    assert len(find_cuts(frames)) == 1
+
+
+def test_cuts_in_an_encoded_source_among_its_kept_frames(tmp_path: Path) -> None:
+    """From the file, as a run finds them: 30 fps, of which the 24-fps rule keeps 4 in 5."""
+    frames, _ = clip_frames([50, 45, 55])
+    path = tmp_path / "cuts.mp4"
+    media.write_video(path, frames, 30, None)
+    kept, _ = media.select_all_frames(len(frames), 30.0)
+    found = source_cuts(path, kept)
+    # A kept frame starts a shot where the source frame it is starts one (or the first kept after it).
+    expected = tuple(int(np.searchsorted(kept, cut)) for cut in (50, 95))
+    assert found == expected
+
+
+# --------------------------------------------------------------------------------------------- the plan and the key
+
+
+def test_the_plan_lays_scene_windows_only_when_asked() -> None:
+    scenes = make_plan((64, 64), 300, 24.0, SCENES, ModelTraits(), cuts=(40, 200))
+    assert scenes.cuts == (40, 200) and [(w.start, w.stop) for w in scenes.windows][:2] == [(0, 40), (40, 161)]
+    assert scenes.window_frames == WINDOW_FRAMES and scenes.windows[0].padded == 41
+    even = make_plan((64, 64), 300, 24.0, UpscaleParams(scale=2), ModelTraits(), cuts=(40, 200))
+    assert even.cuts == () and even.windows == plan_windows(300, 16)
+    # The longest window sets the plan's window length: the memory budget plans for it.
+    short = make_plan((64, 64), 60, 24.0, SCENES, ModelTraits(), cuts=(20,))
+    assert short.window_frames == 41 and short.latent_frames == 11
+
+
+def test_default_run_keys_do_not_change_and_scenes_has_its_own() -> None:
+    assert "windows" not in output_params(UpscaleParams())
+    assert output_params(SCENES)["windows"] == "scenes"
+
+
+def test_a_latent_has_no_scenes() -> None:
+    with pytest.raises(ParameterError, match="windows='scenes'"):
+        plan_latent((31, 16, 8, 8), 24, SCENES, ModelTraits())
+
+
+# --------------------------------------------------------------------------------------------- runs
+
+
+@pytest.fixture(scope="module")
+def two_shots(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A lossless two-shot clip (15 + 9 frames: the first shot as short as the detector allows) and its second shot
+    alone, so that both decode to the same frames."""
+    folder = tmp_path_factory.mktemp("scenes")
+    frames, _ = clip_frames([MIN_SHOT_FRAMES, 9])
+    lossless = VideoEncoding(codec="ffv1")
+    both, second = folder / "both.mkv", folder / "second.mkv"
+    media.write_video(both, frames, 24, None, encoding=lossless)
+    media.write_video(second, frames[MIN_SHOT_FRAMES:], 24, None, encoding=lossless)
+    return both, second
+
+
+@pytest.fixture(scope="module")
+def scene_run(tiny_bundle: ModelBundle, two_shots: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The in-memory runner's scene-window output of the two-shot clip: its file and its frames."""
+    out = tmp_path_factory.mktemp("scene-run") / "ref.mp4"
+    return out, upscale(two_shots[0], out, tiny_bundle, SCENES, return_frames=True)
+
+
+def test_each_shot_is_upscaled_as_if_alone(tiny_bundle: ModelBundle, two_shots: tuple[Path, Path], scene_run) -> None:
+    """Nothing of one shot reaches the other: the second shot's output frames are exactly those of that shot
+    upscaled on its own (the same frames, windows and seeds), so no frame at the cut is blended."""
+    _, whole = scene_run
+    alone = upscale(two_shots[1], None, tiny_bundle, SCENES, return_frames=True)
+    assert whole.plan.cuts == (15,)
+    assert [(w.start, w.stop, w.padded) for w in whole.plan.windows] == [(0, 15, 17), (15, 24, 9)]
+    assert alone.plan.cuts == () and whole.frames.shape[0] == 24
+    assert np.array_equal(whole.frames[15:], alone.frames)
+
+
+def test_the_flow_runs_scene_windows_as_the_runner_does(
+    prefect_server: str, tiny_bundle_path: Path, two_shots: tuple[Path, Path], scene_run, tmp_path: Path
+) -> None:
+    """Windows of two lengths in one run store; `plan` shows the cuts the run uses."""
+    from flows.orchestrate import run_clip
+
+    reference, _ = scene_run
+    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    store = tmp_path / "store"
+    summary = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "flow.mp4"), model)
+    assert (tmp_path / "flow.mp4").read_bytes() == reference.read_bytes()
+    assert RunStore(store, summary.run_key).read_manifest().plan.cuts == (15,)
+    # The run's quality report: measured on the output, kept in the store, found there by the next run.
+    quality = summary.quality
+    assert quality is not None and quality.frames == 24 and quality.joins == 0 and quality.join_warping_error is None
+    assert (store / "runs" / summary.run_key / "quality.json").is_file()
+    again = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "again.mp4"), model)
+    assert again.quality == quality and again.reused_output
+    planned = procs.run(
+        [sys.executable, "-m", "entrypoints.cli", "plan", str(two_shots[0]), "--scale", "2", "--windows", "scenes",
+         "--model", str(tiny_bundle_path), "--store", str(store), "--json"],
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    plan = json.loads(planned.stdout)
+    assert (plan["window_mode"], plan["cuts"], plan["run_key"]) == ("scenes", [15], summary.run_key)
+    assert [w["frames"] for w in plan["windows"]] == [[0, 15], [15, 24]]
+    assert plan["windows"][1]["overlap_before"] == 0
+
+
+def test_the_request_field_and_the_plan_lines_name_the_mode() -> None:
+    from entrypoints.console import _cuts
+    from entrypoints.server.fields import params_from_fields
+
+    assert params_from_fields({"sr_windows": "scenes"}).windows == "scenes"
+    with pytest.raises(ParameterError, match="windows='shots'"):
+        parse_params(windows="shots")
+    assert _cuts({"window_mode": "even", "cuts": []}) == ""
+    assert _cuts({"window_mode": "scenes", "cuts": []}) == ", within shots: no scene cut found"
+    assert _cuts({"window_mode": "scenes", "cuts": [40, 75]}) == ", within shots: 2 scene cuts, before frames 40, 75"
+    assert _cuts({"window_mode": "scenes", "cuts": list(range(1, 21))}).endswith("11, 12 and 8 more")
