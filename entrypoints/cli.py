@@ -30,7 +30,6 @@ from flows import interrupts
 from flows.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from k6vsr_core.bundle import DEFAULT_MODEL, weights_present
 from k6vsr_core.errors import ArchiveFailed, ParameterError, ServiceError, UserFacingError, describe_error
-from k6vsr_core.memory import allocator_defaults
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from service.runs import ModelSpec, model_info, prepare_run
 from storage import RunStore, collect_garbage, default_store_root, parse_store_root
@@ -907,7 +906,6 @@ def _print_human(command: str, result: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    allocator_defaults()  # before any CUDA call here or in the workers and job processes this command starts
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_terminal(verbose=args.debug or getattr(args, "verbose", False))

@@ -5,12 +5,20 @@ No Prefect and no Zarr here: this package is the only place that knows the model
 
 The names below are imported on first use (PEP 562): `bundle` and `runner` load torch and diffusers, which take
 seconds, and a command that only parses its flags or plans a run imports `k6vsr_core.errors` or `params` alone.
+
+Importing it sets the environment every process that computes needs before torch reads it
+(`k6vsr_core.process_env`): the first of k6vsr's modules any process imports, before anything asks for Inductor's
+cache folder or starts CUDA.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from k6vsr_core.process_env import compute_defaults
+
+compute_defaults()
 
 if TYPE_CHECKING:
     from k6vsr_core.bundle import (

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
-CACHE_ENV = "K6VSR_COMPILE_CACHE"
+from k6vsr_core.process_env import compile_cache_dir
+
 ARTIFACTS_ENV = "K6VSR_COMPILE_ARTIFACTS"
 # Measured on an H200 (bench/RESULTS.md): DiT blocks and KVAE decoder at W1's shapes, empty cache, about 3 minutes;
 # flex attention alone (`--no-compile`) a few seconds.
@@ -64,20 +65,12 @@ class CacheManifest(BaseModel):
 # ---------------------------------------------------------------------------------------------------- folders
 
 
-def compile_cache_dir() -> Path:
-    """`$K6VSR_COMPILE_CACHE`, else `<XDG cache or ~/.cache>/k6vsr/compile`."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "k6vsr" / "compile"
-
-
 def enable_compile_cache(path: str | os.PathLike[str] | None = None) -> Path:
     """Point Inductor's persistent caches at `path` (default `compile_cache_dir()`), unless already set.
 
-    Call before the first compile of the process: Inductor picks its cache folder when it first needs it. An
-    explicit `TORCHINDUCTOR_CACHE_DIR` wins.
+    Call before the first compile of the process: Inductor picks its cache folder when it first needs it, and
+    anything that asks for it sooner sets `TORCHINDUCTOR_CACHE_DIR` to its own default, which then wins here (why
+    the command sets it as it starts: `k6vsr_core.process_env`). An explicit `TORCHINDUCTOR_CACHE_DIR` wins.
     """
     root = Path(path) if path is not None else compile_cache_dir()
     inductor = Path(os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor")))

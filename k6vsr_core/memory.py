@@ -37,7 +37,6 @@ are `RELEASED_FOOTPRINT`, the released model's, measured on an H200 where noted.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
@@ -58,19 +57,6 @@ MemoryMode = Literal["auto", "fast", "24g", "16g"]
 BudgetName = Literal["fast", "24g", "16g"]
 MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)
 GIB = 1 << 30
-ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
-# Expandable segments let the CUDA caching allocator grow a segment instead of reserving a new one for every size
-# class the stages ask for: with the two model slots' encode, denoise and decode interleaved, fixed segments left a
-# command's reserved memory several GiB above what it ever allocated.
-ALLOCATOR_DEFAULT = "expandable_segments:True"
-
-
-def allocator_defaults() -> None:
-    """Give this process (and the processes it starts) the allocator settings the budgets assume, unless the
-    environment chose its own. It must run before the process's first CUDA call, which reads them."""
-    os.environ.setdefault(ALLOC_ENV, ALLOCATOR_DEFAULT)
-
-
 MIB = 1 << 20
 # Latent frames per KVAE call, largest first; None is the KVAE's own segmentation (1 + 16 pixel frames a call).
 CHUNKS: tuple[int | None, ...] = (None, 3, 2, 1)

@@ -29,13 +29,9 @@ from pydantic import BaseModel
 
 from k6vsr_core.bundle import ModelBundle, load_bundle
 from k6vsr_core.fast import compile_bundle
-from k6vsr_core.memory import GIB, BudgetName, allocator_defaults, apply_budget, budget_for, free_gpu_bytes
+from k6vsr_core.memory import GIB, BudgetName, apply_budget, budget_for, free_gpu_bytes
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec
-
-# A process that computes without the command having started it (a deployment's flow run, say): before its first
-# CUDA call, which is this module's.
-allocator_defaults()
 
 SIZE_ENV = "K6VSR_MODEL_CACHE_SIZE"
 DEFAULT_SIZE = 2

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from k6vsr_core import compile_cache
+from k6vsr_core import compile_cache, process_env
 
 # Compiles a small function with Inductor (C++ on the CPU) under the watch, as a stage would call a network.
 COMPILE_ONCE = """
@@ -41,7 +41,7 @@ def _start_compile(
     cache: Path, tmp: Path, artifacts: Path | None = None, inductor: Path | None = None
 ) -> subprocess.Popen[str]:
     inductor = inductor or cache / "inductor"
-    env = {**os.environ, compile_cache.CACHE_ENV: str(cache), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
+    env = {**os.environ, process_env.COMPILE_CACHE_ENV: str(cache), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
     env.pop(compile_cache.ARTIFACTS_ENV, None)
     if artifacts is not None:
         env[compile_cache.ARTIFACTS_ENV] = str(artifacts)
@@ -62,7 +62,7 @@ def _compile_in_fresh_process(cache: Path, tmp: Path, artifacts: Path | None = N
 
 
 def _cli(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, compile_cache.CACHE_ENV: str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
+    env = {**os.environ, process_env.COMPILE_CACHE_ENV: str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
     return subprocess.run(
         [sys.executable, "-m", "entrypoints.cli", "cache", *args], env=env, capture_output=True, text=True, timeout=300
     )

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from k6vsr_core import compile_cache, fast, stages
+from k6vsr_core import compile_cache, fast, process_env, stages
 from k6vsr_core.attention import DenseSdpaProcessor
 from k6vsr_core.bundle import ModelBundle, load_bundle, model_traits
 from k6vsr_core.params import parse_params
@@ -86,7 +86,7 @@ def test_enable_compile_cache_uses_the_per_user_folder(tmp_path: Path, monkeypat
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_FX_GRAPH_CACHE", raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_AUTOGRAD_CACHE", raising=False)
-    monkeypatch.setenv(compile_cache.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(process_env.COMPILE_CACHE_ENV, str(tmp_path / "cache"))
     folder = compile_cache.enable_compile_cache()
     assert folder == tmp_path / "cache" / "inductor" and folder.is_dir()
     import os

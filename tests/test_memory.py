@@ -408,28 +408,24 @@ def test_a_worker_gives_a_clip_with_another_budget_a_bundle_of_its_own(
     assert [name.rsplit(" ", 1)[-1] for name in model_cache.cache_info().loaded] == ["(fast)", "(24g)"]
 
 
-def test_processes_get_expandable_segments_unless_the_environment_chose(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The command sets the allocator default before any CUDA call, for itself and every process it starts (warm
-    workers, Dask workers and job processes inherit its environment); a value the user set is kept."""
+def test_processes_get_expandable_segments_and_the_compile_cache_unless_the_environment_chose(tmp_path: Path) -> None:
+    """Importing k6vsr_core sets the allocator's settings and Inductor's cache folder before any of its modules
+    imports torch, so the command's own process, every process it starts (warm workers, Dask workers and job
+    processes inherit its environment) and any that runs k6vsr's tasks have them; a value the user set is kept.
+    Without it, importing torch's flex attention set torch's default (/tmp/torchinductor_<user>) first, and a one-shot
+    compiled the decoder again beside an imported cache (79 s, H200)."""
     import subprocess
     import sys
 
-    from entrypoints.cli import main
-    from k6vsr_core.memory import ALLOC_ENV, ALLOCATOR_DEFAULT
+    from k6vsr_core.process_env import ALLOC_ENV, ALLOCATOR_DEFAULT, COMPILE_CACHE_ENV, INDUCTOR_CACHE_ENV
 
-    monkeypatch.delenv(ALLOC_ENV, raising=False)
-    assert main(["plan", "/nonexistent/clip.mp4"]) != 0
-    assert os.environ[ALLOC_ENV] == ALLOCATOR_DEFAULT
-    monkeypatch.setenv(ALLOC_ENV, "max_split_size_mb:128")
-    assert main(["plan", "/nonexistent/clip.mp4"]) != 0
-    assert os.environ[ALLOC_ENV] == "max_split_size_mb:128"
-    # A process the command did not start (a deployment's flow run): the model cache sets it before its CUDA call.
-    env = {key: value for key, value in os.environ.items() if key != ALLOC_ENV}
-    child = subprocess.run(
-        [sys.executable, "-c", f"import os, tasks.model_cache; print(os.environ[{ALLOC_ENV!r}])"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.stdout.strip() == ALLOCATOR_DEFAULT, child.stderr[-2000:]
+    code = f"import os, tasks.model_cache; print(os.environ[{ALLOC_ENV!r}], os.environ[{INDUCTOR_CACHE_ENV!r}])"
+    bare = {key: value for key, value in os.environ.items() if key not in (ALLOC_ENV, INDUCTOR_CACHE_ENV)}
+    bare[COMPILE_CACHE_ENV] = str(tmp_path / "compile")
+    chosen = {**bare, ALLOC_ENV: "max_split_size_mb:128", INDUCTOR_CACHE_ENV: str(tmp_path / "mine")}
+    for env, expected in (
+        (bare, [ALLOCATOR_DEFAULT, str(tmp_path / "compile" / "inductor")]),
+        (chosen, ["max_split_size_mb:128", str(tmp_path / "mine")]),
+    ):
+        child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert child.stdout.split() == expected, child.stderr[-2000:]
