@@ -14,8 +14,6 @@ import sys
 import warnings
 from typing import Any
 
-from storage.progress import StageCount
-
 # Prefect's terminal handler, set through the environment so that every process a command starts (Dask workers, job
 # processes) inherits it; the API handler, which feeds the UI, keeps every line. Its class keeps a flow or task
 # run's own lines (and tracebacks) off the terminal unless asked for (`entrypoints.console_log`).
@@ -65,6 +63,8 @@ def _show_once(
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """Six lines: the output, the tiles, the time by stage, the items computed and reused by stage, the run's folder
     and its log."""
+    from storage.progress import StageCount  # the store's code: not imported for `--help`
+
     width, height = summary["size"]
     frames = summary["frames"]
     timings = summary["timings"]

@@ -504,9 +504,9 @@ def collect_garbage(
                 for child in path.iterdir():
                     if child.name not in (OUTPUT, "manifest.json", "done", ".lock") and not dry_run:
                         shutil.rmtree(child) if child.is_dir() else child.unlink()
-                report.append({**entry, "deleted": True, "reason": "intermediates reclaimed, output kept"})
+                report.append({**entry, "deleted": True, "reason": leases.reclaimed_reason(True, dry_run)})
             else:
                 if not dry_run:
                     shutil.rmtree(path)
-                report.append({**entry, "deleted": True, "reason": "reclaimed"})
+                report.append({**entry, "deleted": True, "reason": leases.reclaimed_reason(False, dry_run)})
     return report
