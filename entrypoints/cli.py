@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from entrypoints import stopping
 from entrypoints.console import configure_terminal, plan_lines, plural, size_text, summary_lines
 from flows import interrupts
+from k6vsr_core import status
 from k6vsr_core.errors import ArchiveFailed, ParameterError, ServiceError, UserFacingError, describe_error
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from k6vsr_core.release_config import DEFAULT_MODEL
@@ -491,6 +492,7 @@ def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]
     # Plan first: a bad file, value or model fails here, before a server starts or a model loads, and before
     # Prefect is imported (seconds). The weights are checked against the architecture where the model loads.
     prepared = prepare_run(source, params, spec, store, latent_fps, tensors=False)
+    status.say("loading Prefect")  # seconds, before the bar can show
     from flows.orchestrate import run_clip
     from flows.runners import resolve_address
 
@@ -498,6 +500,7 @@ def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]
     # submits, and never imports torch (seconds). Otherwise its own threads compute, and it checks both now.
     address = resolve_address(args.workers, args.gpus, args.dask_address)
     if address is None:
+        status.say("loading torch")
         model_info(spec)
         _check_device(spec.device)
     name = output_file_name(args.output_file_name or output_name(source, params, datetime.now()), params)
@@ -615,6 +618,7 @@ def progress_of(prepared: Any) -> dict[str, int]:
 
 
 def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
+    status.say("loading Prefect and torch")  # seconds, before the bar can show
     from entrypoints.demo import run_demo
 
     return run_demo(Path(args.output_dir), params_from(argparse.Namespace(scale=args.scale)), quiet=args.json)
@@ -630,6 +634,7 @@ def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_root: str | Path) -> dict[str, Any]:
     """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary."""
+    status.say("loading Prefect")  # seconds, before the bars can show
     from entrypoints.progress import archive_progress
     from flows.orchestrate import prefect_api
     from flows.upscale_archive import (

@@ -36,7 +36,7 @@ from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
 from storage.location import is_url
-from storage.progress import StageCount, read_progress, run_finished, stage_counts
+from storage.progress import StageCount, read_progress, run_finished, stage_counts, tile_count
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
 from tasks.descriptors import StageResult
@@ -176,8 +176,9 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
         record(stage_tasks.publish(run, published))
         progress.update(run_finished(plan))
 
-    # The store says what this attempt computed: a tile Dask recomputed after a worker died is counted, once.
-    computed = store.tiles_computed(attempt)
+    # The run's timeline says what this attempt computed: a tile Dask recomputed after a worker died counts once.
+    counts = stage_counts(store, plan, attempt)
+    tiles = tile_count(counts)
     timings = clock.task_seconds()
     summary = ClipSummary(
         source=prepared.source,
@@ -191,12 +192,12 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
         output_format=plan.output_format(),
         size=(plan.delivery_size[1], plan.delivery_size[0]),
         tiles_total=total,
-        tiles_computed=computed,
-        tiles_reused=total - computed,
+        tiles_computed=tiles.computed,
+        tiles_reused=tiles.reused,
         dit_calls=sum(result.dit_calls for result in denoised),
         timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
         spans={span.stage: round(span.span, 3) for span in clock.spans()},
-        items=stage_counts(store, plan, attempt),
+        items=counts,
         reused_output=store.attempt_of("mux") != attempt,
     )
     _report(store, summary, clock, plan)

@@ -334,10 +334,6 @@ class RunStore:
         record = self.records.read(stage, item)
         return None if record is None else record.attempt
 
-    def tiles_computed(self, attempt: str) -> int:
-        """Tiles whose denoised latent `attempt` computed (the others it found stored, or has not reached)."""
-        return sum(self.attempt_of("denoise", item) == attempt for item in self.records.items("denoise"))
-
     def tiles_decoded(self) -> int:
         """(Window, tile) items decoded so far, by any attempt: the progress of a run, cheap enough to poll."""
         return len(self.records.items("decode"))

@@ -27,6 +27,7 @@ from collections import OrderedDict
 import torch
 from pydantic import BaseModel
 
+from k6vsr_core import status
 from k6vsr_core.bundle import ModelBundle, load_bundle
 from k6vsr_core.fast import compile_bundle
 from k6vsr_core.memory import GIB, BudgetName, apply_budget, budget_for, free_gpu_bytes
@@ -129,6 +130,7 @@ def _cached(key: CacheKey, device: torch.device) -> ModelBundle:
     if bundle is None:
         _evict_to(cache_size() - 1)  # before loading: the new weights need the room
         _FREE_BEFORE_LOAD[key] = free_gpu_bytes(device)
+        status.say(f"loading the model {spec.model} on {device}")
         bundle = load_bundle(spec.model, spec.revision, model_id=spec.model_id, device=device)
         # On CUDA always: eager NABLA without it would build the whole attention matrix (k6vsr_core.fast).
         compile_bundle(bundle, compiled=spec.compile)
