@@ -877,10 +877,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     if args.command == "serve":
         return 0
-    if getattr(args, "json", False):
-        print(json.dumps(result, indent=2))
-    else:
-        _print_human(args.command, result)
+    try:
+        if getattr(args, "json", False):
+            print(json.dumps(result, indent=2))
+        else:
+            _print_human(args.command, result)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (`k6vsr workers status | head -1`): no traceback. Python flushes stdout again at exit,
+        # so it is pointed at /dev/null; the exit code is Python's advice for this case.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
     return EXIT_FAILED if result.get("failed") else 0
 
 

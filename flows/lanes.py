@@ -19,7 +19,7 @@ from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.runners import is_dask_runner
+from flows.runners import is_dask_runner, warm_address
 from flows.slots import CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS
 
 SubmitTask = Callable[[Any, dict[str, Any]], Any]  # (task, parameters) -> its Prefect future
@@ -40,7 +40,10 @@ def lanes_for(runner: Any) -> Iterator[Lanes]:
         with ThreadPoolTaskRunner(max_workers=CPU_THREADS) as cpu:
             yield Lanes(runner.submit, cpu.submit, MODEL_SLOTS, f"{MODEL_SLOTS} model threads, {CPU_THREADS} CPU")
         return
-    workers = runner.client.scheduler_info(n_workers=-1)["workers"].values()
+    info = runner.client.scheduler_info(n_workers=-1)
+    workers = info["workers"].values()
+    cluster = "the warm workers" if info["address"] == warm_address() else "Dask workers"
+    on = f"tiles run on {cluster} at {info['address']}"
     declared = [int(worker.get("resources", {}).get(MODEL_RESOURCE, 0)) for worker in workers]
     if workers and all(declared):
         import dask
@@ -49,7 +52,9 @@ def lanes_for(runner: Any) -> Iterator[Lanes]:
             with dask.annotate(resources={MODEL_RESOURCE: 1}):
                 return runner.submit(task, parameters)
 
-        yield Lanes(model, runner.submit, sum(declared), f"{sum(declared)} model slots on {len(declared)} workers")
+        yield Lanes(
+            model, runner.submit, sum(declared), f"{on}: {sum(declared)} model slots on {len(declared)} workers"
+        )
         return
     threads = sum(int(worker.get("nthreads", 1)) for worker in workers) or 1
-    yield Lanes(runner.submit, runner.submit, threads, f"{threads} threads on workers without {MODEL_RESOURCE}")
+    yield Lanes(runner.submit, runner.submit, threads, f"{on}: {threads} threads, without {MODEL_RESOURCE}")

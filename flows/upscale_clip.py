@@ -155,11 +155,14 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
 
     attempt = _attempt_id()
     with store.in_use(), store.log_file(attempt) as log_file, run_log(log_file, attempt):
+        frames, windows = prepared.plan.num_frames, prepared.plan.num_windows
         logger.info(
-            "run %s: %d frames in %d windows of %d tiles, store %s",
+            "run %s: %d frame%s in %d window%s of %d tiles, store %s",
             run.run_key,
-            prepared.plan.num_frames,
-            prepared.plan.num_windows,
+            frames,
+            "s" * (frames != 1),
+            windows,
+            "s" * (windows != 1),
             prepared.plan.num_tiles,
             store.where,
         )

@@ -144,3 +144,22 @@ def test_no_telemetry_notice_on_a_new_users_first_command(tmp_path: Path) -> Non
     text = output.decode(errors="replace")
     assert "local Prefect server not running" in text
     assert "usage data" not in text and "DO_NOT_TRACK" not in text, text
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    """`k6vsr workers status | head -1`: the pipe's reader is gone before the command writes its lines."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "entrypoints.cli", "gc", "--dry-run", "--store", str(tmp_path)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1 and done.stderr == "", done.stderr

@@ -117,6 +117,7 @@ def test_flow_output_equals_runner_and_reuses_everything(
     assert (tmp_path / "a.mp4").read_bytes() == reference
     assert (first.tiles_computed, first.tiles_reused) == (first.tiles_total, 0)
     assert first.dit_calls == 2 * first.tiles_total
+    assert f"run {first.run_key}: 1 frame in 1 window of 6 tiles" in Path(first.log).read_text()
     assert RunStore(tmp_path / "store", first.run_key).read_manifest().compute == default_profile()
     # A tile is decoded as soon as its chunk is denoised, not once every chunk is (flows.schedule).
     ran = timelines.spans(RunStore(tmp_path / "store", first.run_key).path)

@@ -74,3 +74,8 @@ def test_the_readme_and_ci_install_the_same_way() -> None:
     [ci_install] = _pip_installs((ROOT / ".ci" / "run").read_text())
     assert readme_install == ci_install
     assert readme_install[:2] == ["-c", "constraints.txt"]
+
+
+def test_the_demos_folder_is_not_committed_by_accident() -> None:
+    """`k6vsr demo` writes `k6vsr-demo/` (a model, a clip, a store) in the folder it runs in: the checkout's root."""
+    assert "/k6vsr-demo/" in (ROOT / ".gitignore").read_text().splitlines()
