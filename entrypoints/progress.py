@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -19,19 +19,41 @@ from tqdm import tqdm
 from k6vsr_core.plan import ClipPlan
 from service.runs import PreparedRun
 from storage import RunStore
-from storage.progress import SEPARATOR, RunProgress, clip_text, clips_text, polling, read_progress, stored_plan
+from storage.progress import (
+    SEPARATOR,
+    RunProgress,
+    clip_text,
+    clips_text,
+    polling,
+    read_progress,
+    stage_items,
+    stored_plan,
+)
+from storage.time_left import Span, items_left, seconds_left
 
-POLL_S = 0.5
-# tqdm's time left is counted from what this run computes, not from what it found done (`initial`).
-BAR_FORMAT = "{desc} |{bar}| {remaining} left"
+POLL_S = 0.5  # the bar redraws this often: its elapsed time and time left move every second
+# The time left is the store's estimate (`storage.time_left`), from what this run computes, not what it found done.
+BAR_FORMAT = "{desc} |{bar}| {elapsed} elapsed{postfix}"
 
 
 class RunBar:
-    """One clip run's bar: `decode · window 2 of 3 · 7 of 18 tiles |####      | 00:12 left`."""
+    """One clip run's bar: `decode · window 2 of 3 · 7 of 18 tiles |####      | 01:10 elapsed, 00:12 left`."""
 
-    def __init__(self, store: RunStore, plan: ClipPlan, file: IO[str], name: str = "", position: int = 0) -> None:
-        """`name`: the clip's, shown first (an archive's clip bar)."""
-        self.store, self.plan, self.name = store, plan, name
+    def __init__(
+        self,
+        store: RunStore,
+        plan: ClipPlan,
+        file: IO[str],
+        name: str = "",
+        position: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`name`: the clip's, shown first (an archive's clip bar). Items recorded before the bar began were found
+        done: they say nothing of this run's pace."""
+        self.store, self.plan, self.name, self.clock = store, plan, name, clock
+        self.since = clock()
+        self.seen: set[tuple[str, str]] = set()  # (stage, item) records read already
+        self.spans: list[Span] = []  # the items this run computed
         progress = read_progress(store, plan)
         self.bar = tqdm(
             total=progress.total,
@@ -41,14 +63,31 @@ class RunBar:
             position=position,
             bar_format=BAR_FORMAT,
             desc=self._text(progress),
+            postfix="? left",
         )
 
     def _text(self, progress: RunProgress) -> str:
         return clip_text(self.name, progress) if self.name else progress.text()
 
+    def _time_left(self) -> str:
+        """`00:12 left`, or `? left` before this run has timed each model stage it has items left in."""
+        records = self.store.records
+        done = {stage: records.items(stage) for stage in stage_items(self.plan)}
+        for stage, items in done.items():
+            for item in items:
+                if (stage, item) in self.seen:
+                    continue
+                self.seen.add((stage, item))
+                record = records.read(stage, item)
+                if record is not None and record.seconds > 0 and record.written_at >= self.since:
+                    self.spans.append(Span.of(record))
+        left = seconds_left(items_left(self.plan, done), self.spans, self.clock())
+        return f"{'?' if left is None else tqdm.format_interval(left)} left"
+
     def show(self) -> None:
         progress = read_progress(self.store, self.plan)
         self.bar.set_description_str(self._text(progress), refresh=False)
+        self.bar.set_postfix_str(self._time_left(), refresh=False)
         self.bar.update(progress.decoded - self.bar.n)
         self.bar.refresh()
 

@@ -15,6 +15,8 @@ from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ModelTraits, make_plan
 from storage import RunStore
 from storage.progress import RunProgress, read_progress, run_finished, stage_counts
+from storage.records import CompletionRecord
+from storage.time_left import Span, seconds_left
 
 # 250 frames at 24 fps: three windows of the tiny model's 6 tiles each (128x96 at x2).
 PLAN = make_plan((96, 128), 250, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
@@ -83,24 +85,57 @@ class FakeTime:
         return self.now
 
 
+def _timed(store: RunStore, stage: str, item: str, start: float, end: float) -> None:
+    """A record of an item this run computed between `start` and `end`."""
+    folder = store.path / "done" / stage
+    folder.mkdir(parents=True, exist_ok=True)
+    record = CompletionRecord(stage=stage, item=item, checksum="x", seconds=end - start, written_at=end, attempt="a")
+    (folder / f"{item}.json").write_text(record.model_dump_json())
+
+
 def test_the_terminal_bar_says_the_artifact_words_and_the_time_left(tmp_path: Path, monkeypatch) -> None:
     clock = FakeTime()
     monkeypatch.setattr("tqdm.std.time", clock)
     store = RunStore(tmp_path, "run")
-    _record(store, "ingest", "all")
+    _record(store, "ingest", "all")  # found done: they say nothing of this run's pace
     _record(store, "encode", "0", "1")
     _record(store, "denoise", *_tiles(0), *_tiles(1))
     _record(store, "decode", *_tiles(0))
     out = io.StringIO()
-    bar = terminal.RunBar(store, PLAN, out)
-    clock.now = 10.0
-    _record(store, "decode", *_tiles(1, 3))
+    clock.now = 1000.0
+    bar = terminal.RunBar(store, PLAN, out, clock=clock)
+    clock.now = 1010.0
+    bar.show()
+    assert out.getvalue().split("\r")[-1].endswith("| 00:10 elapsed, ? left")  # no decode timed by this run yet
+    for tile in range(3):  # two model slots: tiles 0 and 1 together, then tile 2
+        start = 1000.0 + 10.0 * (tile // 2)
+        _timed(store, "decode", f"1-{tile}", start, start + 10.0)
+    _timed(store, "encode", "2", 1010.0, 1020.0)
+    _timed(store, "denoise", "2-0", 1020.0, 1030.0)
+    clock.now = 1030.0
     bar.show()
     shown = out.getvalue().split("\r")[-1]
-    # Counted from what this run decoded (3 tiles in 10 s, not the 6 it found done): 9 left take 30 s.
     assert shown.startswith("decode · window 2 of 3 · 9 of 18 tiles |"), shown
-    assert shown.endswith("| 00:30 left"), shown
+    # 5 denoises and 9 decodes of 10 s at the concurrency so far (50 busy seconds in 30), blend, segment, mux
+    # unmeasured: 140 / (5/3) = 84 s.
+    assert shown.endswith("| 00:30 elapsed, 01:24 left"), shown
+    clock.now = 1040.0  # no item ended: the estimate counts down, redrawn with the elapsed time
+    bar.show()
+    assert out.getvalue().split("\r")[-1].endswith("| 00:40 elapsed, 01:14 left")
     bar.close()
+
+
+def test_time_left_counts_what_the_plan_has_left_at_this_runs_pace() -> None:
+    left = {"ingest": 0, "encode": 1, "denoise": 6, "decode": 6, "blend": 1, "segment": 1, "mux": 1}
+    encode = [Span("encode", 0.0, 30.0)]
+    assert seconds_left(left, encode, 40.0) is None  # neither denoise nor decode timed: no guess
+    spans = [*encode, Span("denoise", 30.0, 40.0), Span("decode", 40.0, 60.0), Span("blend", 60.0, 62.0)]
+    # 60 busy seconds in 62: concurrency 1 at the least; 30 + 60 + 120 s of model work left, then a 2 s blend.
+    assert seconds_left(left, spans, 62.0) == 212.0
+    assert seconds_left(left, spans, 72.0) == 202.0
+    assert seconds_left(left, spans, 10_000.0) == 0.0
+    assert seconds_left({"mux": 1}, spans, 62.0) == 0.0  # mux not timed yet: nothing to count for it
+    assert seconds_left({stage: 0 for stage in left}, spans, 62.0) == 0.0
 
 
 def _manifest(path: Path, store_root: Path, statuses: list[str]) -> None:

@@ -1,0 +1,71 @@
+"""The time a clip run has left, from what this run measured and what its plan has left to do.
+
+The plan knows every item (`storage.progress.stage_items`); the records say which are done and, for those this run
+computed, when each ran. The model's stages (encode, denoise, decode) share the model lane, a few items at once, and
+hold the run back: what is left is their items not done, at each stage's measured seconds per item, over the lane's
+measured concurrency, then the last window's blend, segment and mux, which nothing overlaps. CPU stages of earlier
+windows run beside the model lane and add nothing.
+
+The estimate is made when an item ends and counts down between ends, so the terminal shows a time that moves every
+second and corrects itself as items finish. It is None (`? left`) until every model stage with items left has
+been measured in this run: a first window's decode cannot be guessed from its encode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from k6vsr_core.plan import ClipPlan
+from storage.progress import stage_items
+from storage.records import CompletionRecord
+
+MODEL_STAGES = ("encode", "denoise", "decode")
+TAIL_STAGES = ("blend", "segment", "mux")  # of the last window: after its last decode, nothing beside them
+
+
+@dataclass(frozen=True)
+class Span:
+    """One item this run computed: its stage and when it ran (seconds since the epoch)."""
+
+    stage: str
+    start: float
+    end: float
+
+    @classmethod
+    def of(cls, record: CompletionRecord) -> Span:
+        return cls(record.stage, record.written_at - record.seconds, record.written_at)
+
+
+def _means(spans: Iterable[Span]) -> dict[str, float]:
+    totals: dict[str, list[float]] = {}
+    for span in spans:
+        totals.setdefault(span.stage, []).append(span.end - span.start)
+    return {stage: sum(seconds) / len(seconds) for stage, seconds in totals.items()}
+
+
+def seconds_left(left: Mapping[str, int], spans: list[Span], now: float) -> float | None:
+    """Seconds until the run ends: `left` is each stage's items not done yet, `spans` the items this run computed.
+
+    None while a model stage with items left has no measurement."""
+    model = [span for span in spans if span.stage in MODEL_STAGES]
+    means = _means(spans)
+    if any(left.get(stage, 0) and stage not in means for stage in MODEL_STAGES):
+        return None
+    if not any(left.get(stage, 0) for stage in (*MODEL_STAGES, *TAIL_STAGES)):
+        return 0.0
+    tail = sum(means.get(stage, 0.0) for stage in TAIL_STAGES if left.get(stage, 0))
+    if not model:  # only CPU stages are left, none of them measured beside the model lane
+        return tail
+    # The lane's concurrency so far: its busy seconds over the wall clock from its first start to its last end.
+    first, last = min(span.start for span in model), max(span.end for span in spans)
+    busy = sum(span.end - span.start for span in model)
+    concurrency = max(1.0, busy / max(last - first, 1e-9))
+    work = sum(left.get(stage, 0) * means[stage] for stage in MODEL_STAGES if left.get(stage, 0))
+    # Made when the last item ended; counted down since.
+    return max(0.0, work / concurrency + tail - (now - last))
+
+
+def items_left(plan: ClipPlan, done: Mapping[str, Iterable[str]]) -> dict[str, int]:
+    """Each recorded stage's items of `plan` not in `done` (the items recorded done, by stage)."""
+    return {stage: len(set(items) - set(done.get(stage, ()))) for stage, items in stage_items(plan).items()}
