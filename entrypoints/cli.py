@@ -657,7 +657,10 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
     _check_output_dir(output_dir)
     model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
     # One API for every clip flow and worker: the configured one, else the local server (started if absent).
-    with archive_progress(output_dir / f"{MANIFEST_NAME}.json", enabled=not args.json), prefect_api():
+    with (
+        archive_progress(output_dir / f"{MANIFEST_NAME}.json", args.max_parallel, enabled=not args.json),
+        prefect_api(),
+    ):
         state = upscale_archive(
             input_dir=str(source),
             output_dir=str(output_dir),

@@ -150,17 +150,17 @@ def test_an_archive_shows_its_clips_and_the_current_clips_bar(tmp_path: Path, mo
     out = io.StringIO()
     bars = terminal.ArchiveBars(manifest, out, since=time.time() - 60)
     bars.show()  # no manifest yet: planning
-    assert bars.clips.desc == "planning the clips" and bars.clip is None
+    assert bars.clips.desc == "planning the clips" and bars.bars == {}
 
     _manifest(manifest, root, ["done", "failed", "planned", "planned", "skipped", "reused"])
     bars.show()  # clip2 runs; its ingest has not recorded its plan yet
-    assert bars.clips.desc == "clips: 1 done, 1 failed, 2 left · clip2.mp4: ingest" and bars.clip is None
+    assert bars.clips.desc == "clips: 1 done, 1 failed, 2 left · clip2.mp4: ingest" and bars.bars == {}
 
     store = RunStore(root, "run2")
     store.path.mkdir(parents=True)
     (store.path / "manifest.json").write_text("{}")  # not yet a readable manifest: still nothing to show
     bars.show()
-    assert bars.clip is None
+    assert bars.bars == {}
 
     # Its ingest recorded the plan (a whole run manifest, which this test does not write).
     monkeypatch.setattr(terminal, "stored_plan", lambda store: PLAN if store.run_key == "run2" else None)
@@ -168,12 +168,34 @@ def test_an_archive_shows_its_clips_and_the_current_clips_bar(tmp_path: Path, mo
     _record(store, "encode", "0")
     bars.show()
     assert bars.clips.desc == "clips: 1 done, 1 failed, 2 left"
-    assert bars.clip is not None and bars.clip.bar.desc == "clip2.mp4: denoise · window 1 of 3 · 0 of 18 tiles"
+    assert bars.bars["clip2.mp4"].bar.desc == "clip2.mp4: denoise · window 1 of 3 · 0 of 18 tiles"
     assert (bars.clips.n, bars.clips.total) == (2, 4)
 
     _manifest(manifest, root, ["done", "failed", "done", "planned", "skipped", "reused"])
     bars.show()  # clip2 ended; clip3 has no plan yet
-    assert bars.clip is None and bars.clips.desc == "clips: 2 done, 1 failed, 1 left · clip3.mp4: ingest"
+    assert bars.bars == {} and bars.clips.desc == "clips: 2 done, 1 failed, 1 left · clip3.mp4: ingest"
+    bars.close()
+
+
+def test_an_archive_shows_a_bar_for_each_clip_it_runs_at_once(tmp_path: Path, monkeypatch) -> None:
+    """`--max-parallel 2`: the first two clips still planned run, each on a line of its own."""
+    manifest, root = tmp_path / "manifest.json", tmp_path / "store"
+    monkeypatch.setattr(terminal, "stored_plan", lambda store: PLAN)
+    for key in ("run1", "run2", "run3"):
+        _record(RunStore(root, key), "ingest", "all")
+    out = io.StringIO()
+    bars = terminal.ArchiveBars(manifest, out, since=time.time() - 60, parallel=2)
+    _manifest(manifest, root, ["done", "planned", "planned", "planned"])
+    bars.show()
+    assert {path: bar.position for path, bar in bars.bars.items()} == {"clip1.mp4": 1, "clip2.mp4": 2}
+    assert bars.clips.desc == "clips: 1 done, 0 failed, 3 left"
+    lines = out.getvalue()
+    assert "clip1.mp4: encode · window 1 of 3 · 0 of 18 tiles |" in lines and "clip2.mp4: encode" in lines
+
+    _manifest(manifest, root, ["done", "done", "planned", "planned"])
+    bars.show()  # clip1 ended: clip3 takes its line
+    assert {path: bar.position for path, bar in bars.bars.items()} == {"clip2.mp4": 2, "clip3.mp4": 1}
+    assert "clip3.mp4: encode" in out.getvalue()
     bars.close()
 
 
