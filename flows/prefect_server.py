@@ -142,6 +142,8 @@ def _healthy(url: str, timeout: float = 2.0) -> bool:
 
 def _port_free(port: int) -> bool:
     with socket.socket() as sock:
+        # As the server binds (uvicorn): a port its previous run left in TIME_WAIT is free for it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError:
