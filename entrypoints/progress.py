@@ -29,7 +29,7 @@ from storage.progress import (
     stage_items,
     stored_plan,
 )
-from storage.time_left import Span, items_left, seconds_left
+from storage.time_left import Span, items_left, seconds_left, window_items
 
 POLL_S = 0.5  # the bar redraws this often: its elapsed time and time left move every second
 # The time left is the store's estimate (`storage.time_left`), from what this run computes, not what it found done.
@@ -81,7 +81,7 @@ class RunBar:
                 record = records.read(stage, item)
                 if record is not None and record.seconds > 0 and record.written_at >= self.since:
                     self.spans.append(Span.of(record))
-        left = seconds_left(items_left(self.plan, done), self.spans, self.clock())
+        left = seconds_left(items_left(self.plan, done), self.spans, self.clock(), window_items(self.plan))
         return f"{'?' if left is None else tqdm.format_interval(left)} left"
 
     def show(self) -> None:

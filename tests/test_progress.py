@@ -9,6 +9,8 @@ import json
 import time
 from pathlib import Path
 
+import pytest
+
 from entrypoints import progress as terminal
 from k6vsr_core.bundle import TINY_TILE_SIZES
 from k6vsr_core.params import parse_params
@@ -16,7 +18,7 @@ from k6vsr_core.plan import ModelTraits, make_plan
 from storage import RunStore
 from storage.progress import RunProgress, read_progress, run_finished, stage_counts
 from storage.records import CompletionRecord
-from storage.time_left import Span, seconds_left
+from storage.time_left import Span, seconds_left, window_items
 
 # 250 frames at 24 fps: three windows of the tiny model's 6 tiles each (128x96 at x2).
 PLAN = make_plan((96, 128), 250, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
@@ -136,6 +138,20 @@ def test_time_left_counts_what_the_plan_has_left_at_this_runs_pace() -> None:
     assert seconds_left(left, spans, 10_000.0) == 0.0
     assert seconds_left({"mux": 1}, spans, 62.0) == 0.0  # mux not timed yet: nothing to count for it
     assert seconds_left({stage: 0 for stage in left}, spans, 62.0) == 0.0
+    # The latest window's pace: decodes got faster (the machine's load went down); 2 tiles a window here.
+    faster = [*spans, Span("decode", 60.0, 70.0), Span("decode", 70.0, 80.0)]
+    # 80 busy seconds in 80: concurrency 1. Every decode: 20, 10 and 10 s; the latest two: 10 s.
+    assert seconds_left({"decode": 4}, faster, 80.0) == pytest.approx(4 * 40.0 / 3)
+    assert seconds_left({"decode": 4}, faster, 80.0, {"decode": 2}) == 4 * 10.0
+    assert window_items(PLAN) == {
+        "ingest": 1,
+        "encode": 1,
+        "denoise": 6,
+        "decode": 6,
+        "blend": 1,
+        "segment": 1,
+        "mux": 1,
+    }
 
 
 def _manifest(path: Path, store_root: Path, statuses: list[str]) -> None:
