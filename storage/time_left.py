@@ -3,7 +3,8 @@
 The plan knows every item (`storage.progress.stage_items`); the records say which are done and, for those this run
 computed, when each ran. The model's stages (encode, denoise, decode) share the model lane, a few items at once, and
 hold the run back: what is left is their items not done, at each stage's seconds per item over its latest window
-(the machine's pace now: another process's load changes it within a run), over the lane's measured concurrency,
+(the machine's pace now: another process's load changes it within a run), over the lane's width (the most items
+seen running at once),
 then the last window's blend, segment and mux, which nothing overlaps. CPU stages of earlier windows run beside the
 model lane and add nothing.
 
@@ -64,10 +65,10 @@ def seconds_left(
     tail = sum(means.get(stage, 0.0) for stage in TAIL_STAGES if left.get(stage, 0))
     if not model:  # only CPU stages are left, none of them measured beside the model lane
         return tail
-    # The lane's concurrency so far: its busy seconds over the wall clock from its first start to its last end.
-    first, last = min(span.start for span in model), max(span.end for span in spans)
-    busy = sum(span.end - span.start for span in model)
-    concurrency = max(1.0, busy / max(last - first, 1e-9))
+    # The lane's width: the most of its items seen running at once. (Its busy seconds over the wall clock read low
+    # whenever an item is in flight, which the records cannot show until it ends.)
+    last = max(span.end for span in spans)
+    concurrency = max(sum(other.start <= (span.start + span.end) / 2 <= other.end for other in model) for span in model)
     work = sum(left.get(stage, 0) * means[stage] for stage in MODEL_STAGES if left.get(stage, 0))
     # Made when the last item ended; counted down since.
     return max(0.0, work / concurrency + tail - (now - last))
