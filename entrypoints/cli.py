@@ -473,8 +473,15 @@ def local_input(args: argparse.Namespace) -> Iterator[tuple[argparse.Namespace, 
         yield argparse.Namespace(**{**vars(args), field: local}), url
 
 
+def check_request(args: argparse.Namespace) -> None:
+    """The input and request flags, checked as the run checks them (in that order) but before a source URL is
+    fetched or the store's code imported: a refused flag answers at once."""
+    input_from(args)
+    params_from(args)
+
+
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
-    params_from(args)  # a refused value fails here, before a source URL is fetched or the store's code is imported
+    check_request(args)
     with local_input(args) as (local, url):
         result = _upscale(local, url)
     return {**result, "source": url} if url else result
@@ -533,7 +540,7 @@ def output_file_name(name: str, params: UpscaleParams) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
-    params_from(args)  # as `upscale`: a refused value first
+    check_request(args)
     with local_input(args) as (local, url):
         planned = _plan(local)
     return {**planned, "source": url} if url else planned
