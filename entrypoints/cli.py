@@ -5,7 +5,8 @@ value, a missing model) are printed as one line naming the cause, with exit code
 `--debug`); nothing half-written is left in the output directory. A service that cannot start (the Prefect server,
 the warm workers) is one line too, with exit code 1, as is an internal failure (with its type). The commands that
 run flows import them (and Prefect, which takes seconds to import) when they run, so `plan`, `gc` and `--help`
-answer at once.
+answer at once; every command imports what it needs (the store, media, the model's code) when it runs, so that
+`--help` and a refused flag import none of it (tests/test_command_start.py).
 """
 
 from __future__ import annotations
@@ -21,20 +22,19 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from entrypoints import stopping
 from entrypoints.console import configure_terminal, plan_lines, plural, preview_lines, size_text, summary_lines
-from entrypoints.progress import archive_progress, run_progress
 from flows import interrupts
 from flows.slots import ARCHIVE_CLIPS_IN_FLIGHT
-from k6vsr_core.bundle import DEFAULT_MODEL, weights_present
+from k6vsr_core import status
 from k6vsr_core.errors import ArchiveFailed, ParameterError, ServiceError, UserFacingError, describe_error
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
-from service.runs import ModelSpec, model_info, prepare_run
-from storage import RunStore, collect_garbage, default_store_root, parse_store_root
-from storage.estimate import estimate_run, read_rates, store_estimate
-from storage.urls import check_output_prefix, fetch_source, is_url, url_parent
+from k6vsr_core.release_config import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from service.runs import ModelSpec
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -428,6 +428,8 @@ def input_from(args: argparse.Namespace) -> tuple[Path, str | None]:
 
 
 def model_from(args: argparse.Namespace) -> ModelSpec:
+    from service.runs import ModelSpec
+
     return ModelSpec(
         model=_absolute_if_local(args.model),
         revision=args.revision,
@@ -448,6 +450,8 @@ def _absolute_if_local(model: str) -> str:
 def store_from(args: argparse.Namespace) -> str | Path:
     """`--store`: a folder (made absolute) or an object-store URL (`s3://bucket/prefix`); else K6VSR_STORE or the
     cache folder."""
+    from storage import default_store_root, parse_store_root
+
     if not getattr(args, "store", None):
         return default_store_root()
     root = parse_store_root(args.store)
@@ -515,6 +519,8 @@ def local_input(args: argparse.Namespace) -> Iterator[tuple[argparse.Namespace, 
     """The arguments with a source URL (video or `--latent`) replaced by a download of it, and the URL: the object is
     fetched once into a private folder, removed when the block ends, and read as that file (same bytes, same run
     key)."""
+    from storage.urls import fetch_source, is_url
+
     url = next((given for given in (args.input, getattr(args, "latent", None)) if given and is_url(given)), None)
     if url is None:
         yield args, None
@@ -525,13 +531,25 @@ def local_input(args: argparse.Namespace) -> Iterator[tuple[argparse.Namespace, 
         yield argparse.Namespace(**{**vars(args), field: local}), url
 
 
+def check_request(args: argparse.Namespace) -> None:
+    """The input and request flags, checked as the run checks them (in that order) but before a source URL is
+    fetched or the store's code imported: a refused flag answers at once."""
+    input_from(args)
+    params_from(args)
+
+
 def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
+    check_request(args)
     with local_input(args) as (local, url):
         result = _upscale(local, url)
     return {**result, "source": url} if url else result
 
 
 def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]:
+    from entrypoints.progress import run_progress
+    from service.runs import model_info, prepare_run
+    from storage.urls import check_output_prefix, is_url, url_parent
+
     source, latent_fps = input_from(args)
     params = params_from(args)
     spec = model_from(args)
@@ -539,6 +557,7 @@ def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]
     # Plan first: a bad file, value or model fails here, before a server starts or a model loads, and before
     # Prefect is imported (seconds). The weights are checked against the architecture where the model loads.
     prepared = prepare_run(source, params, spec, store, latent_fps, tensors=False)
+    status.say("loading Prefect")  # seconds, before the bar can show
     from flows.orchestrate import run_clip
     from flows.runners import resolve_address
 
@@ -546,6 +565,7 @@ def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]
     # submits, and never imports torch (seconds). Otherwise its own threads compute, and it checks both now.
     address = resolve_address(args.workers, args.gpus, args.dask_address)
     if address is None:
+        status.say("loading torch")
         model_info(spec)
         _check_device(spec.device)
     name = output_file_name(args.output_file_name or output_name(source, params, datetime.now()), params)
@@ -580,6 +600,8 @@ def output_file_name(name: str, params: UpscaleParams) -> str:
 def cmd_preview(args: argparse.Namespace) -> dict[str, Any]:
     if args.preview_windows < 1:
         raise ParameterError(f"--windows {args.preview_windows}: a preview needs at least one window")
+    from service.runs import model_info, prepare_run
+
     source = Path(args.input).expanduser().absolute()
     spec = model_from(args)
     prepared = prepare_run(source, params_from(args), spec, store_from(args), tensors=False)
@@ -596,12 +618,17 @@ def cmd_preview(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_plan(args: argparse.Namespace) -> dict[str, Any]:
+    check_request(args)
     with local_input(args) as (local, url):
         planned = _plan(local)
     return {**planned, "source": url} if url else planned
 
 
 def _plan(args: argparse.Namespace) -> dict[str, Any]:
+    from k6vsr_core.bundle import weights_present
+    from service.runs import prepare_run
+    from storage.estimate import store_estimate
+
     source, latent_fps = input_from(args)
     # From the model's configs alone: a plan loads no model, so it needs no weight files (nor their download).
     prepared = prepare_run(source, params_from(args), model_from(args), store_from(args), latent_fps, weights=False)
@@ -647,6 +674,9 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
 def _run_estimate(prepared: Any) -> dict[str, Any] | None:
     """The whole run's time and disk from the rates a preview of this run measured (`k6vsr preview`); None
     without one."""
+    from storage import RunStore
+    from storage.estimate import estimate_run, read_rates
+
     store = RunStore(prepared.run.store_root, prepared.run.run_key)
     rates = read_rates(store)
     return None if rates is None else estimate_run(prepared.plan, rates).model_dump()
@@ -672,6 +702,8 @@ def _source_facts(prepared: Any) -> dict[str, Any]:
 
 def progress_of(prepared: Any) -> dict[str, int]:
     """The (window, tile) items a run of this plan has already finished, from the run store."""
+    from storage import RunStore
+
     plan = prepared.plan
     store = RunStore(prepared.run.store_root, prepared.run.run_key)
     return {
@@ -685,12 +717,15 @@ def progress_of(prepared: Any) -> dict[str, int]:
 
 
 def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
+    status.say("loading Prefect and torch")  # seconds, before the bar can show
     from entrypoints.demo import run_demo
 
     return run_demo(Path(args.output_dir), params_from(argparse.Namespace(scale=args.scale)), quiet=args.json)
 
 
 def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
+    from storage import collect_garbage
+
     report = collect_garbage(store_from(args), args.keep_outputs, args.older_than_hours * 3600, dry_run=args.dry_run)
     reclaimed = sum(r["bytes"] for r in report if r["deleted"])
     return {"runs": report, "bytes_reclaimed": reclaimed, "dry_run": args.dry_run}
@@ -698,6 +733,8 @@ def cmd_gc(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_root: str | Path) -> dict[str, Any]:
     """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary."""
+    status.say("loading Prefect")  # seconds, before the bars can show
+    from entrypoints.progress import archive_progress
     from flows.orchestrate import prefect_api
     from flows.upscale_archive import (
         MANIFEST_NAME,
@@ -706,6 +743,7 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
         _summary,
         upscale_archive,
     )
+    from service.runs import model_info
 
     source = Path(args.input_dir).expanduser().resolve()
     if not source.exists():
@@ -718,7 +756,10 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
     _check_output_dir(output_dir)
     model_info(spec)  # a missing or broken model fails here, in one line, before any server starts
     # One API for every clip flow and worker: the configured one, else the local server (started if absent).
-    with archive_progress(output_dir / f"{MANIFEST_NAME}.json", enabled=not args.json), prefect_api():
+    with (
+        archive_progress(output_dir / f"{MANIFEST_NAME}.json", args.max_parallel, enabled=not args.json),
+        prefect_api(),
+    ):
         state = upscale_archive(
             input_dir=str(source),
             output_dir=str(output_dir),
@@ -795,6 +836,7 @@ def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_workers(args: argparse.Namespace) -> dict[str, Any]:
     """`k6vsr workers start|stop|status`: the warm workers (flows.warm_workers)."""
     from flows import warm_workers
+    from service.runs import model_info
 
     if args.action == "start":
         gpus = args.gpus or (args.workers == 0 and bool(warm_workers.gpu_ids()))
@@ -940,10 +982,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     if args.command == "serve":
         return 0
-    if getattr(args, "json", False):
-        print(json.dumps(result, indent=2))
-    else:
-        _print_human(args.command, result)
+    try:
+        if getattr(args, "json", False):
+            print(json.dumps(result, indent=2))
+        else:
+            _print_human(args.command, result)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (`k6vsr workers status | head -1`): no traceback. Python flushes stdout again at exit,
+        # so it is pointed at /dev/null; the exit code is Python's advice for this case.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
     return EXIT_FAILED if result.get("failed") else 0
 
 

@@ -14,7 +14,7 @@ import sys
 import warnings
 from typing import Any
 
-from storage.progress import StageCount
+from k6vsr_core.status import STATUS_LOGGER
 
 # Prefect's terminal handler, set through the environment so that every process a command starts (Dask workers, job
 # processes) inherits it; the API handler, which feeds the UI, keeps every line. Its class keeps a flow or task
@@ -27,8 +27,26 @@ CONSOLE_CLASS = "entrypoints.console_log.CommandConsoleHandler"
 TELEMETRY_ENV = "DO_NOT_TRACK"
 
 
+class StatusLines(logging.Handler):
+    """What the command is doing (`k6vsr_core.status`), one line each on the terminal, above the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm  # writes above a bar that is showing, and redraws it below
+
+        try:
+            tqdm.write(f"k6vsr: {record.getMessage()}", file=sys.stderr)
+        except Exception:  # noqa: BLE001 - logging's rule: a handler never raises
+            self.handleError(record)
+
+
 def configure_terminal(verbose: bool) -> None:
-    """Warnings (one line each) and errors on the terminal; every log line too when `verbose`."""
+    """Warnings (one line each) and errors on the terminal; what the command is doing while no bar shows it (on a
+    terminal); every log line too when `verbose`."""
+    status_log = logging.getLogger(STATUS_LOGGER)
+    if (verbose or sys.stderr.isatty()) and not any(isinstance(h, StatusLines) for h in status_log.handlers):
+        status_log.addHandler(StatusLines())
+        status_log.setLevel(logging.INFO)
+        status_log.propagate = False  # said once: not again by Prefect's console handler
     level = "INFO" if verbose else "WARNING"
     os.environ[CONSOLE_LEVEL_ENV] = level
     os.environ.setdefault(TELEMETRY_ENV, "1")
@@ -65,6 +83,8 @@ def _show_once(
 def summary_lines(summary: dict[str, Any]) -> list[str]:
     """Six lines: the output, the tiles, the time by stage, the items computed and reused by stage, the run's folder
     and its log."""
+    from storage.progress import StageCount  # the store's code: not imported for `--help`
+
     width, height = summary["size"]
     frames = summary["frames"]
     timings = summary["timings"]

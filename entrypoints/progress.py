@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
@@ -19,19 +19,41 @@ from tqdm import tqdm
 from k6vsr_core.plan import ClipPlan
 from service.runs import PreparedRun
 from storage import RunStore
-from storage.progress import SEPARATOR, RunProgress, clip_text, clips_text, polling, read_progress, stored_plan
+from storage.progress import (
+    SEPARATOR,
+    RunProgress,
+    clip_text,
+    clips_text,
+    polling,
+    read_progress,
+    stage_items,
+    stored_plan,
+)
+from storage.time_left import Span, items_left, seconds_left, window_items
 
-POLL_S = 0.5
-# tqdm's time left is counted from what this run computes, not from what it found done (`initial`).
-BAR_FORMAT = "{desc} |{bar}| {remaining} left"
+POLL_S = 0.5  # the bar redraws this often: its elapsed time and time left move every second
+# The time left is the store's estimate (`storage.time_left`), from what this run computes, not what it found done.
+BAR_FORMAT = "{desc} |{bar}| {elapsed} elapsed{postfix}"
 
 
 class RunBar:
-    """One clip run's bar: `decode · window 2 of 3 · 7 of 18 tiles |####      | 00:12 left`."""
+    """One clip run's bar: `decode · window 2 of 3 · 7 of 18 tiles |####      | 01:10 elapsed, 00:12 left`."""
 
-    def __init__(self, store: RunStore, plan: ClipPlan, file: IO[str], name: str = "", position: int = 0) -> None:
-        """`name`: the clip's, shown first (an archive's clip bar)."""
-        self.store, self.plan, self.name = store, plan, name
+    def __init__(
+        self,
+        store: RunStore,
+        plan: ClipPlan,
+        file: IO[str],
+        name: str = "",
+        position: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """`name`: the clip's, shown first (an archive's clip bar). Items recorded before the bar began were found
+        done: they say nothing of this run's pace."""
+        self.store, self.plan, self.name, self.clock, self.position = store, plan, name, clock, position
+        self.since = clock()
+        self.seen: set[tuple[str, str]] = set()  # (stage, item) records read already
+        self.spans: list[Span] = []  # the items this run computed
         progress = read_progress(store, plan)
         self.bar = tqdm(
             total=progress.total,
@@ -41,14 +63,31 @@ class RunBar:
             position=position,
             bar_format=BAR_FORMAT,
             desc=self._text(progress),
+            postfix="? left",
         )
 
     def _text(self, progress: RunProgress) -> str:
         return clip_text(self.name, progress) if self.name else progress.text()
 
+    def _time_left(self) -> str:
+        """`00:12 left`, or `? left` before this run has timed each model stage it has items left in."""
+        records = self.store.records
+        done = {stage: records.items(stage) for stage in stage_items(self.plan)}
+        for stage, items in done.items():
+            for item in items:
+                if (stage, item) in self.seen:
+                    continue
+                self.seen.add((stage, item))
+                record = records.read(stage, item)
+                if record is not None and record.seconds > 0 and record.written_at >= self.since:
+                    self.spans.append(Span.of(record))
+        left = seconds_left(items_left(self.plan, done), self.spans, self.clock(), window_items(self.plan))
+        return f"{'?' if left is None else tqdm.format_interval(left)} left"
+
     def show(self) -> None:
         progress = read_progress(self.store, self.plan)
         self.bar.set_description_str(self._text(progress), refresh=False)
+        self.bar.set_postfix_str(self._time_left(), refresh=False)
         self.bar.update(progress.decoded - self.bar.n)
         self.bar.refresh()
 
@@ -71,18 +110,17 @@ def run_progress(prepared: PreparedRun, enabled: bool = True) -> Iterator[None]:
 
 
 class ArchiveBars:
-    """An archive's two lines: `clips: 1 done, 0 failed, 2 left`, and below it the bar of the clip it runs.
+    """An archive's lines: `clips: 1 done, 0 failed, 2 left`, and below it a bar for each clip it runs.
 
     Read from the archive's manifest (rewritten as each clip ends; one older than `since` is a previous run's, and
-    not read) and from the clip's run store. Clips run in the manifest's order: the clip shown is its first
-    `planned` one, the earliest of those running."""
+    not read) and from the clips' run stores. Clips start in the manifest's order, `parallel` at once: those running
+    are its first `parallel` clips still `planned`."""
 
-    def __init__(self, manifest: Path, file: IO[str], since: float) -> None:
-        self.manifest, self.file, self.since = manifest, file, since
+    def __init__(self, manifest: Path, file: IO[str], since: float, parallel: int = 1) -> None:
+        self.manifest, self.file, self.since, self.parallel = manifest, file, since, parallel
         self.clips = tqdm(total=0, file=file, leave=False, position=0, bar_format="{desc} |{bar}|")
         self.clips.set_description_str("planning the clips")
-        self.current: tuple[str, str] | None = None  # (relative path, run key) of the clip shown
-        self.clip: RunBar | None = None
+        self.bars: dict[str, RunBar] = {}  # relative path -> the bar of a running clip whose plan is recorded
 
     def show(self) -> None:
         try:
@@ -94,42 +132,44 @@ class ArchiveBars:
             return
         statuses = [row["status"] for row in rows]
         done, failed, left = statuses.count("done"), statuses.count("failed"), statuses.count("planned")
-        running = next(((row["relative_path"], row["run_key"]) for row in rows if row["status"] == "planned"), None)
-        if running != self.current:
-            self._close_clip()
-            self.current = running
-        if running is not None and self.clip is None:
-            store = RunStore(store_root, running[1])
-            plan = stored_plan(store)
-            if plan is not None:
-                self.clip = RunBar(store, plan, self.file, name=running[0], position=1)
+        running = [(row["relative_path"], row["run_key"]) for row in rows if row["status"] == "planned"]
+        running = running[: self.parallel]
+        for path in [path for path in self.bars if path not in dict(running)]:
+            self.bars.pop(path).close()
         text = clips_text(done, failed, left)
-        if running is not None and self.clip is None:  # its ingest has not recorded the clip's plan yet
-            text += SEPARATOR + clip_text(running[0], None)
+        for path, run_key in running:
+            if path in self.bars:
+                continue
+            store = RunStore(store_root, run_key)
+            plan = stored_plan(store)
+            if plan is None:  # its ingest has not recorded the clip's plan yet
+                text += SEPARATOR + clip_text(path, None)
+                continue
+            used = {bar.position for bar in self.bars.values()}
+            position = next(line for line in range(1, len(self.bars) + 2) if line not in used)
+            self.bars[path] = RunBar(store, plan, self.file, name=path, position=position)
         self.clips.total = done + failed + left
         self.clips.set_description_str(text, refresh=False)
         self.clips.update(done + failed - self.clips.n)
         self.clips.refresh()
-        if self.clip is not None:
-            self.clip.show()
-
-    def _close_clip(self) -> None:
-        if self.clip is not None:
-            self.clip.close()
-            self.clip = None
+        for bar in self.bars.values():
+            bar.show()
 
     def close(self) -> None:
-        self._close_clip()
+        for bar in self.bars.values():
+            bar.close()
+        self.bars.clear()
         self.clips.close()
 
 
 @contextmanager
-def archive_progress(manifest: Path, enabled: bool = True) -> Iterator[None]:
-    """While the block runs, the archive's lines on a terminal's stderr; nothing stays after it."""
+def archive_progress(manifest: Path, parallel: int = 1, enabled: bool = True) -> Iterator[None]:
+    """While the block runs, the archive's lines on a terminal's stderr (a bar for each of the `parallel` clips that
+    run at once); nothing stays after it."""
     if not enabled or not sys.stderr.isatty():
         yield
         return
-    bars = ArchiveBars(manifest, sys.stderr, since=time.time())
+    bars = ArchiveBars(manifest, sys.stderr, since=time.time(), parallel=parallel)
     try:
         with polling(bars.show, "k6vsr-archive-progress", POLL_S):
             yield

@@ -21,7 +21,7 @@ from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.runners import is_dask_runner
+from flows.runners import is_dask_runner, warm_address
 from flows.schedule import ModelQueue
 from flows.slots import CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS
 
@@ -47,7 +47,10 @@ def lanes_for(runner: Any) -> Iterator[Lanes]:
         with ThreadPoolTaskRunner(max_workers=CPU_THREADS) as cpu:
             yield Lanes(runner.submit, cpu.submit, MODEL_SLOTS, f"{MODEL_SLOTS} model threads, {CPU_THREADS} CPU")
         return
-    workers = runner.client.scheduler_info(n_workers=-1)["workers"].values()
+    info = runner.client.scheduler_info(n_workers=-1)
+    workers = info["workers"].values()
+    cluster = "the warm workers" if info["address"] == warm_address() else "Dask workers"
+    on = f"tiles run on {cluster} at {info['address']}"
     declared = [int(worker.get("resources", {}).get(MODEL_RESOURCE, 0)) for worker in workers]
     if workers and all(declared):
         import dask
@@ -59,11 +62,11 @@ def lanes_for(runner: Any) -> Iterator[Lanes]:
         # The threads a worker has beside its model slots: so many blends and segments at once, never a thread more,
         # so that a model task always finds one.
         spare = sum(max(0, int(w.get("nthreads", 1)) - d) for w, d in zip(workers, declared, strict=True))
-        where = f"{sum(declared)} model slots and {spare} CPU threads on {len(declared)} workers"
+        where = f"{on}: {sum(declared)} model slots and {spare} CPU threads on {len(declared)} workers"
         yield Lanes(model, runner.submit, sum(declared), where, cpu_slots=spare, stream_blend=spare > 0)
         return
     threads = sum(int(worker.get("nthreads", 1)) for worker in workers) or 1
-    where = f"{threads} threads on workers without {MODEL_RESOURCE}"
+    where = f"{on}: {threads} threads, without {MODEL_RESOURCE}"
     # Both lanes take any thread: a blend waiting there for its tiles could hold the one a decode needs.
     yield Lanes(runner.submit, runner.submit, threads, where, stream_blend=False)
 

@@ -5,6 +5,7 @@ Its state folder (`$K6VSR_SERVER_HOME`, else `$K6VSR_HOME/prefect-server`, else
 
     prefect/      the server's own PREFECT_HOME (its database: the history the UI shows)
     server.json   pid, port and URL of the running server, written atomically
+    port          the port the server took first: every later start asks for it again, so the UI keeps its address
     server.log    what the server prints
     server.lock   held (fcntl) while a command checks or starts the server, so racing commands start one
     leases/       one file per flow run in progress here: the process that runs it
@@ -50,6 +51,7 @@ from pydantic import BaseModel
 
 from flows import interrupts
 from flows.state_folder import StateFolder, now, state_home
+from k6vsr_core import status
 from k6vsr_core.errors import ServerError
 from storage.processes import alive, process_start
 from storage.records import atomic_write_bytes
@@ -140,6 +142,8 @@ def _healthy(url: str, timeout: float = 2.0) -> bool:
 
 def _port_free(port: int) -> bool:
     with socket.socket() as sock:
+        # As the server binds (uvicorn): a port its previous run left in TIME_WAIT is free for it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((HOST, port))
         except OSError:
@@ -147,15 +151,37 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _pick_port(secured: bool = False) -> int:
-    """The default port while it is free (the UI stays at one address); a secured server takes a free one of its
-    own, never the port of the user's server."""
-    wanted = 0 if secured else int(os.environ.get("K6VSR_SERVER_PORT", DEFAULT_PORT))
+def _port_path(folder: StateFolder) -> Path:
+    return folder.path / "port"
+
+
+def _remembered_port(folder: StateFolder) -> int | None:
+    try:
+        return int(_port_path(folder).read_text().strip()) or None
+    except (OSError, ValueError):
+        return None
+
+
+def _pick_port(folder: StateFolder, secured: bool = False) -> int:
+    """`K6VSR_SERVER_PORT` when set; else the port this server had before, else the default, while it is free, and
+    otherwise a free one, remembered, so that the UI keeps one address across restarts. A secured server takes a
+    free one of its own, never the port of the user's server."""
+    given = None if secured else os.environ.get("K6VSR_SERVER_PORT")
+    if secured:
+        wanted = 0
+    elif given is not None:
+        wanted = int(given)
+    else:
+        wanted = _remembered_port(folder) or DEFAULT_PORT
     if wanted and _port_free(wanted):
-        return wanted
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+        port = wanted
+    else:
+        with socket.socket() as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+    if not secured and given is None and port != _remembered_port(folder):
+        atomic_write_bytes(_port_path(folder), f"{port}\n".encode())
+    return port
 
 
 def _server_env(home: Path, port: int, auth: str | None) -> dict[str, str]:
@@ -302,9 +328,13 @@ def start_server(home: Path | None = None, secured: bool = False) -> str:
             _terminate(record)
         folder.remove_record()
         last_error = ""
+        status.say(
+            f"starting the local Prefect server (10-30 s; it keeps running for later commands; log: {folder.log_path})"
+        )
         for _attempt in range(2):  # a port taken between the check and the bind: once more on another port
-            record = _launch(folder, _pick_port(secured), secured)
+            record = _launch(folder, _pick_port(folder, secured), secured)
             if _wait_healthy(record, START_TIMEOUT_S):
+                status.say(f"Prefect UI: {ui_url(record.url)} (`k6vsr server status` shows it again)")
                 return record.url
             still_running = alive(record.pid, record.process_start)
             _terminate(record)
@@ -340,6 +370,11 @@ def stop_server(home: Path | None = None) -> bool:
     return _folder(home).stop(_Record, _terminate)
 
 
+def ui_url(api_url: str) -> str:
+    """The UI of the server whose API is at `api_url`: the same address without `/api`."""
+    return api_url.removesuffix("/api")
+
+
 def server_status(home: Path | None = None) -> ServerStatus:
     folder = _folder(home)
     record = folder.read(_Record)
@@ -353,7 +388,7 @@ def server_status(home: Path | None = None) -> ServerStatus:
             "running": True,
             "pid": record.pid,
             "url": record.url,
-            "ui_url": record.url.removesuffix("/api"),
+            "ui_url": ui_url(record.url),
             "started_at": record.started_at,
             "uptime_s": round((datetime.now(UTC) - started).total_seconds(), 1),
         }

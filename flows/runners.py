@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import sys
 from typing import Any
@@ -11,8 +10,7 @@ from typing import Any
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from flows.slots import MODEL_SLOTS, WORKER_RESOURCES, WORKER_THREADS
-
-log = logging.getLogger("k6vsr.workers")
+from k6vsr_core import status
 
 # "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
 USE_WARM_ENV = "K6VSR_WARM_WORKERS"
@@ -33,7 +31,7 @@ def resolve_address(workers: int, gpus: bool, dask_address: str | None) -> str |
         return dask_address
     address = warm_address()
     if address:
-        log.info("tiles run on the warm workers at %s (k6vsr workers status)", address)
+        status.say(f"tiles run on the warm workers at {address} (k6vsr workers status)")
     return address
 
 

@@ -37,7 +37,7 @@ from k6vsr_core.quality import QualityReport
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
 from storage.location import is_url
-from storage.progress import StageCount, read_progress, run_finished, stage_counts
+from storage.progress import StageCount, read_progress, run_finished, stage_counts, tile_count
 from tasks import ingest as ingest_tasks
 from tasks import quality as quality_tasks
 from tasks import stage_tasks
@@ -158,11 +158,14 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
 
     attempt = _attempt_id()
     with store.in_use(), store.log_file(attempt) as log_file, run_log(log_file, attempt):
+        frames, windows = prepared.plan.num_frames, prepared.plan.num_windows
         logger.info(
-            "run %s: %d frames in %d windows of %d tiles, store %s",
+            "run %s: %d frame%s in %d window%s of %d tiles, store %s",
             run.run_key,
-            prepared.plan.num_frames,
-            prepared.plan.num_windows,
+            frames,
+            "s" * (frames != 1),
+            windows,
+            "s" * (windows != 1),
             prepared.plan.num_tiles,
             store.where,
         )
@@ -180,8 +183,9 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
         progress.update(run_finished(plan))
         quality = quality_tasks.measure_quality(run, attempt)
 
-    # The store says what this attempt computed: a tile Dask recomputed after a worker died is counted, once.
-    computed = store.tiles_computed(attempt)
+    # The run's timeline says what this attempt computed: a tile Dask recomputed after a worker died counts once.
+    counts = stage_counts(store, plan, attempt)
+    tiles = tile_count(counts)
     timings = clock.task_seconds()
     summary = ClipSummary(
         source=prepared.source,
@@ -195,12 +199,12 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
         output_format=plan.output_format(),
         size=(plan.delivery_size[1], plan.delivery_size[0]),
         tiles_total=total,
-        tiles_computed=computed,
-        tiles_reused=total - computed,
+        tiles_computed=tiles.computed,
+        tiles_reused=tiles.reused,
         dit_calls=sum(result.dit_calls for result in denoised),
         timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
         spans={span.stage: round(span.span, 3) for span in clock.spans()},
-        items=stage_counts(store, plan, attempt),
+        items=counts,
         reused_output=store.attempt_of("mux") != attempt,
         quality=quality,
     )

@@ -31,13 +31,12 @@ from safetensors import safe_open
 from k6vsr_core.errors import BundleError
 from k6vsr_core.gate import MemoryGate, Stage
 from k6vsr_core.plan import ModelTraits
+from k6vsr_core.release_config import DEFAULT_MODEL, DEFAULT_REVISION
 from k6vsr_core.tiling import RESOLUTIONS, Size
 
 if TYPE_CHECKING:
     import torch
 
-DEFAULT_MODEL = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
-DEFAULT_REVISION = "3e3e10bcd23659eeeb23cac740258ee4fc14aa7d"
 
 MODEL_INDEX = "model_index.json"
 WEIGHTS = "diffusion_pytorch_model.safetensors"

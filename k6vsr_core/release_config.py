@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# The released checkpoint on the hub and the revision a run takes by default: here, not in `bundle` (torch,
+# safetensors), so that `k6vsr --help` can name the default without importing the model's code.
+DEFAULT_MODEL = "kandinskylab/Kandinsky-6.0-VSR-distilled2steps-5s-Diffusers"
+DEFAULT_REVISION = "3e3e10bcd23659eeeb23cac740258ee4fc14aa7d"
 DIFFUSERS_VERSION = "0.41.0.dev0"
 SCALING_FACTOR = 0.910344004631042
 

@@ -89,6 +89,13 @@ def held(run: RemoteLocation, seconds: float = LEASE_SECONDS, poll_s: float = 1.
             lease.remove()
 
 
+def reclaimed_reason(output_kept: bool, dry_run: bool) -> str:
+    """A reclaimed run's reason in gc's report: with `dry_run` (`deleted` then means "would be"), what would be."""
+    if output_kept:
+        return "intermediates would be reclaimed, output kept" if dry_run else "intermediates reclaimed, output kept"
+    return "would be reclaimed" if dry_run else "reclaimed"
+
+
 def collect(
     root: RemoteLocation,
     keep_finished_outputs: bool,
@@ -123,11 +130,11 @@ def collect(
             if keep_finished_outputs and "output.mp4" in objects:
                 if not dry_run:
                     run.remove_all([name for name in objects if name.split("/", 1)[0] not in KEPT])
-                report.append({**entry, "deleted": True, "reason": "intermediates reclaimed, output kept"})
+                report.append({**entry, "deleted": True, "reason": reclaimed_reason(True, dry_run)})
             else:
                 if not dry_run:
                     run.remove_all(list(objects))
-                report.append({**entry, "deleted": True, "reason": "reclaimed"})
+                report.append({**entry, "deleted": True, "reason": reclaimed_reason(False, dry_run)})
         finally:
             marker.remove()  # last: a starting run waits for it
     return report

@@ -128,6 +128,14 @@ def stage_counts(store: RunStore, plan: ClipPlan, attempt: str) -> dict[str, Sta
     return counts
 
 
+def tile_count(counts: dict[str, StageCount]) -> StageCount:
+    """The run's (window, tile) items, as its summary, the archive's manifest, an HTTP job and the report artifact
+    count them: a tile is computed when this attempt decoded it (its last stage; the bar counts decoded tiles too),
+    reused when it found it decoded. The stages before it have counts of their own (`stage_counts`): a run resumed
+    in a window's decode reuses every denoised tile of it and computes the decodes left."""
+    return counts["decode"]
+
+
 @contextmanager
 def polling(show: Callable[[], None], name: str, every_s: float) -> Iterator[None]:
     """`show()` every `every_s` seconds on a thread of its own while the block runs (the terminal's bars and the

@@ -352,10 +352,6 @@ class RunStore:
         record = self.records.read(stage, item)
         return None if record is None else record.attempt
 
-    def tiles_computed(self, attempt: str) -> int:
-        """Tiles whose denoised latent `attempt` computed (the others it found stored, or has not reached)."""
-        return sum(self.attempt_of("denoise", item) == attempt for item in self.records.items("denoise"))
-
     def tiles_decoded(self) -> int:
         """(Window, tile) items decoded so far, by any attempt: the progress of a run, cheap enough to poll."""
         return len(self.records.items("decode"))
@@ -522,9 +518,9 @@ def collect_garbage(
                 for child in path.iterdir():
                     if child.name not in (OUTPUT, "manifest.json", "done", ".lock") and not dry_run:
                         shutil.rmtree(child) if child.is_dir() else child.unlink()
-                report.append({**entry, "deleted": True, "reason": "intermediates reclaimed, output kept"})
+                report.append({**entry, "deleted": True, "reason": leases.reclaimed_reason(True, dry_run)})
             else:
                 if not dry_run:
                     shutil.rmtree(path)
-                report.append({**entry, "deleted": True, "reason": "reclaimed"})
+                report.append({**entry, "deleted": True, "reason": leases.reclaimed_reason(False, dry_run)})
     return report

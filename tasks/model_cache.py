@@ -22,11 +22,13 @@ import gc
 import logging
 import os
 import threading
+import warnings
 from collections import OrderedDict
 
 import torch
 from pydantic import BaseModel
 
+from k6vsr_core import status
 from k6vsr_core.bundle import ModelBundle, load_bundle
 from k6vsr_core.fast import compile_bundle
 from k6vsr_core.memory import GIB, BudgetName, apply_budget, budget_for, free_gpu_bytes
@@ -70,7 +72,8 @@ def _identity(key: CacheKey) -> str:
     spec, budget = key
     placed = f" ({budget})" if budget is not None else ""
     eager = "" if spec.compile else " eager"
-    return f"{spec.model_id or spec.model}@{spec.revision or ''}{eager} on {spec.device}{placed}"
+    revision = f"@{spec.revision}" if spec.revision else ""  # a local folder or the pinned release: no "@"
+    return f"{spec.model_id or spec.model}{revision}{eager} on {spec.device}{placed}"
 
 
 def _evict_to(size: int) -> None:
@@ -129,6 +132,11 @@ def _cached(key: CacheKey, device: torch.device) -> ModelBundle:
     if bundle is None:
         _evict_to(cache_size() - 1)  # before loading: the new weights need the room
         _FREE_BEFORE_LOAD[key] = free_gpu_bytes(device)
+        status.say(f"loading the model {spec.model} on {device}")
+        if device.type == "cpu":
+            # Off CUDA, NABLA is diffusers' processor: eager flex attention, on the CPU's small tiles by design.
+            # torch's advice to compile it, once per process, is for GPUs, and filled every CPU worker's log.
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         bundle = load_bundle(spec.model, spec.revision, model_id=spec.model_id, device=device)
         # On CUDA always: eager NABLA without it would build the whole attention matrix (k6vsr_core.fast).
         compile_bundle(bundle, compiled=spec.compile)

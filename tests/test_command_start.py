@@ -46,8 +46,21 @@ LIGHT_MODULES = [
     "tasks.ingest",
     "tasks.stage_tasks",
 ]
-# Limits for a busy two-core machine; on an idle one `--help` takes about 0.5 s.
-HELP_LIMIT_S = 1.0
+# What `--help` and a refused flag must not import: the store, media and the model's code take a second or more.
+NOT_FOR_HELP = (
+    "zarr",
+    "fsspec",
+    "numcodecs",
+    "av",
+    "torch",
+    "diffusers",
+    "prefect",
+    "distributed",
+    "storage",
+    "service",
+)
+# On an idle machine `--help` takes at most 0.5 s; the slack is for a busy two-core one.
+HELP_LIMIT_S = 0.5
 SLACK_S = 0.5
 
 
@@ -65,6 +78,21 @@ def test_no_torch_before_a_tensor_is_computed() -> None:
     done = procs.run([sys.executable, "-c", code], env=_env(), cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["upscale", "--help"], ["upscale", "clip.mp4", "--scale", "3"]])
+def test_help_and_a_refused_flag_import_no_store_media_or_model_code(argv: list[str]) -> None:
+    code = (
+        "import sys\n"
+        "from entrypoints.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        f"print(sorted(m for m in {NOT_FOR_HELP!r} if m in sys.modules), file=sys.stderr)\n"
+    )
+    done = procs.run([sys.executable, "-c", code], env=_env(), cwd=ROOT)
+    assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr[-3000:]
 
 
 def _timed(*argv: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -116,3 +144,22 @@ def test_no_telemetry_notice_on_a_new_users_first_command(tmp_path: Path) -> Non
     text = output.decode(errors="replace")
     assert "local Prefect server not running" in text
     assert "usage data" not in text and "DO_NOT_TRACK" not in text, text
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    """`k6vsr workers status | head -1`: the pipe's reader is gone before the command writes its lines."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "entrypoints.cli", "gc", "--dry-run", "--store", str(tmp_path)],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            cwd=ROOT,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1 and done.stderr == "", done.stderr

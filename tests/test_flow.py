@@ -99,9 +99,14 @@ def test_store_answers_what_an_attempt_computed(tmp_path: Path) -> None:
     store = RunStore(tmp_path, "k")
     value = np.zeros((2, 3), dtype=np.float32)
     for tile, attempt in ((0, "first"), (1, "second"), (2, "first")):
-        store.put_tile("tile_latents", (0, tile), (1, 3), value, stage="denoise", attempt=attempt)
-    store.put_tile("tiles", (0, 2), (1, 3), value, stage="decode", attempt="second")
-    assert (store.tiles_computed("first"), store.tiles_computed("second"), store.tiles_computed("third")) == (2, 1, 0)
+        store.put_tile("tile_latents", (0, tile), (1, 3), value, stage="denoise", seconds=0.5, attempt=attempt)
+    store.put_tile("tiles", (0, 2), (1, 3), value, stage="decode", seconds=0.5, attempt="second")
+    computed = {attempt: store.records.computed(attempt) for attempt in ("first", "second", "third")}
+    assert computed == {
+        "first": {"denoise": {"0-0", "0-2"}},
+        "second": {"denoise": {"0-1"}, "decode": {"0-2"}},
+        "third": {},
+    }
     assert store.attempt_of("denoise", "0-1") == "second" and store.attempt_of("mux") is None
     assert store.tiles_decoded() == 1 and store.decoded_per_window(2) == [1, 0]
 
@@ -135,6 +140,7 @@ def test_flow_output_equals_runner_and_reuses_everything(
     assert (tmp_path / "a.mp4").read_bytes() == reference
     assert (first.tiles_computed, first.tiles_reused) == (first.tiles_total, 0)
     assert first.dit_calls == 2 * first.tiles_total
+    assert f"run {first.run_key}: 1 frame in 1 window of 6 tiles" in Path(first.log).read_text()
     assert RunStore(tmp_path / "store", first.run_key).read_manifest().compute == default_profile()
     # A tile is decoded as soon as its chunk is denoised, not once every chunk is (flows.schedule).
     ran = timelines.spans(RunStore(tmp_path / "store", first.run_key).path)
@@ -201,9 +207,10 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
     # --verbose: every task line
     assert "Task run 'decode-window-0-tile-5' - Finished in state Completed()" in rerun.stderr
     summary = json.loads(rerun.stdout)
-    assert summary["tiles_reused"] == 2
-    assert summary["tiles_computed"] == summary["tiles_total"] - 2
-    assert summary["dit_calls"] == 2 * summary["tiles_computed"]
+    # Two tiles' latents were stored, none decoded: the rerun denoises the others and decodes every tile.
+    assert summary["items"]["denoise"] == {"computed": summary["tiles_total"] - 2, "reused": 2}
+    assert (summary["tiles_computed"], summary["tiles_reused"]) == (summary["tiles_total"], 0)
+    assert summary["dit_calls"] == 2 * summary["items"]["denoise"]["computed"]
     assert (out / "x.mp4").read_bytes() == reference
     assert main is not None
 

@@ -120,7 +120,8 @@ def test_store_keeps_arrays_and_records_as_objects(bucket: str) -> None:
     for key in ((0, 0), (0, 1), (1, 0)):
         store.put_tile("tile_latents", key, (2, 2), value, stage="denoise", seconds=0.5, attempt="a")
     assert np.array_equal(store.get_tile("tile_latents", (0, 1), stage="denoise"), value)
-    assert store.records.items("denoise") == ["0-0", "0-1", "1-0"] and store.tiles_computed("a") == 3
+    assert store.records.items("denoise") == ["0-0", "0-1", "1-0"]
+    assert store.records.computed("a") == {"denoise": {"0-0", "0-1", "1-0"}}
     objects = _objects(f"{bucket}/runs/k")
     assert "done/denoise/0-1.json" in objects and "data.zarr/tile_latents/c/0/1/0/0/0" in objects
     assert "timeline/denoise-0-1-a.json" in objects  # an object per line: objects cannot be appended to

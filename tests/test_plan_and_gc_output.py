@@ -69,10 +69,14 @@ def test_gc_dry_run_says_what_it_would_reclaim_in_mb(tmp_path: Path, capsys) -> 
 
     dry = _run([*argv, "--dry-run"], capsys)
     assert dry.splitlines()[0] == "would reclaim 2.5 MB from 1 run" and (run / "data.bin").is_file()
+    assert dry.splitlines()[1] == f"  {run.name}: would be reclaimed, 2.5 MB"
+    kept = _run([*argv, "--dry-run", "--keep-outputs"], capsys)
+    assert "would be reclaimed" in kept and (run / "data.bin").is_file()
     assert json.loads(_run([*argv, "--dry-run", "--json"], capsys))["dry_run"] is True and run.is_dir()
 
     done = _run(argv, capsys)
     assert done.splitlines()[0] == "reclaimed 2.5 MB from 1 run" and not run.exists()
+    assert done.splitlines()[1] == f"  {run.name}: reclaimed, 2.5 MB"
 
 
 @pytest.mark.parametrize(

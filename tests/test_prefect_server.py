@@ -333,7 +333,29 @@ def test_the_ui_is_told_its_api_on_whatever_port_the_server_gets(tmp_path: Path,
         assert status["running"] and f":{prefect_server.DEFAULT_PORT}/" not in status["url"]
         with urllib.request.urlopen(f"{status['ui_url']}/ui-settings", timeout=30) as response:
             assert json.loads(response.read())["api_url"] == status["url"]
+        # The port it got is kept: a restart asks for it again, so the UI keeps its address.
+        assert (home / "port").read_text().strip() == status["url"].rsplit(":", 1)[1].removesuffix("/api")
+        assert procs.run([*cli, "stop"], env=env, cwd=ROOT).returncode == 0
+        again = procs.run([*cli, "start", "--json"], env=env, cwd=ROOT)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert json.loads(again.stdout)["url"] == status["url"]
     finally:
         prefect_server.stop_server(home)
         for pid in _servers_of(home):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_a_port_taken_since_is_replaced_and_remembered(tmp_path: Path) -> None:
+    """The remembered port, taken by someone else since: another free one, remembered in its place."""
+    folder = prefect_server._folder(tmp_path)
+    folder.make()
+    env = {key: value for key, value in os.environ.items() if key != "K6VSR_SERVER_PORT"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        (tmp_path / "port").write_text(f"{taken.getsockname()[1]}\n")
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(os, "environ", env)
+            port = prefect_server._pick_port(folder)
+            assert port != taken.getsockname()[1] and (tmp_path / "port").read_text() == f"{port}\n"
+            assert prefect_server._pick_port(folder) == port  # free: asked for again

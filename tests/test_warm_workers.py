@@ -10,9 +10,11 @@ import json
 import os
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
+import procs
 import pytest
 
 from k6vsr_core import UpscaleParams, upscale
@@ -20,6 +22,8 @@ from k6vsr_core.bundle import ModelBundle, make_tiny_bundle
 from k6vsr_core.errors import ParameterError
 from service.runs import ModelSpec, prepare_run
 from storage import RunStore
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PARAMS = UpscaleParams(scale=2)
 
@@ -120,6 +124,7 @@ def test_runs_use_the_warm_workers_and_keep_the_model(
     model_cache.clear()
     summary = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store-a")
     assert summary.tiles_computed == summary.tiles_total
+    assert f"tiles run on the warm workers at {cluster.address}" in Path(summary.log).read_text()
     assert (tmp_path / "a.mp4").read_bytes() == reference
     first = _infos(cluster.address)
     assert any(info["loads"] for info in first.values())  # the tiles ran there,
@@ -313,6 +318,7 @@ def test_model_cache_evicts_and_frees_the_least_recently_used(tmp_path: Path, mo
         assert kept() is None  # the evicted model's weights are gone
         info = model_cache.cache_info()
         assert len(info.loaded) == 1 and str(other) in info.loaded[0] and len(info.loads) - before == 2
+        assert info.loaded[0] == f"{other} on cpu"  # a local folder has no revision: nothing after its path
     finally:
         model_cache.clear()
 
@@ -381,3 +387,20 @@ def test_a_preload_for_the_resolved_device_serves_auto_without_a_second_load(tmp
         assert len(model_cache.cache_info().loads) - before == 1
     finally:
         model_cache.clear()
+
+
+def test_a_cpu_worker_logs_no_flex_attention_advice(tiny_bundle_path: Path) -> None:
+    """Eager flex attention is the CPU's NABLA by design: torch's advice to compile it stays out of workers.log."""
+    code = (
+        "import torch\n"
+        "from torch.nn.attention.flex_attention import flex_attention\n"
+        "from service.runs import ModelSpec\n"
+        "from tasks import model_cache\n"
+        f"model_cache.get_bundle(ModelSpec(model={str(tiny_bundle_path)!r}, device='cpu'))\n"
+        "q = torch.randn(1, 1, 128, 16)\n"
+        "flex_attention(q, q, q)\n"
+        "print('attended')\n"
+    )
+    done = procs.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    assert done.returncode == 0 and "attended" in done.stdout, done.stderr[-3000:]
+    assert "flex_attention called without torch.compile" not in done.stderr, done.stderr[-3000:]
