@@ -260,7 +260,7 @@ def test_lanes_on_dask_workers_bound_the_cpu_lane_where_threads_are_shared(
 
     class Client:
         def scheduler_info(self, n_workers: int) -> dict:
-            return {"workers": {f"w{n}": worker for n, worker in enumerate(workers)}}
+            return {"address": "tcp://127.0.0.1:1", "workers": {f"w{n}": worker for n, worker in enumerate(workers)}}
 
     runner = DaskTaskRunner.__new__(DaskTaskRunner)
     runner.__dict__["_client"] = Client()
