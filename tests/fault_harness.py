@@ -12,7 +12,7 @@ A SPEC is `ACTION@POINT[:OPTION...]`:
              denoise  before a chunk of tiles is denoised                                     stages.denoise_chunk
              decode   before a tile is decoded                                                stages.decode_tile
              tile     after a decoded tile and its record are stored                          RunStore.put_tile("tiles")
-             blend    after blending, before the window's frames are stored                   stages.blend
+             blend    after blending, before the window's frames are stored                   stages.blended
              segment  after a window's temporary MP4 is written, before it is committed       media.write_video
              mux      after the temporary output is joined, before it is committed           segments.join_segments
              publish  after half of the copy into the output folder is written                shutil.copyfile
@@ -171,8 +171,8 @@ def _patch(fault: Fault) -> Callable[[], None]:
             return result
 
     elif fault.point == "blend":
-        owner, name = stages, "blend"
-        replacement = _wrap_after(fault, stages.blend, "blend")
+        owner, name = stages, "blended"  # the blend task adds its tiles as they come, then takes the canvas
+        replacement = _wrap_after(fault, stages.blended, "blend")
     elif fault.point == "segment":
         owner, name = media, "write_video"
         replacement = _wrap_after(fault, media.write_video, "segment (temporary segment written)")
