@@ -271,6 +271,7 @@ def test_kill_mid_window_resumes_the_unfinished_items_with_identical_bytes(
         "segments",
         "run.log",
         "timeline.jsonl",
+        "quality.json",
         ".lock",
     }
     assert sorted(p.name for p in (run.path / "segments").iterdir()) == [f"{w:06d}.mp4" for w in range(2)]
