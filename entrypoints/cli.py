@@ -109,6 +109,11 @@ def _param_flags(parser: argparse.ArgumentParser, windows_flag: bool = True) -> 
     )
     group.add_argument("--attention", help=f"nabla or dense (default {defaults.attention}, as released)")
     group.add_argument(
+        "--precision",
+        help=f"bf16 or fp8 (the DiT's matrix products in FP8; Ada/Hopper GPUs, the fp8 extra) (default "
+        f"{defaults.precision}, as released)",
+    )
+    group.add_argument(
         "--frames",
         help=f"all (every kept frame, in 121-frame windows) or contract (the first 121) (default {defaults.frames})",
     )

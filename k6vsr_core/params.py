@@ -41,6 +41,8 @@ class UpscaleParams(BaseModel):
     target_resolution: str | None = None
     target_resize_mode: Literal["fit", "exact"] = "fit"
     attention: Literal["nabla", "dense"] = "nabla"
+    # `bf16`: the contract; `fp8`: the DiT's matrix products in FP8 on GPUs that have them (k6vsr_core.precision).
+    precision: Literal["bf16", "fp8"] = "bf16"
     # `all`: every kept frame, in overlapping windows; `contract`: the official first 121 frames (k6vsr_core.windows).
     frames: Literal["all", "contract"] = "all"
     max_frames: int | None = None  # caps `all` (a preview of the first N kept frames)
