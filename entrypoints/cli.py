@@ -333,6 +333,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--upload-timeout-s", type=float, default=900, help="seconds a request body may take to arrive, then 408"
     )
     limits.add_argument(
+        "--min-upload-kb-s",
+        type=float,
+        default=8,
+        help="KiB a second a request body must average over each --upload-rate-window-s while it arrives, else 408 "
+        "and its upload slot is given back (0: no floor)",
+    )
+    limits.add_argument(
+        "--upload-rate-window-s", type=float, default=30, help="seconds over which --min-upload-kb-s is measured"
+    )
+    limits.add_argument(
         "--max-uploads-per-key",
         type=int,
         default=4,

@@ -16,10 +16,12 @@ pid is recorded before it is healthy: a command killed while the server starts l
 finds and waits for, never an unrecorded one. `PREFECT_API_URL` (environment or Prefect profile), when set, wins:
 no local server is started.
 
-A flow run holds a lease (`leased`) while its body runs. A process killed outright (SIGKILL, OOM) cannot tell the
-API its run ended, so the run would show "Running" forever; the next command that reaches the API finds the lease's
-process dead and marks the run Crashed, with its task runs that were in flight (`mark_crashed_runs`). A command
-stopped by Ctrl-C leaves a helper that marks its runs Cancelled as soon as it is gone (`end_leased_runs`).
+A flow run holds a lease (`leased`) while its body runs, and past it when the body ends by an interrupt (the
+process is going down before its run is final: SIGTERM to a job's child, whose SIGKILL follows). A process killed
+outright (SIGKILL, OOM) cannot tell the API its run ended, so the run would show "Running" forever; the next command
+that reaches the API finds the lease's process dead and marks the run Crashed, with its task runs that were in
+flight (`mark_crashed_runs`). A command stopped by Ctrl-C leaves a helper that marks its runs Cancelled as soon as
+it is gone (`end_leased_runs`).
 
 `k6vsr serve` runs a server of its own, secured (`prefect_api(home, secured=True)`): on loopback, on a free port of
 its own, behind Prefect's server auth (`PREFECT_SERVER_API_AUTH_STRING`, a fresh random string written to `auth`),
@@ -457,7 +459,16 @@ def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterato
         log.warning("could not write the flow run lease %s: %s", path, err)
     try:
         yield
-    finally:
+    except Exception:
+        path.unlink(missing_ok=True)
+        raise
+    except BaseException:
+        # An interrupt or an exit: the process is going down, and its run is not final yet. Prefect reports the
+        # crash only after waiting for the tasks in flight, which a SIGKILL may cut short (a job's child gets one a
+        # few seconds after its SIGTERM): the lease stays, so the run is marked Crashed once the process is gone,
+        # whoever looks first (`mark_crashed_runs`; a run Prefect did end is left as it is).
+        raise
+    else:
         path.unlink(missing_ok=True)
 
 
