@@ -108,20 +108,27 @@ def kind_of(name: str, stage: str) -> str:
         return "memory copy"
     if stage == "DiT" and ("flex" in lowered or "fmha" in lowered or "attention" in lowered or "triton_tem" in lowered):
         return "attention"
+    if "nchwtonhwc" in lowered or "nhwctonchw" in lowered:
+        return "layout transposes (cuDNN)"
+    if any(key in lowered for key in ("fprop", "implicit_gemm", "winograd", "conv")):
+        return "convolution"
     if any(key in lowered for key in ("gemm", "nvjet", "cutlass", "cublas", "matmul", "_mm_")):
         return "matmul"
-    if any(key in lowered for key in ("conv", "fprop", "xmma", "implicit", "winograd", "cudnn", "sm90")):
-        return "convolution" if stage == "decode" else "cuDNN/cuBLAS"
+    if "sort" in lowered:
+        return "sort (NABLA mask)"
     if "triton" in lowered:
         return "fused (Triton)"
     return "other (aten)"
 
 
 def kernel_table(prof: Any, stage: str, top: int = 30) -> dict[str, Any]:
+    from torch.autograd import DeviceType
+
     rows = []
     for event in prof.key_averages():
+        # Kernels only: an operator's row repeats the time of the kernels it launched.
         device_us = getattr(event, "self_device_time_total", 0) or 0
-        if device_us > 0:
+        if device_us > 0 and event.device_type == DeviceType.CUDA:
             rows.append((event.key, event.count, device_us / 1000.0))
     total = sum(ms for _, _, ms in rows) or 1.0
     rows.sort(key=lambda row: -row[2])

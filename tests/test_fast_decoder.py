@@ -23,7 +23,7 @@ def _latent(frames: int, seed: int = 3) -> torch.Tensor:
 @pytest.fixture()
 def fused_vae(tiny_bundle: ModelBundle) -> torch.nn.Module:
     vae = copy.deepcopy(tiny_bundle.vae)
-    assert fast_decoder.fuse_decoder(vae.decoder) > 0
+    assert fast_decoder.fuse_decoder(vae.decoder, channels_last=False) > 0
     return vae
 
 
@@ -75,3 +75,29 @@ def test_fused_full_size_decoder_keeps_w1s_shapes_in_every_piece() -> None:
             out = kvae.decode(vae, latent, 4, lambda piece: pieces.append(piece.shape) or piece)
     assert tuple(out.shape) == (1, 3, 121, 512, 768)
     assert [shape[2] for shape in pieces] == [1] + [16] * 7 + [8]
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_channels_last_decoder_gives_the_decoders_values_channels_first(
+    tiny_bundle: ModelBundle, chunk: int | None
+) -> None:
+    vae = copy.deepcopy(tiny_bundle.vae)
+    fast_decoder.fuse_decoder(vae.decoder, channels_last=True)
+    conv = next(m for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv3d) and m.weight.shape[-1] == 3)
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    latent = _latent(4)
+    with torch.no_grad():
+        want = kvae.decode(tiny_bundle.vae, latent, chunk, _keep)
+        got = kvae.decode(vae, latent, chunk, _keep)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_layout_switch_keeps_channels_first_for_measuring(
+    tiny_bundle: ModelBundle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(fast_decoder.LAYOUT_ENV, "channels_first")
+    vae = copy.deepcopy(tiny_bundle.vae)
+    assert fast_decoder.fuse_decoder(vae.decoder) > 0
+    assert not getattr(vae.decoder, "_k6vsr_channels_last", False)
+    assert all(m.weight.is_contiguous() for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv3d))
