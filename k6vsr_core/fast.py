@@ -33,7 +33,6 @@ benchmark measured 31 dB PSNR between them on W2), so only real weights can say 
 from __future__ import annotations
 
 import functools
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttnProcessor
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttnProcessor, nabla_block_mask
+from torch.nn.attention.flex_attention import flex_attention
 
 from k6vsr_core.attention import AttentionMode, DenseSdpaProcessor, project_qkv
 from k6vsr_core.bundle import ModelBundle
@@ -153,7 +152,7 @@ class FastNablaProcessor(Kandinsky6SRAttnProcessor):
             return super().__call__(attn, hidden_states, rotary_emb, sparse_params)
         query, key, value = project_qkv(attn, hidden_states, rotary_emb)
         threshold = sparse_params["threshold"] if self.threshold is None else self.threshold
-        block_mask = nabla_mask(query, key, sparse_params["sta_mask"], thr=threshold)
+        block_mask = nabla_block_mask(query, key, sparse_params["sta_mask"], thr=threshold)
         if self.stats is not None:
             # diffusers files every kept block as a full block (its partial counts are zeros); count both.
             kept = block_mask.kv_num_blocks.sum().to(torch.float64)
@@ -166,30 +165,6 @@ class FastNablaProcessor(Kandinsky6SRAttnProcessor):
             query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         out = self.flex(query, key, value, block_mask=block_mask, kernel_options=options)
         return attn.out_layer(out.transpose(1, 2).flatten(2, 3))
-
-
-def nabla_mask(q: torch.Tensor, k: torch.Tensor, sta: torch.Tensor, thr: float, block_size: int = 64) -> BlockMask:
-    """diffusers' `nabla_block_mask`, the same mask with one sort fewer.
-
-    diffusers puts the thresholded, sorted scores back in place with a gather through the inverse permutation, which
-    costs a third sort of every row (an H200 profile: 0.9 ms of a layer's 2.8 ms of mask building); a scatter through
-    the permutation itself puts the same values in the same places. Everything else is diffusers' arithmetic, so
-    the block mask, and the attention, are the same to the bit.
-    """
-    batch, heads, tokens, dim = q.shape
-    blocks = tokens // block_size
-    qa = q.reshape(batch, heads, blocks, block_size, dim).mean(-2)
-    ka = k.reshape(batch, heads, blocks, block_size, dim).mean(-2).transpose(-2, -1)
-    attn_map = torch.softmax((qa @ ka) / math.sqrt(dim), dim=-1)
-    vals, inds = attn_map.sort(-1)
-    kept = (vals.cumsum_(-1) >= 1 - thr).int()
-    mask = torch.zeros_like(kept).scatter_(-1, inds, kept)
-    mask = torch.logical_or(mask, sta)
-    kv_nb = mask.sum(-1).to(torch.int32)
-    kv_inds = mask.argsort(dim=-1, descending=True).to(torch.int32)
-    return BlockMask.from_kv_blocks(
-        torch.zeros_like(kv_nb), kv_inds, kv_nb, kv_inds, BLOCK_SIZE=block_size, mask_mod=None
-    )
 
 
 @functools.cache

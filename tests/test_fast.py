@@ -231,16 +231,3 @@ def test_memory_bench_tiny_smoke(tmp_path: Path) -> None:
     decode = results["modes"]["decode"]["decode"]
     assert set(decode) == {"whole", "3", "2", "1"} and decode["1"]["max_abs_diff"] == 0
     assert set(results["targets"]) == {"16g", "auto16"}
-
-
-@pytest.mark.parametrize("threshold", [0.0, 0.5, 0.9])
-def test_the_fast_nabla_mask_is_diffusers_mask(threshold: float) -> None:
-    from diffusers.models.transformers.transformer_kandinsky6_sr import nabla_block_mask
-
-    generator = torch.Generator().manual_seed(int(threshold * 10))
-    q, k = (torch.randn((1, 3, 64 * 24, 16), generator=generator) for _ in range(2))
-    sta = torch.rand((24, 24), generator=generator) < 0.2
-    want = nabla_block_mask(q, k, sta, thr=threshold)
-    got = fast.nabla_mask(q, k, sta, threshold)
-    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
