@@ -52,7 +52,7 @@ from k6vsr_core.compile_cache import (
     enable_compile_cache,
     import_configured_artifacts,
 )
-from k6vsr_core.fast_decoder import fuse_decoder
+from k6vsr_core.fast_decoder import channels_last_wanted, fuse_decoder
 
 # Flex attention tile sizes must divide NABLA's 64-token blocks; 4 warps and 3 stages were the fastest measured on
 # an H200 at the STA-floor density (performance-baseline.md).
@@ -297,7 +297,10 @@ def compile_bundle(
     # The hook `stages.denoise_chunk` calls after the plain `set_attention` (see stages.use_attention).
     bundle.attention_hook = switch  # type: ignore[attr-defined]
     if fuse and (cuda or on_cpu):
-        path.fused_decoder = fuse_decoder(bundle.vae.decoder)
+        # Channels-last only compiled: eager, the norms and upsamplings between the convolutions ran slower in that
+        # layout on an H200 (performance-baseline.md), and compiled they are one generated kernel each.
+        channels_last = compile_networks and channels_last_wanted()
+        path.fused_decoder = fuse_decoder(bundle.vae.decoder, channels_last=channels_last)
     if compile_networks:
         bundle.transformer.compile_repeated_blocks(fullgraph=True, dynamic=False)
         # Graph breaks are allowed: the decoder's Python-side segment bookkeeping stays eager where it must.

@@ -14,7 +14,7 @@ other copies keep theirs):
   joined to the input once and one convolution pads height and width itself. The carried frames (`cache`) are kept
   unpadded, which only this forward reads.
 
-- **Channels-last layout** (`channels_last=True`, what the GPU path uses): cuDNN's convolutions on Hopper are
+- **Channels-last layout** (`channels_last=True`, what the compiled GPU path uses): cuDNN's convolutions on Hopper are
   implicit GEMMs on channels-last (NDHWC) data; given diffusers' channels-first tensors, cuDNN transposed every
   input and output around each convolution (18 % of a compiled tile decode on an H200, bench/RESULTS.md). The
   decoder's convolution weights are kept channels-last, its input is made channels-last once, every convolution's
