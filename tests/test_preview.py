@@ -51,6 +51,35 @@ def test_the_estimate_adds_the_stages_up_by_their_units() -> None:
     assert first.seconds_left == pytest.approx(first.seconds - 0.1 * 121, abs=0.1)
 
 
+def test_the_preview_runs_the_chosen_windows_as_a_run_schedules_them() -> None:
+    """Only the chosen windows' model work and blends, with the run's own needs; the next chosen window is encoded
+    once the one before it is being denoised, as a run encodes one window ahead; no segment (it needs neighbours)."""
+    from flows.preview import preview_graph
+    from flows.schedule import Item, Scheduler
+
+    plan = make_plan((64, 64), 250, 24.0, UpscaleParams(scale=2), ModelTraits())  # 3 windows of 121, 1 tile
+    graph = preview_graph(plan, (0, 2))
+    assert {(item.stage, item.window) for item in graph.items} == {
+        (stage, window) for stage in ("encode", "denoise", "decode", "blend") for window in (0, 2)
+    }
+    encode = Item("encode", 2, tiles=(0,))
+    assert graph.needs[encode] == () and graph.waits_for_start(encode) == (Item("denoise", 0, 0, (0,)),)
+    assert graph.needs[Item("blend", 2)] == (Item("decode", 2, 0, (0,)),)
+    # Through the scheduler, every item runs once, each after what it needs.
+    import concurrent.futures
+
+    ran: list[Item] = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+
+        def submit(item: Item) -> concurrent.futures.Future:
+            ran.append(item)
+            return pool.submit(lambda: item)
+
+        finished = [item for item, _ in Scheduler(graph, submit, submit, 2).run()]
+    assert sorted(ran, key=str) == sorted(graph.items, key=str) == sorted(finished, key=str)
+    assert finished.index(Item("blend", 0)) > finished.index(Item("decode", 0, 0, (0,)))
+
+
 def test_the_rate_is_taken_after_the_first_window() -> None:
     from flows.preview import model_rates
 
