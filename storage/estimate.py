@@ -59,7 +59,9 @@ class StageRates(BaseModel):
     """What a preview measured on this machine, per unit of work: what a run's time and disk are estimated from."""
 
     ingest_s: float  # the whole ingest (a scan of the source: about the same for any part of it)
-    model_s_per_frame: float  # encode + denoise + decode + blend of a window, per frame it computes (padded)
+    # A window's encode, denoise, decode and blend, per frame it computes (padded): wall seconds from the end of the
+    # window before it, computed as a run schedules them (flows.preview), so work a run overlaps counts once.
+    model_s_per_frame: float
     first_window_extra_s: float = 0.0  # what a process's first window costs beyond that, once a run
     segment_s_per_frame: float  # cross-fade and encoding, per output frame
     encoded_bytes_per_frame: float  # the encoded output, per frame
