@@ -20,7 +20,9 @@ edges) is not blamed on the upscaler:
 
 Seams, colour and consistency are measured on every `SPATIAL_EVERY`-th frame, which is enough for quantities that
 change slowly; the temporal measures need every pair, and are taken on frames scaled down to at most
-`TEMPORAL_WIDTH` pixels wide. Together these keep the report a few per cent of a run (README, "Quality report").
+`TEMPORAL_WIDTH` pixels wide. Together these keep the report a few per cent of a run's work; measured window by
+window (`Measures`, joined by `combine`) while the model computes the next windows, little of it is left on the run's
+tail (README, "Quality report").
 """
 
 from __future__ import annotations
