@@ -2,7 +2,7 @@
 
 Each window's part is measured on the CPU lane as soon as its segment is written (`measure_window`), from the
 segment file and the source, while the model computes the windows after it, and kept in the store
-(`quality-window-<w>.npz`; a resumed run finds it there). After the mux, `measure_quality` only joins the parts (and
+(`quality/<window>.npz`; a resumed run finds it there). After the mux, `measure_quality` only joins the parts (and
 measures the pair that crosses each segment's start) into the report, `quality.json`. A part missing then (its item
 failed) is measured there; an output whose segments are gone is measured whole. A measurement that fails is logged
 and the run goes on without it: the report describes the output, it never decides it.
@@ -22,10 +22,11 @@ from storage.location import Location
 from tasks.descriptors import StageResult
 
 REPORT = "quality.json"
+QUALITY = "quality"  # the folder of the windows' parts
 
 
 def part_path(store: RunStore, window: int) -> Location:
-    return store.where / f"quality-window-{window}.npz"
+    return store.where / QUALITY / f"{window:06d}.npz"
 
 
 def _part_done(store: RunStore, window: int) -> bool:
