@@ -79,11 +79,9 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
         _write_contact_sheet(sheet, halves)
         rates = read_rates(store)
         if measured:
-            per_frame, first_extra = model_rates(measured)
             rates = StageRates(
                 ingest_s=ingested.seconds if ingested.computed else (rates.ingest_s if rates else 0.0),
-                model_s_per_frame=per_frame,
-                first_window_extra_s=first_extra,
+                model_s_per_frame=model_rate(measured),
                 segment_s_per_frame=segment_s_per_frame,
                 encoded_bytes_per_frame=bytes_per_frame,
                 windows_measured=len(measured),
@@ -101,20 +99,16 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
     )
 
 
-def model_rates(measured: list[tuple[float, int]]) -> tuple[float, float]:
-    """Model seconds per computed frame, and what the first window of a process costs beyond that, from the
-    (seconds, frames) of the windows computed in order, each window's seconds counted from the end of the one before
-    it (wall clock, the windows computed as a run computes them: overlapping work counted once). A process's first
-    window also pays for what it does once (kernels chosen, memory mapped, caches filled) and has no window before
-    it to overlap, so the rate is taken from the windows after it; with one window there is nothing to separate,
-    and the rate is an upper bound."""
-    if len(measured) == 1:
-        seconds, frames = measured[0]
-        return seconds / frames, 0.0
-    later = measured[1:]
-    per_frame = sum(seconds for seconds, _ in later) / sum(frames for _, frames in later)
-    first_seconds, first_frames = measured[0]
-    return per_frame, max(0.0, first_seconds - per_frame * first_frames)
+def model_rate(measured: list[tuple[float, int]]) -> float:
+    """Model seconds per computed frame from the (seconds, frames) of the windows computed, each window's seconds
+    counted from the end of the one before it: the preview's wall clock over the frames it computed, its windows
+    computed as a run computes them, so work a run overlaps (two windows' decodes at once) is counted once.
+
+    Not a rate from the windows after the first: two windows whose model work ran side by side end together, and
+    the second's few seconds say nothing of a run's pace, which is two windows at a time at most. A process's
+    one-time costs (the model's load, first calls) are spread over the frames measured; with one window there is no
+    overlap to see, and the rate is an upper bound."""
+    return sum(seconds for seconds, _ in measured) / sum(frames for _, frames in measured)
 
 
 def windows_done(store: RunStore, plan: ClipPlan) -> list[int]:
@@ -143,8 +137,7 @@ def _windows(
 ) -> list[tuple[float, int]]:
     """The chosen windows' model work and blends, through the run's own scheduler and lanes (the same model slots,
     so as many tasks at once as the run computes); for each window this preview computed whole, in order, the
-    seconds from the previous one's end (or the start) to its own, and the frames it computed. A run's windows end
-    one after another at that pace: what the estimate counts (`model_rates`)."""
+    seconds from the previous one's end (or the start) to its own, and the frames it computed (`model_rate`)."""
     from prefect.context import FlowRunContext
 
     context = FlowRunContext.get()

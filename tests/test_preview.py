@@ -80,13 +80,14 @@ def test_the_preview_runs_the_chosen_windows_as_a_run_schedules_them() -> None:
     assert finished.index(Item("blend", 0)) > finished.index(Item("decode", 0, 0, (0,)))
 
 
-def test_the_rate_is_taken_after_the_first_window() -> None:
-    from flows.preview import model_rates
+def test_the_rate_is_the_previews_wall_clock_over_the_frames_it_computed() -> None:
+    """Two windows computed side by side end together: the second's few seconds after the first are no rate (the
+    preview of 2026-12-03 that took them for one estimated a 89 s run at 75 s); the wall clock over both is."""
+    from flows.preview import model_rate
 
-    assert model_rates([(121.0, 121)]) == (1.0, 0.0)  # one window: nothing to separate, an upper bound
-    per_frame, extra = model_rates([(150.0, 121), (60.5, 121), (30.0, 57)])
-    assert per_frame == pytest.approx(90.5 / 178) and extra == pytest.approx(150 - 121 * 90.5 / 178)
-    assert model_rates([(10.0, 121), (121.0, 121)]) == (1.0, 0.0)  # never a negative extra
+    assert model_rate([(121.0, 121)]) == 1.0  # one window: an upper bound
+    assert model_rate([(70.3, 121), (1.5, 121)]) == pytest.approx(71.8 / 242)
+    assert model_rate([(150.0, 121), (60.5, 121), (30.0, 57)]) == pytest.approx(240.5 / 299)
 
 
 def test_the_preview_count_and_the_window_mode_are_two_flags() -> None:
