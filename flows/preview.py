@@ -7,11 +7,12 @@ encoded while the one before it is denoised), on the clip's own run store, under
 of the segments, which need each window's neighbour.
 
 It writes a side-by-side MP4 (the bicubic-upscaled source on the left, the output on the right, window after
-window) and a contact sheet PNG (the middle frame of each window, source and output), and, from when its windows
-ended, estimates the whole run's time and disk on this machine (`storage.estimate.estimate_run`). From the windows'
-ends, not from the sum of their tasks' seconds: a run computes two model tasks at once (`flows.slots.MODEL_SLOTS`)
-and encodes a window while the one before it decodes, and a sum of tasks computed one at a time counts that
-overlapped work twice. The rates are kept in the store (`preview.json`), where `k6vsr plan` finds them.
+window) and a contact sheet PNG (the middle frame of each window, source and output), and, from its wall clock over
+the frames its windows computed, estimates the whole run's time and disk on this machine
+(`storage.estimate.estimate_run`). The wall clock, not the sum of the tasks' seconds: a run computes two model tasks
+at once (`flows.slots.MODEL_SLOTS`) and encodes a window while the one before it decodes, and a sum of tasks
+computed one at a time counted that overlapped work in full. The rates are kept in the store (`preview.json`), where
+`k6vsr plan` finds them.
 """
 
 from __future__ import annotations
