@@ -5,13 +5,15 @@
 With the tiny random bundle on the CPU, as a user runs them: `k6vsr preview --windows N` of a synthetic clip in
 one store (its estimate of the whole run from nothing), then `k6vsr upscale` of the same clip in a fresh store, each
 a command of its own, the second timed by its wall clock; the two are compared. A private Prefect server under the
-work folder is started for the commands and stopped.
+work folder is started for the commands and stopped. The one-minute load average is printed before, between and
+after: on a shared host, other processes change both times.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -54,16 +56,19 @@ def main() -> None:
         make_sample_clip(clip, width=args.size, height=args.size, num_frames=args.frames, fps=24)
     common = ["--scale", "2", "--model", str(bundle), "--json"]
     home = work / "prefect"
+    load_before = os.getloadavg()[0]
     try:
         with prefect_api(home):  # exported to the commands: they report to it and start no server of their own
             started = time.perf_counter()
             preview = _command(["preview", str(clip), "--windows", str(args.windows), "-o", str(work),
                                 "--store", str(work / "preview-store"), *common])  # fmt: skip
             preview_s = time.perf_counter() - started
+            load_between = os.getloadavg()[0]
             started = time.perf_counter()
             summary = _command(["upscale", str(clip), "-o", str(work), "--output-file-name", "out.mp4",
                                 "--store", str(work / "run-store"), *common])  # fmt: skip
             run_s = time.perf_counter() - started
+            load_after = os.getloadavg()[0]
     finally:
         stop_server(home)
     estimate = preview["estimate"]
@@ -78,6 +83,7 @@ def main() -> None:
         "estimate_output_bytes": estimate["output_bytes"],
         "output_bytes": (work / "out.mp4").stat().st_size,
         "rates": preview["rates"],
+        "load_before_between_after": [round(load_before, 2), round(load_between, 2), round(load_after, 2)],
     }
     text = json.dumps(row, indent=2)
     print(text)

@@ -1,25 +1,36 @@
 """The preview flow: a few representative windows of a clip, upscaled before the whole run is started.
 
-It runs the clip's own tasks (ingest, then encode, denoise, decode and blend of each chosen window) on the clip's
-own run store, under the same run key: the whole run (`k6vsr upscale` with the same parameters) finds those windows
-blended and computes only the others. It stops short of the segments, which need each window's neighbour.
+It runs the clip's own tasks (ingest, then encode, denoise, decode and blend of each chosen window) through the
+run's own scheduler and lanes (`flows.schedule`: as many model tasks at once as a run computes, the next window
+encoded while the one before it is denoised), on the clip's own run store, under the same run key: the whole run
+(`k6vsr upscale` with the same parameters) finds those windows blended and computes only the others. It stops short
+of the segments, which need each window's neighbour.
 
 It writes a side-by-side MP4 (the bicubic-upscaled source on the left, the output on the right, window after
-window) and a contact sheet PNG (the middle frame of each window, source and output), and, from the seconds its
-tasks took, estimates the whole run's time and disk on this machine (`storage.estimate.estimate_run`). The rates
-are kept in the store (`preview.json`), where `k6vsr plan` finds them.
+window) and a contact sheet PNG (the middle frame of each window, source and output), and, from its wall clock over
+the frames its windows computed, estimates the whole run's time and disk on this machine
+(`storage.estimate.estimate_run`). The wall clock, not the sum of the tasks' seconds: a run computes two model tasks
+at once (`flows.slots.MODEL_SLOTS`) and encodes a window while the one before it decodes, and a sum of tasks
+computed one at a time counted that overlapped work in full. The rates are kept in the store (`preview.json`), where
+`k6vsr plan` finds them.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from prefect import flow
 from pydantic import BaseModel
 
+from flows.lanes import SubmitTask, lanes_for, shared_queues
+from flows.runners import WarmOrThreadsTaskRunner
+from flows.schedule import MODEL_STAGES, Graph, Item, Scheduler, clip_graph
+from flows.upscale_clip import _task_of
 from k6vsr_core import media
 from k6vsr_core.errors import MissingInput
 from k6vsr_core.plan import ClipPlan, representative_windows
@@ -45,7 +56,7 @@ class PreviewSummary(BaseModel):
     estimate: RunEstimate | None
 
 
-@flow(name="preview-clip", log_prints=False, validate_parameters=True)
+@flow(name="preview-clip", log_prints=False, validate_parameters=True, task_runner=WarmOrThreadsTaskRunner())
 def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: str) -> PreviewSummary:
     """Upscale `count` representative windows of the planned clip into its run store, write the side-by-side MP4
     and the contact sheet into `out_dir`, and estimate the whole run from the rates measured (or kept by an earlier
@@ -57,13 +68,8 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
         ingested = ingest_tasks.ingest(prepared, attempt)
         plan = ingested.plan
         chosen = representative_windows(plan, count)
-        measured: list[tuple[float, int]] = []  # (seconds, frames computed) of each window this preview computed
-        pieces = []
-        for window in chosen:
-            results = _window(run, model, plan, window, attempt)
-            if all(result.computed for result in results):
-                measured.append((sum(result.seconds for result in results), plan.windows[window].padded))
-            pieces.append((window, _window_frames(store, plan, window)))
+        measured = _windows(run, model, plan, chosen, attempt, store)
+        pieces = [(window, _window_frames(store, plan, window)) for window in chosen]
         stem = Path(prepared.source).stem
         side_by_side, sheet = Path(out_dir) / f"{stem}_preview.mp4", Path(out_dir) / f"{stem}_preview.png"
         segment_s_per_frame, bytes_per_frame = _encoding_rate(
@@ -74,11 +80,9 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
         _write_contact_sheet(sheet, halves)
         rates = read_rates(store)
         if measured:
-            per_frame, first_extra = model_rates(measured)
             rates = StageRates(
                 ingest_s=ingested.seconds if ingested.computed else (rates.ingest_s if rates else 0.0),
-                model_s_per_frame=per_frame,
-                first_window_extra_s=first_extra,
+                model_s_per_frame=model_rate(measured),
                 segment_s_per_frame=segment_s_per_frame,
                 encoded_bytes_per_frame=bytes_per_frame,
                 windows_measured=len(measured),
@@ -96,18 +100,16 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
     )
 
 
-def model_rates(measured: list[tuple[float, int]]) -> tuple[float, float]:
-    """Model seconds per computed frame, and what the first window of a process costs beyond that, from the
-    (seconds, frames) of the windows computed in order. A process's first window also pays for what it does once
-    (kernels chosen, memory mapped, caches filled), so the rate is taken from the windows after it; with one window
-    there is nothing to separate, and the rate is an upper bound."""
-    if len(measured) == 1:
-        seconds, frames = measured[0]
-        return seconds / frames, 0.0
-    later = measured[1:]
-    per_frame = sum(seconds for seconds, _ in later) / sum(frames for _, frames in later)
-    first_seconds, first_frames = measured[0]
-    return per_frame, max(0.0, first_seconds - per_frame * first_frames)
+def model_rate(measured: list[tuple[float, int]]) -> float:
+    """Model seconds per computed frame from the (seconds, frames) of the windows computed, each window's seconds
+    counted from the end of the one before it: the preview's wall clock over the frames it computed, its windows
+    computed as a run computes them, so work a run overlaps (two windows' decodes at once) is counted once.
+
+    Not a rate from the windows after the first: two windows whose model work ran side by side end together, and
+    the second's few seconds say nothing of a run's pace, which is two windows at a time at most. A process's
+    one-time costs (the model's load, first calls) are spread over the frames measured; with one window there is no
+    overlap to see, and the rate is an upper bound."""
+    return sum(seconds for seconds, _ in measured) / sum(frames for _, frames in measured)
 
 
 def windows_done(store: RunStore, plan: ClipPlan) -> list[int]:
@@ -115,16 +117,65 @@ def windows_done(store: RunStore, plan: ClipPlan) -> list[int]:
     return [w.index for w in plan.windows if stage_tasks.window_blended(store, plan, w.index)]
 
 
-def _window(run: RunRef, model: ModelSpec, plan: ClipPlan, window: int, attempt: str) -> list[StageResult]:
-    """One window's model work, stage after stage, as the clip flow's tasks do it."""
-    results = [stage_tasks.encode(run, model, window, attempt)]
-    for chunk in plan.chunks:
-        label = "-".join(map(str, chunk.tiles))
-        results.append(stage_tasks.denoise(run, model, window, chunk.index, attempt, tiles_label=label))
-    for tile in range(plan.num_tiles):
-        results.append(stage_tasks.decode(run, model, window, tile, attempt))
-    results.append(stage_tasks.blend(run, window, attempt))
-    return results
+def preview_graph(plan: ClipPlan, chosen: tuple[int, ...], stream_blend: bool = True) -> Graph:
+    """The clip's graph (`flows.schedule.clip_graph`) cut down to the chosen windows' model work and blends, each
+    chosen window encoded once the one chosen before it is being denoised, as a run encodes one window ahead."""
+    whole = clip_graph(plan, stream_blend)
+    items = tuple(item for item in whole.items if item.window in chosen and item.stage in (*MODEL_STAGES, "blend"))
+    kept = set(items)
+    needs = {item: tuple(need for need in whole.needs[item] if need in kept) for item in items}
+    after_start = {}
+    for before, window in zip(chosen, chosen[1:], strict=False):
+        after_start[Item("encode", window, tiles=tuple(range(plan.num_tiles)))] = tuple(
+            item for item in items if item.window == before and item.stage == "denoise"
+        )
+    starts_with = {item: first for item, first in whole.starts_with.items() if item in kept}
+    return Graph(items, needs, after_start, starts_with)
+
+
+def _windows(
+    run: RunRef, model: ModelSpec, plan: ClipPlan, chosen: tuple[int, ...], attempt: str, store: RunStore
+) -> list[tuple[float, int]]:
+    """The chosen windows' model work and blends, through the run's own scheduler and lanes (the same model slots,
+    so as many tasks at once as the run computes); for each window this preview computed whole, in order, the
+    seconds from the previous one's end (or the start) to its own, and the frames it computed (`model_rate`)."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    computed: dict[int, bool] = {window: True for window in chosen}
+    ends: dict[int, float] = {}
+    error: Exception | None = None
+    with lanes_for(context.task_runner if context else None) as lanes:
+        model_slots, cpu_slots, rank = shared_queues(lanes)
+
+        def start(lane: SubmitTask) -> Callable[[Item], Any]:
+            return lambda item: lane(*_task_of(item, run, model, attempt))
+
+        scheduler = Scheduler(
+            preview_graph(plan, chosen, lanes.stream_blend), start(lanes.model), start(lanes.cpu), model_slots,
+            rank, cpu_slots,
+        )  # fmt: skip
+        started = time.perf_counter()
+        for item, future in scheduler.run():
+            try:
+                result: StageResult = future.result()
+            except Exception as err:  # noqa: BLE001 - the first error is raised once the lanes are idle
+                scheduler.failed(item)
+                for window in chosen:  # a blend waiting for a tile that will not come
+                    store.stop_window(window, attempt)
+                error = error or err
+                continue
+            computed[item.window] = computed[item.window] and result.computed
+            if item.stage == "blend":
+                ends[item.window] = time.perf_counter() - started
+    if error is not None:
+        raise error
+    measured, previous = [], 0.0
+    for window in sorted(ends, key=ends.__getitem__):
+        if computed[window]:
+            measured.append((ends[window] - previous, plan.windows[window].padded))
+        previous = ends[window]
+    return measured
 
 
 def _window_frames(store: RunStore, plan: ClipPlan, window: int) -> np.ndarray:

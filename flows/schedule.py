@@ -1,7 +1,7 @@
 """The order a clip's tasks run in: each as soon as its inputs exist, the model's work most urgent first.
 
-A window is encode -> denoise per chunk -> decode per tile -> blend -> segment (a segment also reads the window
-before). Submitted all at once, tasks ran in submission order: every denoise chunk of a window before its first
+A window is encode -> denoise per chunk -> decode per tile -> blend -> segment -> quality (a segment also reads the
+window before). Submitted all at once, tasks ran in submission order: every denoise chunk of a window before its first
 decode, and blends and segments queued behind model work on the same threads. So the flow submits each task when
 its inputs are in, to one of two lanes:
 
@@ -10,8 +10,9 @@ its inputs are in, to one of two lanes:
   decoded as soon as its chunk is denoised. The next window's encode becomes ready once the last denoise of the
   window before it is under way: its frames are read and encoded while that window's tiles decode, and no more than
   one window is encoded ahead;
-- the CPU lane (blend, segment) takes a task the moment its inputs are in, beside the model lane, so a window's
-  blend and segment overlap the next window's model work. A window's blend starts with its first decoded tile and
+- the CPU lane (blend, segment, and the window's part of the quality report, `tasks.quality`) takes a task the
+  moment its inputs are in, beside the model lane, so a window's blend, segment and measures overlap the next
+  window's model work. A window's blend starts with its first decoded tile and
   adds the others as they are decoded (`tasks.stage_tasks.blend` waits for them), so what is left of it after the
   window's last decode is one tile and the division.
 
@@ -37,7 +38,7 @@ from typing import Any, Protocol
 from k6vsr_core.plan import ClipPlan
 
 MODEL_STAGES = ("decode", "denoise", "encode")  # within a window, the most urgent first
-CPU_STAGES = ("blend", "segment")
+CPU_STAGES = ("blend", "segment", "quality")
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,9 @@ def clip_graph(plan: ClipPlan, stream_blend: bool = True) -> Graph:
             starts_with[blends[-1]] = (decodes[0],)  # it adds the others as they are decoded, in tile order
         segment = Item("segment", window)
         needs[segment] = tuple(blends[-2:])
-        items += [encode, *chunks.values(), *decodes, blends[-1], segment]
+        quality = Item("quality", window)  # its part of the quality report, read from the segment
+        needs[quality] = (segment,)
+        items += [encode, *chunks.values(), *decodes, blends[-1], segment, quality]
         last_denoises = tuple(chunks.values())
     return Graph(tuple(items), needs, after_start, starts_with)
 

@@ -1,5 +1,6 @@
-"""The clip flow: ingest, then per window: encode -> denoise per tile chunk -> decode per tile -> blend -> segment;
-then mux (join the segments) -> publish.
+"""The clip flow: ingest, then per window: encode -> denoise per tile chunk -> decode per tile -> blend -> segment ->
+the window's part of the quality report; then mux (join the segments) -> publish -> the quality report (the parts
+joined).
 
 Every stage is persisted in the run store per (window, tile), so a crash, a killed worker or a bad tile costs only
 the unfinished work: the next run of the same clip and parameters finds the finished items by their records and
@@ -247,6 +248,9 @@ def _windows(
                     result = record(future.result())
                 except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
                     scheduler.failed(item)
+                    if item.stage == "quality":  # the report never fails the run: its part is measured after the mux
+                        get_run_logger().warning("the quality of window %d was not measured: %s", item.window, err)
+                        continue
                     if item.on_model:
                         _stop_blends(store, [item.window], attempt)
                     if isinstance(err, StoreUnreachable):
@@ -292,6 +296,8 @@ def _task_of(item: Item, run: RunRef, model: ModelSpec, attempt: str) -> tuple[A
         return stage_tasks.decode, dict(run=run, model=model, window=w, tile=item.index, attempt=attempt)
     if item.stage == "blend":
         return stage_tasks.blend, dict(run=run, window=w, attempt=attempt)
+    if item.stage == "quality":
+        return quality_tasks.measure_window, dict(run=run, window=w, attempt=attempt)
     return stage_tasks.segment, dict(run=run, window=w, attempt=attempt)
 
 

@@ -20,14 +20,18 @@ edges) is not blamed on the upscaler:
 
 Seams, colour and consistency are measured on every `SPATIAL_EVERY`-th frame, which is enough for quantities that
 change slowly; the temporal measures need every pair, and are taken on frames scaled down to at most
-`TEMPORAL_WIDTH` pixels wide. Together these keep the report a few per cent of a run (README, "Quality report").
+`TEMPORAL_WIDTH` pixels wide. Together these keep the report a few per cent of a run's work; measured window by
+window (`Measures`, joined by `combine`) while the model computes the next windows, little of it is left on the run's
+tail (README, "Quality report").
 """
 
 from __future__ import annotations
 
+import io
 import math
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +39,7 @@ from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core import media
 from k6vsr_core.plan import ClipPlan
-from k6vsr_core.windows import Window
+from k6vsr_core.windows import Window, segment_range
 
 SPATIAL_EVERY = 8
 TEMPORAL_WIDTH = 320
@@ -102,92 +106,172 @@ def tile_borders(plan: ClipPlan) -> tuple[list[int], list[int]]:
     return borders(grid.tops, grid.base[0], height, scale_y), borders(grid.lefts, grid.base[1], width, scale_x)
 
 
+# A frame as the temporal measures see it: the output scaled down, the source at that size, and its grey (uint8).
+Reduced = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass
+class Measures:
+    """The per-frame measures of the output's frames `[first, stop)`, and those frames' first and last reduced
+    (`head`, `tail`): what a window's segment contributes to the report, kept in the run store while the run goes
+    on. The pair that crosses into `first` needs the frame before it, so it is measured when the parts are joined
+    (`combine`). Values are per frame (a pair `(t - 1, t)` under `t`), so that the parts joined give the very
+    numbers, in the very order, of one pass over the whole output."""
+
+    first: int
+    stop: int
+    energy: dict[int, float] = field(default_factory=dict)
+    warping: dict[int, float] = field(default_factory=dict)
+    seams: dict[int, tuple[float, float, float, float]] = field(default_factory=dict)  # output at, inside; source
+    delta_e: dict[int, float] = field(default_factory=dict)
+    squared_error: dict[int, float] = field(default_factory=dict)
+    head: Reduced | None = None
+    tail: Reduced | None = None
+    seconds: float = 0.0
+
+    def to_bytes(self) -> bytes:
+        """An `.npz` of the measures (float64, exact) and the reduced frames."""
+        arrays: dict[str, np.ndarray] = {"span": np.array([self.first, self.stop]), "seconds": np.array(self.seconds)}
+        for name in ("energy", "warping", "delta_e", "squared_error"):
+            values: dict[int, float] = getattr(self, name)
+            arrays[f"{name}_frames"] = np.array(sorted(values), dtype=np.int64)
+            arrays[name] = np.array([values[t] for t in sorted(values)], dtype=np.float64)
+        arrays["seams_frames"] = np.array(sorted(self.seams), dtype=np.int64)
+        arrays["seams"] = np.array([self.seams[t] for t in sorted(self.seams)], dtype=np.float64).reshape(-1, 4)
+        for end in ("head", "tail"):
+            frame = getattr(self, end)
+            if frame is not None:
+                for name, array in zip(("small", "src", "grey"), frame, strict=True):
+                    arrays[f"{end}_{name}"] = array
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        return buffer.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Measures:
+        with np.load(io.BytesIO(data)) as stored:
+            first, stop = (int(v) for v in stored["span"])
+            parts = cls(first, stop, seconds=float(stored["seconds"]))
+            for name in ("energy", "warping", "delta_e", "squared_error"):
+                frames, values = stored[f"{name}_frames"], stored[name]
+                setattr(parts, name, {int(t): float(v) for t, v in zip(frames, values, strict=True)})
+            parts.seams = {
+                int(t): tuple(float(v) for v in row)
+                for t, row in zip(stored["seams_frames"], stored["seams"], strict=True)
+            }
+            for end in ("head", "tail"):
+                if f"{end}_small" in stored:
+                    setattr(parts, end, tuple(stored[f"{end}_{name}"] for name in ("small", "src", "grey")))
+        return parts
+
+
 class QualityMeter:
-    """Fed the output's frames and the source's kept frames in order, one pair at a time; `report()` at the end.
-    Holds two frames of each, whatever the length."""
+    """Fed the output's frames and the source's kept frames in order, one pair at a time, from frame `first`;
+    `measures()` gives what it measured, `report()` the report when it was fed the whole output. Holds two frames of
+    each, whatever the length."""
 
     def __init__(
-        self, windows: tuple[Window, ...], cuts: tuple[int, ...], borders: tuple[list[int], list[int]]
+        self,
+        windows: tuple[Window, ...],
+        cuts: tuple[int, ...],
+        borders: tuple[list[int], list[int]],
+        first: int = 0,
     ) -> None:
         import cv2  # here: the report's model is imported by commands that never measure
 
-        self._joins, self._cuts = join_pairs(windows, cuts)
+        self._windows, self._cuts = windows, cuts
         self._borders = borders
         self._flow = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST)
-        self._frame = 0
-        self._previous: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # scaled output, source, grey source
-        self._energy: dict[int, float] = {}
-        self._warping: dict[int, float] = {}
-        self._seams: list[tuple[float, float, float, float]] = []  # output at, inside; source at, inside
-        self._delta_e: list[float] = []
-        self._squared_error = 0.0
-        self._samples = 0
-        self._seconds = 0.0
+        self._measures = Measures(first, first)
+        self._previous: Reduced | None = None
 
     def add(self, output: np.ndarray, source: np.ndarray) -> None:
         """One output frame `(H, W, 3)` uint8 and the source frame it was made from."""
         import cv2
 
         started = time.perf_counter()
-        height, width = source.shape[:2]
-        # Temporal measures at most `TEMPORAL_WIDTH` wide: a join's flicker is in the whole picture, not in detail.
-        # An integer factor of the source: OpenCV's area averaging is several times faster at whole ratios.
-        factor = max(1, math.ceil(width / TEMPORAL_WIDTH))
-        size = (max(8, width // factor), max(8, height // factor))
-        small = cv2.resize(output, size, interpolation=cv2.INTER_AREA).astype(np.float32)
-        src = source if size == (width, height) else cv2.resize(source, size, interpolation=cv2.INTER_AREA)
-        grey = cv2.cvtColor(src, cv2.COLOR_RGB2GRAY)
-        src = src.astype(np.float32)
-        t = self._frame
+        m = self._measures
+        t = m.stop
+        reduced = _reduce(output, source)
         if self._previous is not None and t not in self._cuts:
-            before, src_before, grey_before = self._previous
-            change = (small - before) - (src - src_before)
-            self._energy[t] = float(np.mean(change * change))
-            self._warping[t] = float(np.mean(np.abs(small - _warp(before, self._flow.calc(grey, grey_before, None)))))
+            m.energy[t], m.warping[t] = _pair(self._previous, reduced, self._flow)
         if t % SPATIAL_EVERY == 0:
+            height, width = source.shape[:2]
             scaled = cv2.resize(output, (width, height), interpolation=cv2.INTER_AREA).astype(np.float32)
             difference = scaled - source.astype(np.float32)
-            self._squared_error += float(np.mean(difference * difference))
-            self._samples += 1
+            m.squared_error[t] = float(np.mean(difference * difference))
             upscaled = cv2.resize(source, (output.shape[1], output.shape[0]), interpolation=cv2.INTER_CUBIC)
             if self._borders[0] or self._borders[1]:
-                self._seams.append((*_step_energy(output, self._borders), *_step_energy(upscaled, self._borders)))
-            self._delta_e.append(_delta_e(output, upscaled))
-        self._previous = (small, src, grey)
-        self._frame += 1
-        self._seconds += time.perf_counter() - started
+                m.seams[t] = (*_step_energy(output, self._borders), *_step_energy(upscaled, self._borders))
+            m.delta_e[t] = _delta_e(output, upscaled)
+        if m.head is None:
+            m.head = reduced
+        m.tail = self._previous = reduced
+        m.stop += 1
+        m.seconds += time.perf_counter() - started
+
+    def measures(self) -> Measures:
+        return self._measures
 
     def report(self) -> QualityReport:
-        if not self._frame:
-            raise ValueError("no frame was measured")
-        joins = [pairs & self._energy.keys() for pairs in self._joins]
-        joins = [pairs for pairs in joins if pairs]
-        inside = self._energy.keys() - set().union(*joins) if joins else set()
-        energy = _compare(self._energy, joins, inside)
-        warping = _compare(self._warping, joins, inside)
-        seams = source_seams = None
-        if self._seams:
-            rows = np.asarray(self._seams)
-            seams = _comparison(float(rows[:, 0].mean()), float(rows[:, 1].mean()))
-            source_seams = _comparison(float(rows[:, 2].mean()), float(rows[:, 3].mean()))
-        mse = self._squared_error / self._samples
-        psnr = 99.0 if mse <= 1e-10 else 10 * math.log10(255.0**2 / mse)
-        delta_e = float(np.mean(self._delta_e)) if self._delta_e else 0.0
-        findings = _findings(energy, warping, seams, source_seams, delta_e, psnr)
-        return QualityReport(
-            frames=self._frame,
-            joins=len(joins),
-            join_difference_energy=energy,
-            join_warping_error=warping,
-            tile_borders=len(self._borders[0]) + len(self._borders[1]),
-            tile_seam_energy=seams,
-            tile_seam_energy_source=source_seams,
-            colour_drift_delta_e=round(delta_e, 3),
-            colour_drift_delta_e_max=round(max(self._delta_e, default=0.0), 3),
-            source_psnr_db=round(psnr, 2),
-            findings=findings,
-            seconds=round(self._seconds, 3),
-        )
+        return combine([self._measures], self._windows, self._cuts, self._borders)
+
+
+def combine(
+    parts: Iterable[Measures], windows: tuple[Window, ...], cuts: tuple[int, ...], borders: tuple[list[int], list[int]]
+) -> QualityReport:
+    """The report of the whole output from the measures of consecutive parts of it, which must cover it from frame
+    0 without a gap: the pairs that cross from one part into the next are measured here, from the parts' ends."""
+    import cv2
+
+    started = time.perf_counter()
+    ordered = sorted(parts, key=lambda part: part.first)
+    if not ordered or ordered[-1].stop == 0:
+        raise ValueError("no frame was measured")
+    whole = Measures(0, 0, seconds=sum(part.seconds for part in ordered))
+    flow = None
+    for part in ordered:
+        if part.first != whole.stop:
+            raise ValueError(f"the measures cover frames up to {whole.stop}, the next part starts at {part.first}")
+        if part.first and part.first not in cuts and part.head is not None and whole.tail is not None:
+            flow = flow or cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST)
+            whole.energy[part.first], whole.warping[part.first] = _pair(whole.tail, part.head, flow)
+        for name in ("energy", "warping", "seams", "delta_e", "squared_error"):
+            getattr(whole, name).update(getattr(part, name))
+        whole.stop, whole.tail = part.stop, part.tail if part.tail is not None else whole.tail
+    frames, joins_at = whole.stop, join_pairs(windows, cuts)[0]
+    joins = [pairs & whole.energy.keys() for pairs in joins_at]
+    joins = [pairs for pairs in joins if pairs]
+    inside = whole.energy.keys() - set().union(*joins) if joins else set()
+    energy = _compare(whole.energy, joins, inside)
+    warping = _compare(whole.warping, joins, inside)
+    seams = source_seams = None
+    if whole.seams:
+        rows = np.asarray([whole.seams[t] for t in sorted(whole.seams)])
+        seams = _comparison(float(rows[:, 0].mean()), float(rows[:, 1].mean()))
+        source_seams = _comparison(float(rows[:, 2].mean()), float(rows[:, 3].mean()))
+    squared_error = 0.0
+    for t in sorted(whole.squared_error):  # added in frame order, as one pass over the output adds them
+        squared_error += whole.squared_error[t]
+    mse = squared_error / len(whole.squared_error)
+    psnr = 99.0 if mse <= 1e-10 else 10 * math.log10(255.0**2 / mse)
+    delta_es = [whole.delta_e[t] for t in sorted(whole.delta_e)]
+    delta_e = float(np.mean(delta_es)) if delta_es else 0.0
+    findings = _findings(energy, warping, seams, source_seams, delta_e, psnr)
+    return QualityReport(
+        frames=frames,
+        joins=len(joins),
+        join_difference_energy=energy,
+        join_warping_error=warping,
+        tile_borders=len(borders[0]) + len(borders[1]),
+        tile_seam_energy=seams,
+        tile_seam_energy_source=source_seams,
+        colour_drift_delta_e=round(delta_e, 3),
+        colour_drift_delta_e_max=round(max(delta_es, default=0.0), 3),
+        source_psnr_db=round(psnr, 2),
+        findings=findings,
+        seconds=round(whole.seconds + time.perf_counter() - started, 3),
+    )
 
 
 def measure(plan: ClipPlan, outputs: Iterable[np.ndarray], sources: Iterable[np.ndarray]) -> QualityReport:
@@ -202,6 +286,25 @@ def measure(plan: ClipPlan, outputs: Iterable[np.ndarray], sources: Iterable[np.
     return meter.report()
 
 
+def measure_segment(
+    plan: ClipPlan, window: int, segment: str | Path, source: str | Path, frame_pts: np.ndarray | None = None
+) -> Measures:
+    """The measures of the output's frames that window `window`'s segment holds, decoded from the segment file (the
+    output's mux copies its stream: the same frames) and from the source (`frame_pts`: its frame index, for a seek);
+    `seconds` counts the decoding."""
+    started = time.perf_counter()
+    start, stop = segment_range(plan.windows, window)
+    meter = QualityMeter(plan.windows, plan.cuts, tile_borders(plan), first=start)
+    sources = media.read_frames(source, plan.source_indices()[start:stop], frame_pts)
+    for output, frame in zip(media.iter_frames(segment, list(range(stop - start))), sources, strict=False):
+        meter.add(output, frame)
+    measures = meter.measures()
+    if measures.stop != stop:
+        raise ValueError(f"the segment of window {window} has {measures.stop - start} frames, its plan {stop - start}")
+    measures.seconds = time.perf_counter() - started
+    return measures
+
+
 def measure_files(plan: ClipPlan, output: str | Path, source: str | Path) -> QualityReport:
     """The report of the output file of `plan` made from the video `source`, both decoded once, a frame at a time;
     `seconds` counts the decoding."""
@@ -209,6 +312,30 @@ def measure_files(plan: ClipPlan, output: str | Path, source: str | Path) -> Qua
     outputs = media.iter_frames(output, list(range(plan.num_frames)))
     report = measure(plan, outputs, media.iter_frames(source, plan.source_indices()))
     return report.model_copy(update={"seconds": round(time.perf_counter() - started, 3)})
+
+
+def _reduce(output: np.ndarray, source: np.ndarray) -> Reduced:
+    """The frame as the temporal measures see it: at most `TEMPORAL_WIDTH` wide, for a join's flicker is in the
+    whole picture, not in detail; an integer factor of the source's size, where OpenCV's area averaging is several
+    times faster."""
+    import cv2
+
+    height, width = source.shape[:2]
+    factor = max(1, math.ceil(width / TEMPORAL_WIDTH))
+    size = (max(8, width // factor), max(8, height // factor))
+    small = cv2.resize(output, size, interpolation=cv2.INTER_AREA)
+    src = source if size == (width, height) else cv2.resize(source, size, interpolation=cv2.INTER_AREA)
+    return small, src, cv2.cvtColor(src, cv2.COLOR_RGB2GRAY)
+
+
+def _pair(before: Reduced, after: Reduced, flow: object) -> tuple[float, float]:
+    """Difference energy and warping error of the pair (before, after)."""
+    small_before, src_before, grey_before = (a.astype(np.float32) if i < 2 else a for i, a in enumerate(before))
+    small, src, grey = (a.astype(np.float32) if i < 2 else a for i, a in enumerate(after))
+    change = (small - small_before) - (src - src_before)
+    energy = float(np.mean(change * change))
+    warped = _warp(small_before, flow.calc(grey, grey_before, None))  # type: ignore[attr-defined]
+    return energy, float(np.mean(np.abs(small - warped)))
 
 
 def _warp(frame: np.ndarray, flow: np.ndarray) -> np.ndarray:

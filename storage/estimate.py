@@ -59,8 +59,12 @@ class StageRates(BaseModel):
     """What a preview measured on this machine, per unit of work: what a run's time and disk are estimated from."""
 
     ingest_s: float  # the whole ingest (a scan of the source: about the same for any part of it)
-    model_s_per_frame: float  # encode + denoise + decode + blend of a window, per frame it computes (padded)
-    first_window_extra_s: float = 0.0  # what a process's first window costs beyond that, once a run
+    # A window's encode, denoise, decode and blend, per frame it computes (padded): wall seconds from the end of the
+    # window before it, computed as a run schedules them (flows.preview), so work a run overlaps counts once.
+    model_s_per_frame: float
+    # What a process's first window costs beyond that, once a run: 0 from a preview now (its rate spreads it over
+    # the frames it measured, flows.preview.model_rate); kept for the rates an earlier preview wrote.
+    first_window_extra_s: float = 0.0
     segment_s_per_frame: float  # cross-fade and encoding, per output frame
     encoded_bytes_per_frame: float  # the encoded output, per frame
     windows_measured: int

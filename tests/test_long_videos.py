@@ -272,6 +272,7 @@ def test_kill_mid_window_resumes_the_unfinished_items_with_identical_bytes(
         "run.log",
         "timeline.jsonl",
         "quality.json",
+        "quality",  # each window's part of the report
         ".lock",
     }
     assert sorted(p.name for p in (run.path / "segments").iterdir()) == [f"{w:06d}.mp4" for w in range(2)]

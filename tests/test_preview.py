@@ -51,13 +51,43 @@ def test_the_estimate_adds_the_stages_up_by_their_units() -> None:
     assert first.seconds_left == pytest.approx(first.seconds - 0.1 * 121, abs=0.1)
 
 
-def test_the_rate_is_taken_after_the_first_window() -> None:
-    from flows.preview import model_rates
+def test_the_preview_runs_the_chosen_windows_as_a_run_schedules_them() -> None:
+    """Only the chosen windows' model work and blends, with the run's own needs; the next chosen window is encoded
+    once the one before it is being denoised, as a run encodes one window ahead; no segment (it needs neighbours)."""
+    from flows.preview import preview_graph
+    from flows.schedule import Item, Scheduler
 
-    assert model_rates([(121.0, 121)]) == (1.0, 0.0)  # one window: nothing to separate, an upper bound
-    per_frame, extra = model_rates([(150.0, 121), (60.5, 121), (30.0, 57)])
-    assert per_frame == pytest.approx(90.5 / 178) and extra == pytest.approx(150 - 121 * 90.5 / 178)
-    assert model_rates([(10.0, 121), (121.0, 121)]) == (1.0, 0.0)  # never a negative extra
+    plan = make_plan((64, 64), 250, 24.0, UpscaleParams(scale=2), ModelTraits())  # 3 windows of 121, 1 tile
+    graph = preview_graph(plan, (0, 2))
+    assert {(item.stage, item.window) for item in graph.items} == {
+        (stage, window) for stage in ("encode", "denoise", "decode", "blend") for window in (0, 2)
+    }
+    encode = Item("encode", 2, tiles=(0,))
+    assert graph.needs[encode] == () and graph.waits_for_start(encode) == (Item("denoise", 0, 0, (0,)),)
+    assert graph.needs[Item("blend", 2)] == (Item("decode", 2, 0, (0,)),)
+    # Through the scheduler, every item runs once, each after what it needs.
+    import concurrent.futures
+
+    ran: list[Item] = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+
+        def submit(item: Item) -> concurrent.futures.Future:
+            ran.append(item)
+            return pool.submit(lambda: item)
+
+        finished = [item for item, _ in Scheduler(graph, submit, submit, 2).run()]
+    assert sorted(ran, key=str) == sorted(graph.items, key=str) == sorted(finished, key=str)
+    assert finished.index(Item("blend", 0)) > finished.index(Item("decode", 0, 0, (0,)))
+
+
+def test_the_rate_is_the_previews_wall_clock_over_the_frames_it_computed() -> None:
+    """Two windows computed side by side end together: the second's few seconds after the first are no rate (the
+    preview of 2026-12-03 that took them for one estimated a 89 s run at 75 s); the wall clock over both is."""
+    from flows.preview import model_rate
+
+    assert model_rate([(121.0, 121)]) == 1.0  # one window: an upper bound
+    assert model_rate([(70.3, 121), (1.5, 121)]) == pytest.approx(71.8 / 242)
+    assert model_rate([(150.0, 121), (60.5, 121), (30.0, 57)]) == pytest.approx(240.5 / 299)
 
 
 def test_the_preview_count_and_the_window_mode_are_two_flags() -> None:

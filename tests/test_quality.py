@@ -170,3 +170,44 @@ def test_the_report_artifact_has_a_quality_section(truth) -> None:
     warmer = np.clip(ideal * np.array([1.12, 1.0, 0.88]), 0, 255).astype(np.uint8)
     assert "colour drift: mean ΔE" in quality_markdown(meter_report(warmer, source))[-1]
     assert quality_markdown(None) == []
+
+
+def _parts(outputs: np.ndarray, sources: np.ndarray, windows, cuts, borders) -> list:
+    """Each window's segment measured on its own, as the flow's quality items do, and kept as bytes."""
+    from k6vsr_core.quality import Measures
+    from k6vsr_core.windows import segment_range
+
+    parts = []
+    for window in range(len(windows)):
+        start, stop = segment_range(windows, window)
+        meter = QualityMeter(windows, cuts, borders, first=start)
+        for output, source in zip(outputs[start:stop], sources[start:stop], strict=True):
+            meter.add(output, source)
+        parts.append(Measures.from_bytes(meter.measures().to_bytes()))
+    return parts
+
+
+@pytest.mark.parametrize("cut", [None, 100])
+def test_the_windows_parts_joined_give_the_whole_outputs_report(truth, cut) -> None:
+    """Measured segment by segment (in any order) and joined, the report is the one of a pass over the whole
+    output, to the last digit, the pairs across each segment's start included; a cut's pair counts in neither."""
+    from k6vsr_core.quality import combine
+
+    ideal, source = truth
+    windows, cuts = PLAN.windows, ()
+    if cut is not None:
+        windows, cuts = plan_scene_windows(FRAMES, 16, (cut,)), (cut,)
+        ideal = np.concatenate([ideal[:cut], 255 - ideal[cut:]])
+        source = np.concatenate([source[:cut], 255 - source[cut:]])
+    output = per_window(ideal, windows, brighter).astype(np.int16)
+    for pairs in join_pairs(windows, cuts)[0]:  # a flicker at each join, from the segment's first frame on
+        output[sorted(pairs)[::2]] += 10
+    output = np.clip(output, 0, 255).astype(np.uint8)
+    whole = meter_report(output, source, windows=windows, cuts=cuts)
+    parts = _parts(output, source, windows, cuts, BORDERS)
+    assert len(parts) == len(windows) > 2
+    joined = combine(parts[::-1], windows, cuts, BORDERS)
+    assert joined.model_dump(exclude={"seconds"}) == whole.model_dump(exclude={"seconds"})
+    assert joined.join_difference_energy.ratio > 20 and joined.findings
+    with pytest.raises(ValueError, match="next part starts at"):
+        combine(parts[:1] + parts[2:], windows, cuts, BORDERS)

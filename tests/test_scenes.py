@@ -17,6 +17,7 @@ from k6vsr_core.errors import ParameterError
 from k6vsr_core.latent import plan_latent
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ModelTraits, make_plan
+from k6vsr_core.quality import measure_files
 from k6vsr_core.scenes import MIN_SHOT_FRAMES, find_cuts, source_cuts
 from k6vsr_core.windows import (
     WINDOW_FRAMES,
@@ -27,9 +28,10 @@ from k6vsr_core.windows import (
     shares_frames,
     shot_ranges,
 )
-from service.runs import ModelSpec, prepare_run
+from service.runs import ModelSpec, RunRef, prepare_run
 from storage import RunStore
 from storage.manifest import output_params
+from tasks import quality as quality_tasks
 
 SCENES = UpscaleParams(scale=2, windows="scenes")
 HUES = ((200, 60, 30), (30, 120, 220), (40, 200, 60), (220, 200, 40))
@@ -198,6 +200,10 @@ def test_each_shot_is_upscaled_as_if_alone(tiny_bundle: ModelBundle, two_shots: 
     assert np.array_equal(whole.frames[15:], alone.frames)
 
 
+def summary_ref(summary, store: Path) -> RunRef:
+    return RunRef(store_root=str(store), run_key=summary.run_key)
+
+
 def test_the_flow_runs_scene_windows_as_the_runner_does(
     prefect_server: str, tiny_bundle_path: Path, two_shots: tuple[Path, Path], scene_run, tmp_path: Path
 ) -> None:
@@ -216,6 +222,19 @@ def test_the_flow_runs_scene_windows_as_the_runner_does(
     assert (store / "runs" / summary.run_key / "quality.json").is_file()
     again = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "again.mp4"), model)
     assert again.quality == quality and again.reused_output
+    # Measured window by window while the run went on, the parts joined give the report of the whole output.
+    run_store = RunStore(store, summary.run_key)
+    plan = run_store.read_manifest().plan
+    whole = measure_files(plan, tmp_path / "flow.mp4", two_shots[0])
+    assert quality.model_dump(exclude={"seconds"}) == whole.model_dump(exclude={"seconds"})
+    parts = {w: run_store.records.read("quality", str(w)) for w in range(plan.num_windows)}
+    assert all(record is not None for record in parts.values())
+    assert quality_tasks.measure_window.fn(summary_ref(summary, store), 0, "later").computed is False
+    # A report lost is joined again from the parts in the store: none is measured again.
+    (store / "runs" / summary.run_key / "quality.json").unlink()
+    third = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "third.mp4"), model)
+    assert third.quality.model_dump(exclude={"seconds"}) == quality.model_dump(exclude={"seconds"})
+    assert {w: run_store.records.read("quality", str(w)) for w in parts} == parts
     planned = procs.run(
         [sys.executable, "-m", "entrypoints.cli", "plan", str(two_shots[0]), "--scale", "2", "--windows", "scenes",
          "--model", str(tiny_bundle_path), "--store", str(store), "--json"],

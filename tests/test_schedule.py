@@ -111,6 +111,11 @@ def test_blend_and_segment_overlap_the_next_windows_model_work() -> None:
         last_decode_end = max(lanes.span("decode", window, t)[1] for t in range(9))
         assert lanes.span("decode", window, 0)[1] <= blend[0] < last_decode_end <= blend[1]
         assert segment[0] >= blend[1]
+        # The window's part of the quality report is measured from its segment, on the CPU lane, beside the next
+        # window's model work too.
+        quality = lanes.span("quality", window)
+        assert quality[0] >= segment[1] and quality[0] < next_model_end
+    assert {lane for lane, i, _, _ in lanes.log if i.stage == "quality"} == {"cpu"}
     first_decode = lanes.span("decode", 0, 0)[0]
     assert first_decode < lanes.span("denoise", 0, 8)[1]
 
