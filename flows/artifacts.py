@@ -18,6 +18,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -135,19 +136,31 @@ class TileProgress:
     """A clip run's progress artifact: its data the share of tiles decoded, its description what the terminal's bar
     says (`decode · window 2 of 3 · 7 of 18 tiles`), updated as tasks finish."""
 
-    def __init__(self, source: str, run_key: str, flow_run_id: str | UUID | None, progress: RunProgress) -> None:
-        self._shown = progress.text()
+    def __init__(
+        self,
+        source: str,
+        run_key: str,
+        flow_run_id: str | UUID | None,
+        progress: RunProgress,
+        same_stage_every_s: float = 0.0,
+    ) -> None:
+        self._shown, self._where = progress.text(), progress.where()
+        self._every, self._sent = same_stage_every_s, time.monotonic()
         self._id = create(
             "progress", clip_key("tiles", source, run_key), _share(progress), progress.text(), flow_run_id
         )
 
     def update(self, progress: RunProgress) -> None:
         """The run's progress as the store says it now: two tasks that finish together read the same, and what the
-        first sent is not sent again."""
-        text = progress.text()
+        first sent is not sent again. A new stage or window is sent at once; a count within the same one at most
+        once per `same_stage_every_s` (each update is an API request: a window of many tiles would cost one a
+        tile)."""
+        text, where = progress.text(), progress.where()
         if text == self._shown:
             return
-        self._shown = text
+        if where == self._where and time.monotonic() - self._sent < self._every:
+            return
+        self._shown, self._where, self._sent = text, where, time.monotonic()
         update(self._id, _share(progress), text)
 
 
