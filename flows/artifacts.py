@@ -96,30 +96,48 @@ def _best_effort(what: str, call: Callable[[], T]) -> T | None:
 # Written on the client rather than with prefect.artifacts: its `create_*_artifact` functions take the task and flow
 # run from the calling context (prefect 3.9: no flow_run_id argument), which files a clip run's artifacts under the
 # task it was started from (see above), and only progress artifacts can be updated in place there.
+_CLIENTS: dict[tuple[int, str | None, str | None], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _client() -> Any:
+    """One open client per process and API (its address and auth), shared by the threads that write artifacts: a
+    client of its own per call cost 60 ms of setup (an SSL context, a connection) a request, about ten times a clip."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+
+    api = get_current_settings().api
+    secrets = [value.get_secret_value() for value in (api.auth_string, api.key) if value is not None]
+    key = (os.getpid(), api.url, "\n".join(secrets) or None)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is None:
+            client = get_client(sync_client=True)
+            client.__enter__()
+            _CLIENTS[key] = client
+    return client
+
+
 def create(kind: str, key: str, data: Any, description: str, flow_run_id: str | UUID | None) -> UUID | None:
     """A new artifact of `flow_run_id` (and of no task run)."""
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactCreate
 
     def call() -> UUID:
         request = ArtifactCreate(type=kind, key=key, data=data, description=description, flow_run_id=flow_run_id)
-        with get_client(sync_client=True) as client:
-            return client.create_artifact(artifact=request).id
+        return _client().create_artifact(artifact=request).id
 
     return _best_effort(f"create the artifact {key}", call)
 
 
 def update(artifact_id: UUID | None, data: Any, description: str) -> None:
     """Replace an artifact's data and description in place: the run keeps one artifact, always current."""
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactUpdate
 
     if artifact_id is None:
         return
 
     def call() -> None:
-        with get_client(sync_client=True) as client:
-            client.update_artifact(artifact_id=artifact_id, artifact=ArtifactUpdate(data=data, description=description))
+        _client().update_artifact(artifact_id=artifact_id, artifact=ArtifactUpdate(data=data, description=description))
 
     _best_effort("update an artifact", call)
 
