@@ -378,9 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     result: dict[str, object] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip(),
+        "commit": os.environ.get("K6VSR_BENCH_COMMIT")
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
         "command": shlex.join(["python", "bench/archive_scale.py", *(argv or sys.argv[1:])]),
         "machine": f"{platform.node()}, {os.cpu_count()} cores",
         "clips": clips,
@@ -415,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
             "top_routes": dict(sorted(counts.items(), key=lambda kv: -kv[1])[:12]),
             "rss_command_mib": summarise(sampler.rss["command"]),
             "rss_server_mib": summarise(sampler.rss["server"]),
+            # Every tenth sample (10 s apart), to see whether memory grows with the clips done.
+            "rss_series_mib": {name: [round(v) for v in values[::10]] for name, values in sampler.rss.items()},
             "ui_flow_run_list_s": summarise(sampler.ui["flow_run_list"]),
             "ui_flow_run_page_s": summarise(sampler.ui["flow_run_page"]),
             "ui_errors": sampler.ui_errors[:5],
