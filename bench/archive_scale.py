@@ -338,6 +338,11 @@ def diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
+def _commit() -> str:
+    done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clips", type=int, default=20)
@@ -378,8 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result: dict[str, object] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": os.environ.get("K6VSR_BENCH_COMMIT")
-        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
+        "commit": os.environ.get("K6VSR_BENCH_COMMIT") or _commit(),
         "command": shlex.join(["python", "bench/archive_scale.py", *(argv or sys.argv[1:])]),
         "machine": f"{platform.node()}, {os.cpu_count()} cores",
         "clips": clips,
