@@ -202,3 +202,54 @@ def test_tile_progress_sends_a_count_within_a_stage_at_most_once_per_interval(mo
         "decode · window 2 of 2 · 10 of 18 tiles",
         "done · 18 of 18 tiles",
     ]
+
+
+def _status_error(status: int, message: str) -> Exception:
+    import httpx
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    request = httpx.Request("POST", "http://127.0.0.1/api/flow_runs/")
+    response = httpx.Response(status, request=request, json={"exception_message": message})
+    return PrefectHTTPStatusError.from_httpx_error(httpx.HTTPStatusError("busy", request=request, response=response))
+
+
+def test_a_clip_the_busy_api_failed_runs_again_and_another_failure_does_not(
+    prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 503 from the Prefect API (SQLite locked under load) costs a clip a second run, not its row; a clip's own
+    failure, even an API answer that retrying cannot change (404), is recorded at once."""
+    import flows.upscale_archive as archive
+
+    monkeypatch.setenv("K6VSR_FAKE_MODEL_MS", "1")
+    monkeypatch.setenv("K6VSR_BENCH_ONLY", "1")
+    monkeypatch.setattr(archive, "API_BUSY_PAUSE_S", 0.0)
+    folder = tmp_path / "in"
+    _clips(folder, 2)
+    calls: list[str] = []
+    original = archive.upscale_one
+
+    def flaky(relative_path, *args, **kwargs):
+        calls.append(relative_path)
+        if relative_path == "c00.mp4" and calls.count(relative_path) == 1:
+            return None, _status_error(503, "Service Unavailable")
+        if relative_path == "c01.mp4":
+            raise _status_error(404, "Not Found")
+        return original(relative_path, *args, **kwargs)
+
+    monkeypatch.setattr(archive, "upscale_one", flaky)
+    state = archive.upscale_archive(
+        input_dir=str(folder),
+        output_dir=str(tmp_path / "out"),
+        params=PARAMS,
+        model=ModelSpec(model=str(tiny_bundle_path), device="cpu"),
+        store_root=str(tmp_path / "store"),
+        return_state=True,
+    )
+    assert state.is_failed()  # c01.mp4 failed
+    rows = {
+        row["relative_path"]: row
+        for row in json.loads((tmp_path / "out" / "k6vsr-archive-manifest.json").read_text())["rows"]
+    }
+    assert rows["c00.mp4"]["status"] == "done" and Path(rows["c00.mp4"]["output"]).is_file()
+    assert rows["c01.mp4"]["status"] == "failed" and "Not Found" in rows["c01.mp4"]["reason"]
+    assert sorted(calls) == ["c00.mp4", "c00.mp4", "c01.mp4"]
