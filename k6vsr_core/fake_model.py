@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from k6vsr_core.errors import ParameterError
@@ -79,7 +80,12 @@ class FakeNetworks:
         return torch.zeros((1, channels, latent_frames, height // SPATIAL_FACTOR, width // SPATIAL_FACTOR))
 
     def denoise_chunk(
-        self, bundle: ModelBundle, lr_tiles: torch.Tensor, chunk: TileChunk, plan: ClipPlan, on_step=None
+        self,
+        bundle: ModelBundle,
+        lr_tiles: torch.Tensor,
+        chunk: TileChunk,
+        plan: ClipPlan,
+        on_step: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         import torch
 
