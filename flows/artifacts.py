@@ -18,6 +18,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -95,30 +96,48 @@ def _best_effort(what: str, call: Callable[[], T]) -> T | None:
 # Written on the client rather than with prefect.artifacts: its `create_*_artifact` functions take the task and flow
 # run from the calling context (prefect 3.9: no flow_run_id argument), which files a clip run's artifacts under the
 # task it was started from (see above), and only progress artifacts can be updated in place there.
+_CLIENTS: dict[tuple[int, str | None, str | None], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _client() -> Any:
+    """One open client per process and API (its address and auth), shared by the threads that write artifacts: a
+    client of its own per call cost 60 ms of setup (an SSL context, a connection) a request, about ten times a clip."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+
+    api = get_current_settings().api
+    secrets = [value.get_secret_value() for value in (api.auth_string, api.key) if value is not None]
+    key = (os.getpid(), api.url, "\n".join(secrets) or None)
+    with _CLIENTS_LOCK:
+        client = _CLIENTS.get(key)
+        if client is None:
+            client = get_client(sync_client=True)
+            client.__enter__()
+            _CLIENTS[key] = client
+    return client
+
+
 def create(kind: str, key: str, data: Any, description: str, flow_run_id: str | UUID | None) -> UUID | None:
     """A new artifact of `flow_run_id` (and of no task run)."""
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactCreate
 
     def call() -> UUID:
         request = ArtifactCreate(type=kind, key=key, data=data, description=description, flow_run_id=flow_run_id)
-        with get_client(sync_client=True) as client:
-            return client.create_artifact(artifact=request).id
+        return _client().create_artifact(artifact=request).id
 
     return _best_effort(f"create the artifact {key}", call)
 
 
 def update(artifact_id: UUID | None, data: Any, description: str) -> None:
     """Replace an artifact's data and description in place: the run keeps one artifact, always current."""
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactUpdate
 
     if artifact_id is None:
         return
 
     def call() -> None:
-        with get_client(sync_client=True) as client:
-            client.update_artifact(artifact_id=artifact_id, artifact=ArtifactUpdate(data=data, description=description))
+        _client().update_artifact(artifact_id=artifact_id, artifact=ArtifactUpdate(data=data, description=description))
 
     _best_effort("update an artifact", call)
 
@@ -135,19 +154,31 @@ class TileProgress:
     """A clip run's progress artifact: its data the share of tiles decoded, its description what the terminal's bar
     says (`decode · window 2 of 3 · 7 of 18 tiles`), updated as tasks finish."""
 
-    def __init__(self, source: str, run_key: str, flow_run_id: str | UUID | None, progress: RunProgress) -> None:
-        self._shown = progress.text()
+    def __init__(
+        self,
+        source: str,
+        run_key: str,
+        flow_run_id: str | UUID | None,
+        progress: RunProgress,
+        same_stage_every_s: float = 0.0,
+    ) -> None:
+        self._shown, self._where = progress.text(), progress.where()
+        self._every, self._sent = same_stage_every_s, time.monotonic()
         self._id = create(
             "progress", clip_key("tiles", source, run_key), _share(progress), progress.text(), flow_run_id
         )
 
     def update(self, progress: RunProgress) -> None:
         """The run's progress as the store says it now: two tasks that finish together read the same, and what the
-        first sent is not sent again."""
-        text = progress.text()
+        first sent is not sent again. A new stage or window is sent at once; a count within the same one at most
+        once per `same_stage_every_s` (each update is an API request: a window of many tiles would cost one a
+        tile)."""
+        text, where = progress.text(), progress.where()
         if text == self._shown:
             return
-        self._shown = text
+        if where == self._where and time.monotonic() - self._sent < self._every:
+            return
+        self._shown, self._where, self._sent = text, where, time.monotonic()
         update(self._id, _share(progress), text)
 
 
@@ -333,7 +364,9 @@ def workers_in_use() -> str:
 # ------------------------------------------------------------------------------------------------ archive runs
 
 
-ARCHIVE_POLL_S = 2.0
+# Each change shown is a request to the Prefect API: at the GPU's pace (a window a minute) every 2 s cost up to 30 a
+# window; every 10 s costs at most 6.
+ARCHIVE_POLL_S = 10.0
 
 
 class ArchiveProgress:

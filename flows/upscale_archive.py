@@ -32,7 +32,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import UTC, datetime
 from pathlib import Path
@@ -50,9 +50,10 @@ from flows.runners import make_task_runner, resolve_address, start_cluster, uses
 from flows.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
+from k6vsr_core.fake_model import identity_suffix
 from k6vsr_core.params import UpscaleParams, output_name
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
-from storage import RunStore, default_store_root, parse_store_root
+from storage import RunStore, default_store_root, parse_store_root, run_key, source_info
 from storage.records import atomic_write_bytes
 from tasks.worker_preload import preload_in_background
 
@@ -204,13 +205,67 @@ def _sources(
 # ------------------------------------------------------------------------------------------------ plan
 
 
-def _previous_run_keys(manifest_json: Path) -> dict[str, str]:
-    """Relative path -> run key of the outputs an earlier archive run made or found."""
+class SourceStamp(BaseModel):
+    """What the manifest remembers of a planned source: enough to know, without reading it, that it is unchanged."""
+
+    size: int
+    mtime_ns: int
+    sha256: str
+
+
+class _Previous(BaseModel):
+    """What an earlier archive run into the same output folder made or found: by relative path, the run key of each
+    output and the stamp of its source when it was planned."""
+
+    rows: dict[str, ArchiveRow] = {}
+    sources: dict[str, SourceStamp] = {}
+
+
+def _previous(manifest_json: Path) -> _Previous:
     try:
-        rows = json.loads(manifest_json.read_text())["rows"]
-        return {r["relative_path"]: r["run_key"] for r in rows if r["status"] in ("done", "reused") and r["run_key"]}
+        payload = json.loads(manifest_json.read_text())
+        rows = {
+            r["relative_path"]: ArchiveRow.model_validate(r)
+            for r in payload["rows"]
+            if r["status"] in ("done", "reused") and r["run_key"]
+        }
+        return _Previous(rows=rows, sources=payload.get("sources") or {})
     except (OSError, ValueError, KeyError, TypeError):
-        return {}
+        return _Previous()
+
+
+def _stamp(source: Path) -> SourceStamp:
+    """The source's size and time before its hash: a file changed meanwhile is stamped older, so it is planned again
+    next time, never taken for unchanged."""
+    stat = source.stat()
+    return SourceStamp(size=stat.st_size, mtime_ns=stat.st_mtime_ns, sha256=source_info(source).sha256)
+
+
+def _unchanged(
+    source: Path, relative: str, output: Path, key_of: Callable[[str], str], previous: _Previous
+) -> ArchiveRow | None:
+    """The reused row of a source whose output exists and whose earlier row still holds: the same file (size and
+    time as stamped) and the same request (the run key of its recorded hash now is the one that made the output). No
+    probe, no hash: a rerun of a finished archive costs a stat a clip. None when anything differs: planned in full."""
+    earlier, stamp = previous.rows.get(relative), previous.sources.get(relative)
+    if earlier is None or stamp is None or earlier.output != str(output) or not output.is_file():
+        return None
+    try:
+        stat = source.stat()
+    except OSError:
+        return None
+    if (stat.st_size, stat.st_mtime_ns) != (stamp.size, stamp.mtime_ns) or key_of(stamp.sha256) != earlier.run_key:
+        return None
+    return earlier.model_copy(
+        update={
+            "source": str(source),
+            "status": "reused",
+            "reason": "output exists",
+            "tiles_computed": 0,
+            "tiles_reused": earlier.tiles,
+            "seconds": None,
+        }
+    )
 
 
 def _describe(err: BaseException) -> str:
@@ -226,29 +281,49 @@ def plan_clips(
     model: ModelSpec,
     store_root: str,
     overwrite: bool,
+    stamps: dict[str, SourceStamp] | None = None,
 ) -> tuple[list[ArchiveRow], dict[str, PreparedRun]]:
     """One row per source: `planned`, `reused` (output exists) or `skipped` (with the reason); and the plan of each
-    clip to run, by relative path, which its clip flow then runs. Loads no model."""
+    clip to run, by relative path, which its clip flow then runs. Loads no model. `stamps` receives the stamp of
+    every source planned or found unchanged, for the manifest (the next run's quick check, `_unchanged`)."""
     # Once, first, in this thread: a broken model fails the archive rather than every clip, and diffusers' lazy
     # imports are done before the planning threads use them (concurrent first imports can fail).
-    model_info(model)
+    identity = model_info(model).identity + identity_suffix()
+    previous = _previous(output_dir / f"{MANIFEST_NAME}.json")
+    stamps = {} if stamps is None else stamps
+
+    def key_of(sha256: str) -> str:
+        return run_key(sha256, params, identity)
+
+    def relative_of(source: Path) -> Path | None:
+        try:
+            return source.relative_to(base)
+        except ValueError:
+            return None
+
+    def output_of(relative: Path) -> Path:
+        return output_dir / relative.parent / output_name(relative, params)
 
     def plan_one(source: Path) -> Any:
+        relative = relative_of(source)
         try:
-            return prepare_run(source, params, model, store_root)
+            if relative is not None and not overwrite:
+                quick = _unchanged(source, relative.as_posix(), output_of(relative), key_of, previous)
+                if quick is not None:
+                    return quick
+            prepared = prepare_run(source, params, model, store_root)
+            return prepared, _stamp(source)
         except Exception as err:  # noqa: BLE001 - a bad file is reported in its row, the others go on
             return err
 
     with ThreadPoolExecutor(max_workers=max(1, min(PLAN_THREADS, len(sources)))) as pool:
         prepared = list(pool.map(plan_one, sources))
-    previous = _previous_run_keys(output_dir / f"{MANIFEST_NAME}.json")
     claimed: dict[Path, str] = {}
     rows = []
     plans: dict[str, PreparedRun] = {}
     for source, result in zip(sources, prepared, strict=True):
-        try:
-            relative = source.relative_to(base)
-        except ValueError:
+        relative = relative_of(source)
+        if relative is None:
             rows.append(
                 ArchiveRow(
                     source=str(source),
@@ -258,11 +333,22 @@ def plan_clips(
                 )
             )
             continue
-        output = output_dir / relative.parent / output_name(relative, params)
+        output = output_of(relative)
         row = ArchiveRow(source=str(source), relative_path=relative.as_posix(), status="planned", output=str(output))
         if isinstance(result, BaseException):
             rows.append(row.model_copy(update={"status": "skipped", "reason": _describe(result), "output": ""}))
             continue
+        if isinstance(result, ArchiveRow):  # unchanged since an earlier run made its output
+            stamps[row.relative_path] = previous.sources[row.relative_path]
+            if output in claimed:
+                reason = f"its output {output} is already the output of {claimed[output]}"
+                update = {"status": "skipped", "output": "", "reason": reason, "tiles_computed": None}
+                rows.append(result.model_copy(update={**update, "tiles_reused": None}))
+                continue
+            claimed[output] = row.relative_path
+            rows.append(result)
+            continue
+        result, stamps[row.relative_path] = result
         items = result.plan.num_windows * result.plan.num_tiles  # every (window, tile) item, as the run counts
         row = row.model_copy(update={"run_key": result.run.run_key, "frames": result.plan.num_frames, "tiles": items})
         if output in claimed:
@@ -272,7 +358,8 @@ def plan_clips(
         claimed[output] = row.relative_path
         if output.is_file() and not overwrite:
             # A reused row keeps the run key that made its output, so a changed request is reported on every rerun.
-            earlier = previous.get(row.relative_path, row.run_key)
+            earlier_row = previous.rows.get(row.relative_path)
+            earlier = earlier_row.run_key if earlier_row else row.run_key
             reason = "output exists"
             if earlier != row.run_key:
                 reason = (
@@ -466,8 +553,10 @@ def upscale_archive(
     # 1-2. Scan and plan every clip.
     base, sources = _sources(input_dir, paths, out_dir, list(include or VIDEO_GLOBS), list(exclude or []))
     logger.info("planning %d clips of %s", len(sources), base)
-    rows, plans = plan_clips(base, sources, out_dir, params, model, root, overwrite)
+    stamps: dict[str, SourceStamp] = {}
+    rows, plans = plan_clips(base, sources, out_dir, params, model, root, overwrite, stamps)
     header = archive_header(base, out_dir, root, params, model, plan_only)
+    header["sources"] = {path: stamp.model_dump() for path, stamp in stamps.items()}
     manifest_json, manifest_csv = write_manifest(out_dir, header, rows)
     for row in rows:
         if row.status == "skipped":
@@ -547,10 +636,15 @@ def run_clips(
         run_ref = plans[row.relative_path].run
         progress.started(row.relative_path, RunStore(run_ref.store_root, run_ref.run_key))
         started = time.perf_counter()
-        try:
-            clip_run, outcome = upscale_one(row.relative_path, row.output, plans[row.relative_path], model, address)
-        except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
-            return index, time.perf_counter() - started, None, err
+        for attempt in range(1 + API_BUSY_RETRIES):
+            try:
+                clip_run, outcome = upscale_one(row.relative_path, row.output, plans[row.relative_path], model, address)
+            except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
+                clip_run, outcome = None, err
+            if attempt == API_BUSY_RETRIES or not api_busy(outcome):
+                break
+            logger.warning("clip %s: the Prefect API was busy (%s); running it again", row.relative_path, outcome)
+            time.sleep(API_BUSY_PAUSE_S)
         return index, time.perf_counter() - started, clip_run, outcome
 
     with (
@@ -580,6 +674,21 @@ def run_clips(
             if time.monotonic() - last_table >= TABLE_EVERY_S or finished == len(pending):
                 manifest_artifact.show(rows, clip_runs)
                 last_table = time.monotonic()
+
+
+# A clip whose run failed because the Prefect API answered busy (SQLite locked past its timeout under load answers
+# 503, after the client's own retries) is run again, in a new flow run, after a pause: its finished work is in the
+# store, so only the rest is computed. Seen at 2 or 3 clips in 200 on a loaded 2-core machine (bench/RESULTS.md).
+API_BUSY_RETRIES = 2
+API_BUSY_PAUSE_S = 5.0
+API_BUSY_STATUSES = (429, 502, 503, 504)
+
+
+def api_busy(outcome: Any) -> bool:
+    """The outcome is the Prefect API's busy answer, not the clip's own failure."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    return isinstance(outcome, PrefectHTTPStatusError) and outcome.response.status_code in API_BUSY_STATUSES
 
 
 def _finished_row(row: ArchiveRow, seconds: float, outcome: Any) -> ArchiveRow:

@@ -67,6 +67,10 @@ class ClipSummary(BaseModel):
     quality: QualityReport | None = None  # the output's quality report (tasks.quality); None for a latent run
 
 
+# Tiles decoded within one stage of one window are counted in the progress artifact at most this often: each
+# update is a request to the Prefect API.
+PROGRESS_EVERY_S = 2.0
+
 # Long enough for a cluster of GPU workers to start and import torch; a worker that cannot import k6vsr would
 # otherwise be restarted by Dask forever and the run would hang instead of failing.
 WORKERS_READY_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_READY_TIMEOUT", "300"))
@@ -174,7 +178,9 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
         record(ingested)
         plan = ingested.plan
         total = plan.num_tiles * plan.num_windows
-        progress = artifacts.TileProgress(prepared.source, run.run_key, flow_run.id, read_progress(store, plan))
+        progress = artifacts.TileProgress(
+            prepared.source, run.run_key, flow_run.id, read_progress(store, plan), PROGRESS_EVERY_S
+        )
         denoised: list[StageResult] = []
         if not store.output_done():
             denoised = _windows(run, model, plan, record, attempt, progress, store)

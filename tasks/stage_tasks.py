@@ -25,6 +25,7 @@ from prefect.cache_policies import NO_CACHE
 from k6vsr_core import media, segments
 from k6vsr_core.compute import apply_profile
 from k6vsr_core.errors import MissingInput, ParameterError, UserFacingError, WindowStopped
+from k6vsr_core.fake_model import FakeNetworks, fake_ms
 from k6vsr_core.latent import fit_latent, read_latent
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.windows import segment_frames, shares_frames
@@ -79,6 +80,17 @@ def _bundle(model: ModelSpec, plan: ClipPlan) -> ModelBundle:
     from tasks.model_cache import get_bundle
 
     return get_bundle(model, plan)
+
+
+def _networks() -> Any:
+    """The three networks' calls: `k6vsr_core.stages`, or the bench-only stand-in when it is selected
+    (`k6vsr_core.fake_model`)."""
+    ms = fake_ms()
+    if ms is None:
+        from k6vsr_core import stages
+
+        return stages
+    return FakeNetworks(ms)
 
 
 def _require(value: Any, run: RunRef, what: str) -> Any:
@@ -142,7 +154,7 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
         span = plan.windows[window]
         # From the store's copy in an object store: a worker on another host cannot see the client's disk.
         frames = media.read_frames(store.source_file(manifest), plan.source_indices(span), pts if len(pts) else None)
-        latent = stages.encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
+        latent = _networks().encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started
     store.put_tile(
         _array(plan, "latent", window),
@@ -196,7 +208,7 @@ def denoise(
         calls += 1
 
     lr_tiles = stages.cut_tiles(torch.from_numpy(latent), plan, chunk.tiles)
-    denoised = stages.denoise_chunk(_bundle(model, plan), lr_tiles, chunk, plan, count)
+    denoised = _networks().denoise_chunk(_bundle(model, plan), lr_tiles, chunk, plan, count)
     seconds = time.perf_counter() - started
     for index, tile in zip(chunk.tiles, denoised, strict=True):
         store.put_tile(
@@ -224,8 +236,6 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
     """KVAE decode of one tile of one window to uint8 pixels; never recomputes the denoised latent it reads."""
     import torch
 
-    from k6vsr_core import stages
-
     store = _store(run)
     plan = _plan(store)
     key = (window, tile)
@@ -237,7 +247,7 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
         run,
         f"the denoised latent of window {window} tile {tile}",
     )
-    pixels = stages.decode_tile(_bundle(model, plan), torch.from_numpy(latent))
+    pixels = _networks().decode_tile(_bundle(model, plan), torch.from_numpy(latent))
     seconds = time.perf_counter() - started
     counts = (plan.num_windows, plan.num_tiles)
     store.put_tile(
