@@ -287,20 +287,21 @@ def section_reference(session: Session) -> None:
     free(bundle)
 
 
+def warm_then_timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    """The first call's seconds (it compiles, or loads compiled graphs), then `timed`'s median and result."""
+    started = time.perf_counter()
+    fn()
+    sync()
+    warm = time.perf_counter() - started
+    return (warm, *timed(fn))
+
+
 def measure_variant(session: Session, name: str, bundle: Any, precision: str = "bf16", profile: bool = False) -> None:
     ref_latents, ref_pixels = session.reference()
     denoise = denoise_fn(session, bundle, precision)
-    started = time.perf_counter()
-    latents = denoise()  # compiles, or loads compiled graphs
-    sync()
-    warm_denoise = time.perf_counter() - started
-    denoise_s, latents = timed(denoise)
+    warm_denoise, denoise_s, latents = warm_then_timed(denoise)
     decode_ref = decode_fn(bundle, ref_latents[0])
-    started = time.perf_counter()
-    decode_ref()
-    sync()
-    warm_decode = time.perf_counter() - started
-    decode_s, pixels = timed(decode_ref)
+    warm_decode, decode_s, pixels = warm_then_timed(decode_ref)
     own_pixels = decode_fn(bundle, latents[0])()
     values: dict[str, Any] = {
         "warm_denoise_s": round(warm_denoise, 1),
@@ -336,12 +337,7 @@ def section_fast(session: Session) -> None:
 def section_unfused(session: Session) -> None:
     bundle = session.load(compiled=True, fuse=False)
     ref_latents, ref_pixels = session.reference()
-    decode = decode_fn(bundle, ref_latents[0])
-    started = time.perf_counter()
-    decode()
-    sync()
-    warm = time.perf_counter() - started
-    seconds, pixels = timed(decode)
+    warm, seconds, pixels = warm_then_timed(decode_fn(bundle, ref_latents[0]))
     session.record(
         "unfused",
         warm_decode_s=round(warm, 1),
