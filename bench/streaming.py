@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from bench import same_bytes
 
 if TYPE_CHECKING:
-    from bench.device_check import Check
+    from bench.check_kit import Check
 
 INMEMORY = "inmemory-W1"
 INMEMORY_HOT = f"{INMEMORY}-2"
@@ -91,7 +91,7 @@ def run_inmemory(check: Check) -> None:
 
 def run_multiwindow(check: Check) -> dict[str, Any]:
     """The README's GPU command, one-shot, on the three-window clip; its row with seconds per window."""
-    from bench.device_check import as_run, readme_gpu_command
+    from bench.check_kit import as_run, readme_gpu_command
 
     store, out_dir = check.work / f"store-{MULTIWINDOW}", check.work / f"out-{MULTIWINDOW}"
     for fresh in (store, out_dir):
@@ -111,7 +111,7 @@ def run_multiwindow(check: Check) -> dict[str, Any]:
 def gpu_stream(store: Path) -> tuple[int, float | None]:
     """From the run's timeline: the windows its GPU items (encode, denoise, decode; named `<window>` or
     `<window>-<tile>`) belong to, and the seconds from the first one's start to the last one's end."""
-    from bench.device_check import timeline_lines
+    from bench.check_kit import timeline_lines
 
     windows: set[str] = set()
     first, last = float("inf"), float("-inf")
@@ -165,7 +165,7 @@ def archive_input(check: Check, clips: int) -> Path:
 
 def run_archive(check: Check, clips: int, max_parallel: int | None) -> dict[str, Any]:
     """`clips` W1 clips through `k6vsr archive` with the README's GPU command's flags, one-shot; its row."""
-    from bench.device_check import as_archive, readme_gpu_command
+    from bench.check_kit import as_archive, readme_gpu_command
 
     folder = archive_input(check, clips)
     store, out_dir = check.work / f"store-{ARCHIVE}", check.work / f"out-{ARCHIVE}"
