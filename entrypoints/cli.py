@@ -674,10 +674,9 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
 def _run_estimate(prepared: Any) -> dict[str, Any] | None:
     """The whole run's time and disk from the rates a preview of this run measured (`k6vsr preview`); None
     without one."""
-    from storage import RunStore
     from storage.estimate import estimate_run, read_rates
 
-    store = RunStore(prepared.run.store_root, prepared.run.run_key)
+    store = prepared.run.open()
     rates = read_rates(store)
     return None if rates is None else estimate_run(prepared.plan, rates).model_dump()
 
@@ -702,10 +701,9 @@ def _source_facts(prepared: Any) -> dict[str, Any]:
 
 def progress_of(prepared: Any) -> dict[str, int]:
     """The (window, tile) items a run of this plan has already finished, from the run store."""
-    from storage import RunStore
 
     plan = prepared.plan
-    store = RunStore(prepared.run.store_root, prepared.run.run_key)
+    store = prepared.run.open()
     return {
         "total": plan.num_windows * plan.num_tiles,
         "denoised": len(store.records.items("denoise")),

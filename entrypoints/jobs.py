@@ -769,9 +769,9 @@ def tile_counts(summary: dict[str, Any], found: int | None) -> dict[str, int]:
 
 
 def _tiles_decoded(store_root: str | Path, run_key: str) -> int:
-    from storage import RunStore
+    from storage import RunRef
 
-    return RunStore(store_root, run_key).tiles_decoded()
+    return RunRef(store_root=str(store_root), run_key=run_key).open().tiles_decoded()
 
 
 @contextmanager
@@ -787,10 +787,10 @@ def results_beside(output: str) -> Iterator[None]:
 def _run_bytes(store_root: str | Path, run_key: str) -> int:
     """Bytes of a run's folder in the run store on this disk (0 if it is gone, or in an object store: the disk
     budget is this machine's)."""
-    from storage import RunStore
+    from storage import RunRef
     from storage.run_store import run_size
 
-    run = RunStore(store_root, run_key)
+    run = RunRef(store_root=str(store_root), run_key=run_key).open()
     if run.remote:
         return 0
     path = run.path
@@ -853,7 +853,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
         from service.runs import ModelSpec, prepare_run
-        from storage import RunStore
+        from storage import RunRef
 
         spec = ModelSpec.model_validate_json(spec_json)
         # Load once, and every job of this process reuses it; with warm workers, they hold it, and this process
@@ -888,7 +888,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
                 summary = upscale_clip.with_options(flow_run_name=job["id"], task_runner=make_task_runner())(
                     prepared=prepared, output=job["output"], model=spec
                 )
-            has_audio = RunStore(job["store_root"], summary.run_key).read_manifest().has_audio
+            has_audio = RunRef(store_root=job["store_root"], run_key=summary.run_key).open().read_manifest().has_audio
             reply(event="done", id=job["id"], summary=summary.model_dump(mode="json"), has_audio=has_audio)
         except Exception as err:  # noqa: BLE001 - the job fails, the process serves the next one
             reply(event="failed", id=job["id"], error=_error_of(err))

@@ -51,7 +51,7 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
     and the contact sheet into `out_dir`, and estimate the whole run from the rates measured (or kept by an earlier
     preview, when every window chosen was already computed)."""
     run = prepared.run
-    store = RunStore(run.store_root, run.run_key)
+    store = run.open()
     attempt = uuid.uuid4().hex
     with store.in_use():
         ingested = ingest_tasks.ingest(prepared, attempt)

@@ -52,7 +52,7 @@ from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams, output_name
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
-from storage import RunStore, default_store_root, parse_store_root
+from storage import default_store_root, parse_store_root
 from storage.records import atomic_write_bytes
 from tasks.worker_preload import preload_in_background
 
@@ -544,8 +544,7 @@ def run_clips(
     def run(index: int) -> tuple[int, float, str | None, Any]:
         row = rows[index]
         ARCHIVE_QUEUE.set((shared, index))  # this clip's model work after every earlier clip's, before later ones'
-        run_ref = plans[row.relative_path].run
-        progress.started(row.relative_path, RunStore(run_ref.store_root, run_ref.run_key))
+        progress.started(row.relative_path, plans[row.relative_path].run.open())
         started = time.perf_counter()
         try:
             clip_run, outcome = upscale_one(row.relative_path, row.output, plans[row.relative_path], model, address)

@@ -146,7 +146,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
     clock = StageClock()
     logger = get_run_logger()
     run, source = prepared.run, prepared.source
-    store = RunStore(run.store_root, run.run_key)
+    store = run.open()
     destination = (
         Path(output) if output else Path(source).parent / output_name(source, prepared.plan.params, datetime.now())
     )

@@ -14,7 +14,6 @@ from prefect.cache_policies import NO_CACHE
 
 from k6vsr_core.quality import QualityReport, measure_files
 from service.runs import RunRef
-from storage import RunStore
 
 REPORT = "quality.json"
 
@@ -22,7 +21,7 @@ REPORT = "quality.json"
 @task(name="quality", task_run_name="quality-{run.run_key}", cache_policy=NO_CACHE)
 def measure_quality(run: RunRef, attempt: str) -> QualityReport | None:
     """The output's quality report; None for a latent run (no source frames to compare with) or when it fails."""
-    store = RunStore(run.store_root, run.run_key)
+    store = run.open()
     path = store.where / REPORT
     try:
         manifest = store.read_manifest()

@@ -64,7 +64,7 @@ STAGE_TASK = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=_retry_tr
 
 
 def _store(run: RunRef) -> RunStore:
-    return RunStore(run.store_root, run.run_key)
+    return run.open()
 
 
 def _plan(store: RunStore) -> ClipPlan:

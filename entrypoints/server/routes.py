@@ -36,7 +36,7 @@ from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale
 from k6vsr_core.params import UpscaleParams
 from service.runs import ModelSpec, prepare_run
-from storage import RunStore
+from storage import RunRef
 
 log = logging.getLogger("k6vsr.server")
 
@@ -49,7 +49,7 @@ def job_view(job: dict[str, Any], caller: Caller, store_root: str | Path, retent
     owner."""
     progress = job.get("progress", 0)
     if job["status"] == IN_PROGRESS and job.get("tiles", {}).get("total"):
-        decoded = RunStore(store_root, job["run_key"]).tiles_decoded()
+        decoded = RunRef(store_root=str(store_root), run_key=job["run_key"]).open().tiles_decoded()
         progress = min(99, int(100 * decoded / job["tiles"]["total"]))
     output = job["output"]
     source = {"type": job["source"]["type"]}
