@@ -75,6 +75,7 @@ from bench.check_kit import (  # noqa: E402
     readme_gpu_command,
     timeline_lines,
 )
+from k6vsr_core.stage_names import MODEL_STAGES  # noqa: E402
 
 # W1-long: W1's size for three windows (121 + 2 x 105 frames: the window stride at the default overlap of 16).
 WORKLOADS = {"W1": (768, 512, 121), "W2": (384, 256, 33), "W1-long": (768, 512, 331)}
@@ -164,7 +165,7 @@ def timeline(store: Path, started: float) -> tuple[dict[str, list[float]], float
 def head_and_tail(stages: dict[str, list[float]], wall: float) -> dict[str, float | None]:
     """Seconds from the command's start to its first GPU item (`head_s`), and from its last GPU item's end to the
     command's end (`tail_s`), from the stage spans of `timeline`."""
-    gpu = [stages[stage] for stage in ("encode", "denoise", "decode") if stage in stages]
+    gpu = [stages[stage] for stage in MODEL_STAGES if stage in stages]
     if not gpu:
         return {"head_s": None, "tail_s": None}
     return {"head_s": round(min(s[0] for s in gpu), 1), "tail_s": round(wall - max(s[1] for s in gpu), 1)}

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import same_bytes
+from k6vsr_core.stage_names import MODEL_STAGES
 
 if TYPE_CHECKING:
     from bench.check_kit import Check
@@ -44,7 +45,7 @@ ARCHIVE = "archive-W1"
 WARM_ONESHOT = "oneshot-W1-warm"
 WORKER_RUNS = ("workers-W1-1", "workers-W1-2")
 # The runner's stages that keep the GPU busy; blend and segment run on a thread beside them, ingest and mux around.
-GPU_STAGES = ("encode", "denoise", "decode")
+GPU_STAGES = MODEL_STAGES
 ONE_SHOT = {"K6VSR_WARM_WORKERS": "off"}
 ARCHIVE_TONE_HZ = 440.0  # clip i's tone is ARCHIVE_TONE_HZ + 20 i: other bytes, another run key, the same frames
 

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.stage_names import CPU_STAGES
+from k6vsr_core.stage_names import MODEL_STAGES as PIPELINE_MODEL_STAGES
 
-MODEL_STAGES = ("decode", "denoise", "encode")  # within a window, the most urgent first
-CPU_STAGES = ("blend", "segment")
+MODEL_STAGES = tuple(reversed(PIPELINE_MODEL_STAGES))  # within a window, the most urgent first
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 
 from k6vsr_core.errors import StoreError
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.stage_names import CPU_STAGES
 from storage.run_store import RunStore
 
 SEPARATOR = " · "
@@ -61,7 +62,7 @@ def read_progress(store: RunStore, plan: ClipPlan) -> RunProgress:
             return at("encode", window)
         denoised = sum(1 for item in records.items("denoise") if item.split("-", 1)[0] == str(window))
         return at("denoise" if denoised < plan.num_tiles else "decode", window)
-    for stage in ("blend", "segment"):
+    for stage in CPU_STAGES:
         done = set(records.items(stage))
         window = next((w for w in range(plan.num_windows) if str(w) not in done), None)
         if window is not None:
