@@ -30,6 +30,7 @@ from flows import interrupts
 from flows.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from k6vsr_core import status
 from k6vsr_core.errors import ArchiveFailed, ParameterError, ServiceError, UserFacingError, describe_error
+from k6vsr_core.memory import MEMORY_MODES
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from k6vsr_core.release_config import DEFAULT_MODEL
 
@@ -59,8 +60,9 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--memory",
         default="auto",
-        choices=("auto", "fast", "24g", "16g"),
-        help="GPU memory budget: auto (default: the fastest that fits the clip on the GPU's memory), fast, 24g or 16g",
+        choices=MEMORY_MODES,
+        help="GPU memory budget: auto (default: the fastest that fits the clip on the GPU's memory), "
+        + " or ".join(", ".join(MEMORY_MODES[1:]).rsplit(", ", 1)),
     )
     group.add_argument(
         "--compile",
@@ -268,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument("--revision", default=None)
     workers.add_argument("--model-id", default=None)
     workers.add_argument("--device", default="auto")
-    workers.add_argument("--memory", default="auto", choices=("auto", "fast", "24g", "16g"))
+    workers.add_argument("--memory", default="auto", choices=MEMORY_MODES)
     workers.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,

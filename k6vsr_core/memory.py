@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 
     from k6vsr_core.bundle import ModelBundle
 
-MemoryMode = Literal["auto", "fast", "24g", "16g"]
 BudgetName = Literal["fast", "24g", "16g"]
+MemoryMode = Literal["auto", BudgetName]  # the allowed values, written here only
 MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)
 GIB = 1 << 30
 MIB = 1 << 20
