@@ -37,7 +37,7 @@ from k6vsr_core.quality import QualityReport
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
 from storage.location import is_url
-from storage.progress import StageCount, read_progress, run_finished, stage_counts, tile_count
+from storage.progress import ProgressCounter, StageCount, read_progress, run_finished, stage_counts, tile_count
 from tasks import ingest as ingest_tasks
 from tasks import quality as quality_tasks
 from tasks import stage_tasks
@@ -176,7 +176,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
         progress = artifacts.TileProgress(prepared.source, run.run_key, flow_run.id, read_progress(store, plan))
         denoised: list[StageResult] = []
         if not store.output_done():
-            denoised = _windows(run, model, plan, record, attempt, progress, store)
+            denoised = _windows(run, model, plan, record, attempt, progress, ProgressCounter(store, plan), store)
             record(stage_tasks.mux(run, attempt))
             progress.update(read_progress(store, plan))
         record(stage_tasks.publish(run, published))
@@ -219,6 +219,7 @@ def _windows(
     record: Callable[[StageResult], StageResult],
     attempt: str,
     progress: artifacts.TileProgress,
+    counter: ProgressCounter,
     store: RunStore,
 ) -> list[StageResult]:
     """Every window's tasks, each started when its inputs are in, model work most urgent first and blends and
@@ -257,7 +258,9 @@ def _windows(
                     for key in [(item.window, tile) for tile in item.tiles] or [(item.window, -1)]:
                         failures.setdefault(key, message)
                     continue
-                progress.update(read_progress(store, plan))  # each task's end may move the run to its next stage
+                # Each task's end may move the run to its next stage: counted from its result, not re-read.
+                counter.finished(result.stage, result.window, result.tiles)
+                progress.update(counter.progress())
                 if item.stage == "denoise":
                     denoised.append(result)
             finished = True

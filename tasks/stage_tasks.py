@@ -351,7 +351,9 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
     for finished in (window - 1, window):
         if finished >= 0 and _window_finished(store, plan, finished):
             store.drop_window((_array(plan, "video", finished),), finished)
-    return StageResult(stage="segment", item=str(window), computed=True, seconds=time.perf_counter() - started)
+    return StageResult(
+        stage="segment", item=str(window), computed=True, seconds=time.perf_counter() - started, window=window
+    )
 
 
 @contextmanager
