@@ -46,6 +46,27 @@ def is_dask_runner(runner: object) -> bool:
     return module is not None and isinstance(runner, module.DaskTaskRunner)
 
 
+class CountedThreadPool(ThreadPoolTaskRunner):
+    """Prefect's thread pool, saying how many threads it has (`threads`): Prefect's own keeps the count private."""
+
+    def __init__(self, max_workers: int | None = None) -> None:
+        super().__init__(max_workers=max_workers)
+        self.threads = max_workers
+
+    def duplicate(self) -> CountedThreadPool:
+        return type(self)(self.threads)
+
+
+def thread_count(runner: object) -> int | None:
+    """A flow run's threads for tasks: the count of ours, else Prefect's setting for its default pool; None: a
+    thread per task (Prefect's default pool is unbounded)."""
+    if isinstance(runner, CountedThreadPool):
+        return runner.threads
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().tasks.runner.thread_pool_max_workers
+
+
 def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:
     """The local Dask cluster for tiles: one worker per GPU (pinned by CUDA_VISIBLE_DEVICES), or `workers` CPU
     processes."""
@@ -77,7 +98,7 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
     """
     dask_address = resolve_address(workers, gpus, dask_address)
     if not uses_processes(workers, gpus, dask_address):
-        return ThreadPoolTaskRunner(max_workers=MODEL_SLOTS)
+        return CountedThreadPool(max_workers=MODEL_SLOTS)
     from prefect_dask import DaskTaskRunner
 
     if dask_address:
