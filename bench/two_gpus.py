@@ -83,7 +83,7 @@ class GpuSet:
 
 def visible_gpus() -> list[str]:
     """The GPUs the workers would use, as CUDA_VISIBLE_DEVICES names them."""
-    from flows.warm_workers import gpu_ids
+    from runtime.warm_workers import gpu_ids
 
     return gpu_ids()
 

@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from entrypoints import stopping
 from entrypoints.console import configure_terminal, plan_lines, plural, preview_lines, size_text, summary_lines
-from flows import interrupts
-from flows.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from k6vsr_core import status
 from k6vsr_core.errors import ArchiveFailed, ParameterError, ServiceError, UserFacingError, describe_error
 from k6vsr_core.memory import MEMORY_MODES
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from k6vsr_core.release_config import DEFAULT_MODEL
+from runtime import interrupts
+from runtime.slots import ARCHIVE_CLIPS_IN_FLIGHT
 
 if TYPE_CHECKING:
     from service.runs import ModelSpec
@@ -561,7 +561,7 @@ def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]
     prepared = prepare_run(source, params, spec, store, latent_fps, tensors=False)
     status.say("loading Prefect")  # seconds, before the bar can show
     from flows.orchestrate import run_clip
-    from flows.runners import resolve_address
+    from runtime.runners import resolve_address
 
     # With warm workers (or a cluster given), they hold the model and the devices: this process only plans and
     # submits, and never imports torch (seconds). Otherwise its own threads compute, and it checks both now.
@@ -818,7 +818,7 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
     """`k6vsr server start|stop|status`: the local server, whatever `PREFECT_API_URL` says (status names it)."""
-    from flows import prefect_server
+    from runtime import prefect_server
 
     if args.action == "start":
         prefect_server.mark_crashed_runs(prefect_server.start_server())
@@ -834,8 +834,8 @@ def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_workers(args: argparse.Namespace) -> dict[str, Any]:
-    """`k6vsr workers start|stop|status`: the warm workers (flows.warm_workers)."""
-    from flows import warm_workers
+    """`k6vsr workers start|stop|status`: the warm workers (runtime.warm_workers)."""
+    from runtime import warm_workers
     from service.runs import model_info
 
     if args.action == "start":

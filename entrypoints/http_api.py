@@ -58,7 +58,7 @@ __all__ = [
 
 log = logging.getLogger("k6vsr.server")
 
-# The folder of the store that holds the service's own Prefect server (`flows.prefect_server`).
+# The folder of the store that holds the service's own Prefect server (`runtime.prefect_server`).
 PREFECT_HOME = "prefect-server"
 
 

@@ -801,7 +801,7 @@ def _mark_crashed_runs() -> None:
     """A child killed outright left its flow run "Running": mark it Crashed now, not at the next command."""
     url = os.environ.get("PREFECT_API_URL")
     if url:
-        from flows.prefect_server import mark_crashed_runs
+        from runtime.prefect_server import mark_crashed_runs
 
         mark_crashed_runs(url)
 
@@ -849,9 +849,9 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
 
     configure_terminal(verbose=os.environ.get(CONSOLE_LEVEL_ENV) == "INFO")  # as the server that started it
     try:
-        from flows.runners import make_task_runner, warm_address
         from flows.upscale_clip import upscale_clip
         from k6vsr_core.params import UpscaleParams
+        from runtime.runners import make_task_runner, warm_address
         from service.runs import ModelSpec, prepare_run
         from storage import RunRef
 

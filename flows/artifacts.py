@@ -27,10 +27,10 @@ from uuid import UUID
 import numpy as np
 from PIL import Image
 
-from flows.runners import is_dask_runner, thread_count
 from flows.stage_clock import StageSpan
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.quality import Comparison, QualityReport
+from runtime.runners import is_dask_runner, thread_count
 from storage import RunStore
 from storage.progress import (
     SEPARATOR,

@@ -44,13 +44,13 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
-from flows.lanes import ARCHIVE_QUEUE, SharedQueue
-from flows.prefect_server import leased
-from flows.runners import make_task_runner, resolve_address, start_cluster, uses_processes
-from flows.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams, output_name
+from runtime.lanes import ARCHIVE_QUEUE, SharedQueue
+from runtime.prefect_server import leased
+from runtime.runners import make_task_runner, resolve_address, start_cluster, uses_processes
+from runtime.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
 from storage import default_store_root, parse_store_root
 from storage.records import atomic_write_bytes

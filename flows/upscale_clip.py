@@ -23,17 +23,17 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
-from flows.lanes import SubmitTask, lanes_for, shared_queues
-from flows.prefect_server import leased
 from flows.run_log import run_log
-from flows.runners import WarmOrThreadsTaskRunner, is_dask_runner
-from flows.schedule import Item, Scheduler, clip_graph
 from flows.stage_clock import StageClock
 from k6vsr_core import media
 from k6vsr_core.errors import TileFailure, WindowStopped, WorkersUnavailable
 from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.quality import QualityReport
+from runtime.lanes import SubmitTask, lanes_for, shared_queues
+from runtime.prefect_server import leased
+from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner
+from runtime.schedule import Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
 from storage.location import is_url
@@ -107,7 +107,7 @@ def _flow_run_name() -> str:
 
 def _clip_flow(name: str) -> Any:
     """The flow decorator of both clip flows. Deployments run a flow with its default runner: the warm workers while
-    they run (flows.warm_workers), else threads."""
+    they run (runtime.warm_workers), else threads."""
     return flow(
         name=name,
         flow_run_name=_flow_run_name,
@@ -223,7 +223,7 @@ def _windows(
     store: RunStore,
 ) -> list[StageResult]:
     """Every window's tasks, each started when its inputs are in, model work most urgent first and blends and
-    segments beside it (flows.schedule), so windows stream through the store one after another."""
+    segments beside it (runtime.schedule), so windows stream through the store one after another."""
     _check_workers(model)
     from prefect.context import FlowRunContext
 

@@ -9,7 +9,7 @@ A budget settles three things, none of which changes a computed value:
   largest that keeps the stage within the budget: activation memory follows that chunk, not the clip;
 - whether the stages of one process take turns on the GPU (a decode then no longer overlaps the next denoise).
 
-A process runs up to two model tasks at once (`flows.slots`), and an archive's clips share a warm worker's. Whatever
+A process runs up to two model tasks at once (`runtime.slots`), and an archive's clips share a warm worker's. Whatever
 runs together, each stage's call first takes its share of the card from the bundle's `MemoryGate`
 (`k6vsr_core.gate`): its activations as estimated here (all of the room when stages take turns). Calls run together
 only while their shares fit beside the resident weights under the budget's limit, so the budget covers every pairing

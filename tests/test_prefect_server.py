@@ -22,7 +22,7 @@ from uuid import UUID
 import procs
 import pytest
 
-from flows import prefect_server
+from runtime import prefect_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def _servers_of(home: Path) -> list[int]:
     return found
 
 
-ENSURE = "from flows.prefect_server import ensure_server; print(ensure_server())"
+ENSURE = "from runtime.prefect_server import ensure_server; print(ensure_server())"
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ SLEEPY_FLOW = """
 import sys, time
 from prefect import flow, task
 from prefect.runtime import flow_run
-from flows.prefect_server import leased, prefect_api
+from runtime.prefect_server import leased, prefect_api
 
 @task(name="k6vsr-test-nap")
 def nap(seconds: float) -> None:

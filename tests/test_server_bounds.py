@@ -422,7 +422,7 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
     from prefect import flow
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows import prefect_server
+    from runtime import prefect_server
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     # Whatever API a test session set up (conftest's `prefect_server`), serve's own server is what is tested.

@@ -326,7 +326,7 @@ def test_the_report_counts_a_flow_runs_threads_without_prefects_private_count(mo
     from prefect.settings import PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS, temporary_settings
     from prefect.task_runners import ThreadPoolTaskRunner
 
-    from flows.runners import MODEL_SLOTS, USE_WARM_ENV, CountedThreadPool, make_task_runner, thread_count
+    from runtime.runners import MODEL_SLOTS, USE_WARM_ENV, CountedThreadPool, make_task_runner, thread_count
 
     monkeypatch.setenv(USE_WARM_ENV, "off")
     runner = make_task_runner()

@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from pydantic import BaseModel
 
-from flows import interrupts
-from flows.state_folder import StateFolder, now, state_home
 from k6vsr_core import status
 from k6vsr_core.errors import ServerError
+from runtime import interrupts
+from runtime.state_folder import StateFolder, now, state_home
 from storage.processes import alive, process_start
 from storage.records import atomic_write_bytes
 

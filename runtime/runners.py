@@ -9,8 +9,8 @@ from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from flows.slots import MODEL_SLOTS, WORKER_RESOURCES, WORKER_THREADS
 from k6vsr_core import status
+from runtime.slots import MODEL_SLOTS, WORKER_RESOURCES, WORKER_THREADS
 
 # "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
 USE_WARM_ENV = "K6VSR_WARM_WORKERS"
@@ -20,7 +20,7 @@ def warm_address() -> str | None:
     """The running warm workers' scheduler (`k6vsr workers start`), unless K6VSR_WARM_WORKERS=off."""
     if os.environ.get(USE_WARM_ENV, "").lower() in ("off", "0", "false", "no"):
         return None
-    from flows.warm_workers import running_address
+    from runtime.warm_workers import running_address
 
     return running_address()
 
@@ -71,7 +71,7 @@ def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:
     """The local Dask cluster for tiles: one worker per GPU (pinned by CUDA_VISIBLE_DEVICES), or `workers` CPU
     processes."""
     if gpus:
-        return "flows.warm_workers.gpu_cluster", {"n_workers": workers if workers > 1 else 0}
+        return "runtime.warm_workers.gpu_cluster", {"n_workers": workers if workers > 1 else 0}
     return "distributed.LocalCluster", {
         "n_workers": workers,
         "processes": True,
@@ -93,7 +93,7 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
     threads (so a decode overlaps the next denoise) otherwise.
 
     With `gpus`, one worker per visible GPU (or `workers` of them), each pinned to its GPU
-    (`flows.warm_workers.gpu_cluster`); with `dask_address`, tiles go to an existing Dask scheduler, possibly
+    (`runtime.warm_workers.gpu_cluster`); with `dask_address`, tiles go to an existing Dask scheduler, possibly
     spanning machines.
     """
     dask_address = resolve_address(workers, gpus, dask_address)

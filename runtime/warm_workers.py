@@ -39,9 +39,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from flows.slots import WORKER_RESOURCES, WORKER_THREADS
-from flows.state_folder import StateFolder, now, state_home
 from k6vsr_core.errors import ParameterError, WorkersError
+from runtime.slots import WORKER_RESOURCES, WORKER_THREADS
+from runtime.state_folder import StateFolder, now, state_home
 from service.runs import ModelSpec
 from storage.processes import alive, group_alive, process_start
 from tasks.worker_preload import MODEL_ENV, preload_ended
@@ -179,7 +179,7 @@ def _launch(folder: StateFolder, count: int, devices: list[str], model_json: str
     folder.make()
     folder.rotate_log()
     supervisor = SupervisorArgs(home=str(folder.path), workers=count, gpus=devices, model=model_json)
-    argv = [sys.executable, "-m", "flows.warm_workers", supervisor.model_dump_json()]
+    argv = [sys.executable, "-m", "runtime.warm_workers", supervisor.model_dump_json()]
     env = dict(os.environ)
     # The supervisor runs from its state folder: the workers must import k6vsr wherever the command ran from.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
@@ -455,7 +455,7 @@ def _print_preloaded(states: dict[str, dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The supervisor: `python -m flows.warm_workers '<SupervisorArgs as JSON>'` (what `start_workers` runs)."""
+    """The supervisor: `python -m runtime.warm_workers '<SupervisorArgs as JSON>'` (what `start_workers` runs)."""
     args = SupervisorArgs.model_validate_json((argv or sys.argv[1:])[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _supervise(_folder(Path(args.home)), args.workers, args.gpus, args.model)
