@@ -1,11 +1,13 @@
 """The rooms and their one-way imports, read from the source with `ast` (nothing is imported, so nothing is hidden).
 
-    entrypoints -> flows -> tasks -> service -> {k6vsr_core, storage};  storage -> k6vsr_core
+    entrypoints -> flows -> runtime -> tasks -> service -> {k6vsr_core, storage};  storage -> k6vsr_core
 
-k6vsr_core is the model contract (no Prefect, Zarr or Dask); storage knows where bytes live (no Prefect, diffusers or
-Dask); service is what the entry points share (no Prefect); only the entry points see argparse. `bench/` stands
-above them all and no room imports it. No module, the benchmarks' included, imports itself back through others,
-whether the import is at the top or inside a function.
+Each room imports only from the rooms below it. k6vsr_core is the model contract (no Prefect, Zarr or Dask); storage
+knows where bytes live (no Prefect, diffusers or Dask); service is what the entry points share (no Prefect);
+runtime runs no flow: it is what flows run on and what outlives them (the local Prefect server and flow-run leases,
+the warm workers, task runners, lanes and the scheduler); only the entry points see argparse. `bench/` stands above
+them all and no room imports it. No module, the benchmarks' included, imports itself back through others, whether
+the import is at the top or inside a function.
 """
 
 from __future__ import annotations
@@ -16,18 +18,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ("k6vsr_core", "storage", "service", "tasks", "flows", "entrypoints")
+ROOMS = ("entrypoints", "flows", "runtime", "tasks", "service", "storage", "k6vsr_core")  # top to bottom
 SCANNED = (*ROOMS, "bench")  # the benchmarks may import any room; the cycle rule covers them too
 ORCHESTRATION = {"prefect", "prefect_dask", "dask", "distributed", "dask_cuda"}
-FORBIDDEN = {
-    "k6vsr_core": ORCHESTRATION | {"zarr", "storage", "service", "tasks", "flows", "entrypoints", "argparse"},
-    "storage": ORCHESTRATION | {"diffusers", "service", "tasks", "flows", "entrypoints", "argparse"},
-    "service": ORCHESTRATION | {"tasks", "flows", "entrypoints", "argparse"},
-    "tasks": {"flows", "entrypoints", "argparse"},
-    "flows": {"entrypoints", "argparse"},
+# Besides every room above it (and bench), what each room may not import.
+LIBRARIES = {
     "entrypoints": set(),
+    "flows": {"argparse"},
+    "runtime": {"argparse"},
+    "tasks": {"argparse"},
+    "service": ORCHESTRATION | {"argparse"},
+    "storage": ORCHESTRATION | {"diffusers", "argparse"},
+    "k6vsr_core": ORCHESTRATION | {"zarr", "argparse"},
 }
-FORBIDDEN = {room: names | {"bench"} for room, names in FORBIDDEN.items()}
+FORBIDDEN = {room: {*ROOMS[:above], "bench"} | LIBRARIES[room] for above, room in enumerate(ROOMS)}
 
 
 def _modules() -> dict[str, Path]:
