@@ -818,18 +818,18 @@ def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
     """`k6vsr server start|stop|status`: the local server, whatever `PREFECT_API_URL` says (status names it)."""
-    from runtime import prefect_server
+    from runtime import flow_leases, prefect_api, prefect_server
 
     if args.action == "start":
-        prefect_server.mark_crashed_runs(prefect_server.start_server())
+        flow_leases.mark_crashed_runs(prefect_server.start_server())
     elif args.action == "stop":
         was_running = prefect_server.stop_server()
         return {**prefect_server.server_status().model_dump(mode="json"), "stopped": was_running}
     status = prefect_server.server_status()
     # The runs that commands report to: those of PREFECT_API_URL when it is set, else the local server's.
-    url = prefect_server.configured_api_url() or (status.url if status.running else None)
+    url = prefect_api.configured_api_url() or (status.url if status.running else None)
     if url:
-        prefect_server.mark_crashed_runs(url)
+        flow_leases.mark_crashed_runs(url)
     return status.model_dump(mode="json")
 
 

@@ -801,7 +801,7 @@ def _mark_crashed_runs() -> None:
     """A child killed outright left its flow run "Running": mark it Crashed now, not at the next command."""
     url = os.environ.get("PREFECT_API_URL")
     if url:
-        from runtime.prefect_server import mark_crashed_runs
+        from runtime.flow_leases import mark_crashed_runs
 
         mark_crashed_runs(url)
 

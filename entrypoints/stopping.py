@@ -66,7 +66,7 @@ def stop(signum: int) -> NoReturn:
     fresh_line = "\n" if sys.stderr.isatty() else ""  # after the progress bar or the terminal's ^C
     with contextlib.suppress(OSError):
         os.write(2, f"{fresh_line}k6vsr: {MESSAGE}\n".encode())
-    if "runtime.prefect_server" in sys.modules:  # else no flow ran
+    if "runtime.flow_leases" in sys.modules:  # else no flow ran
         _end_runs_after_exit(signum)  # started after the list of what to kill was taken: it outlives this process
     _send(children, signal.SIGKILL)
     # Not `sys.exit`: the interpreter would wait for the threads still computing tiles, which nothing can stop.
@@ -78,7 +78,7 @@ def _end_runs_after_exit(signum: int) -> None:
     session, so that a second Ctrl-C does not reach it, and silent, so that the one line stays the last."""
     how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     reason = f"the k6vsr command was interrupted ({how}); finished items are kept, rerun to resume"
-    code = f"from runtime.prefect_server import end_leased_runs; end_leased_runs({os.getpid()}, {reason!r})"
+    code = f"from runtime.flow_leases import end_leased_runs; end_leased_runs({os.getpid()}, {reason!r})"
     with contextlib.suppress(OSError):  # else the next command marks them Crashed instead
         subprocess.Popen(
             [sys.executable, "-c", code],

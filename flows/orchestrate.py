@@ -10,7 +10,7 @@ from __future__ import annotations
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.upscale_clip import ClipSummary, upscale_clip
-from runtime.prefect_server import prefect_api
+from runtime.prefect_api import prefect_api
 from runtime.runners import make_task_runner
 from service.runs import ModelSpec, PreparedRun
 from tasks.worker_preload import preload_in_background

@@ -47,8 +47,8 @@ from flows import artifacts
 from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams, output_name
+from runtime.flow_leases import leased
 from runtime.lanes import ARCHIVE_QUEUE, SharedQueue
-from runtime.prefect_server import leased
 from runtime.runners import make_task_runner, resolve_address, start_cluster, uses_processes
 from runtime.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run

@@ -30,8 +30,8 @@ from k6vsr_core.errors import TileFailure, WindowStopped, WorkersUnavailable
 from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.quality import QualityReport
+from runtime.flow_leases import leased
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
-from runtime.prefect_server import leased
 from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner
 from runtime.schedule import Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run

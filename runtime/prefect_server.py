@@ -8,30 +8,23 @@ Its state folder (`$K6VSR_SERVER_HOME`, else `$K6VSR_HOME/prefect-server`, else
     port          the port the server took first: every later start asks for it again, so the UI keeps its address
     server.log    what the server prints
     server.lock   held (fcntl) while a command checks or starts the server, so racing commands start one
-    leases/       one file per flow run in progress here: the process that runs it
+    leases/       one file per flow run in progress here: the process that runs it (`runtime.flow_leases`)
     auth          a secured server's auth string (owner-only): only a process that reads it reaches the API
 
 The server runs detached, in its own session, so neither a terminal's Ctrl-C nor a killed command stops it. Its
 pid is recorded before it is healthy: a command killed while the server starts leaves a server the next command
 finds and waits for, never an unrecorded one. `PREFECT_API_URL` (environment or Prefect profile), when set, wins:
-no local server is started.
+no local server is started (`runtime.prefect_api` chooses).
 
-A flow run holds a lease (`leased`) while its body runs. A process killed outright (SIGKILL, OOM) cannot tell the
-API its run ended, so the run would show "Running" forever; the next command that reaches the API finds the lease's
-process dead and marks the run Crashed, with its task runs that were in flight (`mark_crashed_runs`). A command
-stopped by Ctrl-C leaves a helper that marks its runs Cancelled as soon as it is gone (`end_leased_runs`).
-
-`k6vsr serve` runs a server of its own, secured (`prefect_api(home, secured=True)`): on loopback, on a free port of
-its own, behind Prefect's server auth (`PREFECT_SERVER_API_AUTH_STRING`, a fresh random string written to `auth`),
-which its job processes send (`PREFECT_API_AUTH_STRING`) and its HTTP clients never see. So a client of the HTTP API
-that can reach the loopback cannot list, read or delete the jobs' flow runs there.
+`k6vsr serve` runs a server of its own, secured (`runtime.prefect_api.prefect_api(home, secured=True)`): on
+loopback, on a free port of its own, behind Prefect's server auth (`PREFECT_SERVER_API_AUTH_STRING`, a fresh random
+string written to `auth`), which its job processes send (`PREFECT_API_AUTH_STRING`) and its HTTP clients never see.
+So a client of the HTTP API that can reach the loopback cannot list, read or delete the jobs' flow runs there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import logging
 import os
 import secrets
@@ -40,36 +33,25 @@ import socket
 import subprocess
 import sys
 import time
-import typing
 import urllib.request
-from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from pydantic import BaseModel
 
 from k6vsr_core import status
 from k6vsr_core.errors import ServerError
-from runtime import interrupts
 from runtime.state_folder import StateFolder, now, state_home
-from storage.processes import alive, process_start
+from storage.processes import alive
 from storage.records import atomic_write_bytes
-
-if TYPE_CHECKING:
-    from prefect.states import State
 
 log = logging.getLogger("k6vsr.prefect_server")
 
 DEFAULT_PORT = 4200  # Prefect's own default: the UI stays at one address while the port is free
 START_TIMEOUT_S = float(os.environ.get("K6VSR_SERVER_START_TIMEOUT", "180"))
 STOP_TIMEOUT_S = 20.0
-LEASE_MAX_AGE_S = 30 * 24 * 3600  # a lease whose API was never current again is dropped after this
 HOST = "127.0.0.1"
 HOME_ENV = "K6VSR_SERVER_HOME"
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 class ServerStatus(BaseModel):
@@ -84,20 +66,10 @@ class ServerStatus(BaseModel):
     external_api_url: str | None = None  # PREFECT_API_URL, when set: commands report there instead
 
 
-class _Record(BaseModel):
+class ServerRecord(BaseModel):
     pid: int
     port: int
     url: str
-    started_at: str
-    process_start: int | None = None
-
-
-class Lease(BaseModel):
-    flow_run_id: str
-    pid: int
-    host: str
-    api_url: str | None
-    api: str | None = None  # which history the run is in (`_api_identity`): the local server keeps its across ports
     started_at: str
     process_start: int | None = None
 
@@ -109,12 +81,8 @@ def server_home() -> Path:
     return state_home(HOME_ENV, "prefect-server")
 
 
-def _folder(home: Path | None) -> StateFolder:
+def server_folder(home: Path | None = None) -> StateFolder:
     return StateFolder(home or server_home(), "server")
-
-
-def _leases(folder: StateFolder) -> Path:
-    return folder.path / "leases"
 
 
 def _auth_path(folder: StateFolder) -> Path:
@@ -124,7 +92,7 @@ def _auth_path(folder: StateFolder) -> Path:
 def server_auth(home: Path | None = None) -> str | None:
     """The auth string of the local server in `home` if it was started secured, else None."""
     try:
-        return _auth_path(_folder(home)).read_text().strip() or None
+        return _auth_path(server_folder(home)).read_text().strip() or None
     except FileNotFoundError:
         return None
 
@@ -235,7 +203,7 @@ os.replace(partial, record_path)
 """
 
 
-def _launch(folder: StateFolder, port: int, secured: bool) -> _Record:
+def _launch(folder: StateFolder, port: int, secured: bool) -> ServerRecord:
     (folder.path / "prefect").mkdir(parents=True, exist_ok=True)
     auth = secrets.token_urlsafe(32) if secured else None
     if auth is None:
@@ -255,13 +223,13 @@ def _launch(folder: StateFolder, port: int, secured: bool) -> _Record:
         check=False,
         timeout=60,
     )
-    record = folder.read(_Record)
+    record = folder.read(ServerRecord)
     if launcher.returncode != 0 or record is None:
         raise ServerError(f"the Prefect server could not be launched: {launcher.stderr.strip()[-2000:]}")
     return record
 
 
-def _wait_healthy(record: _Record, timeout: float) -> bool:
+def _wait_healthy(record: ServerRecord, timeout: float) -> bool:
     """True once the server answers; False if it died or did not answer within `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -273,7 +241,7 @@ def _wait_healthy(record: _Record, timeout: float) -> bool:
     return False
 
 
-def _terminate(record: _Record, timeout: float = STOP_TIMEOUT_S) -> None:
+def _terminate(record: ServerRecord, timeout: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM the server's process group, SIGKILL what is left after `timeout`."""
     if not alive(record.pid, record.process_start):
         return
@@ -290,22 +258,13 @@ def _terminate(record: _Record, timeout: float = STOP_TIMEOUT_S) -> None:
 # ------------------------------------------------------------------------------------------------ the API
 
 
-def configured_api_url() -> str | None:
-    """`PREFECT_API_URL` from the environment or the active Prefect profile, if any."""
-    if os.environ.get("PREFECT_API_URL"):
-        return os.environ["PREFECT_API_URL"]
-    from prefect.settings import PREFECT_API_URL
-
-    return PREFECT_API_URL.value() or None
-
-
 def start_server(home: Path | None = None, secured: bool = False) -> str:
     """The local server's API URL: the running one, else one started now (exactly one, however many race).
 
     `secured`: the server must ask for its auth string (`server_auth(home)`); one found running without it is
     replaced."""
-    folder = _folder(home)
-    record = folder.read(_Record)
+    folder = server_folder(home)
+    record = folder.read(ServerRecord)
     if (
         record
         and (not secured or server_auth(home))
@@ -314,7 +273,7 @@ def start_server(home: Path | None = None, secured: bool = False) -> str:
     ):
         return record.url
     with folder.locked():
-        record = folder.read(_Record)
+        record = folder.read(ServerRecord)
         if record and secured and server_auth(home) is None:
             log.warning(
                 "the Prefect server %d at %s asks for no auth string; restarting it secured", record.pid, record.url
@@ -348,26 +307,9 @@ def start_server(home: Path | None = None, secured: bool = False) -> str:
         raise ServerError(f"the Prefect server exited while starting; its log {folder.log_path} ends:\n{last_error}")
 
 
-def ensure_server(home: Path | None = None, secured: bool = False) -> str:
-    """The API URL every command reports to: `PREFECT_API_URL` if set, else the local server in `home` (started if
-    absent; `secured`: behind an auth string, `api_auth(home)`).
-
-    Flow runs whose process died without ending them are marked Crashed on the way.
-    """
-    url = configured_api_url() or start_server(home, secured)
-    mark_crashed_runs(url, home)
-    return url
-
-
-def api_auth(home: Path | None = None) -> str | None:
-    """The auth string `ensure_server(home)`'s API takes: None for a configured `PREFECT_API_URL` (its profile says
-    what it needs), else the local server's, if secured."""
-    return None if configured_api_url() else server_auth(home)
-
-
 def stop_server(home: Path | None = None) -> bool:
     """Stop the local server; False if none was running."""
-    return _folder(home).stop(_Record, _terminate)
+    return server_folder(home).stop(ServerRecord, _terminate)
 
 
 def ui_url(api_url: str) -> str:
@@ -376,8 +318,8 @@ def ui_url(api_url: str) -> str:
 
 
 def server_status(home: Path | None = None) -> ServerStatus:
-    folder = _folder(home)
-    record = folder.read(_Record)
+    folder = server_folder(home)
+    record = folder.read(ServerRecord)
     external = os.environ.get("PREFECT_API_URL") or None
     base = ServerStatus(running=False, home=str(folder.path), log=str(folder.log_path), external_api_url=external)
     if record is None or not alive(record.pid, record.process_start) or not _healthy(record.url):
@@ -393,235 +335,3 @@ def server_status(home: Path | None = None) -> ServerStatus:
             "uptime_s": round((datetime.now(UTC) - started).total_seconds(), 1),
         }
     )
-
-
-@contextlib.contextmanager
-def prefect_api(home: Path | None = None, secured: bool = False) -> Iterator[str]:
-    """Report to `ensure_server(home, secured)`'s API for the block; child processes (Dask workers, job processes)
-    inherit it, its auth string and its home."""
-    from prefect.settings import (
-        PREFECT_API_AUTH_STRING,
-        PREFECT_API_URL,
-        PREFECT_SERVER_ANALYTICS_ENABLED,
-        temporary_settings,
-    )
-
-    url = ensure_server(home, secured)
-    auth = api_auth(home)
-    exported = {"PREFECT_API_URL": url, **({"PREFECT_API_AUTH_STRING": auth} if auth else {})}
-    if home is not None:  # flow runs hold their leases beside the server they report to
-        exported[HOME_ENV] = str(home)
-    saved = {name: os.environ.get(name) for name in exported}
-    os.environ.update(exported)
-    updates = {PREFECT_API_URL: url, PREFECT_SERVER_ANALYTICS_ENABLED: False}
-    if auth:
-        updates[PREFECT_API_AUTH_STRING] = auth
-    try:
-        with temporary_settings(updates=updates):
-            yield url
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-# ------------------------------------------------------------------------------------------------- leases
-
-
-@contextlib.contextmanager
-def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterator[None]:
-    """While the block runs, a lease names this process as the one running `flow_run_id`."""
-    if not flow_run_id:
-        yield
-        return
-    from prefect.settings import PREFECT_API_URL
-
-    folder = _folder(home)
-    path = _leases(folder) / f"{flow_run_id}.json"
-    api_url = PREFECT_API_URL.value() or None
-    lease = Lease(
-        flow_run_id=str(flow_run_id),
-        pid=os.getpid(),
-        host=socket.gethostname(),
-        api_url=api_url,
-        api=_api_identity(api_url, folder) if api_url else None,
-        started_at=now(),
-        process_start=process_start(os.getpid()),
-    )
-    try:
-        folder.make()
-        atomic_write_bytes(path, lease.model_dump_json().encode())
-    except OSError as err:  # a lease only helps the next command: never fail a run over it
-        log.warning("could not write the flow run lease %s: %s", path, err)
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)
-
-
-# Kept beside Prefect's flow heartbeats: those are events sent every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (30 at
-# the least, prefect 3.9), and a run whose heartbeats stop is marked Crashed only by an automation someone created on
-# the server. A lease names the process itself (pid and start time), so the next command on this host knows at once,
-# on any Prefect API, even one that is not ours to configure, that the run's process is gone.
-def leased(fn: Callable[P, R]) -> Callable[P, R]:
-    """Decorate a flow's function (below `@flow`) so its run holds a lease while its body runs."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-        from prefect.runtime import flow_run
-
-        with flow_run_lease(flow_run.id), interrupts.noting_signals():
-            try:
-                return fn(*args, **kwargs)
-            except BaseException as exc:
-                interrupts.surfaced(exc)  # a command stops here, its lease still held (`end_leased_runs`)
-                raise
-
-    # Prefect reads the parameters' types from the function it is given, resolving names in that function's module:
-    # hand it the types themselves, as `fn`'s module resolves them, not names this module does not know.
-    with contextlib.suppress(NameError, TypeError):
-        wrapper.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
-        wrapper.__annotations__ = typing.get_type_hints(fn)
-    return wrapper
-
-
-def _api_identity(api_url: str, folder: StateFolder) -> str:
-    """The history `api_url` writes to: the local server's database (whatever port it listens on), else the URL."""
-    record = folder.read(_Record)
-    if record is not None and record.url.rstrip("/") == api_url.rstrip("/"):
-        return f"local:{folder.path.resolve()}"
-    return api_url.rstrip("/")
-
-
-def _dead_leases(folder: StateFolder, api_url: str) -> Iterator[tuple[Path, Lease]]:
-    """Leases of this host, for `api_url`, whose process is gone (unreadable or very old leases are dropped)."""
-    host = socket.gethostname()
-    current = _api_identity(api_url, folder)
-    for path in sorted(_leases(folder).glob("*.json")):
-        age = 0.0
-        try:
-            age = time.time() - path.stat().st_mtime
-            lease = Lease.model_validate_json(path.read_bytes())
-        except FileNotFoundError:
-            continue  # its run just ended, or another command marked it
-        except (OSError, ValueError):
-            if age > 60:  # not one being written right now
-                path.unlink(missing_ok=True)
-            continue
-        if lease.host != host or alive(lease.pid, lease.process_start):
-            continue
-        if (lease.api or (lease.api_url or "").rstrip("/")) != current:
-            if age > LEASE_MAX_AGE_S:
-                path.unlink(missing_ok=True)
-            continue
-        yield path, lease
-
-
-def mark_crashed_runs(api_url: str, home: Path | None = None) -> list[str]:
-    """Mark Crashed the runs on `api_url` whose process died holding their lease; never raises. The local server of
-    `home` is reached with its auth string, if secured; another API with the environment's.
-
-    Returns the ids of the runs marked. A run already in a final state (its process ended it, then died) is left.
-    """
-    folder = _folder(home)
-    try:
-        dead = list(_dead_leases(folder, api_url))
-    except OSError as err:
-        log.warning("could not read the flow run leases in %s: %s", _leases(folder), err)
-        return []
-    if not dead:
-        return []
-    try:
-        return _mark(api_url, dead, _auth_for(api_url, folder, home))
-    except Exception as err:  # noqa: BLE001 - marking is a courtesy to the UI: a command never fails over it
-        log.warning("could not mark crashed flow runs on %s: %s", api_url, err)
-        return []
-
-
-def end_leased_runs(pid: int, reason: str, wait_s: float = 30.0, home: Path | None = None) -> list[str]:
-    """Once process `pid` has ended, mark Cancelled (with `reason`) the flow runs it held leases for and their task
-    runs that are not final; for a command that stops on an interrupt without waiting for its tasks. Never raises.
-
-    Run by a helper that outlives the command by a moment: while the command lives, its threads may still start a
-    task run, whose state would land after the marks and stay "Running" in the UI forever.
-    """
-    from prefect.states import Cancelled
-
-    deadline = time.monotonic() + wait_s
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    folder = _folder(home)
-    by_api: dict[str, list[tuple[Path, Lease]]] = {}
-    try:
-        for path in sorted(_leases(folder).glob("*.json")):
-            with contextlib.suppress(OSError, ValueError):
-                lease = Lease.model_validate_json(path.read_bytes())
-                if lease.pid == pid and lease.host == socket.gethostname() and lease.api_url:
-                    by_api.setdefault(lease.api_url, []).append((path, lease))
-        return [
-            run_id
-            for api_url, leases in by_api.items()
-            for run_id in _mark(api_url, leases, _auth_for(api_url, folder, home), lambda _: Cancelled(message=reason))
-        ]
-    except Exception as err:  # noqa: BLE001 - marking is a courtesy to the UI: the next command marks them Crashed
-        log.warning("could not mark the interrupted flow runs: %s", err)
-        return []
-
-
-def _died(lease: Lease) -> State:
-    from prefect.states import Crashed
-
-    return Crashed(
-        message=f"process {lease.pid} on {lease.host}, which ran this flow run since {lease.started_at}, "
-        "died without ending it (killed or out of memory)"
-    )
-
-
-def _auth_for(api_url: str, folder: StateFolder, home: Path | None) -> str | None:
-    """The auth string of our own secured server at `api_url`; another API takes the environment's."""
-    return server_auth(home) if _api_identity(api_url, folder).startswith("local:") else None
-
-
-def _mark(
-    api_url: str, leases: list[tuple[Path, Lease]], auth: str | None, end: Callable[[Lease], State] = _died
-) -> list[str]:
-    """Put each lease's flow run in the state `end` gives, unless it is final, and every task run of it that is not:
-    the tasks in flight when a process dies never say so themselves. Returns the ids of the flow runs marked."""
-    from uuid import UUID
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        TaskRunFilter,
-        TaskRunFilterFlowRunId,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-    from prefect.exceptions import ObjectNotFound
-    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-
-    unfinished = [StateType.SCHEDULED, StateType.PENDING, StateType.RUNNING, StateType.PAUSED, StateType.CANCELLING]
-    marked = []
-    updates = {PREFECT_API_URL: api_url, **({PREFECT_API_AUTH_STRING: auth} if auth else {})}
-    with temporary_settings(updates=updates), get_client(sync_client=True) as client:
-        for path, lease in leases:
-            try:
-                run = client.read_flow_run(UUID(lease.flow_run_id))
-            except ObjectNotFound:
-                path.unlink(missing_ok=True)
-                continue
-            if run.state is None or not run.state.is_final():
-                client.set_flow_run_state(run.id, end(lease), force=True)
-                marked.append(lease.flow_run_id)
-            tasks = client.read_task_runs(
-                task_run_filter=TaskRunFilter(
-                    flow_run_id=TaskRunFilterFlowRunId(any_=[run.id]),
-                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=unfinished)),
-                )
-            )
-            for task_run in tasks:
-                client.set_task_run_state(task_run.id, end(lease), force=True)
-            path.unlink(missing_ok=True)
-    return marked

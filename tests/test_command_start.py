@@ -24,6 +24,8 @@ LIGHT_MODULES = [
     "flows.artifacts",
     "flows.orchestrate",
     "runtime.prefect_server",
+    "runtime.prefect_api",
+    "runtime.flow_leases",
     "flows.run_log",
     "runtime.runners",
     "flows.stage_clock",

@@ -422,14 +422,14 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
     from prefect import flow
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from runtime import prefect_server
+    from runtime import flow_leases, prefect_api, prefect_server
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     # Whatever API a test session set up (conftest's `prefect_server`), serve's own server is what is tested.
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         home = tmp_path / "prefect-server"
         try:
-            with prefect_server.prefect_api(home, secured=True) as url:
+            with prefect_api.prefect_api(home, secured=True) as url:
                 auth = prefect_server.server_auth(home)
                 assert auth and (home / "auth").stat().st_mode & 0o777 == 0o600
                 assert urlparse(url).hostname == "127.0.0.1" and urlparse(url).port != prefect_server.DEFAULT_PORT
@@ -453,7 +453,7 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
             # auth string the server's folder holds.
             gone = subprocess.Popen(["true"])
             gone.wait()
-            lease = prefect_server.Lease(
+            lease = flow_leases.Lease(
                 flow_run_id=str(run.id),
                 pid=gone.pid,
                 host=socket.gethostname(),
@@ -464,7 +464,7 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
             (home / "leases").mkdir(exist_ok=True)
             (home / "leases" / f"{run.id}.json").write_text(lease.model_dump_json())
             assert "PREFECT_API_AUTH_STRING" not in os.environ
-            assert prefect_server.mark_crashed_runs(url, home) == [str(run.id)]
+            assert flow_leases.mark_crashed_runs(url, home) == [str(run.id)]
         finally:
             prefect_server.stop_server(home)
 
