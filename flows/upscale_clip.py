@@ -26,10 +26,11 @@ from flows import artifacts
 from flows.run_log import run_log
 from flows.stage_clock import StageClock
 from k6vsr_core import media
-from k6vsr_core.errors import TileFailure, WindowStopped, WorkersUnavailable
+from k6vsr_core.errors import TileFailure, WindowStopped
 from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.quality import QualityReport
+from runtime.errors import WorkersUnavailable
 from runtime.flow_leases import leased
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
 from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner

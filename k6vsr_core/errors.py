@@ -5,8 +5,8 @@ Three kinds, told apart by what the reader can do:
 - `UserFacingError`: the user can fix it (the file, a value, the model, the store, the output folder); its message
   names the file or value and the cause. The command line prints it on one line and exits with 2, the HTTP API
   answers it with a 4xx status, the archive writes it into the clip's row; a stage task never retries it.
-- `ServiceError`: a service the command needs (the local Prefect server, the warm workers) could not be started or
-  reached; its message says where to look. The command line prints it on one line and exits with 1.
+- `ServiceError`: a service the command needs could not be started or reached (the runtime's, `runtime.errors`);
+  its message says where to look. The command line prints it on one line and exits with 1.
 - `PipelineError`: k6vsr's own work failed (tiles that failed on every attempt, a stored input that is gone, clips
   of an archive). Like any other exception it is an internal failure: shown with its type, exit code 1.
 
@@ -36,7 +36,7 @@ class MediaError(UserFacingError, ValueError):
         super().__init__(f"{self.path}: {cause}")
 
     def __reduce__(self) -> tuple[type[MediaError], tuple[str, str]]:
-        # Errors cross process boundaries (Dask workers): the default reduction would pass the message only.
+        # Errors cross process boundaries (pickled by worker processes): the default reduction would pass the message only.
         return (type(self), (self.path, self.cause))
 
 
@@ -50,18 +50,6 @@ class StoreError(UserFacingError, RuntimeError):
 
 class ServiceError(RuntimeError):
     """A service a command needs could not be started or reached; the message says which and where its log is."""
-
-
-class ServerError(ServiceError):
-    """The local Prefect server could not be started or reached."""
-
-
-class WorkersError(ServiceError):
-    """The warm workers could not be started."""
-
-
-class WorkersUnavailable(ServiceError):
-    """Worker processes did not run a trivial task in time (not started, or cannot import k6vsr)."""
 
 
 class PipelineError(RuntimeError):

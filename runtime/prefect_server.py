@@ -40,7 +40,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from k6vsr_core import status
-from k6vsr_core.errors import ServerError
+from runtime.errors import ServerError
 from runtime.state_folder import StateFolder, now, state_home
 from storage.processes import alive
 from storage.records import atomic_write_bytes

@@ -39,7 +39,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from k6vsr_core.errors import ParameterError, WorkersError
+from k6vsr_core.errors import ParameterError
+from runtime.errors import WorkersError
 from runtime.slots import WORKER_RESOURCES, WORKER_THREADS
 from runtime.state_folder import StateFolder, now, state_home
 from service.runs import ModelSpec

@@ -11,11 +11,10 @@ import pytest
 from entrypoints import cli
 from k6vsr_core.errors import (
     ParameterError,
-    ServerError,
-    WorkersError,
     describe_error,
 )
 from k6vsr_core.memory import MemoryBudgetError
+from runtime.errors import ServerError, WorkersError
 
 
 def test_a_plain_value_error_is_not_the_users_fault() -> None:
