@@ -36,7 +36,7 @@ class MediaError(UserFacingError, ValueError):
         super().__init__(f"{self.path}: {cause}")
 
     def __reduce__(self) -> tuple[type[MediaError], tuple[str, str]]:
-        # Errors cross process boundaries (pickled by worker processes): the default reduction would pass the message only.
+        # Errors cross process boundaries (worker processes): the default reduction would pass the message only.
         return (type(self), (self.path, self.cause))
 
 
