@@ -30,7 +30,6 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -41,7 +40,7 @@ from pydantic import BaseModel
 
 from k6vsr_core import status
 from runtime.errors import ServerError
-from runtime.state_folder import StateFolder, now, state_home
+from runtime.state_folder import LaunchFailed, StateFolder, now, state_home
 from storage.processes import alive
 from storage.records import atomic_write_bytes
 
@@ -177,32 +176,6 @@ def _server_env(home: Path, port: int, auth: str | None) -> dict[str, str]:
     return env
 
 
-# The launcher forks the server into its own session, records it and exits, so the server is nobody's child: a
-# long-lived command (`k6vsr serve`) never holds it as a zombie, and killing the command (or its process group)
-# never reaches it. The launcher, not the command, writes the record: a command killed right after the launch still
-# leaves a recorded server, which the next command finds and waits for.
-_LAUNCHER = """
-import json, os, subprocess, sys, time
-record_path, log_path, port, started_at = sys.argv[1:5]
-with open(log_path, "ab") as log:
-    process = subprocess.Popen(sys.argv[5:], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True, close_fds=True)
-try:
-    with open(f"/proc/{process.pid}/stat") as stat:
-        process_start = int(stat.read().rsplit(")", 1)[1].split()[19])
-except OSError:
-    process_start = None
-record = {"pid": process.pid, "port": int(port), "url": f"http://127.0.0.1:{port}/api", "started_at": started_at,
-          "process_start": process_start}
-partial = f"{record_path}.{os.getpid()}.partial"
-with open(partial, "w") as handle:
-    json.dump(record, handle)
-    handle.flush()
-    os.fsync(handle.fileno())
-os.replace(partial, record_path)
-"""
-
-
 def _launch(folder: StateFolder, port: int, secured: bool) -> ServerRecord:
     (folder.path / "prefect").mkdir(parents=True, exist_ok=True)
     auth = secrets.token_urlsafe(32) if secured else None
@@ -210,22 +183,15 @@ def _launch(folder: StateFolder, port: int, secured: bool) -> ServerRecord:
         _auth_path(folder).unlink(missing_ok=True)
     else:
         atomic_write_bytes(_auth_path(folder), auth.encode())  # owner-only (mkstemp), before the server can answer
-    folder.rotate_log()
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
-    launcher = subprocess.run(
-        [sys.executable, "-c", _LAUNCHER, str(folder.record_path), str(folder.log_path), str(port), now(), *command],
-        env=_server_env(folder.path, port, auth),
-        cwd=folder.path,  # never the command's folder, which the server would otherwise keep busy for its lifetime
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        start_new_session=True,
-        check=False,
-        timeout=60,
-    )
+    fields = {"port": port, "url": f"http://{HOST}:{port}/api", "started_at": now()}
+    try:
+        folder.launch(command, _server_env(folder.path, port, auth), fields)
+    except LaunchFailed as err:
+        raise ServerError(f"the Prefect server could not be launched: {err}") from None
     record = folder.read(ServerRecord)
-    if launcher.returncode != 0 or record is None:
-        raise ServerError(f"the Prefect server could not be launched: {launcher.stderr.strip()[-2000:]}")
+    if record is None:
+        raise ServerError(f"the Prefect server could not be launched: no record in {folder.record_path}")
     return record
 
 
