@@ -197,7 +197,7 @@ class Check:
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "K6VSR_MODEL": str(self.work / "bundle"),
-            "K6VSR_HOME": str(self.work / "home"),
+            "K6VSR_STATE_HOME": str(self.work / "home"),
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
 

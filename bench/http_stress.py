@@ -265,7 +265,7 @@ def main() -> int:
         "--memory-budget-mb",
         str(args.budget_mb),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "K6VSR_HOME": str(work / "home")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "K6VSR_STATE_HOME": str(work / "home")}
     env.pop("PREFECT_API_URL", None)  # serve's own Prefect server, in the store, as deployed
 
     def limit_files() -> None:

@@ -1,6 +1,6 @@
 """The local Prefect server that lasts: one per user, started on demand, shared by every command, kept running.
 
-Its state folder (`$K6VSR_SERVER_HOME`, else `$K6VSR_HOME/prefect-server`, else
+Its state folder (`$K6VSR_SERVER_HOME`, else `$K6VSR_STATE_HOME/prefect-server`, else
 `$XDG_STATE_HOME/k6vsr/prefect-server` or `~/.local/state/k6vsr/prefect-server`) holds:
 
     prefect/      the server's own PREFECT_HOME (its database: the history the UI shows)

@@ -41,16 +41,22 @@ LOG_KEEP_BYTES = 1 << 20
 Record = TypeVar("Record", bound=BaseModel)
 
 
+STATE_ENV = "K6VSR_STATE_HOME"
+
+
 def state_home(env_var: str, name: str) -> Path:
-    """`$<env_var>`, else `$K6VSR_HOME/<name>`, else `$XDG_STATE_HOME/k6vsr/<name>` (`~/.local/state` if unset)."""
+    """`$<env_var>`, else `$K6VSR_STATE_HOME/<name>`, else `$XDG_STATE_HOME/k6vsr/<name>` (`~/.local/state` if unset).
+
+    Never under `K6VSR_HOME`: that names the checkout the deployments' flow runs start in, and state written there
+    would land among the code."""
     explicit = os.environ.get(env_var)
     if explicit:
         return Path(explicit).expanduser()
-    k6vsr_home = os.environ.get("K6VSR_HOME")
-    if k6vsr_home:
-        return Path(k6vsr_home).expanduser() / name
+    root = os.environ.get(STATE_ENV)
+    if root:
+        return Path(root).expanduser() / name
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "k6vsr" / name
+    return Path(state).expanduser() / "k6vsr" / name
 
 
 @dataclass(frozen=True)

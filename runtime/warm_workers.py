@@ -8,7 +8,8 @@ returns once every worker has done so, so that not even the first run pays for l
 that runs tiles and is given no `--workers`, `--gpus` or `--dask-address` sends them to these workers while they
 run (`running_address`).
 
-The state folder (`$K6VSR_WORKERS_HOME`, else `$K6VSR_HOME/workers`, else `$XDG_STATE_HOME/k6vsr/workers`) holds:
+The state folder (`$K6VSR_WORKERS_HOME`, else `$K6VSR_STATE_HOME/workers`, else `$XDG_STATE_HOME/k6vsr/workers`)
+holds:
 
     workers.json   the supervisor's pid, then (once every worker is up, and with `--model` has loaded and warmed it)
                    the scheduler's address, written atomically

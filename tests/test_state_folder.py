@@ -1,4 +1,4 @@
-"""The runtime's state folders: the one launcher of detached services."""
+"""The runtime's state folders: where they are (never in the checkout) and the one launcher of detached services."""
 
 from __future__ import annotations
 
@@ -11,8 +11,23 @@ from pathlib import Path
 
 import pytest
 
-from runtime.state_folder import LaunchFailed, StateFolder
+from runtime.state_folder import LaunchFailed, StateFolder, state_home
 from storage.processes import alive, process_start
+
+
+def test_state_lives_apart_from_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkout = tmp_path / "checkout"
+    monkeypatch.setenv("K6VSR_HOME", str(checkout))  # the deployments' working folder: never state
+    for name in ("K6VSR_STATE_HOME", "XDG_STATE_HOME", "K6VSR_SERVER_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert state_home("K6VSR_SERVER_HOME", "prefect-server") == tmp_path / "user/.local/state/k6vsr/prefect-server"
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert state_home("K6VSR_SERVER_HOME", "prefect-server") == tmp_path / "xdg/k6vsr/prefect-server"
+    monkeypatch.setenv("K6VSR_STATE_HOME", str(tmp_path / "state"))
+    assert state_home("K6VSR_WORKERS_HOME", "workers") == tmp_path / "state/workers"
+    monkeypatch.setenv("K6VSR_SERVER_HOME", str(tmp_path / "server"))
+    assert state_home("K6VSR_SERVER_HOME", "prefect-server") == tmp_path / "server"
 
 
 def _wait_for(condition, timeout: float = 10.0) -> bool:
