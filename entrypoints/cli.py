@@ -28,7 +28,7 @@ from entrypoints import stopping
 from entrypoints.console import configure_terminal, plan_lines, plural, preview_lines, size_text, summary_lines
 from k6vsr_core import status
 from k6vsr_core.errors import ArchiveFailed, ParameterError, ServiceError, UserFacingError, describe_error
-from k6vsr_core.memory import MEMORY_MODES
+from k6vsr_core.memory_modes import MEMORY_MODES
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from k6vsr_core.release_config import DEFAULT_MODEL
 from runtime import interrupts

@@ -39,12 +39,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import UserFacingError
 from k6vsr_core.gate import Stage
+from k6vsr_core.memory_modes import MEMORY_MODES, BudgetName, MemoryMode
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan
 from k6vsr_core.tiling import SPATIAL_FACTOR, Size
 
@@ -53,9 +54,6 @@ if TYPE_CHECKING:
 
     from k6vsr_core.bundle import ModelBundle
 
-BudgetName = Literal["fast", "24g", "16g"]
-MemoryMode = Literal["auto", BudgetName]  # the allowed values, written here only
-MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)
 GIB = 1 << 30
 MIB = 1 << 20
 # Latent frames per KVAE call, largest first; None is the KVAE's own segmentation (1 + 16 pixel frames a call).

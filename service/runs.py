@@ -16,7 +16,7 @@ from k6vsr_core import media
 from k6vsr_core.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
 from k6vsr_core.errors import BundleError, MediaError
 from k6vsr_core.latent import plan_latent, read_latent
-from k6vsr_core.memory import MemoryMode
+from k6vsr_core.memory_modes import MemoryMode
 from k6vsr_core.params import ParameterError, UpscaleParams
 from k6vsr_core.plan import ClipPlan, make_plan, scene_cuts, select_kept_frames
 from storage import RunRef, run_key, source_info
