@@ -41,11 +41,12 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Failed
 from pydantic import BaseModel
 
 from flows import artifacts
 from flows.upscale_clip import ClipSummary, upscale_clip
-from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
+from k6vsr_core.errors import UserFacingError, describe_error
 from k6vsr_core.params import UpscaleParams, output_name
 from runtime.flow_leases import leased
 from runtime.lanes import ARCHIVE_QUEUE, SharedQueue
@@ -493,9 +494,11 @@ def upscale_archive(
     summary = _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
     logger.info("%s; manifest %s", summary.message, manifest_json)
     if summary.failed:
-        raise ArchiveFailed(
-            f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
-            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused"
+        # The run is Failed and its state still carries the summary (`state.result(raise_on_failure=False)`).
+        return Failed(  # type: ignore[return-value]
+            message=f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
+            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused",
+            data=summary,
         )
     return summary
 

@@ -7,8 +7,9 @@ Three kinds, told apart by what the reader can do:
   answers it with a 4xx status, the archive writes it into the clip's row; a stage task never retries it.
 - `ServiceError`: a service the command needs could not be started or reached (the runtime's, `runtime.errors`);
   its message says where to look. The command line prints it on one line and exits with 1.
-- `PipelineError`: k6vsr's own work failed (tiles that failed on every attempt, a stored input that is gone, clips
-  of an archive). Like any other exception it is an internal failure: shown with its type, exit code 1.
+- `PipelineError`: k6vsr's own work failed (tiles that failed on every attempt, a stored input that is gone). Like
+  any other exception it is an internal failure: shown with its type, exit code 1. An archive whose clips failed
+  ends Failed with its summary, which says which and why.
 
 A plain `ValueError` is an internal failure too (a broken invariant, a library refusing what k6vsr passed it): a value
 the user gave is checked where it enters and refused as a `ParameterError`.
@@ -66,10 +67,6 @@ class MissingInput(PipelineError):
 
 class WindowStopped(PipelineError):
     """A task waiting for a window's items was told that they will not come (one failed, or the run stopped)."""
-
-
-class ArchiveFailed(PipelineError):
-    """Some clips failed; every other clip is finished and the manifest says which failed and why."""
 
 
 def describe_error(err: BaseException) -> str | None:
