@@ -148,6 +148,14 @@ SERVE_LIMITS: tuple[tuple[str, type, float | None, str], ...] = (
     ("--max-windows", int, 512, "windows of frames of one job"),
     ("--upload-timeout-s", float, 900, "seconds a request body may take to arrive, then 408"),
     (
+        "--min-upload-kb-s",
+        float,
+        8,
+        "KiB a second a request body must average over each --upload-rate-window-s while it arrives, else 408 and "
+        "its upload slot is given back (0: no floor)",
+    ),
+    ("--upload-rate-window-s", float, 30, "seconds over which --min-upload-kb-s is measured"),
+    (
         "--max-uploads-per-key",
         int,
         4,

@@ -16,8 +16,10 @@ changes, on a CUDA device:
   Measured on two H200s (bench/RESULTS.md): DiT latents are bit-identical across workers, KVAE-decoded pixels were
   not (tiles decoded in another process differed by up to 13 levels), at a time when a one-thread worker decoded
   another number of latent frames per call than the command (`k6vsr_core.memory` no longer lets them differ).
-- KVAE decoder: `torch.compile(dynamic=False)`, with Inductor's caches (FX graph, AOT autograd, Triton kernels) kept
-  in a per-user folder, so the long first compile is paid once per machine rather than once per process.
+- KVAE decoder: its spatial norms and causal convolutions in their fast forms (`k6vsr_core.fast_decoder`: the same
+  function with fewer passes over memory), then `torch.compile(dynamic=False)`, with Inductor's caches (FX graph,
+  AOT autograd, Triton kernels) kept in a per-user folder, so the long first compile is paid once per machine rather
+  than once per process.
 
 Models already run in bf16 on CUDA (`load_bundle`), and the denoise state stays fp32 as the contract asks. Where
 the weights live is the memory budget's business (`k6vsr_core.memory`), which works with or without this.
@@ -50,6 +52,7 @@ from k6vsr_core.compile_cache import (
     enable_compile_cache,
     import_configured_artifacts,
 )
+from k6vsr_core.fast_decoder import fuse_decoder
 
 # Flex attention tile sizes must divide NABLA's 64-token blocks; 4 warps and 3 stages were the fastest measured on
 # an H200 at the STA-floor density (performance-baseline.md).
@@ -198,14 +201,33 @@ class AttentionSwitch:
 
     def __init__(self, transformer: Any, *, compiled_blocks: bool, use_cudnn: bool = False) -> None:
         self.transformer = transformer
-        modules = _attention_modules(transformer)
-        self.processors: dict[str, list[Any]] = {
-            mode: [fast_processor(mode, compiled_blocks=compiled_blocks, use_cudnn=use_cudnn) for _ in modules]
-            for mode in ("dense", "nabla")
-        }
+        self.compiled_blocks = compiled_blocks
+        self.use_cudnn = use_cudnn
+        # Per DiT (the bf16 one, and an FP8 copy if a request asks for one: k6vsr_core.precision), per mode.
+        self._processors: dict[int, dict[str, list[Any]]] = {}
 
-    def __call__(self, mode: AttentionMode) -> None:
-        for module, processor in zip(_attention_modules(self.transformer), self.processors[mode], strict=True):
+    def processors_of(self, transformer: Any) -> dict[str, list[Any]]:
+        known = self._processors.get(id(transformer))
+        if known is None:
+            modules = _attention_modules(transformer)
+            known = {
+                mode: [
+                    fast_processor(mode, compiled_blocks=self.compiled_blocks, use_cudnn=self.use_cudnn)
+                    for _ in modules
+                ]  # fmt: skip
+                for mode in ("dense", "nabla")
+            }
+            self._processors[id(transformer)] = known
+        return known
+
+    @property
+    def processors(self) -> dict[str, list[Any]]:
+        return self.processors_of(self.transformer)
+
+    def __call__(self, mode: AttentionMode, transformer: Any = None) -> None:
+        transformer = self.transformer if transformer is None else transformer
+        processors = self.processors_of(transformer)[mode]
+        for module, processor in zip(_attention_modules(transformer), processors, strict=True):
             if module.processor is not processor:
                 module.set_processor(processor)
 
@@ -227,6 +249,7 @@ class FastPath:
     compiled_dit: bool = False
     compiled_decoder: bool = False
     compiled_flex: bool = False
+    fused_decoder: int = 0  # decoder modules in their fast forms (k6vsr_core.fast_decoder)
     cache_dir: str | None = None
     cudnn_attention: bool = False
     deterministic: bool = False
@@ -240,6 +263,7 @@ def compile_bundle(
     compiled: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
     on_cpu: bool = False,
+    fuse: bool = True,
 ) -> FastPath:
     """Prepare `bundle` in place for fast inference; returns what was done. Idempotent.
 
@@ -247,7 +271,8 @@ def compile_bundle(
     not), and with `compiled` the DiT blocks and the KVAE decoder compiled too; `deterministic` in the answer says
     whether Inductor may choose kernels by timing them (`k6vsr_core.determinism`, set when the bundle loads). On a CPU
     this compiles nothing (unless `on_cpu`, for experiments) and leaves the arithmetic untouched, so outputs stay
-    bit-identical.
+    bit-identical. `fuse` gives the KVAE decoder its fast forms (`k6vsr_core.fast_decoder`) where the path applies;
+    off only to measure them.
     """
     existing = getattr(bundle, "fast_path", None)
     if existing is not None:
@@ -275,6 +300,8 @@ def compile_bundle(
     switch = AttentionSwitch(bundle.transformer, compiled_blocks=compile_networks, use_cudnn=path.cudnn_attention)
     # The hook `stages.denoise_chunk` calls after the plain `set_attention` (see stages.use_attention).
     bundle.attention_hook = switch  # type: ignore[attr-defined]
+    if fuse and (cuda or on_cpu):
+        path.fused_decoder = fuse_decoder(bundle.vae.decoder)
     if compile_networks:
         bundle.transformer.compile_repeated_blocks(fullgraph=True, dynamic=False)
         # Graph breaks are allowed: the decoder's Python-side segment bookkeeping stays eager where it must.

@@ -42,6 +42,11 @@ class UpscaleParams(BaseModel):
     target_resolution: str | None = Field(None, description="none, hd, fullhd, 2k or WxH (default none)")
     target_resize_mode: Literal["fit", "exact"] = Field("fit", description="fit or exact")
     attention: Literal["nabla", "dense"] = Field("nabla", description="nabla or dense (nabla as released)")
+    # `bf16`: the contract; `fp8`: the DiT's matrix products in FP8 on GPUs that have them (k6vsr_core.precision).
+    precision: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description="bf16 or fp8 (the DiT's matrix products in FP8; Ada/Hopper GPUs, the fp8 extra; bf16 as released)",
+    )
     # `all`: every kept frame, in overlapping windows; `contract`: the official first 121 frames (k6vsr_core.windows).
     frames: Literal["all", "contract"] = Field(
         "all", description="all (every kept frame, in 121-frame windows) or contract (the first 121)"

@@ -16,7 +16,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from k6vsr_core.attention import AttentionMode, set_attention
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.pixels import TileBlender, pad_video, pre_upscale_video, resize_video
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan, TileChunk
+from k6vsr_core.precision import dit_for
 from k6vsr_core.tiling import SPATIAL_FACTOR, Size
 from k6vsr_core.windows import Window
 
@@ -130,15 +131,17 @@ def chunk_noise(shape: tuple[int, ...], seed: int, device: torch.device, dtype: 
     return torch.randn((n * t, h, w, c), generator=generator, device=device, dtype=dtype).reshape(shape)
 
 
-def use_attention(bundle: ModelBundle, mode: AttentionMode) -> None:
-    """Switch the DiT to `mode`; a bundle prepared by `k6vsr_core.fast.compile_bundle` then installs its own processors.
+def use_attention(bundle: ModelBundle, mode: AttentionMode, transformer: Any = None) -> None:
+    """Switch the DiT (`transformer`, default the bundle's) to `mode`; a bundle prepared by
+    `k6vsr_core.fast.compile_bundle` then installs its own processors.
 
     Fast-path hook: the plain path has no `attention_hook` and runs exactly as before.
     """
-    set_attention(bundle.transformer, mode)
+    transformer = bundle.transformer if transformer is None else transformer
+    set_attention(transformer, mode)
     hook = getattr(bundle, "attention_hook", None)
     if hook is not None:
-        hook(mode)
+        hook(mode, transformer)
 
 
 def compile_watch(
@@ -167,9 +170,9 @@ def _denoise(
     bundle: ModelBundle, lr_tiles: torch.Tensor, chunk: TileChunk, plan: ClipPlan, on_step: StepHook | None
 ) -> torch.Tensor:
     device = bundle.device
-    dit = bundle.transformer
-    dtype = dit.dtype
-    use_attention(bundle, plan.params.attention)
+    dit = dit_for(bundle, plan.params.precision)
+    dtype = bundle.transformer.dtype  # the FP8 DiT's inputs and outputs stay bf16
+    use_attention(bundle, plan.params.attention, dit)
     upscaled = bundle.latent_upscaler(
         lr_tiles.to(device, bundle.latent_upscaler.dtype), scale=plan.params.tiling_scale, return_dict=False
     )[0]
@@ -183,12 +186,19 @@ def _denoise(
     anchor = torch.zeros((*latents.shape[:-1], latents.shape[-1] + 1), device=device, dtype=dtype)
     for step, timestep in enumerate(_timesteps(scheduler, plan, device)):
         model_input = torch.cat([latents.to(dtype), anchor], dim=-1)
-        with compile_watch(bundle, "DiT", tuple(model_input.shape), plan.params.attention):
+        with compile_watch(bundle, "DiT", tuple(model_input.shape), _dit_detail(plan)):
             prediction = dit(model_input, timestep.float().expand(latents.shape[0]), return_dict=False)[0]
         latents = scheduler.step(prediction.float(), timestep, latents, return_dict=False)[0]
         if on_step is not None:
             on_step(step)
     return latents.permute(0, 4, 1, 2, 3).contiguous().cpu()
+
+
+def _dit_detail(plan: ClipPlan) -> str:
+    """What besides the input's shape makes the DiT another compiled graph."""
+    if plan.params.precision == "bf16":
+        return plan.params.attention
+    return f"{plan.params.attention}, {plan.params.precision}"
 
 
 def to_pixels(decoded: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """Flow-run leases: which process on this host runs which flow run, so that a run whose process died is ended.
 
-A flow run holds a lease (`leased`) while its body runs: a file in the local server's state folder
-(`runtime.prefect_server`, `leases/`) naming the process (pid and start time) and the API the run reports to. A
-process killed outright (SIGKILL, OOM) cannot tell the API its run ended, so the run would show "Running" forever;
-the next command that reaches the API finds the lease's process dead and marks the run Crashed, with its task runs
-that were in flight (`mark_crashed_runs`). A command stopped by Ctrl-C leaves a helper that marks its runs Cancelled
-as soon as it is gone (`end_leased_runs`).
+A flow run holds a lease (`leased`) while its body runs, and past it when the body ends by an interrupt (the process
+is going down before its run is final: SIGTERM to a job's child, whose SIGKILL follows): a file in the local
+server's state folder (`runtime.prefect_server`, `leases/`) naming the process (pid and start time) and the API the
+run reports to. A process killed outright (SIGKILL, OOM) cannot tell the API its run ended, so the run would show
+"Running" forever; the next command that reaches the API finds the lease's process dead and marks the run Crashed,
+with its task runs that were in flight (`mark_crashed_runs`). A command stopped by Ctrl-C leaves a helper that marks
+its runs Cancelled as soon as it is gone (`end_leased_runs`).
 """
 
 from __future__ import annotations
@@ -82,7 +83,16 @@ def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterato
         log.warning("could not write the flow run lease %s: %s", path, err)
     try:
         yield
-    finally:
+    except Exception:
+        path.unlink(missing_ok=True)
+        raise
+    except BaseException:
+        # An interrupt or an exit: the process is going down, and its run is not final yet. Prefect reports the
+        # crash only after waiting for the tasks in flight, which a SIGKILL may cut short (a job's child gets one a
+        # few seconds after its SIGTERM): the lease stays, so the run is marked Crashed once the process is gone,
+        # whoever looks first (`mark_crashed_runs`; a run Prefect did end is left as it is).
+        raise
+    else:
         path.unlink(missing_ok=True)
 
 

@@ -68,7 +68,7 @@ def _sha256(path: str, size: int, mtime_ns: int, inode: int, block: int = 1 << 2
 
 # Output controls added after runs were first keyed: left out of the key while at their default, so the runs of
 # the contract's file keep their keys.
-_LATER_FIELDS = ("codec", "crf", "preset", "pix_fmt", "audio", "fps_mode", "windows")
+_LATER_FIELDS = ("codec", "crf", "preset", "pix_fmt", "audio", "fps_mode", "windows", "precision")
 
 
 def output_params(params: UpscaleParams) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from k6vsr_core.fast import compile_bundle
 from k6vsr_core.memory import GIB, apply_budget, budget_for, free_gpu_bytes
 from k6vsr_core.memory_modes import BudgetName
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.precision import check_precision
 from service.runs import ModelSpec
 
 SIZE_ENV = "K6VSR_MODEL_CACHE_SIZE"
@@ -103,6 +104,8 @@ def get_bundle(spec: ModelSpec, plan: ClipPlan | None = None) -> ModelBundle:
             # A preload: any bundle of this model will do, the next plan places it (or loads one of its own).
             key = next((k for k in reversed(_BUNDLES) if k[0] == spec), (spec, None))
             return _cached(key, device)
+        # Before any weights move: a precision this device cannot run is the user's to change.
+        check_precision(plan.params.precision, device)
         budget = budget_for(spec.memory, device, plan)
         key = (spec, budget.budget)
         unplaced = _BUNDLES.get((spec, None))

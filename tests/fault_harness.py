@@ -7,6 +7,7 @@ A SPEC is `ACTION@POINT[:OPTION...]`:
     ACTION   kill     SIGKILL the process that reaches the point (no cleanup, no `finally`, like the OOM killer)
              raise    raise `InjectedFault` (a RuntimeError, so the stage tasks retry it as transient)
              nospace  raise `OSError(ENOSPC)`, as a full disk does
+             stall    sleep `STALL_S` there, as a tile whose compute no signal stops (it runs in a task's thread)
     POINT    ingest   after the manifest is written, before the frame index (the ingest record)  RunStore.write_manifest
              encode   after the KVAE encode, before the latent is stored                      stages.encode_clip
              denoise  before a chunk of tiles is denoised                                     stages.denoise_chunk
@@ -36,6 +37,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ from typing import Any
 
 ENV_SPECS = "K6VSR_FAULTS"
 ENV_STATE = "K6VSR_FAULT_STATE"
+STALL_S = 600.0  # longer than any test waits
 POINTS = ("ingest", "encode", "denoise", "decode", "tile", "blend", "segment", "mux", "publish")
 
 
@@ -65,9 +68,9 @@ class Fault:
     def parse(cls, spec: str) -> Fault:
         head, *options = spec.strip().split(":")
         action, sep, point = head.partition("@")
-        if not sep or action not in ("kill", "raise", "nospace") or point not in POINTS:
+        if not sep or action not in ("kill", "raise", "nospace", "stall") or point not in POINTS:
             raise ValueError(
-                f"bad fault spec {spec!r}: want kill|raise|nospace@{'|'.join(POINTS)}[:nth=N][:times=N][:tile=I]"
+                f"bad fault spec {spec!r}: want kill|raise|nospace|stall@{'|'.join(POINTS)}[:nth=N][:times=N][:tile=I]"
             )
         fault = cls(action=action, point=point, text=spec.strip())
         for option in options:
@@ -110,6 +113,11 @@ def _fire(fault: Fault, what: str) -> None:
         sys.stderr.write(f"fault_harness: SIGKILL in {what} (pid {os.getpid()})\n")
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault.action == "stall":
+        sys.stderr.write(f"fault_harness: stalling {what} for {STALL_S:g} s (pid {os.getpid()})\n")
+        sys.stderr.flush()
+        time.sleep(STALL_S)
+        return
     if fault.action == "nospace":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     raise InjectedFault(f"injected fault in {what}")
@@ -266,8 +274,6 @@ def run_all(commands: list[list[str]], parallel: int = 3, timeout: float = 300.0
 
     A command past `timeout` is killed with its process group; its result has return code -9 and its threads'
     stacks as stderr."""
-    import time
-
     import procs
 
     results: list[Any] = [None] * len(commands)

@@ -9,6 +9,7 @@ before a job runs. The tests that need several connections at once serve it with
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
@@ -99,6 +100,12 @@ def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
     assert (config.connections.max_connections, config.connections.header_timeout_s) == (50, 2)
     assert (config.connections.keep_alive_s, config.limits.finished_per_key) == (3, 7)
     assert config.limits.memory_budget_bytes == 512 << 20
+    assert (defaults.min_upload_bytes_per_s, defaults.upload_rate_window_s) == (8 << 10, 30)
+    flags = "--min-upload-kb-s 2 --upload-rate-window-s 5"
+    limits = config_from(build_parser().parse_args(["serve", *flags.split()]), tmp_path, "m").limits
+    assert (limits.min_upload_bytes_per_s, limits.upload_rate_window_s) == (2048, 5)
+    with pytest.raises(ParameterError, match="--upload-rate-window-s"):
+        config_from(build_parser().parse_args(["serve", "--upload-rate-window-s", "0"]), tmp_path, "m")
 
 
 def test_connections_fit_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -374,6 +381,73 @@ def test_stalled_uploads_of_one_key_neither_starve_another_nor_last(served: int,
     finally:
         for sock in stalled:
             sock.close()
+
+
+@pytest.fixture
+def served_with_floor(tmp_path: Path, tiny_bundle_path: Path) -> Iterator[tuple[int, Path]]:
+    """The app with two keys, a 30 s body deadline and a floor of 256 bytes a second over 0.5 s windows."""
+    limits = replace(LIMITS, upload_timeout_s=30.0, min_upload_bytes_per_s=256.0, upload_rate_window_s=0.5)
+    store = tmp_path / "store"
+    with serving(app_for(store, tiny_bundle_path, limits)) as port:
+        yield port, store
+
+
+def paced_upload(port: int, key: str, body: bytes, piece: int, every_s: float) -> tuple[int, dict]:
+    """A chunked multipart upload of `body` (a complete form) sent `piece` bytes at a time, one every `every_s`,
+    until the server answers; the answer."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    head = (
+        "POST /v1/videos HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Type: multipart/form-data; boundary=b0undary\r\n\r\n"
+    )
+    with sock:
+        sock.sendall(head.encode())
+        for start in range(0, len(body), piece):
+            if select.select([sock], [], [], 0)[0]:
+                break  # answered
+            part = body[start : start + piece]
+            sock.sendall(b"%x\r\n" % len(part) + part + b"\r\n")
+            time.sleep(every_s)
+        else:
+            sock.sendall(b"0\r\n\r\n")
+        return answer_of(sock)
+
+
+def form_of(clip: Path) -> bytes:
+    return (
+        b'--b0undary\r\nContent-Disposition: form-data; name="video_reference"; filename="x"\r\n\r\n'
+        + clip.read_bytes()
+        + b"\r\n--b0undary--\r\n"
+    )
+
+
+@pytest.mark.timed
+def test_a_stalled_or_trickling_upload_loses_its_slot_at_the_rate_floor(
+    served_with_floor: tuple[int, Path], tmp_path: Path
+) -> None:
+    """The probe: a key's never-finishing uploads, which held their slots until the body deadline, are cut off with
+    408 `upload_too_slow` once a window brings less than the floor, long before the deadline, and their partial
+    files are removed: the key uploads again at once. A trickle below the floor is cut off too; an upload slower
+    than a window but above the floor is taken."""
+    port, store = served_with_floor
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
+    started = time.monotonic()
+    stalled = [stalled_upload(port, KEY_A) for _ in range(2)]  # the key's share of the four slots
+    try:
+        answers = [answer_of(sock) for sock in stalled]
+    finally:
+        for sock in stalled:
+            sock.close()
+    assert all(status == 408 and body["error"]["code"] == "upload_too_slow" for status, body in answers), answers
+    assert "--min-upload-kb-s" in answers[0][1]["error"]["message"]
+    assert time.monotonic() - started < 5.0  # the 30 s deadline is far
+    assert list((store / "jobs").iterdir()) == []  # no partial upload left
+    status, body = paced_upload(port, KEY_A, form_of(clip), piece=10, every_s=0.2)  # 50 bytes a second
+    assert status == 408 and body["error"]["code"] == "upload_too_slow", body
+    # ~2 KB a second, over about a second: two windows, each above the floor.
+    status, body = paced_upload(port, KEY_A, form_of(clip), piece=200, every_s=0.1)
+    assert status == 200 and body["status"] == "queued", body
+    assert time.monotonic() - started < 10.0
 
 
 # -------------------------------------------------------------------------------------------- finished jobs

@@ -9,6 +9,8 @@ limit for them and puts it back.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import os
 import resource
 import socket
 import time
@@ -18,10 +20,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+from fault_harness import child_environment, fired
 from http_harness import Server, completed
 
 from k6vsr_core.sample import make_sample_clip
 
+ROOT = Path(__file__).resolve().parents[1]
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
 NOFILE = 1024
 HALF_OPEN = 1100  # more than the server's open-file limit
@@ -33,7 +37,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_path: Path, pref
     allowed = root / "allowed"
     allowed.mkdir()
     make_sample_clip(allowed / "square.mp4", width=64, height=64, num_frames=1)
-    make_sample_clip(allowed / "slow.mp4", width=96, height=64, num_frames=9)  # x4: 15 tiles, some seconds
     return {"root": root, "allowed": allowed, "store": root / "store", "bundle": tiny_bundle_path}
 
 
@@ -167,18 +170,26 @@ def flow_run_state(job_id: str) -> str | None:
     return runs[0].state.type.value if runs and runs[0].state else None
 
 
-def test_sigterm_mid_job_leaves_no_running_flow_run(stack: dict[str, Path]) -> None:
-    """A server stopped with SIGTERM while a job runs: once it has exited, the job's flow run is final (Crashed),
-    not Running for good; the job stays in_progress for the next start to resume."""
+def test_sigterm_mid_job_leaves_no_running_flow_run(stack: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server stopped with SIGTERM while a job's tile is computing, in a task thread that no signal stops: the
+    job's child cannot end its flow run within its grace and is killed, yet once the server has exited the run is
+    final (Crashed), not Running for good; the job stays in_progress for the next start to resume."""
+    state = stack["root"] / "faults-sigterm"
+    for name, value in child_environment(["stall@denoise:times=1"], state).items():
+        monkeypatch.setenv(name, value)
+    # This checkout's packages, not the install's, for the code the fault's start-up hook imports.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([os.environ["PYTHONPATH"], str(ROOT)]))
     stopped = start(stack, "sigterm")
     try:
-        posted = stopped.post_json(video_path=str(stack["allowed"] / "slow.mp4"), sr_resolution_scale=4, seed=13)
+        posted = stopped.post_json(video_path=str(stack["allowed"] / "square.mp4"), sr_resolution_scale=2, seed=13)
         job_id = posted.json()["id"]
         deadline = time.monotonic() + 60
-        while flow_run_state(job_id) != "RUNNING":
+        while not fired(state):  # the child is inside the stalled denoise
             assert time.monotonic() < deadline, stopped.log()
             time.sleep(0.1)
+        assert flow_run_state(job_id) == "RUNNING"
     finally:
         stopped.stop()  # SIGTERM, and wait
-    assert stopped.process is not None and stopped.process.returncode is not None
+    assert stopped.process is not None and stopped.process.returncode == 143, stopped.log()
     assert flow_run_state(job_id) == "CRASHED", stopped.log()
+    assert json.loads((stack["store"] / "jobs" / f"{job_id}.json").read_text())["status"] == "in_progress"

@@ -54,20 +54,63 @@ class UploadTimeout(ApiError):
         )
 
 
+class UploadTooSlow(ApiError):
+    def __init__(self, limits: Limits) -> None:
+        super().__init__(
+            408,
+            f"the request body arrived slower than {limits.min_upload_bytes_per_s / 1024:g} KiB/s over "
+            f"{limits.upload_rate_window_s:g} s (--min-upload-kb-s, --upload-rate-window-s); its upload slot is "
+            "given back, send it again",
+            code="upload_too_slow",
+            headers={"Connection": "close"},
+        )
+
+
+async def _next_chunk(chunks: AsyncIterator[bytes]) -> bytes | None:
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        return None
+
+
 async def body_chunks(request: Request, limits: Limits) -> AsyncIterator[bytes]:
-    """The request body as it arrives, all of it within `upload_timeout_s`: a client that trickles or stalls gives
-    back its admission slot and its quota at the deadline. (Neither uvicorn nor Starlette bounds a body's time.)"""
-    deadline = asyncio.get_running_loop().time() + limits.upload_timeout_s
+    """The request body as it arrives: all of it within `upload_timeout_s`, and, while it lasts, at least
+    `min_upload_bytes_per_s` in each `upload_rate_window_s` (0: no floor). A client that stalls or trickles gives
+    back its admission slot and its quota at the end of the window where it fell short, not at the deadline.
+    (Neither uvicorn nor Starlette bounds a body's time or rate.)"""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.upload_timeout_s
+    window_s = limits.upload_rate_window_s
+    floor = limits.min_upload_bytes_per_s * window_s  # bytes each window must bring
+    window_end = loop.time() + window_s
+    in_window = 0
     chunks = request.stream()
-    while True:
-        try:
-            async with asyncio.timeout_at(deadline):
-                chunk = await anext(chunks)
-        except StopAsyncIteration:
-            return
-        except TimeoutError:
-            raise UploadTimeout(limits.upload_timeout_s) from None
-        yield chunk
+    # One read in flight, waited for across windows (a cancelled read would end the body's stream), and started
+    # only when the next chunk is asked for.
+    pending: asyncio.Future[bytes | None] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(_next_chunk(chunks))
+            wake = min(deadline, window_end) if floor else deadline
+            await asyncio.wait({pending}, timeout=max(0.0, wake - loop.time()))
+            if pending.done():
+                chunk = pending.result()
+                if chunk is None:
+                    return
+                pending = None
+                in_window += len(chunk)
+                yield chunk
+            now = loop.time()
+            if now >= deadline:
+                raise UploadTimeout(limits.upload_timeout_s)
+            if floor and now >= window_end:
+                if in_window < floor:
+                    raise UploadTooSlow(limits)
+                in_window, window_end = 0, now + window_s
+    finally:
+        if pending is not None and not pending.done():
+            pending.cancel()
 
 
 async def read_json(request: Request, limits: Limits) -> dict[str, Any]:

@@ -25,6 +25,10 @@ class Limits:
     max_tiles: int = 2048  # --max-tiles: tile tasks of one job (tiles of a window x windows)
     max_windows: int = 512  # --max-windows: windows of one job
     upload_timeout_s: float = 900.0  # --upload-timeout-s: a request body must arrive within this time, else 408
+    # --min-upload-kb-s, --upload-rate-window-s: while a request body arrives, each window must bring this many
+    # bytes a second on average, else 408 (0: no floor)
+    min_upload_bytes_per_s: float = 8 << 10
+    upload_rate_window_s: float = 30.0
     uploads_per_key: int | None = None  # --max-uploads-per-key: request bodies one key sends at once (None: any)
     queued_per_key: int | None = None  # --max-queued-per-key: queue places one key holds (None: all)
     finished_quota_bytes: int | None = None  # --finished-quota-mb: disk finished jobs may keep (None: no budget)
@@ -120,6 +124,8 @@ def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Pa
         max_tiles=int(_at_least(args.max_tiles, 1, "--max-tiles")),
         max_windows=int(_at_least(args.max_windows, 1, "--max-windows")),
         upload_timeout_s=_at_least(args.upload_timeout_s, 0.1, "--upload-timeout-s"),
+        min_upload_bytes_per_s=_at_least(args.min_upload_kb_s, 0, "--min-upload-kb-s") * 1024,
+        upload_rate_window_s=_at_least(args.upload_rate_window_s, 0.1, "--upload-rate-window-s"),
         uploads_per_key=uploads_per_key,
         queued_per_key=int(_at_least(args.max_queued_per_key, 1, "--max-queued-per-key")),
         finished_quota_bytes=int(_at_least(args.finished_quota_mb, 0, "--finished-quota-mb")) << 20,
