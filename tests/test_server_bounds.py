@@ -26,15 +26,10 @@ from fastapi.testclient import TestClient
 from http_harness import error_of, free_port
 
 from entrypoints.http_api import Limits, ServerConfig, create_app, error_response, key_owner
-from entrypoints.jobs import (
-    MAX_MESSAGE_CHARS,
-    JobRunner,
-    JobStore,
-    _error_of,
-    job_message,
-    results_beside,
-    tile_counts,
-)
+from entrypoints.server.child import _error_of, results_beside
+from entrypoints.server.records import MAX_MESSAGE_CHARS, JobStore
+from entrypoints.server.runner import JobRunner
+from entrypoints.server.slots import job_message, tile_counts
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.memory import MemoryBudgetError
 from k6vsr_core.sample import make_sample_clip
@@ -548,7 +543,8 @@ def test_one_key_holds_at_most_its_share_of_the_queue(tmp_path: Path) -> None:
     `key_queue_full` while another key is still admitted; a job taken by a worker frees its place."""
     from entrypoints.cli import build_parser
     from entrypoints.http_api import config_from
-    from entrypoints.jobs import JobRunner, JobStore, KeyQueueFull, QueueFull, UploadsBusy
+    from entrypoints.server.records import JobStore, KeyQueueFull, QueueFull, UploadsBusy
+    from entrypoints.server.runner import JobRunner
 
     store = JobStore(tmp_path, input_quota_bytes=1 << 20)
     runner = JobRunner(store, ModelSpec(model="unused"), workers=1, max_queued=5, retention_s=60, queued_per_key=3)

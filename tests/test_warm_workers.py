@@ -212,8 +212,8 @@ def test_the_command_imports_no_torch_with_warm_workers(
 def test_the_http_servers_job_process_imports_no_torch_with_warm_workers(
     cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
 ) -> None:
-    """The HTTP server's job process, as the server starts it (`python -m entrypoints.jobs SPEC PARENT`), serves a job
-    through warm workers without torch or diffusers, and its output is the reference's bytes."""
+    """The HTTP server's job process, as the server starts it (`python -m entrypoints.server.child SPEC PARENT`),
+    serves a job through warm workers without torch or diffusers, and its output is the reference's bytes."""
     import sys
 
     import procs
@@ -230,7 +230,7 @@ def test_the_http_servers_job_process_imports_no_torch_with_warm_workers(
         "latent_fps": None,
     }
     env = {**os.environ, "PYTHONPATH": str(tests.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, str(tests / "import_audit.py"), str(report), "entrypoints.jobs"]
+    argv = [sys.executable, str(tests / "import_audit.py"), str(report), "entrypoints.server.child"]
     done = procs.run([*argv, spec.model_dump_json(), str(os.getpid())], env=env, input=json.dumps(job) + "\n")
     assert done.returncode == 0, done.stderr[-3000:]
     replies = [json.loads(line) for line in done.stdout.splitlines()]

@@ -10,7 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from entrypoints.confine import PathRefused
-from entrypoints.jobs import InputQuotaFull, KeyQueueFull, QueueFull, UploadsBusy, short_message
+from entrypoints.server.records import InputQuotaFull, KeyQueueFull, QueueFull, UploadsBusy, short_message
 from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
 
 log = logging.getLogger("k6vsr.server")

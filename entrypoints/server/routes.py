@@ -14,17 +14,6 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from entrypoints.confine import quote, scrub_paths
-from entrypoints.jobs import (
-    ACTIVE,
-    CANCELLED,
-    COMPLETED,
-    FINISHED,
-    IN_PROGRESS,
-    InputFile,
-    JobRunner,
-    JobStore,
-    new_job_id,
-)
 from entrypoints.server.auth import Caller, caller_of
 from entrypoints.server.bodies import UploadTooLarge, copy_path_source, read_form, read_json
 from entrypoints.server.config import Limits, ServerConfig
@@ -32,6 +21,17 @@ from entrypoints.server.download import OpenedFileResponse
 from entrypoints.server.errors import ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
 from entrypoints.server.memory import computes_on_cpu, job_bytes
+from entrypoints.server.records import (
+    ACTIVE,
+    CANCELLED,
+    COMPLETED,
+    FINISHED,
+    IN_PROGRESS,
+    InputFile,
+    JobStore,
+    new_job_id,
+)
+from entrypoints.server.runner import JobRunner
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale
 from k6vsr_core.params import UpscaleParams
