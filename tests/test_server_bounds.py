@@ -195,6 +195,17 @@ def test_error_messages_are_short_and_typed() -> None:
     assert len(body["error"]["message"]) <= MAX_MESSAGE_CHARS
 
 
+def test_a_failed_jobs_error_and_the_apis_answer_come_from_one_table() -> None:
+    from entrypoints.server.error_table import USER_ERROR_STATUS
+    from entrypoints.server.errors import api_error
+
+    for kind, status, code in USER_ERROR_STATUS:
+        err = kind("the clip", "no video stream") if kind is MediaError else kind("refused")
+        answer = api_error(err)
+        assert (answer.status, answer.code) == (status, code)
+        assert _error_of(err) == {"message": str(err), "type": "invalid_request_error", "code": code}
+
+
 def test_a_permanent_media_error_is_not_retried() -> None:
     """A stage task retries what may pass (an I/O error, a broken invariant), never the decoder's verdict on the same
     bytes or another error of the user's."""

@@ -45,14 +45,13 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _error_of(err: BaseException) -> dict[str, str]:
     """A failed job's error, typed: the client's fault (its input or values) or the server's, one short line."""
-    from k6vsr_core.errors import MediaError, ParameterError, describe_error
+    from entrypoints.server.error_table import user_answer
+    from k6vsr_core.errors import UserFacingError, describe_error
 
     message = describe_error(err)
     if message is None:
         return {"message": short_message(f"{type(err).__name__}: {err}"), "type": "server_error", "code": "job_failed"}
-    code = "invalid_request"
-    if isinstance(err, (MediaError, ParameterError)):
-        code = "invalid_video" if isinstance(err, MediaError) else "invalid_value"
+    code = user_answer(err)[1] if isinstance(err, UserFacingError) else "invalid_request"  # a file it named: OSError
     return {"message": short_message(message), "type": "invalid_request_error", "code": code}
 
 
