@@ -54,54 +54,34 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import same_bytes, streaming, two_gpus  # noqa: E402 - after the checkout is on the path, as for a script
+from bench.check_kit import (  # noqa: E402
+    COST,
+    ROOT,
+    as_run,
+    md5,
+    readme_gpu_command,
+    timeline_lines,
+)
+from k6vsr_core.stage_names import MODEL_STAGES  # noqa: E402
 
 # W1-long: W1's size for three windows (121 + 2 x 105 frames: the window stride at the default overlap of 16).
 WORKLOADS = {"W1": (768, 512, 121), "W2": (384, 256, 33), "W1-long": (768, 512, 331)}
 # `--tiny`: the same runs on the CPU with the tiny random bundle and small clips (a smoke test of this script); the
 # windows are 121 frames whatever the model, so W1-long keeps its length, on one tile.
 TINY_WORKLOADS = {"W1": (96, 64, 9), "W2": (64, 64, 9), "W1-long": (64, 64, 331)}
-# Rough seconds each run takes on an H200 with a warm compile cache (cold for oneshot-cold), at the speeds measured
-# for the streaming issue, to skip what cannot finish in time (a run still going at the deadline is cut: exit 124);
-# inmemory: the child's start, load, first and hot run (about 3 minutes more on a cold cache); archive-clip: per clip.
-COST = {
-    "oneshot-cold": 260,
-    "oneshot": 140,  # 138.3 s warm cache (2026-12-03, 26f52be)
-    "W2": 60,
-    "workers-start": 90,  # with --model it also warms a default run's shapes: 72.5 s warm cache (2026-12-03)
-    "workers-run": 90,  # 84.0 / 81.1 s (2026-12-03)
-    "workers-stop": 10,  # 4.6 s
-    "inmemory": 170,
-    "multiwindow": 260,  # 249.9 s one-shot (2026-12-03)
-    "archive-clip": 75,  # 98.6 s a clip at 2 clips (2026-12-03); the cross-clip queue aims at a clip's GPU work
-    "memory": 560,  # bench/memory_bench.py's MEMORY_MODES, one process each
-    # bench/two_gpus.py, on warm workers (start 48 s and a first W1 on them 130-164 s on the H200, 2026-12-01/02): gpu1
-    # on one GPU, gpus on two (about 0.6x one: the issue's 0.55x and the tiles a GPU waits for); W1: the mean of a
-    # first and a hot run; kill: W1 with a tile computed again.
-    "gpus-start": 60,
-    "gpus-stop": 15,
-    "gpu1-W1": 100,
-    "gpus-W1": 60,
-    "gpu1-multiwindow": 200,
-    "gpus-multiwindow": 120,
-    "gpu1-archive-clip": 60,
-    "gpus-archive-clip": 35,
-    "gpus-kill": 70,
-}
 # The memory issue's modes (bench/memory_bench.py): the default, its whole-tile-decode reference, `auto` on smaller
 # cards simulated by the process's memory fraction.
 MEMORY_MODES = "default,fast-whole,auto48,auto24,auto16"
@@ -125,31 +105,6 @@ TARGETS = {
     "two_gpus_window_vs_one": 0.55,  # multi-window seconds per window at most 0.55x
     "two_gpus_archive_vs_one": 1.9,  # archive clips per hour at least 1.9x
 }
-
-
-def readme_gpu_command() -> list[str]:
-    """The command in the README's block after "With the released weights", split as a shell would."""
-    text = (ROOT / "README.md").read_text()
-    match = re.search(r"With the released weights.*?```bash\n(.+?)\n```", text, re.S)
-    if match is None:
-        raise SystemExit("README.md has no GPU command after 'With the released weights'")
-    return shlex.split(match.group(1).strip())
-
-
-def as_run(command: list[str], clip: Path, out_dir: Path) -> list[str]:
-    """The README's command with its program run from this checkout and its clip and output folder substituted."""
-    args = []
-    for word in command[1:]:
-        args.append(str(clip) if word == "clip.mp4" else str(out_dir) + "/" if word == "out/" else word)
-    return [sys.executable, "-m", "entrypoints.cli", *args]
-
-
-def as_archive(command: list[str], input_dir: Path, out_dir: Path) -> list[str]:
-    """The README's command as an archive: `archive INPUT_DIR -o OUTPUT_DIR` with the same request flags."""
-    argv = as_run(command, input_dir, out_dir)
-    if argv[3] != "upscale":
-        raise SystemExit(f"the README's GPU command is not `k6vsr upscale ...`: {shlex.join(command)}")
-    return [*argv[:3], "archive", *argv[4:]]
 
 
 class NvmlPeak:
@@ -193,21 +148,6 @@ class NvmlPeak:
         return [round(peak / 2**30, 2) for peak in self.peaks]
 
 
-def md5(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def timeline_lines(store: Path) -> Iterator[dict[str, Any]]:
-    """Every line of every run's `timeline.jsonl` in `store`: stage, item, start, end (epoch seconds), process, peak."""
-    for path in store.glob("runs/*/timeline.jsonl"):
-        for line in path.read_text().splitlines():
-            yield json.loads(line)
-
-
 def timeline(store: Path, started: float) -> tuple[dict[str, list[float]], float | None]:
     """Per stage: [first start, last end, tasks] in seconds from the command's start; the largest process peak."""
     stages: dict[str, list[float]] = {}
@@ -225,7 +165,7 @@ def timeline(store: Path, started: float) -> tuple[dict[str, list[float]], float
 def head_and_tail(stages: dict[str, list[float]], wall: float) -> dict[str, float | None]:
     """Seconds from the command's start to its first GPU item (`head_s`), and from its last GPU item's end to the
     command's end (`tail_s`), from the stage spans of `timeline`."""
-    gpu = [stages[stage] for stage in ("encode", "denoise", "decode") if stage in stages]
+    gpu = [stages[stage] for stage in MODEL_STAGES if stage in stages]
     if not gpu:
         return {"head_s": None, "tail_s": None}
     return {"head_s": round(min(s[0] for s in gpu), 1), "tail_s": round(wall - max(s[1] for s in gpu), 1)}
@@ -257,7 +197,7 @@ class Check:
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "K6VSR_MODEL": str(self.work / "bundle"),
-            "K6VSR_HOME": str(self.work / "home"),
+            "K6VSR_STATE_HOME": str(self.work / "home"),
             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         }
 

@@ -74,7 +74,7 @@ class Statuses:
 
 
 class Memory(threading.Thread):
-    """Peak resident memory of the server process and its job processes (`entrypoints.jobs`), sampled."""
+    """Peak resident memory of the server process and its job processes (`entrypoints.server.child`), sampled."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True)
@@ -90,7 +90,7 @@ class Memory(threading.Thread):
                 jobs = 0
                 for child in self.server.children(recursive=True):
                     try:
-                        if "entrypoints.jobs" in " ".join(child.cmdline()):
+                        if "entrypoints.server.child" in " ".join(child.cmdline()):
                             jobs += child.memory_info().rss
                     except psutil.Error:
                         continue
@@ -265,7 +265,7 @@ def main() -> int:
         "--memory-budget-mb",
         str(args.budget_mb),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "K6VSR_HOME": str(work / "home")}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "K6VSR_STATE_HOME": str(work / "home")}
     env.pop("PREFECT_API_URL", None)  # serve's own Prefect server, in the store, as deployed
 
     def limit_files() -> None:

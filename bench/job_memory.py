@@ -3,7 +3,7 @@
     python bench/job_memory.py --port PORT --key KEY --model BUNDLE [--device cpu] WxHxFRAMES@SCALE ...
 
 Against a running `k6vsr serve` on 127.0.0.1 (one worker, the same bundle and device): for each case, a synthetic clip
-is made, uploaded and polled to its end while the resident memory of the job process (`entrypoints.jobs`, with its
+is made, uploaded and polled to its end while the resident memory of the job process (`server.child`, with its
 children) is sampled every 50 ms; printed, one JSON line a case: its idle size before the job, its peak, the growth,
 and `job_bytes` of the job's plan. Cases run one after another (each waits for its job).
 """
@@ -32,7 +32,7 @@ def job_process_rss() -> int:
     total = 0
     for process in psutil.process_iter(["cmdline"]):
         try:
-            if "entrypoints.jobs" in " ".join(process.info["cmdline"] or []):
+            if "entrypoints.server.child" in " ".join(process.info["cmdline"] or []):
                 total += process.memory_info().rss
         except psutil.Error:
             continue

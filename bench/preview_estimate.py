@@ -42,9 +42,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from flows.orchestrate import prefect_api
-    from flows.prefect_server import stop_server
     from k6vsr_core.bundle import make_tiny_bundle
     from k6vsr_core.sample import make_sample_clip
+    from runtime.prefect_server import stop_server
 
     work = (args.work or Path(tempfile.mkdtemp(prefix="k6vsr-preview-bench-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bench.device_check import Check
+    from bench.check_kit import Check
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "fault_harness.py"
@@ -203,7 +203,7 @@ def runner_child(clip: Path, out_dir: Path) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from bench.device_check import as_run, md5, readme_gpu_command
+    from bench.check_kit import as_run, md5, readme_gpu_command
     from entrypoints.cli import build_parser, model_from, params_from
     from k6vsr_core.bundle import load_bundle
     from k6vsr_core.fast import compile_bundle

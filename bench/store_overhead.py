@@ -62,10 +62,10 @@ def main() -> int:
     import s3fs
 
     from flows.orchestrate import prefect_api, run_clip
-    from flows.prefect_server import stop_server
     from k6vsr_core.bundle import make_tiny_bundle
     from k6vsr_core.params import UpscaleParams
     from k6vsr_core.sample import make_sample_clip
+    from runtime.prefect_server import stop_server
     from service.runs import ModelSpec, prepare_run
 
     work = (args.work or Path(tempfile.mkdtemp(prefix="k6vsr-store-bench-"))).resolve()

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import same_bytes
+from k6vsr_core.stage_names import MODEL_STAGES
 
 if TYPE_CHECKING:
-    from bench.device_check import Check
+    from bench.check_kit import Check
 
 INMEMORY = "inmemory-W1"
 INMEMORY_HOT = f"{INMEMORY}-2"
@@ -44,7 +45,7 @@ ARCHIVE = "archive-W1"
 WARM_ONESHOT = "oneshot-W1-warm"
 WORKER_RUNS = ("workers-W1-1", "workers-W1-2")
 # The runner's stages that keep the GPU busy; blend and segment run on a thread beside them, ingest and mux around.
-GPU_STAGES = ("encode", "denoise", "decode")
+GPU_STAGES = MODEL_STAGES
 ONE_SHOT = {"K6VSR_WARM_WORKERS": "off"}
 ARCHIVE_TONE_HZ = 440.0  # clip i's tone is ARCHIVE_TONE_HZ + 20 i: other bytes, another run key, the same frames
 
@@ -91,7 +92,7 @@ def run_inmemory(check: Check) -> None:
 
 def run_multiwindow(check: Check) -> dict[str, Any]:
     """The README's GPU command, one-shot, on the three-window clip; its row with seconds per window."""
-    from bench.device_check import as_run, readme_gpu_command
+    from bench.check_kit import as_run, readme_gpu_command
 
     store, out_dir = check.work / f"store-{MULTIWINDOW}", check.work / f"out-{MULTIWINDOW}"
     for fresh in (store, out_dir):
@@ -111,7 +112,7 @@ def run_multiwindow(check: Check) -> dict[str, Any]:
 def gpu_stream(store: Path) -> tuple[int, float | None]:
     """From the run's timeline: the windows its GPU items (encode, denoise, decode; named `<window>` or
     `<window>-<tile>`) belong to, and the seconds from the first one's start to the last one's end."""
-    from bench.device_check import timeline_lines
+    from bench.check_kit import timeline_lines
 
     windows: set[str] = set()
     first, last = float("inf"), float("-inf")
@@ -165,7 +166,7 @@ def archive_input(check: Check, clips: int) -> Path:
 
 def run_archive(check: Check, clips: int, max_parallel: int | None) -> dict[str, Any]:
     """`clips` W1 clips through `k6vsr archive` with the README's GPU command's flags, one-shot; its row."""
-    from bench.device_check import as_archive, readme_gpu_command
+    from bench.check_kit import as_archive, readme_gpu_command
 
     folder = archive_input(check, clips)
     store, out_dir = check.work / f"store-{ARCHIVE}", check.work / f"out-{ARCHIVE}"

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 from bench import streaming
 
 if TYPE_CHECKING:
-    from bench.device_check import Check
+    from bench.check_kit import Check
 
 GROUP = "two-gpus"
 PARTS = ("w1", "multiwindow", "archive", "kill")
@@ -83,7 +83,7 @@ class GpuSet:
 
 def visible_gpus() -> list[str]:
     """The GPUs the workers would use, as CUDA_VISIBLE_DEVICES names them."""
-    from flows.warm_workers import gpu_ids
+    from runtime.warm_workers import gpu_ids
 
     return gpu_ids()
 
@@ -109,7 +109,7 @@ def parse_parts(text: str) -> list[str]:
 
 def part_cost(part: str, clips: int, parts: list[str]) -> float:
     """Rough seconds a part takes over both sets (device_check.COST)."""
-    from bench.device_check import COST
+    from bench.check_kit import COST
 
     if part == "w1":
         return 2 * (COST["gpu1-W1"] + COST["gpus-W1"])
@@ -122,7 +122,7 @@ def part_cost(part: str, clips: int, parts: list[str]) -> float:
 
 def fitting(parts: list[str], clips: int, seconds: float) -> tuple[list[str], list[str]]:
     """The parts that fit in `seconds` with both sets' starts and stops, the later ones left out first."""
-    from bench.device_check import COST
+    from bench.check_kit import COST
 
     kept = list(parts)
     overhead = 2 * (COST["gpus-start"] + COST["gpus-stop"]) + COST["gpus-stop"]
@@ -208,7 +208,7 @@ def status_workers(check: Check, label: str, env: dict[str, str]) -> list[dict[s
 def run(check: Check, label: str, workload: str, env: dict[str, str], note: str) -> dict[str, Any]:
     """The README's GPU command on `workload`, on the running warm workers, with a fresh store and output folder; its
     row, not yet added."""
-    from bench.device_check import as_run, readme_gpu_command
+    from bench.check_kit import as_run, readme_gpu_command
 
     store, out_dir = _fresh(check, label)
     argv = as_run(readme_gpu_command(), check.clip(workload), out_dir)
@@ -237,7 +237,7 @@ def run_multiwindow(check: Check, gpu_set: GpuSet) -> dict[str, Any]:
 
 def run_archive(check: Check, gpu_set: GpuSet, clips: int, max_parallel: int | None = None) -> dict[str, Any]:
     """Streaming's archive of `clips` W1 clips through `k6vsr archive` on the set's workers; its row."""
-    from bench.device_check import as_archive, readme_gpu_command
+    from bench.check_kit import as_archive, readme_gpu_command
 
     label = f"{gpu_set.name}-archive"
     folder = streaming.archive_input(check, clips)
@@ -258,7 +258,7 @@ def run_archive(check: Check, gpu_set: GpuSet, clips: int, max_parallel: int | N
 
 def first_denoise_pid(store: Path) -> int | None:
     """The process that wrote the run's first denoise item, once its timeline shows one."""
-    from bench.device_check import timeline_lines
+    from bench.check_kit import timeline_lines
 
     try:
         lines = [line for line in timeline_lines(store) if line["stage"] == "denoise"]

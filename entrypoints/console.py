@@ -23,7 +23,7 @@ CONSOLE_LEVEL_ENV = "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"
 CONSOLE_CLASS_ENV = "PREFECT_LOGGING_HANDLERS_CONSOLE_CLASS"
 CONSOLE_CLASS = "entrypoints.console_log.CommandConsoleHandler"
 # Prefect's client telemetry switch (it reads no setting of its own): off, so that a new user's first command shows
-# its output, not Prefect's notice about usage data. Our server's analytics are off too (flows.prefect_server).
+# its output, not Prefect's notice about usage data. Our server's analytics are off too (runtime.prefect_server).
 TELEMETRY_ENV = "DO_NOT_TRACK"
 
 

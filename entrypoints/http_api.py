@@ -15,7 +15,8 @@ the job's folder, so the file checked is the file that runs (`entrypoints.confin
 under a size cap; every resource a client can spend is bounded (`Limits`: bodies, the queue, disk, host memory;
 `Connections`: open connections and how long they may idle, `server.serving`); with API keys each job belongs to the key
 that made it; errors are JSON `{"error": {"message", "type", "param", "code"}}` with one line of message, never a
-stack trace or a path of the server. Jobs, their queue and their worker processes are in `entrypoints.jobs`.
+stack trace or a path of the server. Jobs, their queue and their worker processes are in `entrypoints.server`
+(`records`, `runner`, `slots`, `child`).
 """
 
 from __future__ import annotations
@@ -32,15 +33,13 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from entrypoints.jobs import (
-    JobRunner,
-    JobStore,
-)
 from entrypoints.server.auth import Caller, KeyAuth, key_owner
 from entrypoints.server.bodies import read_form
 from entrypoints.server.config import Limits, ServerConfig, config_from
 from entrypoints.server.errors import ApiError, error_response, install_error_handlers
+from entrypoints.server.records import JobStore
 from entrypoints.server.routes import Videos, router
+from entrypoints.server.runner import JobRunner
 from service.runs import ModelSpec, model_info
 
 # The names the server's callers and tests use, wherever each is defined.
@@ -58,7 +57,7 @@ __all__ = [
 
 log = logging.getLogger("k6vsr.server")
 
-# The folder of the store that holds the service's own Prefect server (`flows.prefect_server`).
+# The folder of the store that holds the service's own Prefect server (`runtime.prefect_server`).
 PREFECT_HOME = "prefect-server"
 
 

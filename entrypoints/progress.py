@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from k6vsr_core.plan import ClipPlan
 from service.runs import PreparedRun
-from storage import RunStore
+from storage import RunRef, RunStore
 from storage.progress import (
     SEPARATOR,
     RunProgress,
@@ -101,7 +101,7 @@ def run_progress(prepared: PreparedRun, enabled: bool = True) -> Iterator[None]:
     if not enabled or not sys.stderr.isatty():
         yield
         return
-    bar = RunBar(RunStore(prepared.run.store_root, prepared.run.run_key), prepared.plan, sys.stderr)
+    bar = RunBar(prepared.run.open(), prepared.plan, sys.stderr)
     try:
         with polling(bar.show, "k6vsr-progress", POLL_S):
             yield
@@ -140,7 +140,7 @@ class ArchiveBars:
         for path, run_key in running:
             if path in self.bars:
                 continue
-            store = RunStore(store_root, run_key)
+            store = RunRef(store_root=str(store_root), run_key=run_key).open()
             plan = stored_plan(store)
             if plan is None:  # its ingest has not recorded the clip's plan yet
                 text += SEPARATOR + clip_text(path, None)

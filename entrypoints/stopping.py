@@ -1,6 +1,6 @@
 """How a `k6vsr` command stops on Ctrl-C or SIGTERM: within seconds, with one line, leaving the truth behind.
 
-It does not wait for the tiles in flight (`flows.interrupts` says why): it ends the processes it started (a local
+It does not wait for the tiles in flight (`runtime.interrupts` says why): it ends the processes it started (a local
 Dask cluster's workers) and exits with 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM); a helper it
 leaves behind for a moment marks its flow runs and their unfinished task runs Cancelled in Prefect once it is gone.
 What was finished is in the run store, which a rerun resumes; what was being written sits under a temporary name,
@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
-from flows import interrupts
+from runtime import interrupts
 
 MESSAGE = "interrupted; finished items are kept, rerun to resume"
 RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
@@ -66,7 +66,7 @@ def stop(signum: int) -> NoReturn:
     fresh_line = "\n" if sys.stderr.isatty() else ""  # after the progress bar or the terminal's ^C
     with contextlib.suppress(OSError):
         os.write(2, f"{fresh_line}k6vsr: {MESSAGE}\n".encode())
-    if "flows.prefect_server" in sys.modules:  # else no flow ran
+    if "runtime.flow_leases" in sys.modules:  # else no flow ran
         _end_runs_after_exit(signum)  # started after the list of what to kill was taken: it outlives this process
     _send(children, signal.SIGKILL)
     # Not `sys.exit`: the interpreter would wait for the threads still computing tiles, which nothing can stop.
@@ -78,7 +78,7 @@ def _end_runs_after_exit(signum: int) -> None:
     session, so that a second Ctrl-C does not reach it, and silent, so that the one line stays the last."""
     how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     reason = f"the k6vsr command was interrupted ({how}); finished items are kept, rerun to resume"
-    code = f"from flows.prefect_server import end_leased_runs; end_leased_runs({os.getpid()}, {reason!r})"
+    code = f"from runtime.flow_leases import end_leased_runs; end_leased_runs({os.getpid()}, {reason!r})"
     with contextlib.suppress(OSError):  # else the next command marks them Crashed instead
         subprocess.Popen(
             [sys.executable, "-c", code],

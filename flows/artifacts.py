@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,10 +28,10 @@ from uuid import UUID
 import numpy as np
 from PIL import Image
 
-from flows.runners import is_dask_runner
 from flows.stage_clock import StageSpan
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.quality import Comparison, QualityReport
+from runtime.runners import is_dask_runner, thread_count
 from storage import RunStore
 from storage.progress import (
     SEPARATOR,
@@ -353,11 +352,8 @@ def workers_in_use() -> str:
         workers = client.scheduler_info(n_workers=-1)["workers"].values()
         hosts = sorted({str(worker.get("host", "?")) for worker in workers})
         return f"{len(workers)} Dask worker process{'es' if len(workers) != 1 else ''} on {', '.join(hosts)}"
-    # Prefect's default thread pool has no bound (sys.maxsize); the command's has two threads. ThreadPoolTaskRunner
-    # tells its size only through the private `_max_workers` (prefect 3.x has no public attribute for it); read
-    # defensively, so a release that renames it reads as unbounded instead of failing the report.
-    threads = getattr(runner, "_max_workers", sys.maxsize)
-    count = f"{threads} threads" if threads < sys.maxsize else "a thread per task"
+    threads = thread_count(runner)  # the command's pool has two; Prefect's default, none set, has no bound
+    count = f"{threads} threads" if threads else "a thread per task"
     return f"{count} in process {os.getpid()} on {socket.gethostname()}"
 
 

@@ -1,7 +1,7 @@
 """Running a flow from an entry point: the Prefect API it reports to and the task runner.
 
 Every run reports to one Prefect API: `PREFECT_API_URL` when set, else the local server that lasts
-(`flows.prefect_server`), started on first use and left running so the UI keeps every run. Its address is handed to
+(`runtime.prefect_server`), started on first use and left running so the UI keeps every run. Its address is handed to
 every process the command starts through the environment: Dask workers would otherwise each look for their own.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.prefect_server import prefect_api
-from flows.runners import make_task_runner
 from flows.upscale_clip import ClipSummary, upscale_clip
+from runtime.prefect_api import prefect_api
+from runtime.runners import make_task_runner
 from service.runs import ModelSpec, PreparedRun
 from tasks.worker_preload import preload_in_background
 

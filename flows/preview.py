@@ -1,7 +1,7 @@
 """The preview flow: a few representative windows of a clip, upscaled before the whole run is started.
 
 It runs the clip's own tasks (ingest, then encode, denoise, decode and blend of each chosen window) through the
-run's own scheduler and lanes (`flows.schedule`: as many model tasks at once as a run computes, the next window
+run's own scheduler and lanes (`runtime.schedule`: as many model tasks at once as a run computes, the next window
 encoded while the one before it is denoised), on the clip's own run store, under the same run key: the whole run
 (`k6vsr upscale` with the same parameters) finds those windows blended and computes only the others. It stops short
 of the segments, which need each window's neighbour.
@@ -10,7 +10,7 @@ It writes a side-by-side MP4 (the bicubic-upscaled source on the left, the outpu
 window) and a contact sheet PNG (the middle frame of each window, source and output), and, from its wall clock over
 the frames its windows computed, estimates the whole run's time and disk on this machine
 (`storage.estimate.estimate_run`). The wall clock, not the sum of the tasks' seconds: a run computes two model tasks
-at once (`flows.slots.MODEL_SLOTS`) and encodes a window while the one before it decodes, and a sum of tasks
+at once (`runtime.slots.MODEL_SLOTS`) and encodes a window while the one before it decodes, and a sum of tasks
 computed one at a time counted that overlapped work in full. The rates are kept in the store (`preview.json`), where
 `k6vsr plan` finds them.
 """
@@ -27,13 +27,13 @@ import numpy as np
 from prefect import flow
 from pydantic import BaseModel
 
-from flows.lanes import SubmitTask, lanes_for, shared_queues
-from flows.runners import WarmOrThreadsTaskRunner
-from flows.schedule import MODEL_STAGES, Graph, Item, Scheduler, clip_graph
 from flows.upscale_clip import _task_of
 from k6vsr_core import media
 from k6vsr_core.errors import MissingInput
 from k6vsr_core.plan import ClipPlan, representative_windows
+from runtime.lanes import SubmitTask, lanes_for, shared_queues
+from runtime.runners import WarmOrThreadsTaskRunner
+from runtime.schedule import MODEL_STAGES, Graph, Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef
 from storage import RunStore
 from storage.estimate import RATES, RunEstimate, StageRates, estimate_run, read_rates
@@ -62,7 +62,7 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
     and the contact sheet into `out_dir`, and estimate the whole run from the rates measured (or kept by an earlier
     preview, when every window chosen was already computed)."""
     run = prepared.run
-    store = RunStore(run.store_root, run.run_key)
+    store = run.open()
     attempt = uuid.uuid4().hex
     with store.in_use():
         ingested = ingest_tasks.ingest(prepared, attempt)
@@ -118,7 +118,7 @@ def windows_done(store: RunStore, plan: ClipPlan) -> list[int]:
 
 
 def preview_graph(plan: ClipPlan, chosen: tuple[int, ...], stream_blend: bool = True) -> Graph:
-    """The clip's graph (`flows.schedule.clip_graph`) cut down to the chosen windows' model work and blends, each
+    """The clip's graph (`runtime.schedule.clip_graph`) cut down to the chosen windows' model work and blends, each
     chosen window encoded once the one chosen before it is being denoised, as a run encodes one window ahead."""
     whole = clip_graph(plan, stream_blend)
     items = tuple(item for item in whole.items if item.window in chosen and item.stage in (*MODEL_STAGES, "blend"))

@@ -18,7 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-PIPELINE = ("ingest", "encode", "denoise", "decode", "blend", "segment", "mux", "publish")
+from k6vsr_core.stage_names import PIPELINE
+
+__all__ = ["PIPELINE", "StageClock", "StageSpan"]
 
 
 @dataclass(frozen=True)

@@ -41,19 +41,20 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Failed
 from pydantic import BaseModel
 
 from flows import artifacts
-from flows.lanes import ARCHIVE_QUEUE, SharedQueue
-from flows.prefect_server import leased
-from flows.runners import make_task_runner, resolve_address, start_cluster, uses_processes
-from flows.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from flows.upscale_clip import ClipSummary, upscale_clip
-from k6vsr_core.errors import ArchiveFailed, UserFacingError, describe_error
+from k6vsr_core.errors import UserFacingError, describe_error
 from k6vsr_core.fake_model import identity_suffix
 from k6vsr_core.params import UpscaleParams, output_name
+from runtime.flow_leases import leased
+from runtime.lanes import ARCHIVE_QUEUE, SharedQueue
+from runtime.runners import make_task_runner, resolve_address, start_cluster, uses_processes
+from runtime.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
-from storage import RunStore, default_store_root, parse_store_root, run_key, source_info
+from storage import default_store_root, parse_store_root, run_key, source_info
 from storage.records import atomic_write_bytes
 from tasks.worker_preload import preload_in_background
 
@@ -582,9 +583,11 @@ def upscale_archive(
     summary = _summary(base, out_dir, rows, plan_only, manifest_json, manifest_csv)
     logger.info("%s; manifest %s", summary.message, manifest_json)
     if summary.failed:
-        raise ArchiveFailed(
-            f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
-            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused"
+        # The run is Failed and its state still carries the summary (`state.result(raise_on_failure=False)`).
+        return Failed(  # type: ignore[return-value]
+            message=f"{summary.counts['failed']} of {len(rows)} clips failed ({summary.message}); "
+            f"see {manifest_json}. Rerun the archive to retry them: finished clips are reused",
+            data=summary,
         )
     return summary
 
@@ -633,8 +636,7 @@ def run_clips(
     def run(index: int) -> tuple[int, float, str | None, Any]:
         row = rows[index]
         ARCHIVE_QUEUE.set((shared, index))  # this clip's model work after every earlier clip's, before later ones'
-        run_ref = plans[row.relative_path].run
-        progress.started(row.relative_path, RunStore(run_ref.store_root, run_ref.run_key))
+        progress.started(row.relative_path, plans[row.relative_path].run.open())
         started = time.perf_counter()
         for attempt in range(1 + API_BUSY_RETRIES):
             try:

@@ -24,21 +24,22 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from flows import artifacts
-from flows.lanes import SubmitTask, lanes_for, shared_queues
-from flows.prefect_server import leased
 from flows.run_log import run_log
-from flows.runners import WarmOrThreadsTaskRunner, is_dask_runner
-from flows.schedule import Item, Scheduler, clip_graph
 from flows.stage_clock import StageClock
 from k6vsr_core import media
-from k6vsr_core.errors import TileFailure, WindowStopped, WorkersUnavailable
+from k6vsr_core.errors import TileFailure, WindowStopped
 from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.quality import QualityReport
+from runtime.errors import WorkersUnavailable
+from runtime.flow_leases import leased
+from runtime.lanes import SubmitTask, lanes_for, shared_queues
+from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner
+from runtime.schedule import Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
 from storage.location import is_url
-from storage.progress import StageCount, read_progress, run_finished, stage_counts, tile_count
+from storage.progress import ProgressCounter, StageCount, read_progress, run_finished, stage_counts, tile_count
 from tasks import ingest as ingest_tasks
 from tasks import quality as quality_tasks
 from tasks import stage_tasks
@@ -112,7 +113,7 @@ def _flow_run_name() -> str:
 
 def _clip_flow(name: str) -> Any:
     """The flow decorator of both clip flows. Deployments run a flow with its default runner: the warm workers while
-    they run (flows.warm_workers), else threads."""
+    they run (runtime.warm_workers), else threads."""
     return flow(
         name=name,
         flow_run_name=_flow_run_name,
@@ -151,7 +152,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
     clock = StageClock()
     logger = get_run_logger()
     run, source = prepared.run, prepared.source
-    store = RunStore(run.store_root, run.run_key)
+    store = run.open()
     destination = (
         Path(output) if output else Path(source).parent / output_name(source, prepared.plan.params, datetime.now())
     )
@@ -183,7 +184,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
         )
         denoised: list[StageResult] = []
         if not store.output_done():
-            denoised = _windows(run, model, plan, record, attempt, progress, store)
+            denoised = _windows(run, model, plan, record, attempt, progress, ProgressCounter(store, plan), store)
             record(stage_tasks.mux(run, attempt))
             progress.update(read_progress(store, plan))
         record(stage_tasks.publish(run, published))
@@ -226,10 +227,11 @@ def _windows(
     record: Callable[[StageResult], StageResult],
     attempt: str,
     progress: artifacts.TileProgress,
+    counter: ProgressCounter,
     store: RunStore,
 ) -> list[StageResult]:
     """Every window's tasks, each started when its inputs are in, model work most urgent first and blends and
-    segments beside it (flows.schedule), so windows stream through the store one after another."""
+    segments beside it (runtime.schedule), so windows stream through the store one after another."""
     _check_workers(model)
     from prefect.context import FlowRunContext
 
@@ -267,7 +269,9 @@ def _windows(
                     for key in [(item.window, tile) for tile in item.tiles] or [(item.window, -1)]:
                         failures.setdefault(key, message)
                     continue
-                progress.update(read_progress(store, plan))  # each task's end may move the run to its next stage
+                # Each task's end may move the run to its next stage: counted from its result, not re-read.
+                counter.finished(result.stage, result.window, result.tiles)
+                progress.update(counter.progress())
                 if item.stage == "denoise":
                     denoised.append(result)
             finished = True

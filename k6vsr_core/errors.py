@@ -5,10 +5,11 @@ Three kinds, told apart by what the reader can do:
 - `UserFacingError`: the user can fix it (the file, a value, the model, the store, the output folder); its message
   names the file or value and the cause. The command line prints it on one line and exits with 2, the HTTP API
   answers it with a 4xx status, the archive writes it into the clip's row; a stage task never retries it.
-- `ServiceError`: a service the command needs (the local Prefect server, the warm workers) could not be started or
-  reached; its message says where to look. The command line prints it on one line and exits with 1.
-- `PipelineError`: k6vsr's own work failed (tiles that failed on every attempt, a stored input that is gone, clips
-  of an archive). Like any other exception it is an internal failure: shown with its type, exit code 1.
+- `ServiceError`: a service the command needs could not be started or reached (the runtime's, `runtime.errors`);
+  its message says where to look. The command line prints it on one line and exits with 1.
+- `PipelineError`: k6vsr's own work failed (tiles that failed on every attempt, a stored input that is gone). Like
+  any other exception it is an internal failure: shown with its type, exit code 1. An archive whose clips failed
+  ends Failed with its summary, which says which and why.
 
 A plain `ValueError` is an internal failure too (a broken invariant, a library refusing what k6vsr passed it): a value
 the user gave is checked where it enters and refused as a `ParameterError`.
@@ -36,7 +37,7 @@ class MediaError(UserFacingError, ValueError):
         super().__init__(f"{self.path}: {cause}")
 
     def __reduce__(self) -> tuple[type[MediaError], tuple[str, str]]:
-        # Errors cross process boundaries (Dask workers): the default reduction would pass the message only.
+        # Errors cross process boundaries (worker processes): the default reduction would pass the message only.
         return (type(self), (self.path, self.cause))
 
 
@@ -50,18 +51,6 @@ class StoreError(UserFacingError, RuntimeError):
 
 class ServiceError(RuntimeError):
     """A service a command needs could not be started or reached; the message says which and where its log is."""
-
-
-class ServerError(ServiceError):
-    """The local Prefect server could not be started or reached."""
-
-
-class WorkersError(ServiceError):
-    """The warm workers could not be started."""
-
-
-class WorkersUnavailable(ServiceError):
-    """Worker processes did not run a trivial task in time (not started, or cannot import k6vsr)."""
 
 
 class PipelineError(RuntimeError):
@@ -78,10 +67,6 @@ class MissingInput(PipelineError):
 
 class WindowStopped(PipelineError):
     """A task waiting for a window's items was told that they will not come (one failed, or the run stopped)."""
-
-
-class ArchiveFailed(PipelineError):
-    """Some clips failed; every other clip is finished and the manifest says which failed and why."""
 
 
 def describe_error(err: BaseException) -> str | None:

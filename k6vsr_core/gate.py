@@ -10,9 +10,10 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
 
-Stage = Literal["encode", "denoise", "decode"]
+from k6vsr_core.stage_names import Stage
+
+__all__ = ["MemoryGate", "Stage"]  # a gate's calls are the model stages
 
 
 # A condition variable of our own, not a Dask worker resource or a Prefect concurrency limit: shares are bytes that

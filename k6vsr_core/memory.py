@@ -9,7 +9,7 @@ A budget settles three things, none of which changes a computed value:
   largest that keeps the stage within the budget: activation memory follows that chunk, not the clip;
 - whether the stages of one process take turns on the GPU (a decode then no longer overlaps the next denoise).
 
-A process runs up to two model tasks at once (`flows.slots`), and an archive's clips share a warm worker's. Whatever
+A process runs up to two model tasks at once (`runtime.slots`), and an archive's clips share a warm worker's. Whatever
 runs together, each stage's call first takes its share of the card from the bundle's `MemoryGate`
 (`k6vsr_core.gate`): its activations as estimated here (all of the room when stages take turns). Calls run together
 only while their shares fit beside the resident weights under the budget's limit, so the budget covers every pairing
@@ -39,12 +39,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import UserFacingError
 from k6vsr_core.gate import Stage
+from k6vsr_core.memory_modes import MEMORY_MODES, BudgetName, MemoryMode
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan
 from k6vsr_core.tiling import SPATIAL_FACTOR, Size
 
@@ -53,9 +54,6 @@ if TYPE_CHECKING:
 
     from k6vsr_core.bundle import ModelBundle
 
-MemoryMode = Literal["auto", "fast", "24g", "16g"]
-BudgetName = Literal["fast", "24g", "16g"]
-MEMORY_MODES: tuple[str, ...] = get_args(MemoryMode)
 GIB = 1 << 30
 MIB = 1 << 20
 # Latent frames per KVAE call, largest first; None is the KVAE's own segmentation (1 + 16 pixel frames a call).

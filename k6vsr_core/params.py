@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from k6vsr_core.encoding import VideoEncoding, check_encoding
 from k6vsr_core.errors import ParameterError
@@ -32,34 +32,55 @@ class UpscaleParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    scale: float = 2.25
+    # Each field's description is its help, on the command line (`entrypoints.flags`) and in Prefect's UI.
+    scale: float = Field(2.25, description="2, 2.25 or 4")
     # None means "what the checkpoint was trained for": 2 PiFlow evaluations, or 4 flow-Euler steps.
-    num_inference_steps: int | None = None
-    tiles_batch_size: int = 1
-    min_overlap: float = 0.2
-    seed: int = 42
-    target_resolution: str | None = None
-    target_resize_mode: Literal["fit", "exact"] = "fit"
-    attention: Literal["nabla", "dense"] = "nabla"
+    num_inference_steps: int | None = Field(None, description="DiT evaluations per tile (default: the checkpoint's)")
+    tiles_batch_size: int = Field(1, description="tiles denoised together")
+    min_overlap: float = Field(0.2, description="minimum tile overlap")
+    seed: int = Field(42, description="noise seed")
+    target_resolution: str | None = Field(None, description="none, hd, fullhd, 2k or WxH (default none)")
+    target_resize_mode: Literal["fit", "exact"] = Field("fit", description="fit or exact")
+    attention: Literal["nabla", "dense"] = Field("nabla", description="nabla or dense (nabla as released)")
     # `bf16`: the contract; `fp8`: the DiT's matrix products in FP8 on GPUs that have them (k6vsr_core.precision).
-    precision: Literal["bf16", "fp8"] = "bf16"
+    precision: Literal["bf16", "fp8"] = Field(
+        "bf16",
+        description="bf16 or fp8 (the DiT's matrix products in FP8; Ada/Hopper GPUs, the fp8 extra; bf16 as released)",
+    )
     # `all`: every kept frame, in overlapping windows; `contract`: the official first 121 frames (k6vsr_core.windows).
-    frames: Literal["all", "contract"] = "all"
-    max_frames: int | None = None  # caps `all` (a preview of the first N kept frames)
-    window_overlap: int = 16  # at least this many frames shared by neighbouring windows
+    frames: Literal["all", "contract"] = Field(
+        "all", description="all (every kept frame, in 121-frame windows) or contract (the first 121)"
+    )
+    max_frames: int | None = Field(None, description="with frames all: only the first N kept frames (a preview)")
+    window_overlap: int = Field(16, description="frames shared by neighbouring windows, at least")
     # `even`: windows spread evenly over the clip; `scenes`: within each shot, none across a scene cut.
-    windows: Literal["even", "scenes"] = "even"
+    windows: Literal["even", "scenes"] = Field(
+        "even",
+        description="even (windows spread over the clip) or scenes (windows within each shot, none across a scene "
+        "cut; the source is decoded once more to find them)",
+    )
     # Output controls (k6vsr_core.encoding): the defaults write the contract's file, byte for byte.
-    codec: str = "h264"
-    crf: int | None = None
-    preset: str | None = None
-    pix_fmt: str | None = None
+    codec: str = Field("h264", description="h264, hevc or ffv1 (lossless, in .mkv)")
+    crf: int | None = Field(None, description="h264/hevc quality, 0 (best) to 51 (default 18)")
+    preset: str | None = Field(
+        None, description="h264/hevc speed preset, ultrafast to placebo (default: the encoder's, medium)"
+    )
+    pix_fmt: str | None = Field(
+        None, description="yuv420p, yuv420p10le or yuv444p (default yuv420p; ffv1: lossless RGB)"
+    )
     # `contract`: the first audio stream as mono 44.1 kHz AAC; `original`: every audio and subtitle stream of the
     # source as it is (trimmed), with its metadata; `none`: video only; otherwise the path of an audio file, mixed
     # to the contract's format.
-    audio: str = "contract"
+    audio: str = Field(
+        "contract",
+        description="contract (mono 44.1 kHz AAC), original (every audio and subtitle stream as is), none, or an "
+        "audio file to mix in",
+    )
     # `contract`: the 24-fps rule; `source`: every source frame at the source's exact (rational) rate.
-    fps_mode: Literal["contract", "source"] = "contract"
+    fps_mode: Literal["contract", "source"] = Field(
+        "contract",
+        description="contract (the 24-fps rule) or source (every frame at the exact source rate; out of contract)",
+    )
 
     @field_validator("scale", mode="before")
     @classmethod

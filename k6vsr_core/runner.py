@@ -22,7 +22,8 @@ from k6vsr_core import media, segments, stages
 from k6vsr_core.bundle import ModelBundle, model_traits
 from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.latent import check_latent, fit_latent, plan_latent
-from k6vsr_core.memory import MemoryMode, apply_budget, budget_for
+from k6vsr_core.memory import apply_budget, budget_for
+from k6vsr_core.memory_modes import MemoryMode
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.pixels import TileBlender
 from k6vsr_core.plan import ClipPlan

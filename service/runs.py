@@ -17,17 +17,12 @@ from k6vsr_core.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_tr
 from k6vsr_core.errors import BundleError, MediaError
 from k6vsr_core.fake_model import identity_suffix
 from k6vsr_core.latent import plan_latent, read_latent
-from k6vsr_core.memory import MemoryMode
+from k6vsr_core.memory_modes import MemoryMode
 from k6vsr_core.params import ParameterError, UpscaleParams
 from k6vsr_core.plan import ClipPlan, make_plan, scene_cuts, select_kept_frames
-from storage import RunStore, run_key, source_info
+from storage import RunRef, run_key, source_info
 
-
-class RunRef(BaseModel):
-    model_config = ConfigDict(frozen=True)
-
-    store_root: str  # a folder, or an object-store URL (`s3://bucket/prefix`)
-    run_key: str
+__all__ = ["RunRef"]  # the run's handle lives with the store; the runs planned here carry it
 
 
 class ModelSpec(BaseModel):
@@ -109,7 +104,7 @@ def prepare_run(
         model_info=info,
         probe=probe,
         plan=plan,
-        finished=RunStore(store_root, key).output_done(),
+        finished=run.open().output_done(),
     )
 
 
@@ -136,12 +131,13 @@ def prepare_latent_run(
     latent, rate = read_latent(source, latent_channels(info), params, fps)
     plan = plan_latent(latent.shape, rate, params, model_traits(info))
     key = run_key(source_info(source).sha256, plan.params, info.identity + identity_suffix(), str(rate))
+    run = RunRef(store_root=str(store_root), run_key=key)
     return PreparedRun(
-        run=RunRef(store_root=str(store_root), run_key=key),
+        run=run,
         source=str(Path(source).resolve()),
         model_info=info,
         probe=None,
         plan=plan,
-        finished=RunStore(store_root, key).output_done(),
+        finished=run.open().output_done(),
         latent_fps=str(rate),
     )

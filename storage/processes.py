@@ -1,4 +1,4 @@
-"""Whether a process recorded by its pid still runs: the detached services' records (`flows.state_folder`) and the
+"""Whether a process recorded by its pid still runs: the detached services' records (`runtime.state_folder`) and the
 run store's temporary files (named by their writer's pid) both ask.
 
 A recorded pid may outlive its process and be given to another: a record that keeps the process's start time too

@@ -18,9 +18,12 @@ from pydantic import BaseModel
 
 from k6vsr_core.errors import StoreError
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.stage_names import CPU_STAGES, Stage
 from storage.run_store import RunStore
 
 SEPARATOR = " · "
+# The stages whose records say where a run stands (the output's own record says the rest).
+PROGRESS_STAGES = (Stage.INGEST, Stage.ENCODE, Stage.DENOISE, Stage.DECODE, *CPU_STAGES)
 
 
 @dataclass(frozen=True)
@@ -44,29 +47,54 @@ class RunProgress:
 
 def read_progress(store: RunStore, plan: ClipPlan) -> RunProgress:
     """The run's progress now. Publishing writes no record: once the joined output is recorded, the run publishes."""
-    records = store.records
-    decoded = store.decoded_per_window(plan.num_windows)
-    total = plan.num_windows * plan.num_tiles
+    return ProgressCounter(store, plan).progress()
 
-    def at(stage: str, window: int = 0) -> RunProgress:
-        return RunProgress(stage, window, plan.num_windows, min(total, sum(decoded)), total)
 
-    if store.output_done():
-        return at("publish", plan.num_windows - 1)
-    if "all" not in records.items("ingest"):
-        return at("ingest")
-    window = next((w for w, count in enumerate(decoded) if count < plan.num_tiles), None)
-    if window is not None:
-        if str(window) not in records.items("encode"):
-            return at("encode", window)
-        denoised = sum(1 for item in records.items("denoise") if item.split("-", 1)[0] == str(window))
-        return at("denoise" if denoised < plan.num_tiles else "decode", window)
-    for stage in ("blend", "segment"):
-        done = set(records.items(stage))
-        window = next((w for w in range(plan.num_windows) if str(w) not in done), None)
+class ProgressCounter:
+    """A run's progress, read from its records once and then kept from the stages its flow sees end: redrawing the
+    progress after every task lists no records (`finished` adds what the records would now hold)."""
+
+    def __init__(self, store: RunStore, plan: ClipPlan) -> None:
+        self.plan = plan
+        self.output_done = store.output_done()
+        self.done = {stage: set(store.records.items(stage)) for stage in PROGRESS_STAGES}
+
+    def finished(self, stage: str, window: int, tiles: tuple[int, ...] = ()) -> None:
+        """`stage` of `window` (of those `tiles`, for a stage per tile) is recorded done."""
+        if stage in (Stage.DENOISE, Stage.DECODE):
+            self.done[stage].update(f"{window}-{tile}" for tile in tiles)
+        elif stage in PROGRESS_STAGES:
+            self.done[stage].add("all" if stage == Stage.INGEST else str(window))
+        elif stage == Stage.MUX:
+            self.output_done = True
+
+    def progress(self) -> RunProgress:
+        plan, done = self.plan, self.done
+        decoded = [0] * plan.num_windows
+        for item in done[Stage.DECODE]:
+            window = int(item.split("-", 1)[0])
+            if window < plan.num_windows:
+                decoded[window] += 1
+        total = plan.num_windows * plan.num_tiles
+
+        def at(stage: str, window: int = 0) -> RunProgress:
+            return RunProgress(stage, window, plan.num_windows, min(total, sum(decoded)), total)
+
+        if self.output_done:
+            return at(Stage.PUBLISH, plan.num_windows - 1)
+        if "all" not in done[Stage.INGEST]:
+            return at(Stage.INGEST)
+        window = next((w for w, count in enumerate(decoded) if count < plan.num_tiles), None)
         if window is not None:
-            return at(stage, window)
-    return at("mux", plan.num_windows - 1)
+            if str(window) not in done[Stage.ENCODE]:
+                return at(Stage.ENCODE, window)
+            denoised = sum(1 for item in done[Stage.DENOISE] if item.split("-", 1)[0] == str(window))
+            return at(Stage.DENOISE if denoised < plan.num_tiles else Stage.DECODE, window)
+        for stage in CPU_STAGES:
+            window = next((w for w in range(plan.num_windows) if str(w) not in done[stage]), None)
+            if window is not None:
+                return at(stage, window)
+        return at(Stage.MUX, plan.num_windows - 1)
 
 
 def run_finished(plan: ClipPlan) -> RunProgress:

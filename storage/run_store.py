@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import zarr
+from pydantic import BaseModel, ConfigDict
 from zarr.errors import ContainsArrayError
 
 from k6vsr_core.errors import StoreError
@@ -79,6 +80,19 @@ def default_store_root() -> str | Path:
         return parse_store_root(explicit)
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "k6vsr" / "store"
+
+
+class RunRef(BaseModel):
+    """Where one run lives: the store and the run's key, as plain strings that travel between processes and into
+    Prefect's parameters; `open()` is the run store they name."""
+
+    model_config = ConfigDict(frozen=True)
+
+    store_root: str  # a folder, or an object-store URL (`s3://bucket/prefix`)
+    run_key: str
+
+    def open(self) -> RunStore:
+        return RunStore(self.store_root, self.run_key)
 
 
 class RunStore:

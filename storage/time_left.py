@@ -19,11 +19,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.stage_names import CPU_STAGES, MODEL_STAGES, Stage
 from storage.progress import stage_items
 from storage.records import CompletionRecord
 
-MODEL_STAGES = ("encode", "denoise", "decode")
-TAIL_STAGES = ("blend", "segment", "mux")  # of the last window: after its last decode, nothing beside them
+TAIL_STAGES = (*CPU_STAGES, Stage.MUX)  # of the last window: after its last decode, nothing beside them
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def ingest(prepared: PreparedRun, attempt: str) -> IngestResult:
     if prepared.latent_fps is not None:
         return ingest_latent(prepared, attempt)
     run, source, params = prepared.run, prepared.source, prepared.plan.params
-    store = RunStore(run.store_root, run.run_key)
+    store = run.open()
     manifest = _readable_manifest(store)
     if manifest is not None and store.get("frame_pts", stage="ingest") is not None:
         return _ingested(store, manifest, source)
@@ -120,7 +120,7 @@ def ingest_latent(prepared: PreparedRun, attempt: str) -> IngestResult:
     with the run's plan. There are no source frames to index, and the latent itself is read by the encode stage,
     from its file. The plan's params are the run's (`k6vsr_core.latent.latent_params`)."""
     run, source, plan, info = prepared.run, prepared.source, prepared.plan, prepared.model_info
-    store = RunStore(run.store_root, run.run_key)
+    store = run.open()
     manifest = _readable_manifest(store)
     if manifest is not None and store.records.read("ingest", "all") is not None:
         return _ingested(store, manifest, source)

@@ -1,7 +1,7 @@
 """The loaded models of a worker process: a small LRU by model identity, under one memory budget per model.
 
 Tasks run in the flow's process (thread pool) or in Dask worker processes, including the warm workers that outlive
-flow runs (`flows.warm_workers`); either way a model is loaded once per process and reused by every tile it runs. It
+flow runs (`runtime.warm_workers`); either way a model is loaded once per process and reused by every tile it runs. It
 lives in an importable module because functions defined in a flow script are shipped by value to Dask workers, and a
 cache there would be rebuilt for every task.
 
@@ -31,7 +31,8 @@ from pydantic import BaseModel
 from k6vsr_core import status
 from k6vsr_core.bundle import ModelBundle, load_bundle
 from k6vsr_core.fast import compile_bundle
-from k6vsr_core.memory import GIB, BudgetName, apply_budget, budget_for, free_gpu_bytes
+from k6vsr_core.memory import GIB, apply_budget, budget_for, free_gpu_bytes
+from k6vsr_core.memory_modes import BudgetName
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.precision import check_precision
 from service.runs import ModelSpec

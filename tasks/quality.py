@@ -55,7 +55,7 @@ def _measure_part(store: RunStore, window: int, attempt: str) -> Measures:
 def measure_window(run: RunRef, window: int, attempt: str) -> StageResult:
     """Window `window`'s part of the report, once its segment is written; never fails (the part is then measured
     after the mux)."""
-    store = RunStore(run.store_root, run.run_key)
+    store = run.open()
     skipped = StageResult(stage="quality", item=str(window), computed=False, window=window)
     try:
         if store.read_manifest().latent_fps is not None or _part_done(store, window):
@@ -73,7 +73,7 @@ def measure_window(run: RunRef, window: int, attempt: str) -> StageResult:
 def measure_quality(run: RunRef, attempt: str) -> QualityReport | None:
     """The output's quality report, joined from the windows' parts; None for a latent run (no source frames to
     compare with) or when it fails."""
-    store = RunStore(run.store_root, run.run_key)
+    store = run.open()
     path = store.where / REPORT
     try:
         manifest = store.read_manifest()

@@ -65,7 +65,7 @@ STAGE_TASK = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=_retry_tr
 
 
 def _store(run: RunRef) -> RunStore:
-    return RunStore(run.store_root, run.run_key)
+    return run.open()
 
 
 def _plan(store: RunStore) -> ClipPlan:
@@ -361,7 +361,9 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
     for finished in (window - 1, window):
         if finished >= 0 and _window_finished(store, plan, finished):
             store.drop_window((_array(plan, "video", finished),), finished)
-    return StageResult(stage="segment", item=str(window), computed=True, seconds=time.perf_counter() - started)
+    return StageResult(
+        stage="segment", item=str(window), computed=True, seconds=time.perf_counter() - started, window=window
+    )
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """The warm workers' preload (`dask worker --preload tasks.worker_preload`): load and warm the model at start.
 
-`flows.warm_workers` sets `K6VSR_WARM_MODEL` (a ModelSpec as JSON) when `k6vsr workers start --model` names one;
+`runtime.warm_workers` sets `K6VSR_WARM_MODEL` (a ModelSpec as JSON) when `k6vsr workers start --model` names one;
 each worker then loads it in the background as it starts and, when the model runs compiled on CUDA, warms it: one
 call of every shape a default run compiles (`k6vsr_core.warm_plan`, `k6vsr_core.warmup`), with the bundle placed
 under the budget such a run gets, so the first run after the start compiles nothing. On a CPU nothing is compiled
@@ -25,7 +25,7 @@ from pydantic import BaseModel
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec
 
-MODEL_ENV = "K6VSR_WARM_MODEL"  # a ModelSpec as JSON, set by `flows.warm_workers` for the workers it starts
+MODEL_ENV = "K6VSR_WARM_MODEL"  # a ModelSpec as JSON, set by `runtime.warm_workers` for the workers it starts
 log = logging.getLogger("k6vsr.workers")
 
 

@@ -155,7 +155,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         # Run logs stay local: shipping them to the server makes every process wait for it at exit.
         "PREFECT_LOGGING_TO_API_ENABLED": "false",
-        # The flow-run leases (flows.prefect_server) of the tests' runs, kept out of the user's own state folder.
+        # The flow-run leases (runtime.prefect_server) of the tests' runs, kept out of the user's own state folder.
         "K6VSR_SERVER_HOME": str(home / "k6vsr-server"),
         # Runs never go to the user's warm workers: only to those a test starts under this folder.
         "K6VSR_WORKERS_HOME": str(home / "k6vsr-workers"),

@@ -20,16 +20,21 @@ LIGHT_MODULES = [
     "entrypoints.console",
     "entrypoints.demo",
     "entrypoints.http_api",
-    "entrypoints.jobs",
+    "entrypoints.server.records",
+    "entrypoints.server.runner",
+    "entrypoints.server.slots",
+    "entrypoints.server.child",
     "flows.artifacts",
     "flows.orchestrate",
-    "flows.prefect_server",
+    "runtime.prefect_server",
+    "runtime.prefect_api",
+    "runtime.flow_leases",
     "flows.run_log",
-    "flows.runners",
+    "runtime.runners",
     "flows.stage_clock",
     "flows.upscale_archive",
     "flows.upscale_clip",
-    "flows.warm_workers",
+    "runtime.warm_workers",
     "k6vsr_core",
     "k6vsr_core.errors",
     "k6vsr_core.params",
@@ -93,6 +98,26 @@ def test_help_and_a_refused_flag_import_no_store_media_or_model_code(argv: list[
     )
     done = procs.run([sys.executable, "-c", code], env=_env(), cwd=ROOT)
     assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("device", "code"), [("cpu", 0), ("cuda:99", 2)])
+def test_the_servers_own_process_imports_no_torch(device: str, code: int, tmp_path: Path) -> None:
+    """`k6vsr serve` up to the point where it would listen (the server itself replaced), a device it must check
+    included: torch is for its job processes, never for the process that serves HTTP."""
+    script = (
+        "import atexit, sys\n"
+        "from entrypoints import cli, http_api\n"
+        "heavy = ('torch', 'diffusers')\n"
+        "atexit.register(lambda: print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr))\n"
+        "http_api.serve = lambda *args, **kwargs: print('would serve', file=sys.stderr)\n"
+        f"sys.exit(cli.main(['serve', '--device', {device!r}, '--store', {str(tmp_path)!r}]))\n"
+    )
+    done = procs.run([sys.executable, "-c", script], env=_env(), cwd=ROOT)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == code and lines[-1] == "[]", done.stderr[-3000:]
+    assert ("would serve" in done.stderr) == (code == 0)
+    if code:
+        assert lines[-2].startswith("k6vsr: error: --device 'cuda:99'"), done.stderr[-3000:]
 
 
 def _timed(*argv: str) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -15,15 +15,15 @@ from unittest import mock
 
 import pytest
 
-from bench import device_check, same_bytes, streaming, two_gpus
+from bench import check_kit, device_check, same_bytes, streaming, two_gpus
 
 SAME = hashlib.md5(b"same").hexdigest()
 
 
 def test_the_check_runs_the_readmes_gpu_command_with_only_the_clip_and_folder_substituted(tmp_path: Path) -> None:
-    command = device_check.readme_gpu_command()
+    command = check_kit.readme_gpu_command()
     assert command[0].endswith("k6vsr") and command[1] == "upscale" and "clip.mp4" in command
-    argv = device_check.as_run(command, tmp_path / "w1.mp4", tmp_path / "out")
+    argv = check_kit.as_run(command, tmp_path / "w1.mp4", tmp_path / "out")
     assert argv[:3] == [sys.executable, "-m", "entrypoints.cli"]
     expected = [
         str(tmp_path / "w1.mp4") if w == "clip.mp4" else f"{tmp_path / 'out'}/" if w == "out/" else w
@@ -140,12 +140,12 @@ HOT_TIMINGS = {"ingest": 0.4, "encode": 0.9, "denoise": 25.1, "decode": 20.0, "b
 
 
 def test_the_archive_run_is_the_readmes_command_as_an_archive(tmp_path: Path) -> None:
-    command = device_check.readme_gpu_command()
-    argv = device_check.as_archive(command, tmp_path / "in", tmp_path / "out")
-    upscale = device_check.as_run(command, tmp_path / "in", tmp_path / "out")
+    command = check_kit.readme_gpu_command()
+    argv = check_kit.as_archive(command, tmp_path / "in", tmp_path / "out")
+    upscale = check_kit.as_run(command, tmp_path / "in", tmp_path / "out")
     assert argv[3] == "archive" and argv[4] == str(tmp_path / "in") and argv[5:] == upscale[5:]
     with pytest.raises(SystemExit, match="not `k6vsr upscale"):
-        device_check.as_archive(["k6vsr", "demo"], tmp_path / "in", tmp_path / "out")
+        check_kit.as_archive(["k6vsr", "demo"], tmp_path / "in", tmp_path / "out")
 
 
 def _window_timeline(store: Path, started: float, gpu_ends: list[float]) -> None:
@@ -276,7 +276,7 @@ def test_a_run_cut_at_the_deadline_is_a_row_and_the_deadline_counts_archive_clip
     result = check.command("archive-W1", ["k6vsr", "archive"])
     assert result["rc"] == device_check.TIMED_OUT and result["stdout"] == "started\n"
     assert "cut at the check's deadline" in result["stderr"]
-    check.deadline = time.monotonic() + 4 * device_check.COST["archive-clip"] - 10
+    check.deadline = time.monotonic() + 4 * check_kit.COST["archive-clip"] - 10
     assert check.fits("archive-clip", 3) and not check.fits("archive-clip", 4)
 
 

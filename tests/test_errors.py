@@ -11,11 +11,10 @@ import pytest
 from entrypoints import cli
 from k6vsr_core.errors import (
     ParameterError,
-    ServerError,
-    WorkersError,
     describe_error,
 )
 from k6vsr_core.memory import MemoryBudgetError
+from runtime.errors import ServerError, WorkersError
 
 
 def test_a_plain_value_error_is_not_the_users_fault() -> None:
@@ -43,8 +42,8 @@ def test_an_internal_invariant_failure_exits_1_as_an_internal_error(
 @pytest.mark.parametrize(
     ("command", "target", "error"),
     [
-        (["server", "start"], "flows.prefect_server.start_server", ServerError("the Prefect server exited; see log")),
-        (["workers", "start"], "flows.warm_workers.start_workers", WorkersError("the warm workers exited; see log")),
+        (["server", "start"], "runtime.prefect_server.start_server", ServerError("the Prefect server exited; see log")),
+        (["workers", "start"], "runtime.warm_workers.start_workers", WorkersError("the warm workers exited; see log")),
     ],
 )
 def test_a_service_that_cannot_start_is_one_clear_line(

@@ -142,7 +142,7 @@ def test_flow_output_equals_runner_and_reuses_everything(
     assert first.dit_calls == 2 * first.tiles_total
     assert f"run {first.run_key}: 1 frame in 1 window of 6 tiles" in Path(first.log).read_text()
     assert RunStore(tmp_path / "store", first.run_key).read_manifest().compute == default_profile()
-    # A tile is decoded as soon as its chunk is denoised, not once every chunk is (flows.schedule).
+    # A tile is decoded as soon as its chunk is denoised, not once every chunk is (runtime.schedule).
     ran = timelines.spans(RunStore(tmp_path / "store", first.run_key).path)
     assert ran[("decode", "0-0")][0] < max(end for (stage, _), (_, end) in ran.items() if stage == "denoise")
     # The window's blend takes its tiles as they are decoded: it begins before the last decode ends.
@@ -367,8 +367,8 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
 def test_default_command_prints_a_bar_warnings_and_six_lines(tiny_bundle_path: Path, tmp_path: Path) -> None:
     """The real command without a configured Prefect API: it starts the local server (analytics off, so no telemetry
     errors offline), and prints warnings, one line each, and a six-line summary; the task lines go to the run's log."""
-    from flows.prefect_server import stop_server
     from k6vsr_core.sample import make_sample_clip
+    from runtime.prefect_server import stop_server
 
     clip = make_sample_clip(tmp_path / "slow.mp4", width=64, height=64, num_frames=1, fps=12)
     env = {key: value for key, value in os.environ.items() if not key.startswith("PREFECT_")}

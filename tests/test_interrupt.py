@@ -125,7 +125,7 @@ def test_an_interrupt_a_library_wraps_in_its_own_error_is_still_an_interrupt() -
     from pydantic import BaseModel, model_serializer
     from pydantic_core import PydanticSerializationError
 
-    from flows import interrupts
+    from runtime import interrupts
 
     class Interrupting(BaseModel):
         @model_serializer
@@ -159,7 +159,7 @@ def test_an_interrupt_lost_where_python_ignores_exceptions_still_reaches_the_han
     import signal
     import threading
 
-    from flows import interrupts
+    from runtime import interrupts
 
     called = threading.Event()
     seen: list[int] = []

@@ -1,10 +1,13 @@
 """The rooms and their one-way imports, read from the source with `ast` (nothing is imported, so nothing is hidden).
 
-    entrypoints -> flows -> tasks -> service -> {k6vsr_core, storage};  storage -> k6vsr_core
+    entrypoints -> flows -> runtime -> tasks -> service -> {k6vsr_core, storage};  storage -> k6vsr_core
 
-k6vsr_core is the model contract (no Prefect, Zarr or Dask); storage knows where bytes live (no Prefect, diffusers or
-Dask); service is what the entry points share (no Prefect); only the entry points see argparse. No module imports
-itself back through others, whether the import is at the top or inside a function.
+Each room imports only from the rooms below it. k6vsr_core is the model contract (no Prefect, Zarr or Dask); storage
+knows where bytes live (no Prefect, diffusers or Dask); service is what the entry points share (no Prefect);
+runtime runs no flow: it is what flows run on and what outlives them (the local Prefect server and flow-run leases,
+the warm workers, task runners, lanes and the scheduler); only the entry points see argparse. `bench/` stands above
+them all and no room imports it. No module, the benchmarks' included, imports itself back through others, whether
+the import is at the top or inside a function.
 """
 
 from __future__ import annotations
@@ -15,21 +18,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ROOMS = ("k6vsr_core", "storage", "service", "tasks", "flows", "entrypoints")
+ROOMS = ("entrypoints", "flows", "runtime", "tasks", "service", "storage", "k6vsr_core")  # top to bottom
+SCANNED = (*ROOMS, "bench")  # the benchmarks may import any room; the cycle rule covers them too
 ORCHESTRATION = {"prefect", "prefect_dask", "dask", "distributed", "dask_cuda"}
-FORBIDDEN = {
-    "k6vsr_core": ORCHESTRATION | {"zarr", "storage", "service", "tasks", "flows", "entrypoints", "argparse"},
-    "storage": ORCHESTRATION | {"diffusers", "service", "tasks", "flows", "entrypoints", "argparse"},
-    "service": ORCHESTRATION | {"tasks", "flows", "entrypoints", "argparse"},
-    "tasks": {"flows", "entrypoints", "argparse"},
-    "flows": {"entrypoints", "argparse"},
+# Besides every room above it (and bench), what each room may not import.
+LIBRARIES = {
     "entrypoints": set(),
+    "flows": {"argparse"},
+    "runtime": {"argparse"},
+    "tasks": {"argparse"},
+    "service": ORCHESTRATION | {"argparse"},
+    "storage": ORCHESTRATION | {"diffusers", "argparse"},
+    "k6vsr_core": ORCHESTRATION | {"zarr", "argparse"},
 }
+FORBIDDEN = {room: {*ROOMS[:above], "bench"} | LIBRARIES[room] for above, room in enumerate(ROOMS)}
 
 
 def _modules() -> dict[str, Path]:
     found = {}
-    for room in ROOMS:
+    for room in SCANNED:
         for path in sorted((ROOT / room).rglob("*.py")):
             parts = path.relative_to(ROOT).with_suffix("").parts
             found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
@@ -96,3 +103,7 @@ def test_the_rule_sees_imports_inside_functions(tmp_path: Path) -> None:
         "    from k6vsr_core import media\n"
     )
     assert _imports(source) == {"flows.orchestrate", "prefect.settings", "k6vsr_core.media"}
+
+
+def test_the_benchmarks_are_read_too() -> None:
+    assert {"bench.device_check", "bench.same_bytes", "bench.streaming", "bench.two_gpus"} <= set(MODULES)

@@ -251,7 +251,7 @@ def test_kill_mid_window_resumes_the_unfinished_items_with_identical_bytes(
     assert out.read_bytes() == reference
     # One decode was left (window 1's tile is denoised beside window 0's decode, so its denoise may be done too).
     assert summary["tiles_total"] == 2 and summary["items"]["decode"] == {"computed": 1, "reused": 1}
-    # Window 0's blend and segment ran beside window 1's model work, not after it (flows.schedule).
+    # Window 0's blend and segment ran beside window 1's model work, not after it (runtime.schedule).
     ran = timelines.spans(run.path, attempt=run.attempt_of("mux"))
     model_end = max(end for _, end in timelines.of_window(ran, ("encode", "denoise", "decode"), 1))
     assert all(start < model_end for start, _ in timelines.of_window(ran, ("blend", "segment"), 0))

@@ -22,7 +22,7 @@ from uuid import UUID
 import procs
 import pytest
 
-from flows import prefect_server
+from runtime import flow_leases, prefect_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def _servers_of(home: Path) -> list[int]:
     return found
 
 
-ENSURE = "from flows.prefect_server import ensure_server; print(ensure_server())"
+ENSURE = "from runtime.prefect_api import ensure_server; print(ensure_server())"
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,8 @@ SLEEPY_FLOW = """
 import sys, time
 from prefect import flow, task
 from prefect.runtime import flow_run
-from flows.prefect_server import leased, prefect_api
+from runtime.flow_leases import leased
+from runtime.prefect_api import prefect_api
 
 @task(name="k6vsr-test-nap")
 def nap(seconds: float) -> None:
@@ -204,7 +205,7 @@ def test_a_lease_follows_the_local_server_to_another_port(home: Path, url: str) 
         run = client.create_flow_run(nothing, state=Running())
         dead = subprocess.Popen(["true"])
         dead.wait()
-        lease = prefect_server.Lease(
+        lease = flow_leases.Lease(
             flow_run_id=str(run.id),
             pid=dead.pid,
             host=os.uname().nodename,
@@ -214,7 +215,7 @@ def test_a_lease_follows_the_local_server_to_another_port(home: Path, url: str) 
         )
         (home / "leases").mkdir(exist_ok=True)
         (home / "leases" / f"{run.id}.json").write_text(lease.model_dump_json())
-        assert prefect_server.mark_crashed_runs(url, home) == [str(run.id)]
+        assert flow_leases.mark_crashed_runs(url, home) == [str(run.id)]
         assert client.read_flow_run(run.id).state.name == "Crashed"
     assert not (home / "leases" / f"{run.id}.json").exists()
 
@@ -225,7 +226,7 @@ def test_a_run_that_ends_leaves_no_lease(home: Path, url: str) -> None:
     assert done.returncode == 0, err[-3000:]
     run_id = next(line.split()[1] for line in out.splitlines() if line.startswith("RUN "))
     assert not (home / "leases" / f"{run_id}.json").exists()
-    assert prefect_server.mark_crashed_runs(url, home) == []
+    assert flow_leases.mark_crashed_runs(url, home) == []
 
 
 def _descendants(pid: int) -> set[int]:
@@ -347,7 +348,7 @@ def test_the_ui_is_told_its_api_on_whatever_port_the_server_gets(tmp_path: Path,
 
 def test_a_port_taken_since_is_replaced_and_remembered(tmp_path: Path) -> None:
     """The remembered port, taken by someone else since: another free one, remembered in its place."""
-    folder = prefect_server._folder(tmp_path)
+    folder = prefect_server.server_folder(tmp_path)
     folder.make()
     env = {key: value for key, value in os.environ.items() if key != "K6VSR_SERVER_PORT"}
     with socket.socket() as taken:

@@ -55,7 +55,7 @@ def test_the_preview_runs_the_chosen_windows_as_a_run_schedules_them() -> None:
     """Only the chosen windows' model work and blends, with the run's own needs; the next chosen window is encoded
     once the one before it is being denoised, as a run encodes one window ahead; no segment (it needs neighbours)."""
     from flows.preview import preview_graph
-    from flows.schedule import Item, Scheduler
+    from runtime.schedule import Item, Scheduler
 
     plan = make_plan((64, 64), 250, 24.0, UpscaleParams(scale=2), ModelTraits())  # 3 windows of 121, 1 tile
     graph = preview_graph(plan, (0, 2))

@@ -16,7 +16,7 @@ from k6vsr_core.bundle import TINY_TILE_SIZES
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ModelTraits, make_plan
 from storage import RunStore
-from storage.progress import RunProgress, read_progress, run_finished, stage_counts
+from storage.progress import ProgressCounter, RunProgress, read_progress, run_finished, stage_counts
 from storage.records import CompletionRecord
 from storage.time_left import Span, items_left, seconds_left, window_items
 
@@ -72,6 +72,42 @@ def test_stages_and_windows_as_the_run_passes(tmp_path: Path, monkeypatch) -> No
     monkeypatch.setattr(RunStore, "output_done", lambda self: True)
     assert now() == "publish · window 3 of 3 · 18 of 18 tiles"
     assert run_finished(PLAN).text() == "done · 18 of 18 tiles"
+
+
+def test_the_flows_counter_says_what_the_records_say_without_listing_them(tmp_path: Path, monkeypatch) -> None:
+    store = RunStore(tmp_path, "run")
+    _record(store, "ingest", "all")
+    _record(store, "encode", "0")
+    counter = ProgressCounter(store, PLAN)
+    assert counter.progress() == read_progress(store, PLAN)
+    finishes = [
+        ("denoise", 0, tuple(range(6))),
+        ("decode", 0, (0, 1, 2, 3)),
+        ("encode", 1, ()),
+        ("decode", 0, (4, 5)),
+        ("denoise", 1, (0, 1, 2)),
+        ("encode", 2, ()),
+        ("denoise", 1, (3, 4, 5)),
+        *[("decode", 1, (tile,)) for tile in range(6)],
+        ("denoise", 2, tuple(range(6))),
+        *[("decode", 2, (tile,)) for tile in range(6)],
+        *[(stage, window, ()) for stage in ("blend", "segment") for window in range(3)],
+    ]
+    expected = []
+    for stage, window, tiles in finishes:
+        if tiles:
+            _record(store, stage, *(f"{window}-{tile}" for tile in tiles))
+        else:
+            _record(store, stage, str(window))
+        expected.append(read_progress(store, PLAN).text())
+    monkeypatch.setattr(store.records, "items", lambda stage: pytest.fail(f"listed the {stage} records"))
+    seen = []
+    for stage, window, tiles in finishes:
+        counter.finished(stage, window, tiles)
+        seen.append(counter.progress().text())
+    assert seen == expected and seen[-1] == "mux · window 3 of 3 · 18 of 18 tiles"
+    counter.finished("mux", 2)
+    assert counter.progress().text() == "publish · window 3 of 3 · 18 of 18 tiles"
 
 
 def test_one_window_names_no_window() -> None:

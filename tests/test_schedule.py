@@ -1,4 +1,4 @@
-"""The order of a clip's tasks (flows.schedule), on lanes that only record what they were asked to run."""
+"""The order of a clip's tasks (runtime.schedule), on lanes that only record what they were asked to run."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from flows.schedule import Item, ModelQueue, Scheduler, clip_graph
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan, make_plan
+from runtime.schedule import Item, ModelQueue, Scheduler, clip_graph
 
 
 def _plan(windows: int) -> ClipPlan:
@@ -238,7 +238,7 @@ def test_a_cpu_queue_bounds_the_cpu_lane_and_everything_still_runs() -> None:
 
 
 def test_without_a_streaming_blend_a_window_is_blended_once_every_tile_is_decoded() -> None:
-    """What a cluster whose threads both lanes share without model slots gets (`flows.lanes`)."""
+    """What a cluster whose threads both lanes share without model slots gets (`runtime.lanes`)."""
     graph = clip_graph(_plan(1), stream_blend=False)
     blend = Item("blend", 0)
     assert graph.needs_to_start(blend) == graph.needs[blend] and len(graph.needs[blend]) == 9
@@ -261,7 +261,7 @@ def test_lanes_on_dask_workers_bound_the_cpu_lane_where_threads_are_shared(
 ) -> None:
     from prefect_dask import DaskTaskRunner
 
-    from flows.lanes import lanes_for
+    from runtime.lanes import lanes_for
 
     class Client:
         def scheduler_info(self, n_workers: int) -> dict:

@@ -82,7 +82,7 @@ def _worker_children_of(pid: int) -> list[int]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"entrypoints.jobs" in argv and str(pid).encode() in argv:
+            if b"entrypoints.server.child" in argv and str(pid).encode() in argv:
                 found.append(int(entry.name))
     return found
 
@@ -470,7 +470,7 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
     from starlette.requests import Request
 
     from entrypoints.http_api import Limits, read_form
-    from entrypoints.jobs import JobStore
+    from entrypoints.server.records import JobStore
 
     boundary = "b0undary"
     payload = b"x--b0undary\r\n--b0undar\r\n-b0undary\r\n\r\n" * 40 + bytes(range(256))  # near misses only

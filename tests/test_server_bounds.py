@@ -26,15 +26,10 @@ from fastapi.testclient import TestClient
 from http_harness import error_of, free_port
 
 from entrypoints.http_api import Limits, ServerConfig, create_app, error_response, key_owner
-from entrypoints.jobs import (
-    MAX_MESSAGE_CHARS,
-    JobRunner,
-    JobStore,
-    _error_of,
-    job_message,
-    results_beside,
-    tile_counts,
-)
+from entrypoints.server.child import _error_of, results_beside
+from entrypoints.server.records import MAX_MESSAGE_CHARS, JobStore
+from entrypoints.server.runner import JobRunner
+from entrypoints.server.slots import job_message, tile_counts
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.memory import MemoryBudgetError
 from k6vsr_core.sample import make_sample_clip
@@ -198,6 +193,17 @@ def test_error_messages_are_short_and_typed() -> None:
     assert user == {"message": user["message"], "type": "invalid_request_error", "code": "invalid_video"}
     body = json.loads(error_response(400, huge).body)
     assert len(body["error"]["message"]) <= MAX_MESSAGE_CHARS
+
+
+def test_a_failed_jobs_error_and_the_apis_answer_come_from_one_table() -> None:
+    from entrypoints.server.error_table import USER_ERROR_STATUS
+    from entrypoints.server.errors import api_error
+
+    for kind, status, code in USER_ERROR_STATUS:
+        err = kind("the clip", "no video stream") if kind is MediaError else kind("refused")
+        answer = api_error(err)
+        assert (answer.status, answer.code) == (status, code)
+        assert _error_of(err) == {"message": str(err), "type": "invalid_request_error", "code": code}
 
 
 def test_a_permanent_media_error_is_not_retried() -> None:
@@ -496,14 +502,14 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
     from prefect import flow
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows import prefect_server
+    from runtime import flow_leases, prefect_api, prefect_server
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     # Whatever API a test session set up (conftest's `prefect_server`), serve's own server is what is tested.
     with temporary_settings(restore_defaults={PREFECT_API_URL}):
         home = tmp_path / "prefect-server"
         try:
-            with prefect_server.prefect_api(home, secured=True) as url:
+            with prefect_api.prefect_api(home, secured=True) as url:
                 auth = prefect_server.server_auth(home)
                 assert auth and (home / "auth").stat().st_mode & 0o777 == 0o600
                 assert urlparse(url).hostname == "127.0.0.1" and urlparse(url).port != prefect_server.DEFAULT_PORT
@@ -527,7 +533,7 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
             # auth string the server's folder holds.
             gone = subprocess.Popen(["true"])
             gone.wait()
-            lease = prefect_server.Lease(
+            lease = flow_leases.Lease(
                 flow_run_id=str(run.id),
                 pid=gone.pid,
                 host=socket.gethostname(),
@@ -538,7 +544,7 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
             (home / "leases").mkdir(exist_ok=True)
             (home / "leases" / f"{run.id}.json").write_text(lease.model_dump_json())
             assert "PREFECT_API_AUTH_STRING" not in os.environ
-            assert prefect_server.mark_crashed_runs(url, home) == [str(run.id)]
+            assert flow_leases.mark_crashed_runs(url, home) == [str(run.id)]
         finally:
             prefect_server.stop_server(home)
 
@@ -548,7 +554,8 @@ def test_one_key_holds_at_most_its_share_of_the_queue(tmp_path: Path) -> None:
     `key_queue_full` while another key is still admitted; a job taken by a worker frees its place."""
     from entrypoints.cli import build_parser
     from entrypoints.http_api import config_from
-    from entrypoints.jobs import JobRunner, JobStore, KeyQueueFull, QueueFull, UploadsBusy
+    from entrypoints.server.records import JobStore, KeyQueueFull, QueueFull, UploadsBusy
+    from entrypoints.server.runner import JobRunner
 
     store = JobStore(tmp_path, input_quota_bytes=1 << 20)
     runner = JobRunner(store, ModelSpec(model="unused"), workers=1, max_queued=5, retention_s=60, queued_per_key=3)

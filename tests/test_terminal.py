@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from flows import prefect_server
+from runtime import prefect_server
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -320,3 +320,19 @@ def test_each_clip_run_owns_its_artifacts(
             assert float(rows[-1][2]) <= (run.end_time - run.start_time).total_seconds()
             keys |= {a.key for a in found}
     assert len(keys) == 4
+
+
+def test_the_report_counts_a_flow_runs_threads_without_prefects_private_count(monkeypatch) -> None:
+    from prefect.settings import PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS, temporary_settings
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from runtime.runners import MODEL_SLOTS, USE_WARM_ENV, CountedThreadPool, make_task_runner, thread_count
+
+    monkeypatch.setenv(USE_WARM_ENV, "off")
+    runner = make_task_runner()
+    assert isinstance(runner, CountedThreadPool) and thread_count(runner) == MODEL_SLOTS
+    assert thread_count(runner.duplicate()) == MODEL_SLOTS
+    with temporary_settings(updates={PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS: None}):
+        assert thread_count(ThreadPoolTaskRunner()) is None
+    with temporary_settings(updates={PREFECT_TASKS_RUNNER_THREAD_POOL_MAX_WORKERS: 3}):
+        assert thread_count(ThreadPoolTaskRunner()) == 3

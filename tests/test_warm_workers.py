@@ -48,7 +48,7 @@ def cluster(prefect_server: str, tmp_path_factory: pytest.TempPathFactory):
 
     They are started without PREFECT_API_URL, as from a fresh shell: each run hands its API to its tasks.
     """
-    from flows import warm_workers
+    from runtime import warm_workers
 
     home = Path(os.environ["K6VSR_WORKERS_HOME"])
     saved = os.environ.pop("PREFECT_API_URL")
@@ -82,7 +82,7 @@ def _run(clip: Path, out: Path, bundle_path: Path, store: Path):
 
 def test_start_is_idempotent_and_status_names_each_worker(cluster, capsys) -> None:
     from entrypoints.cli import main
-    from flows import warm_workers
+    from runtime import warm_workers
 
     assert warm_workers.start_workers(2).pid == cluster.pid  # a second start finds the running workers
     assert main(["workers", "status", "--json"]) == 0
@@ -92,7 +92,7 @@ def test_start_is_idempotent_and_status_names_each_worker(cluster, capsys) -> No
     assert all(w["models"] == [] and w["pid"] for w in status["workers"])
     # Whatever runs tiles without asking for a cluster (upscale, archive, serve's jobs) finds them; an explicit
     # request or K6VSR_WARM_WORKERS=off does not.
-    from flows.runners import resolve_address
+    from runtime.runners import resolve_address
 
     assert resolve_address(1, False, None) == cluster.address
     assert resolve_address(2, False, None) is None and resolve_address(1, False, "tcp://h:1") == "tcp://h:1"
@@ -212,8 +212,8 @@ def test_the_command_imports_no_torch_with_warm_workers(
 def test_the_http_servers_job_process_imports_no_torch_with_warm_workers(
     cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
 ) -> None:
-    """The HTTP server's job process, as the server starts it (`python -m entrypoints.jobs SPEC PARENT`), serves a job
-    through warm workers without torch or diffusers, and its output is the reference's bytes."""
+    """The HTTP server's job process, as the server starts it (`python -m entrypoints.server.child SPEC PARENT`),
+    serves a job through warm workers without torch or diffusers, and its output is the reference's bytes."""
     import sys
 
     import procs
@@ -230,7 +230,7 @@ def test_the_http_servers_job_process_imports_no_torch_with_warm_workers(
         "latent_fps": None,
     }
     env = {**os.environ, "PYTHONPATH": str(tests.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, str(tests / "import_audit.py"), str(report), "entrypoints.jobs"]
+    argv = [sys.executable, str(tests / "import_audit.py"), str(report), "entrypoints.server.child"]
     done = procs.run([*argv, spec.model_dump_json(), str(os.getpid())], env=env, input=json.dumps(job) + "\n")
     assert done.returncode == 0, done.stderr[-3000:]
     replies = [json.loads(line) for line in done.stdout.splitlines()]
@@ -326,7 +326,7 @@ def test_model_cache_evicts_and_frees_the_least_recently_used(tmp_path: Path, mo
 @pytest.mark.timed
 def test_stop_leaves_no_process_and_a_stale_record_is_ignored(cluster, tmp_path: Path, capsys) -> None:
     from entrypoints.cli import main
-    from flows import warm_workers
+    from runtime import warm_workers
     from storage.processes import group_alive
 
     home = Path(os.environ["K6VSR_WORKERS_HOME"])
@@ -347,14 +347,14 @@ def test_stop_leaves_no_process_and_a_stale_record_is_ignored(cluster, tmp_path:
 
 def test_gpu_workers_are_pinned_without_dask_cuda(monkeypatch) -> None:
     """`--gpus` and `workers start --gpus`: one plain worker per GPU, its CUDA_VISIBLE_DEVICES naming it."""
-    from flows import runners, warm_workers
+    from runtime import runners, warm_workers
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
     assert warm_workers.gpu_ids() == ["2", "5"]
     assert warm_workers._worker_env(["2", "5"], 1, 2)["CUDA_VISIBLE_DEVICES"] == "5"
     assert "CUDA_VISIBLE_DEVICES" not in warm_workers._worker_env([], 0, 2)
     path, kwargs = runners.cluster_spec(1, gpus=True)
-    assert path == "flows.warm_workers.gpu_cluster" and kwargs == {"n_workers": 0}
+    assert path == "runtime.warm_workers.gpu_cluster" and kwargs == {"n_workers": 0}
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(ParameterError, match="--gpus: no GPU found"):
         warm_workers.gpu_cluster()
@@ -365,7 +365,7 @@ def test_a_dask_runner_is_told_by_its_class() -> None:
     from prefect.task_runners import ThreadPoolTaskRunner
     from prefect_dask import DaskTaskRunner
 
-    from flows.runners import is_dask_runner
+    from runtime.runners import is_dask_runner
 
     class OurDaskRunner(DaskTaskRunner):
         pass

@@ -294,7 +294,7 @@ def test_the_supervisor_waits_for_every_worker_to_load_and_warm(monkeypatch: pyt
     """A worker (in this process, so its preload can be slowed down) reports ready only once its preload ends."""
     from distributed import LocalCluster
 
-    from flows.warm_workers import wait_preloaded
+    from runtime.warm_workers import wait_preloaded
     from tasks import worker_preload
 
     release = threading.Event()
@@ -326,7 +326,7 @@ def _loading(tmp_path: Path):
     """A supervisor (this process) whose workers are up and loading /models/m, as its record says."""
     import os
 
-    from flows import state_folder, warm_workers
+    from runtime import state_folder, warm_workers
     from storage.processes import process_start
 
     folder = warm_workers._folder(tmp_path)
@@ -362,7 +362,7 @@ def test_a_start_with_a_model_returns_only_once_the_supervisor_says_ready(
 def test_a_warm_up_that_never_ends_times_out_with_its_own_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from k6vsr_core.errors import WorkersError
+    from runtime.errors import WorkersError
 
     warm_workers, folder, record = _loading(tmp_path)
     stopped: list[int] = []

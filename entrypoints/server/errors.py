@@ -10,8 +10,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from entrypoints.confine import PathRefused
-from entrypoints.jobs import InputQuotaFull, KeyQueueFull, QueueFull, UploadsBusy, short_message
-from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
+from entrypoints.server.error_table import BUSY_ANSWERS, user_answer
+from entrypoints.server.records import short_message
+from k6vsr_core.errors import UserFacingError
 
 log = logging.getLogger("k6vsr.server")
 
@@ -48,19 +49,10 @@ _KIND = {
 }
 _CODE = {404: "not_found", 405: "method_not_allowed"}
 
-# The errors a user can fix (k6vsr_core.errors) as HTTP answers: the first class that matches gives status and code.
-USER_ERROR_STATUS: tuple[tuple[type[UserFacingError], int, str], ...] = (
-    (MediaError, 400, "invalid_video"),
-    (ParameterError, 400, "invalid_value"),
-    (BundleError, 503, "model_unavailable"),
-    (StoreError, 500, "store_unusable"),
-    (UserFacingError, 400, "invalid_request"),
-)
-
 
 def api_error(err: UserFacingError, param: str | None = None, message: str | None = None) -> ApiError:
-    """The HTTP answer to an error a user can fix: its status and code from `USER_ERROR_STATUS`."""
-    status, code = next((status, code) for kind, status, code in USER_ERROR_STATUS if isinstance(err, kind))
+    """The HTTP answer to an error a user can fix: its status and code from the table (`error_table`)."""
+    status, code = user_answer(err)
     return ApiError(status, message or str(err), param=param, code=code)
 
 
@@ -81,26 +73,6 @@ def error_response(
         }
     }
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-# A limit the server is at, answered 429 with Retry-After: the message (`{limit}` filled in) and the code of each.
-BUSY_ANSWERS: dict[type[Exception], tuple[str, str]] = {
-    QueueFull: ("the queue is full ({limit} jobs waiting, --max-queued); retry later", "queue_full"),
-    KeyQueueFull: (
-        "this key already has {limit} jobs queued or being sent (--max-queued-per-key); retry once one runs",
-        "key_queue_full",
-    ),
-    UploadsBusy: (
-        "this key (or client address) is already sending {limit} request(s), its share of the upload slots "
-        "(--max-uploads-per-key, less while other keys send); retry once one is done",
-        "too_many_uploads",
-    ),
-    InputQuotaFull: (
-        "the inputs of queued and running jobs fill the input storage quota ({limit} bytes, --input-quota-mb); "
-        "retry later",
-        "input_quota_full",
-    ),
-}
 
 
 def install_error_handlers(app: FastAPI) -> None:

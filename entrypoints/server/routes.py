@@ -14,17 +14,6 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from entrypoints.confine import quote, scrub_paths
-from entrypoints.jobs import (
-    ACTIVE,
-    CANCELLED,
-    COMPLETED,
-    FINISHED,
-    IN_PROGRESS,
-    InputFile,
-    JobRunner,
-    JobStore,
-    new_job_id,
-)
 from entrypoints.server.auth import Caller, caller_of
 from entrypoints.server.bodies import UploadTooLarge, copy_path_source, read_form, read_json
 from entrypoints.server.config import Limits, ServerConfig
@@ -32,11 +21,22 @@ from entrypoints.server.download import OpenedFileResponse
 from entrypoints.server.errors import ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
 from entrypoints.server.memory import computes_on_cpu, job_bytes
+from entrypoints.server.records import (
+    ACTIVE,
+    CANCELLED,
+    COMPLETED,
+    FINISHED,
+    IN_PROGRESS,
+    InputFile,
+    JobStore,
+    new_job_id,
+)
+from entrypoints.server.runner import JobRunner
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale
 from k6vsr_core.params import UpscaleParams
 from service.runs import ModelSpec, prepare_run
-from storage import RunStore
+from storage import RunRef
 
 log = logging.getLogger("k6vsr.server")
 
@@ -49,7 +49,7 @@ def job_view(job: dict[str, Any], caller: Caller, store_root: str | Path, retent
     owner."""
     progress = job.get("progress", 0)
     if job["status"] == IN_PROGRESS and job.get("tiles", {}).get("total"):
-        decoded = RunStore(store_root, job["run_key"]).tiles_decoded()
+        decoded = RunRef(store_root=str(store_root), run_key=job["run_key"]).open().tiles_decoded()
         progress = min(99, int(100 * decoded / job["tiles"]["total"]))
     output = job["output"]
     source = {"type": job["source"]["type"]}

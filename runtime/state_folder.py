@@ -9,13 +9,22 @@ folder alone. `<stem>` names each file in it:
 
 A recorded pid may outlive its process and be given to another: the record keeps the process's start time too, and
 `storage.processes.alive` asks for both.
+
+Both services start the same way (`StateFolder.launch`): a short-lived launcher forks the service into its own
+session, with its output appended to the log, writes its record and exits. So the service is nobody's child (a
+long-lived command such as `k6vsr serve` never holds it as a zombie), killing the command or its process group never
+reaches it, and a command killed right after the launch still leaves a recorded service, which the next command
+finds and waits for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,16 +41,22 @@ LOG_KEEP_BYTES = 1 << 20
 Record = TypeVar("Record", bound=BaseModel)
 
 
+STATE_ENV = "K6VSR_STATE_HOME"
+
+
 def state_home(env_var: str, name: str) -> Path:
-    """`$<env_var>`, else `$K6VSR_HOME/<name>`, else `$XDG_STATE_HOME/k6vsr/<name>` (`~/.local/state` if unset)."""
+    """`$<env_var>`, else `$K6VSR_STATE_HOME/<name>`, else `$XDG_STATE_HOME/k6vsr/<name>` (`~/.local/state` if unset).
+
+    Never under `K6VSR_HOME`: that names the checkout the deployments' flow runs start in, and state written there
+    would land among the code."""
     explicit = os.environ.get(env_var)
     if explicit:
         return Path(explicit).expanduser()
-    k6vsr_home = os.environ.get("K6VSR_HOME")
-    if k6vsr_home:
-        return Path(k6vsr_home).expanduser() / name
+    root = os.environ.get(STATE_ENV)
+    if root:
+        return Path(root).expanduser() / name
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "k6vsr" / name
+    return Path(state).expanduser() / "k6vsr" / name
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,25 @@ class StateFolder:
             self.remove_record()
         return running
 
+    def launch(self, argv: list[str], env: dict[str, str], fields: dict[str, object]) -> None:
+        """Start `argv` detached (see above), from this folder, and record it: `fields` with its `pid` and
+        `process_start`, unless the service has already written its own record. Read the record back with `read`."""
+        self.make()
+        self.rotate_log()
+        launcher = subprocess.run(
+            [sys.executable, "-c", _LAUNCHER, str(self.record_path), str(self.log_path), json.dumps(fields), *argv],
+            env=env,
+            cwd=self.path,  # never the command's folder, which the service would otherwise keep busy for its lifetime
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            start_new_session=True,
+            check=False,
+            timeout=60,
+        )
+        if launcher.returncode != 0:
+            raise LaunchFailed(launcher.stderr.strip()[-2000:] or f"the launcher exited with {launcher.returncode}")
+
     def rotate_log(self) -> None:
         """Each start appends to the log: past `LOG_KEEP_BYTES`, keep the previous log, once, and start anew."""
         with contextlib.suppress(OSError):
@@ -107,6 +141,38 @@ class StateFolder:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+class LaunchFailed(RuntimeError):
+    """The launcher could not start the service; the message is what it printed."""
+
+
+# Run by `StateFolder.launch` as `python -c`: the record is linked into place, so it appears whole, and only where the
+# service has not written its own in the meantime.
+_LAUNCHER = """
+import json, os, subprocess, sys
+record_path, log_path, fields = sys.argv[1:4]
+with open(log_path, "ab") as log:
+    process = subprocess.Popen(sys.argv[4:], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True, close_fds=True)
+try:
+    with open(f"/proc/{process.pid}/stat") as stat:
+        process_start = int(stat.read().rsplit(")", 1)[1].split()[19])
+except OSError:
+    process_start = None
+record = {**json.loads(fields), "pid": process.pid, "process_start": process_start}
+partial = f"{record_path}.{os.getpid()}.partial"
+with open(partial, "w") as handle:
+    json.dump(record, handle)
+    handle.flush()
+    os.fsync(handle.fileno())
+try:
+    os.link(partial, record_path)
+except FileExistsError:
+    pass
+finally:
+    os.unlink(partial)
+"""
 
 
 def now() -> str:

@@ -1,4 +1,4 @@
-"""The two lanes of `flows.schedule` on a flow run's task runner: where model work and CPU work run.
+"""The two lanes of `runtime.schedule` on a flow run's task runner: where model work and CPU work run.
 
 - Threads (a command computing in its own process): the model lane is the flow's own runner, `MODEL_SLOTS` threads
   (one task's store reads and writes overlap the other's model work; the memory budget allows for two at once); the
@@ -21,9 +21,9 @@ from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.runners import is_dask_runner, warm_address
-from flows.schedule import ModelQueue
-from flows.slots import CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS
+from runtime.runners import is_dask_runner, warm_address
+from runtime.schedule import ModelQueue
+from runtime.slots import CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS
 
 SubmitTask = Callable[[Any, dict[str, Any]], Any]  # (task, parameters) -> its Prefect future
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from flows.slots import MODEL_SLOTS, WORKER_RESOURCES, WORKER_THREADS
 from k6vsr_core import status
+from runtime.slots import MODEL_SLOTS, WORKER_RESOURCES, WORKER_THREADS
 
 # "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
 USE_WARM_ENV = "K6VSR_WARM_WORKERS"
@@ -20,7 +20,7 @@ def warm_address() -> str | None:
     """The running warm workers' scheduler (`k6vsr workers start`), unless K6VSR_WARM_WORKERS=off."""
     if os.environ.get(USE_WARM_ENV, "").lower() in ("off", "0", "false", "no"):
         return None
-    from flows.warm_workers import running_address
+    from runtime.warm_workers import running_address
 
     return running_address()
 
@@ -46,11 +46,32 @@ def is_dask_runner(runner: object) -> bool:
     return module is not None and isinstance(runner, module.DaskTaskRunner)
 
 
+class CountedThreadPool(ThreadPoolTaskRunner):
+    """Prefect's thread pool, saying how many threads it has (`threads`): Prefect's own keeps the count private."""
+
+    def __init__(self, max_workers: int | None = None) -> None:
+        super().__init__(max_workers=max_workers)
+        self.threads = max_workers
+
+    def duplicate(self) -> CountedThreadPool:
+        return type(self)(self.threads)
+
+
+def thread_count(runner: object) -> int | None:
+    """A flow run's threads for tasks: the count of ours, else Prefect's setting for its default pool; None: a
+    thread per task (Prefect's default pool is unbounded)."""
+    if isinstance(runner, CountedThreadPool):
+        return runner.threads
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().tasks.runner.thread_pool_max_workers
+
+
 def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:
     """The local Dask cluster for tiles: one worker per GPU (pinned by CUDA_VISIBLE_DEVICES), or `workers` CPU
     processes."""
     if gpus:
-        return "flows.warm_workers.gpu_cluster", {"n_workers": workers if workers > 1 else 0}
+        return "runtime.warm_workers.gpu_cluster", {"n_workers": workers if workers > 1 else 0}
     return "distributed.LocalCluster", {
         "n_workers": workers,
         "processes": True,
@@ -72,12 +93,12 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
     threads (so a decode overlaps the next denoise) otherwise.
 
     With `gpus`, one worker per visible GPU (or `workers` of them), each pinned to its GPU
-    (`flows.warm_workers.gpu_cluster`); with `dask_address`, tiles go to an existing Dask scheduler, possibly
+    (`runtime.warm_workers.gpu_cluster`); with `dask_address`, tiles go to an existing Dask scheduler, possibly
     spanning machines.
     """
     dask_address = resolve_address(workers, gpus, dask_address)
     if not uses_processes(workers, gpus, dask_address):
-        return ThreadPoolTaskRunner(max_workers=MODEL_SLOTS)
+        return CountedThreadPool(max_workers=MODEL_SLOTS)
     from prefect_dask import DaskTaskRunner
 
     if dask_address:

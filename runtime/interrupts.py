@@ -2,7 +2,7 @@
 
 Prefect turns an interrupt in a flow into a crash only after its task runner has waited for every task in flight,
 and the threads computing them cannot be stopped (a denoise may take minutes). So a command that wants to stop at
-once registers a handler (`on_interrupt`), and `flows.prefect_server.leased` calls it where the interrupt first
+once registers a handler (`on_interrupt`), and `runtime.flow_leases.leased` calls it where the interrupt first
 surfaces: in the flow's body, before Prefect's engine sees it. Processes that register nothing (the HTTP API's job
 children, tests) keep Prefect's own handling.
 

@@ -36,9 +36,13 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.stage_names import CPU_STAGES as WINDOW_CPU_STAGES
+from k6vsr_core.stage_names import MODEL_STAGES as PIPELINE_MODEL_STAGES
+from k6vsr_core.stage_names import Stage
 
-MODEL_STAGES = ("decode", "denoise", "encode")  # within a window, the most urgent first
-CPU_STAGES = ("blend", "segment", "quality")
+MODEL_STAGES = tuple(reversed(PIPELINE_MODEL_STAGES))  # within a window, the most urgent first
+# A window's CPU items, in order: its blend and segment, then its part of the quality report (tasks.quality).
+CPU_STAGES = (*WINDOW_CPU_STAGES, Stage.QUALITY)
 
 
 @dataclass(frozen=True)

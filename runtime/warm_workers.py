@@ -8,7 +8,8 @@ returns once every worker has done so, so that not even the first run pays for l
 that runs tiles and is given no `--workers`, `--gpus` or `--dask-address` sends them to these workers while they
 run (`running_address`).
 
-The state folder (`$K6VSR_WORKERS_HOME`, else `$K6VSR_HOME/workers`, else `$XDG_STATE_HOME/k6vsr/workers`) holds:
+The state folder (`$K6VSR_WORKERS_HOME`, else `$K6VSR_STATE_HOME/workers`, else `$XDG_STATE_HOME/k6vsr/workers`)
+holds:
 
     workers.json   the supervisor's pid, then (once every worker is up, and with `--model` has loaded and warmed it)
                    the scheduler's address, written atomically
@@ -39,9 +40,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from flows.slots import WORKER_RESOURCES, WORKER_THREADS
-from flows.state_folder import StateFolder, now, state_home
-from k6vsr_core.errors import ParameterError, WorkersError
+from k6vsr_core.errors import ParameterError
+from runtime.errors import WorkersError
+from runtime.slots import WORKER_RESOURCES, WORKER_THREADS
+from runtime.state_folder import LaunchFailed, StateFolder, now, state_home
 from service.runs import ModelSpec
 from storage.processes import alive, group_alive, process_start
 from tasks.worker_preload import MODEL_ENV, preload_ended
@@ -176,45 +178,21 @@ def start_workers(
 
 
 def _launch(folder: StateFolder, count: int, devices: list[str], model_json: str | None) -> WorkersRecord:
-    folder.make()
-    folder.rotate_log()
     supervisor = SupervisorArgs(home=str(folder.path), workers=count, gpus=devices, model=model_json)
-    argv = [sys.executable, "-m", "flows.warm_workers", supervisor.model_dump_json()]
+    argv = [sys.executable, "-m", "runtime.warm_workers", supervisor.model_dump_json()]
     env = dict(os.environ)
     # The supervisor runs from its state folder: the workers must import k6vsr wherever the command ran from.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    with open(folder.log_path, "ab") as log_file:
-        # Its own session: a terminal's Ctrl-C or a killed command never reaches the workers. Nobody waits for it,
-        # so `_launch` is run from a short-lived launcher: the supervisor is never this process's zombie.
-        launcher = subprocess.run(
-            [sys.executable, "-c", _LAUNCHER, *argv],
-            env=env,
-            cwd=folder.path,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log_file,
-            check=False,
-            timeout=60,
-        )
+    # The supervisor rewrites the record with its address once ready; the launcher writes it only if not yet done.
+    fields = {"started_at": now(), "workers": count, "gpus": devices, "model": model_json}
     try:
-        pid = int(launcher.stdout.strip())
-    except ValueError:
-        raise WorkersError(f"the warm workers could not be launched; see {folder.log_path}") from None
-    record = WorkersRecord(
-        pid=pid, process_start=process_start(pid), started_at=now(), workers=count, gpus=devices, model=model_json
-    )
-    # The supervisor rewrites this record with its address once ready; write it only if it has not done so yet.
-    if folder.read(WorkersRecord) is None:
-        folder.write(record)
+        folder.launch(argv, env, fields)
+    except LaunchFailed as err:
+        raise WorkersError(f"the warm workers could not be launched: {err}; see {folder.log_path}") from None
+    record = folder.read(WorkersRecord)
+    if record is None:
+        raise WorkersError(f"the warm workers could not be launched; see {folder.log_path}")
     return record
-
-
-_LAUNCHER = """
-import subprocess, sys
-process = subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr,
-                           start_new_session=True, close_fds=True)
-print(process.pid)
-"""
 
 
 def _wait_ready(folder: StateFolder, record: WorkersRecord) -> WorkersRecord:
@@ -455,7 +433,7 @@ def _print_preloaded(states: dict[str, dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The supervisor: `python -m flows.warm_workers '<SupervisorArgs as JSON>'` (what `start_workers` runs)."""
+    """The supervisor: `python -m runtime.warm_workers '<SupervisorArgs as JSON>'` (what `start_workers` runs)."""
     args = SupervisorArgs.model_validate_json((argv or sys.argv[1:])[0])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     _supervise(_folder(Path(args.home)), args.workers, args.gpus, args.model)

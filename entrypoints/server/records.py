@@ -1,0 +1,259 @@
+"""The HTTP API's job records: a job's record at `<store>/jobs/<id>.json` (written atomically) and its files under
+`<store>/jobs/<id>/`, the job ids, the input quota and the bounds a submission can hit.
+
+Standard library only: the job's child process (`entrypoints.server.child`) imports it before it is bound to its
+parent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("k6vsr.server")
+
+JOBS = "jobs"
+ID_PREFIX = "video_"
+_ID = re.compile(r"^video_[A-Za-z0-9_-]{16,64}$")
+
+QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
+ACTIVE = (QUEUED, IN_PROGRESS)
+FINISHED = (COMPLETED, FAILED, CANCELLED)
+
+# A job's error message, as stored and as answered, is one line of at most this many characters: a library's error
+# can be megabytes (one named every parameter of a refused flow run).
+MAX_MESSAGE_CHARS = 500
+
+
+def short_message(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= MAX_MESSAGE_CHARS else line[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def _write_record(path: Path, job: dict[str, Any]) -> None:
+    from storage.records import atomic_write_json
+
+    atomic_write_json(path, job)
+
+
+def new_job_id() -> str:
+    return ID_PREFIX + secrets.token_urlsafe(18)
+
+
+def valid_job_id(job_id: str) -> bool:
+    """Ids come from URLs: anything that is not one of ours never reaches the file system."""
+    return bool(_ID.match(job_id))
+
+
+class QueueFull(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"{limit} jobs are already queued")
+        self.limit = limit
+
+
+class InputQuotaFull(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the inputs of queued and running jobs already take the quota of {limit} bytes")
+        self.limit = limit
+
+
+class KeyQueueFull(Exception):
+    """One key already holds its share of the queue: jobs of its waiting plus its requests being read."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this key already has {limit} jobs queued or being sent")
+        self.limit = limit
+
+
+class UploadsBusy(Exception):
+    """One key already sends as many request bodies as its share of the admission slots."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this key already sends {limit} requests")
+        self.limit = limit
+
+
+class InputQuota:
+    """Bytes of job inputs on disk, charged per job before they are written, so their sum never passes `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._charges: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return sum(self._charges.values())
+
+    def charge(self, job_id: str, size: int) -> None:
+        with self._lock:
+            if sum(self._charges.values()) + size > self.limit:
+                raise InputQuotaFull(self.limit)
+            self._charges[job_id] = self._charges.get(job_id, 0) + size
+
+    def count(self, job_id: str, size: int) -> None:
+        """Count a file already on disk (found at start), whatever the limit."""
+        with self._lock:
+            self._charges[job_id] = size
+
+    def release(self, job_id: str) -> None:
+        with self._lock:
+            self._charges.pop(job_id, None)
+
+
+class InputFile:
+    """One job's input as it is written: at most `cap` bytes, each charged to the quota before it reaches the disk."""
+
+    def __init__(
+        self, path: Path, job_id: str, quota: InputQuota, cap: int, too_large: Callable[[], Exception]
+    ) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("xb")
+        self.job_id, self.quota, self.cap, self.too_large = job_id, quota, cap, too_large
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        if self.size + len(data) > self.cap:
+            raise self.too_large()
+        self.quota.charge(self.job_id, len(data))
+        self.size += len(data)
+        self._file.write(data)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+@dataclass(frozen=True)
+class JobEntry:
+    """What listing, cancelling, sharing runs and expiring need of a job, kept in memory: they never read a record
+    to decide, so they cost O(jobs they touch), whatever the records hold."""
+
+    id: str
+    owner: str | None
+    status: str
+    run_key: str
+    created_ns: int
+    completed_at: int | None
+    disk_bytes: int  # what a finished job keeps on disk (its output and its run); 0 until it finishes
+
+    @classmethod
+    def of(cls, job: dict[str, Any]) -> JobEntry:
+        return cls(
+            id=job["id"],
+            owner=job.get("owner"),
+            status=job["status"],
+            run_key=job["run_key"],
+            created_ns=job.get("created_ns", 0),
+            completed_at=job.get("completed_at"),
+            disk_bytes=job.get("disk_bytes") or 0,
+        )
+
+
+class JobStore:
+    """The job records of one store root, and their index in memory (read once, at start). Every read-modify-write
+    holds one lock, so the HTTP handlers and the worker threads never lose each other's updates (one server per
+    store)."""
+
+    def __init__(self, store_root: str | Path, input_quota_bytes: int, run_root: str | Path | None = None) -> None:
+        self.store_root = Path(store_root)
+        # Where the jobs' runs live: the same folder, or an object store (the jobs' own files stay on this disk).
+        self.run_root = run_root or self.store_root
+        self.root = self.store_root / JOBS
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.lock = threading.RLock()
+        self.quota = InputQuota(input_quota_bytes)
+        self._index: dict[str, JobEntry] = {}
+        for path in self.root.glob(f"{ID_PREFIX}*.json"):
+            job = self.get(path.stem)
+            if job is not None:
+                self._index[job["id"]] = JobEntry.of(job)
+
+    def record_path(self, job_id: str) -> Path:
+        return self.root / f"{job_id}.json"
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.root / job_id
+
+    def input_path(self, job_id: str) -> Path:
+        return self.job_dir(job_id) / "input"
+
+    def output_path(self, job_id: str) -> Path:
+        return self.job_dir(job_id) / "output.mp4"
+
+    def get(self, job_id: str) -> dict[str, Any] | None:
+        if not valid_job_id(job_id):
+            return None
+        try:
+            return json.loads(self.record_path(job_id).read_bytes())
+        except (OSError, ValueError):
+            return None
+
+    def put(self, job: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            _write_record(self.record_path(job["id"]), job)
+            self._index[job["id"]] = JobEntry.of(job)
+        return job
+
+    def update(self, job_id: str, only_if: tuple[str, ...] | None = None, **changes: Any) -> dict[str, Any] | None:
+        """Apply `changes` (when the status is in `only_if`, if given); returns the job as it is afterwards."""
+        with self.lock:
+            job = self.get(job_id)
+            if job is None:
+                return None
+            if only_if is None or job["status"] in only_if:
+                job.update(changes)
+                self.put(job)
+            return job
+
+    def entries(self, owner: str | None = None, everyone: bool = True) -> list[JobEntry]:
+        """The index, oldest first: every job's, or (`everyone=False`) those of `owner` only."""
+        with self.lock:
+            found = [entry for entry in self._index.values() if everyone or entry.owner == owner]
+        return sorted(found, key=lambda entry: (entry.created_ns, entry.id))
+
+    def jobs(self, owner: str | None = None, everyone: bool = True) -> list[dict[str, Any]]:
+        """The records of `entries(owner, everyone)`: only those are read."""
+        found = (self.get(entry.id) for entry in self.entries(owner, everyone))
+        return [job for job in found if job is not None]
+
+    def remove(self, job_id: str) -> None:
+        """Delete the record and the job's own files (never the shared run store)."""
+        with self.lock:
+            self.discard_dir(job_id)
+            self.record_path(job_id).unlink(missing_ok=True)
+            self._index.pop(job_id, None)
+
+    def open_input(self, job_id: str, cap: int, too_large: Callable[[], Exception]) -> InputFile:
+        return InputFile(self.input_path(job_id), job_id, self.quota, cap, too_large)
+
+    def drop_input(self, job_id: str) -> None:
+        self.input_path(job_id).unlink(missing_ok=True)
+        self.quota.release(job_id)
+
+    def discard_dir(self, job_id: str) -> None:
+        """Delete the job's own files (its input and output)."""
+        shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+        self.quota.release(job_id)
+
+    def recount_inputs(self) -> None:
+        """Charge the inputs already on disk, and delete the folders of jobs that were never recorded (a server
+        killed during an upload)."""
+        for folder in self.root.iterdir():
+            if not (folder.is_dir() and valid_job_id(folder.name)):
+                continue
+            if not self.record_path(folder.name).exists():
+                self.discard_dir(folder.name)
+            elif self.input_path(folder.name).is_file():
+                self.quota.count(folder.name, self.input_path(folder.name).stat().st_size)
+
+
+# ----------------------------------------------------------------------------------------------- worker slots
