@@ -29,6 +29,9 @@ COST = {
     "workers-stop": 10,  # 4.6 s
     "inmemory": 170,
     "multiwindow": 260,  # 249.9 s one-shot (2026-12-03)
+    # A one-window preview one-shot of the three-window clip (about a warm one-shot W1 less its segments and mux),
+    # then the whole run on its store (the multi-window run less one window's GPU work, about 46 s): not measured yet.
+    "preview": 340,
     "archive-clip": 75,  # 98.6 s a clip at 2 clips (2026-12-03); the cross-clip queue aims at a clip's GPU work
     "memory": 560,  # bench/memory_bench.py's MEMORY_MODES, one process each
     # bench/two_gpus.py, on warm workers (start 48 s and a first W1 on them 130-164 s on the H200, 2026-12-01/02): gpu1

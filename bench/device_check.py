@@ -23,6 +23,12 @@ workers and the warm one-shot:
     python3 bench/device_check.py --runs inmemory,warm,workers --deadline 540
     python3 bench/device_check.py --runs inmemory,multiwindow,archive --archive-clips 4 --deadline 540
 
+`--runs preview` is the estimate issue's (`bench/preview_check.py`): `k6vsr preview --windows 1` of the three-window
+clip, then the README's command on the preview's store (it computes the other two windows); the preview's estimate
+of what was left against the run's wall time, output bytes and peak store size, within 25 % for the time:
+
+    python3 bench/device_check.py --runs preview --deadline 540
+
 `--runs same-bytes` is the determinism check (`bench/same_bytes.py`): one clip through two one-shot runs, warm
 workers, `--gpus` where there are several, three runs killed and resumed, and the in-memory runner with and without
 the kernel settings; one md5 expected, and the cost of determinism timed.
@@ -66,7 +72,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import same_bytes, streaming, two_gpus  # noqa: E402 - after the checkout is on the path, as for a script
+from bench import preview_check, same_bytes, streaming, two_gpus  # noqa: E402 - after the checkout is on the path, as for a script
 from bench.check_kit import (  # noqa: E402
     COST,
     ROOT,
@@ -104,6 +110,8 @@ TARGETS = {
     "two_gpus_w1_vs_one": 0.55,  # W1, second run, at most 0.55x
     "two_gpus_window_vs_one": 0.55,  # multi-window seconds per window at most 0.55x
     "two_gpus_archive_vs_one": 1.9,  # archive clips per hour at least 1.9x
+    # The estimate issue's (#38, bench/preview_check.py): the preview's estimate of the run after it within 25 %.
+    "preview_estimate_error": 0.25,
 }
 
 
@@ -149,10 +157,13 @@ class NvmlPeak:
 
 
 def timeline(store: Path, started: float) -> tuple[dict[str, list[float]], float | None]:
-    """Per stage: [first start, last end, tasks] in seconds from the command's start; the largest process peak."""
+    """Per stage: [first start, last end, tasks] in seconds from the command's start; the largest process peak. The
+    items of earlier commands on the same store (a preview's windows, a killed run's tasks) are not the command's."""
     stages: dict[str, list[float]] = {}
     peak = None
     for row in timeline_lines(store):
+        if row["end"] < started:
+            continue
         span = stages.setdefault(row["stage"], [row["start"] - started, row["end"] - started, 0])
         span[0] = min(span[0], row["start"] - started)
         span[1] = max(span[1], row["end"] - started)
@@ -265,10 +276,12 @@ class Check:
         out_dir: Path,
         group: str | None = None,
         add: bool = True,
+        stdout: bool = False,
     ) -> dict[str, Any]:
         """Run `argv` on `store` (`K6VSR_STORE`) with NVML's device peak sampled; the row for the table (added to it
         unless `add` is false: the caller adds its own figures first), from its exit, the store's timeline and the
-        newest MP4 in `out_dir`."""
+        newest MP4 in `out_dir`; with `stdout`, the command's stdout under that key (for the caller to read and
+        drop)."""
         env = {**self.env, **extra_env, "K6VSR_STORE": str(store)}
         started = time.time()
         with NvmlPeak() as nvml:
@@ -293,6 +306,8 @@ class Check:
         }
         if group is not None:
             row["group"] = group
+        if stdout:
+            row["stdout"] = result["stdout"]
         if add:
             self.add_row(row)
         return row
@@ -376,6 +391,8 @@ class Check:
             )
         memory = memory_verdicts(self.memory_targets, self.rows)
         found = streaming.verdicts(self.rows, TARGETS) + same_bytes.verdicts(self.rows) + memory
+        if any(str(row.get("run", "")).startswith(preview_check.PREVIEW) for row in self.rows):
+            found += preview_check.verdicts(self.rows, TARGETS)
         if any(row.get("group") == two_gpus.GROUP for row in self.rows):
             found += two_gpus.verdicts(self.rows, TARGETS)
         return verdicts + found
@@ -474,8 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         default="oneshot,W2,workers",
         help="comma-separated: oneshot (W1, cold or imported cache), reimport (export, wipe, import, W1 again), "
         "inmemory (the in-memory runner on W1, first and hot), W2, warm (W1 one-shot with the warm cache), "
-        "workers (start, W1 twice, stop), multiwindow (a three-window clip one-shot), archive (W1 clips through "
-        "`k6vsr archive`), same-bytes (bench/same_bytes.py), memory (bench/memory_bench.py's modes "
+        "workers (start, W1 twice, stop), multiwindow (a three-window clip one-shot), preview (`k6vsr preview "
+        "--windows 1` of that clip, then the whole run on its store: the estimate against the run), archive (W1 "
+        "clips through `k6vsr archive`), same-bytes (bench/same_bytes.py), memory (bench/memory_bench.py's modes "
         f"{MEMORY_MODES}, through the in-memory runner), two-gpus (bench/two_gpus.py: warm workers on one GPU, then "
         "on every GPU); run in that order",
     )
@@ -542,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         check.cli("workers-stop", "workers", "stop")
     if "multiwindow" in runs and check.fits("multiwindow"):
         streaming.run_multiwindow(check)
+    if "preview" in runs and check.fits("preview"):
+        preview_check.run_preview(check)
     if "archive" in runs and check.fits("archive-clip", args.archive_clips):
         streaming.run_archive(check, args.archive_clips, args.archive_max_parallel)
     if "same-bytes" in runs:

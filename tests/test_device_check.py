@@ -654,3 +654,152 @@ def test_an_earlier_calls_in_memory_rows_are_this_calls_reference(tmp_path: Path
     second.add_row({"run": "workers-W1-2", "workload": "W1", "wall_s": 52.0, "rc": 0, "md5": SAME})
     verdicts = {v["target"]: v for v in second.verdicts()}
     assert verdicts["workers-W1-2 <= 1.05x in-memory W1 hot"]["pass"] is True
+
+
+# ------------------------------------------------------------------------------------------------ preview estimate
+
+
+def _preview_summary(seconds_left: float, output_bytes: int, peak_store_bytes: int) -> str:
+    """What `k6vsr preview --json` prints, from the flow's own models."""
+    from flows.preview import PreviewSummary
+    from storage.estimate import RunEstimate, StageRates
+
+    rates = StageRates(
+        ingest_s=2.0, model_s_per_frame=0.4, segment_s_per_frame=0.05, encoded_bytes_per_frame=9e3, windows_measured=1
+    )
+    estimate = RunEstimate(
+        seconds=seconds_left + 50.0,
+        seconds_left=seconds_left,
+        output_bytes=output_bytes,
+        peak_store_bytes=peak_store_bytes,
+        windows_measured=1,
+    )
+    summary = PreviewSummary(
+        source="clip.mp4",
+        run_key="key",
+        windows=[1],
+        frames=[(105, 226)],
+        side_by_side="clip_preview.mp4",
+        contact_sheet="clip_preview.png",
+        rates=rates,
+        estimate=estimate,
+    )
+    return json.dumps(summary.model_dump(mode="json"), indent=2)
+
+
+def _fake_preview_commands(
+    monkeypatch: pytest.MonkeyPatch, check: device_check.Check, walls: dict[str, float], summary: str, rc: int = 0
+) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """`check.command` for the preview run: the preview prints `summary` and leaves a window in the store; the run
+    writes more into the store for a while, deletes it, and writes its output."""
+    calls: dict[str, tuple[list[str], dict[str, str]]] = {}
+
+    def command(label: str, argv: list[str], env: dict[str, str] | None = None) -> dict:
+        env = env or check.env
+        calls[label] = (argv, env)
+        store = Path(env["K6VSR_STORE"])
+        stdout = ""
+        if argv[3] == "preview":
+            (store / "runs" / "key").mkdir(parents=True)
+            (store / "runs" / "key" / "window-1").write_bytes(b"w" * 1000)
+            line = {"stage": "denoise", "item": "1-0", "start": time.time(), "end": time.time()}
+            (store / "runs" / "key" / "timeline.jsonl").write_text(json.dumps(line) + "\n")
+            stdout = "a line before the summary {not JSON}\n" + summary + "\n"
+        elif argv[3] == "upscale" and rc == 0:
+            assert (store / "runs" / "key" / "window-1").exists()  # the preview's window is there to reuse
+            (store / "runs" / "key" / "window-0").write_bytes(b"w" * 3000)
+            line = {"stage": "denoise", "item": "0-0", "start": time.time(), "end": time.time() + 1}
+            with open(store / "runs" / "key" / "timeline.jsonl", "a") as timeline:  # one run key, one timeline
+                timeline.write(json.dumps(line) + "\n")
+            time.sleep(0.3)  # the store's peak is sampled while the run lasts
+            (store / "runs" / "key" / "window-0").unlink()
+            out_dir = Path(argv[argv.index("-o") + 1])
+            out_dir.mkdir(parents=True)
+            (out_dir / "clip_sr2x.mp4").write_bytes(b"v" * 500)
+        wall = walls[label]
+        return {"label": label, "wall_s": wall, "rc": rc if argv[3] == "upscale" else 0, "stdout": stdout, "stderr": ""}
+
+    monkeypatch.setattr(check, "command", command)
+    return calls
+
+
+def test_the_preview_run_previews_then_runs_on_its_store_and_judges_the_estimate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The preview and the whole run with their commands faked (the real ones are the device's): the preview is the
+    README command's as `k6vsr preview --windows 1 --json`, the run is the README's on the same store, and the row
+    sets the preview's estimate against what the run took."""
+    from bench import preview_check
+
+    check = _check(tmp_path)
+    monkeypatch.setattr(check, "clip", lambda workload: tmp_path / f"{workload}.mp4")
+    monkeypatch.setattr(preview_check, "STORE_SAMPLE_S", 0.02)
+    walls = {preview_check.PREVIEW: 90.0, preview_check.RUN: 200.0}
+    calls = _fake_preview_commands(monkeypatch, check, walls, _preview_summary(240.0, 450, 8000))
+    preview_check.run_preview(check)
+
+    (preview, preview_env), (run, run_env) = calls[preview_check.PREVIEW], calls[preview_check.RUN]
+    upscale = device_check.as_run(device_check.readme_gpu_command(), tmp_path / "W1-long.mp4", Path("/o"))
+    assert preview[3] == "preview" and preview[-3:] == ["--windows", "1", "--json"]
+    assert preview[4] == run[4] == str(tmp_path / "W1-long.mp4")  # the multi-window run's clip
+    assert preview[5:-3] == [w if w != "/o/" else preview[6] for w in upscale[5:]]  # the README's flags
+    assert run[3] == "upscale" and run[5:] == [w if w != "/o/" else run[6] for w in upscale[5:]]
+    assert preview[6] != run[6]  # the side-by-side is not taken for the run's output
+    assert preview_env["K6VSR_STORE"] == run_env["K6VSR_STORE"] == str(check.work / f"store-{preview_check.PREVIEW}")
+    assert preview_env["K6VSR_WARM_WORKERS"] == run_env["K6VSR_WARM_WORKERS"] == "off"
+
+    rows = {row["run"]: row for row in check.rows}
+    assert (
+        "stdout" not in rows[preview_check.PREVIEW] and rows[preview_check.PREVIEW]["estimate"]["seconds_left"] == 240
+    )
+    done = rows[preview_check.RUN]
+    assert rows[preview_check.PREVIEW]["stages"]["denoise"][2] == done["stages"]["denoise"][2] == 1  # each its own
+    assert done["actual"]["seconds"] == 200.0 and done["actual"]["output_bytes"] == 500
+    assert done["actual"]["peak_store_bytes"] >= 4000  # the preview's window and the run's, not the end's 1000
+    assert done["estimate_vs_run"]["seconds"] == 1.2 and done["estimate_vs_run"]["output_bytes"] == 0.9
+    verdicts = {v["target"]: v for v in check.verdicts()}
+    assert verdicts["preview estimate within 25% of the run"] == {
+        "target": "preview estimate within 25% of the run",
+        "measured": "240.0 s / 200.0 s = 1.2x",
+        "pass": True,
+    }
+    disk = verdicts["preview disk estimate / the run's (output, peak store)"]
+    assert disk["pass"] is None and disk["measured"].startswith("output_bytes 0.9x, peak_store_bytes ")
+    assert "| preview estimate within 25% of the run | 240.0 s / 200.0 s = 1.2x | pass |" in check.render()
+
+
+@pytest.mark.parametrize(
+    ("seconds_left", "run_rc", "expected"),
+    [(160.0, 0, True), (150.0, 0, True), (149.0, 0, False), (251.0, 0, False), (200.0, 1, None)],
+)
+def test_the_preview_verdict_is_within_a_quarter_either_way_and_not_measured_without_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, seconds_left: float, run_rc: int, expected: bool | None
+) -> None:
+    from bench import preview_check
+
+    check = _check(tmp_path)
+    monkeypatch.setattr(check, "clip", lambda workload: tmp_path / f"{workload}.mp4")
+    walls = {preview_check.PREVIEW: 90.0, preview_check.RUN: 200.0}
+    _fake_preview_commands(monkeypatch, check, walls, _preview_summary(seconds_left, 450, 8000), rc=run_rc)
+    preview_check.run_preview(check)
+    verdict = {v["target"]: v for v in check.verdicts()}["preview estimate within 25% of the run"]
+    assert verdict["pass"] is expected
+    if expected is None:
+        assert verdict["missing"] == [f"{preview_check.RUN} (exit 1)"]
+
+
+def test_a_preview_without_an_estimate_fails_its_row_and_runs_nothing_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench import preview_check
+
+    check = _check(tmp_path)
+    monkeypatch.setattr(check, "clip", lambda workload: tmp_path / f"{workload}.mp4")
+    calls = _fake_preview_commands(monkeypatch, check, {preview_check.PREVIEW: 9.0}, "no summary")
+    preview_check.run_preview(check)
+    assert list(calls) == [preview_check.PREVIEW]
+    row = check.rows[-1]
+    assert row["rc"] == 1 and row["error"] == ["the preview printed no estimate"]
+    verdicts = {v["target"]: v for v in check.verdicts()}
+    assert verdicts["preview estimate within 25% of the run"]["pass"] is None
+    assert verdicts[f"{preview_check.PREVIEW} completes"]["pass"] is False
