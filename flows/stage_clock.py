@@ -18,9 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from k6vsr_core.stage_names import PIPELINE
+from k6vsr_core.stage_names import PIPELINE, Stage
 
-__all__ = ["PIPELINE", "StageClock", "StageSpan"]
+# The report's order: the pipeline's, with the windows' parts of the quality report where they run (after each
+# window's segment, before the mux); the join of the parts after the publish adds to the same row.
+REPORT_ORDER = (*PIPELINE[: PIPELINE.index(Stage.MUX)], Stage.QUALITY, *PIPELINE[PIPELINE.index(Stage.MUX) :])
+
+__all__ = ["PIPELINE", "REPORT_ORDER", "StageClock", "StageSpan"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +61,7 @@ class StageClock:
         return {stage: totals[stage] for stage in sorted(totals, key=_pipeline_position)}
 
     def spans(self) -> list[StageSpan]:
-        """One span per stage that ran, in pipeline order (stages the pipeline does not name come last)."""
+        """One span per stage that ran, in `REPORT_ORDER` (stages it does not name come last)."""
         intervals: dict[str, list[tuple[float, float]]] = {}
         for stage, seconds, end in self._tasks:
             # To the hundredth of a second first, so that the figures as printed add up exactly.
@@ -71,4 +75,4 @@ class StageClock:
 
 
 def _pipeline_position(stage: str) -> tuple[int, str]:
-    return (PIPELINE.index(stage), "") if stage in PIPELINE else (len(PIPELINE), stage)
+    return (REPORT_ORDER.index(stage), "") if stage in REPORT_ORDER else (len(REPORT_ORDER), stage)

@@ -27,7 +27,7 @@ from uuid import UUID
 import procs
 import pytest
 
-from flows.stage_clock import PIPELINE
+from flows.stage_clock import REPORT_ORDER
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
@@ -213,7 +213,7 @@ def _check_clip_run(
     stages = _wait(driver, lambda d: _table(d, "stage"), "the report's stage table")
     assert stages[0] == ["stage", "starts (s)", "ends (s)", "span (s)", "adds (s)", "tasks"]
     names = [row[0] for row in stages[1:-1]]
-    assert names == [stage for stage in PIPELINE if stage in names] and names[0] == "ingest"
+    assert names == [stage for stage in REPORT_ORDER if stage in names] and names[0] == "ingest"
     assert names[-1] == "publish" and stages[-1][0] == "run"
     duration = (run.end_time - run.start_time).total_seconds()
     adds = [float(row[4]) for row in stages[1:-1]]

@@ -18,7 +18,7 @@ from storage.processes import alive, process_start
 def test_state_lives_apart_from_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checkout = tmp_path / "checkout"
     monkeypatch.setenv("K6VSR_HOME", str(checkout))  # the deployments' working folder: never state
-    for name in ("K6VSR_STATE_HOME", "XDG_STATE_HOME", "K6VSR_SERVER_HOME"):
+    for name in ("K6VSR_STATE_HOME", "XDG_STATE_HOME", "K6VSR_SERVER_HOME", "K6VSR_WORKERS_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "user"))
     assert state_home("K6VSR_SERVER_HOME", "prefect-server") == tmp_path / "user/.local/state/k6vsr/prefect-server"
