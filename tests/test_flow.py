@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,11 +52,18 @@ def _preload_lines() -> Iterator[list[logging.LogRecord]]:
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record) if record.getMessage().startswith("preload ") else None
     logger = logging.getLogger("k6vsr.workers")
+    # A logging configuration applied by an earlier test in this process may have disabled the logger.
+    disabled, logger.disabled = logger.disabled, False
     logger.addHandler(handler)
     try:
         yield lines
+        # The preload thread may still be on its way to its line when a tiny run has already ended.
+        for thread in threading.enumerate():
+            if thread.name == "k6vsr-preload":
+                thread.join(timeout=60)
     finally:
         logger.removeHandler(handler)
+        logger.disabled = disabled
 
 
 # --------------------------------------------------------------------------------------------------- store
