@@ -27,7 +27,8 @@ from http_harness import error_of, free_port
 
 from entrypoints.http_api import Limits, ServerConfig, create_app, error_response, key_owner
 from entrypoints.server.child import _error_of, results_beside
-from entrypoints.server.records import MAX_MESSAGE_CHARS, JobStore
+from entrypoints.server.messages import MAX_MESSAGE_CHARS
+from entrypoints.server.records import JobRecord, JobStore
 from entrypoints.server.runner import JobRunner
 from entrypoints.server.slots import job_message, tile_counts
 from k6vsr_core.errors import MediaError, ParameterError
@@ -180,7 +181,7 @@ def test_record_and_flow_parameters_hold_no_plan(tmp_path: Path, tiny_bundle_pat
     assert record.stat().st_size < 2048, record.stat().st_size
     stored = json.loads(record.read_text())
     assert "prepared" not in stored and stored["run_key"] == job["run_key"]
-    message = job_message(JobStore(store, 1 << 20), stored)
+    message = job_message(JobStore(store, 1 << 20), JobRecord.model_validate(stored))
     assert set(message) == {"id", "source", "output", "params", "store_root", "latent_fps"}
     assert len(json.dumps(message)) < 2048
 
@@ -459,6 +460,28 @@ def test_a_stalled_or_trickling_upload_loses_its_slot_at_the_rate_floor(
 # -------------------------------------------------------------------------------------------- finished jobs
 
 
+def finished_record(
+    job_id: str, owner: str, status: str, run_key: str, created_ns: int, completed_at: int, disk_bytes: int
+) -> JobRecord:
+    return JobRecord.model_validate(
+        {
+            "id": job_id,
+            "model": "m",
+            "owner": owner,
+            "status": status,
+            "created_at": completed_at - 10,
+            "created_ns": created_ns,
+            "completed_at": completed_at,
+            "run_key": run_key,
+            "request": {},
+            "source": {"type": "upload"},
+            "output": {"width": 2, "height": 2, "frames": 1, "fps": 24, "has_audio": False, "bytes": None},
+            "tiles": {"total": 1, "computed": None, "reused": None},
+            "disk_bytes": disk_bytes,
+        }
+    )
+
+
 def test_finished_jobs_keep_a_bounded_disk_oldest_deleted_first(tmp_path: Path) -> None:
     store = JobStore(tmp_path, 1 << 20)
     runner = JobRunner(
@@ -467,17 +490,7 @@ def test_finished_jobs_keep_a_bounded_disk_oldest_deleted_first(tmp_path: Path) 
     now = int(time.time())
     for index, (status, size) in enumerate([("completed", 100), ("failed", 0), ("completed", 100), ("completed", 100)]):
         job_id = f"video_{'abcdefghijklmnop'}{index}"
-        store.put(
-            {
-                "id": job_id,
-                "owner": key_owner(KEY_A),
-                "status": status,
-                "run_key": f"run{index}",
-                "created_ns": index,
-                "completed_at": now - 100 + index,
-                "disk_bytes": size,
-            }
-        )
+        store.put(finished_record(job_id, key_owner(KEY_A), status, f"run{index}", index, now - 100 + index, size))
     assert runner.expire() == ["video_abcdefghijklmnop0"]  # 300 bytes kept: the oldest completed goes
     assert [entry.id[-1] for entry in store.entries()] == ["1", "2", "3"]
     runner.finished_quota_bytes = 10

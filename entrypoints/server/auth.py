@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from entrypoints.server.errors import error_response
+from entrypoints.server.records import JobRecord
 
 
 @dataclass(frozen=True)
@@ -21,11 +22,11 @@ class Caller:
     owner: str | None
     admin: bool = False
 
-    def sees(self, job: dict[str, Any]) -> bool:
+    def sees(self, job: JobRecord) -> bool:
         return self.admin or self.owns(job)
 
-    def owns(self, job: dict[str, Any]) -> bool:
-        return job.get("owner") == self.owner
+    def owns(self, job: JobRecord) -> bool:
+        return job.owner == self.owner
 
 
 ANONYMOUS = Caller(owner=None)

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from entrypoints.server.records import short_message
+from entrypoints.server.messages import short_message
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from starlette.requests import ClientDisconnect
 
 from entrypoints.confine import PathRefused
 from entrypoints.server.error_table import BUSY_ANSWERS, user_answer
-from entrypoints.server.records import short_message
+from entrypoints.server.messages import short_message
 from k6vsr_core.errors import UserFacingError
 
 log = logging.getLogger("k6vsr.server")

@@ -1,13 +1,9 @@
 """The HTTP API's job records: a job's record at `<store>/jobs/<id>.json` (written atomically) and its files under
 `<store>/jobs/<id>/`, the job ids, the input quota and the bounds a submission can hit.
-
-Standard library only: the job's child process (`entrypoints.server.child`) imports it before it is bound to its
-parent.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import secrets
@@ -16,7 +12,9 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 log = logging.getLogger("k6vsr.server")
 
@@ -27,21 +25,91 @@ _ID = re.compile(r"^video_[A-Za-z0-9_-]{16,64}$")
 QUEUED, IN_PROGRESS, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
 ACTIVE = (QUEUED, IN_PROGRESS)
 FINISHED = (COMPLETED, FAILED, CANCELLED)
-
-# A job's error message, as stored and as answered, is one line of at most this many characters: a library's error
-# can be megabytes (one named every parameter of a refused flow run).
-MAX_MESSAGE_CHARS = 500
+Status = Literal["queued", "in_progress", "completed", "failed", "cancelled"]
 
 
-def short_message(text: str) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= MAX_MESSAGE_CHARS else line[: MAX_MESSAGE_CHARS - 3] + "..."
+class _Part(BaseModel):
+    model_config = ConfigDict(frozen=True)
 
 
-def _write_record(path: Path, job: dict[str, Any]) -> None:
+class JobSource(_Part):
+    """Where the job's input came from: `upload`, `latent`, or `path` with the `video_path` relative to its allowed
+    folder (shown to the job's owner only)."""
+
+    type: Literal["upload", "latent", "path"]
+    video_path: str | None = None
+
+
+class JobOutput(_Part):
+    """The result: planned at submit, measured (`bytes`, `has_audio`) once completed."""
+
+    width: int
+    height: int
+    frames: int
+    fps: int
+    has_audio: bool | None
+    bytes: int | None
+
+
+class JobTiles(_Part):
+    """The job's tiles: `computed` and `reused` are None until it completes."""
+
+    total: int
+    computed: int | None
+    reused: int | None
+
+
+class JobError(_Part):
+    """A failed job's error, as the API answers errors."""
+
+    message: str
+    type: str
+    code: str
+
+
+class JobRecord(_Part):
+    """One job, as its record file holds it. The file holds the fields that were set (`exclude_unset`): a record
+    read and written again is the same JSON, and one written before a field existed still loads. Fields it does not
+    know are ignored, and dropped when it is written again."""
+
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    owner: str | None = None  # the id of the key that submitted it; None on a server without keys
+    status: Status
+    progress: int = 0
+    created_at: int
+    created_ns: int = 0  # orders jobs submitted within one second
+    started_at: int | None = None
+    completed_at: int | None = None
+    error: JobError | None = None
+    # The run is found by its key, its plan in the run's manifest: the record stays small.
+    run_key: str
+    request: dict[str, Any]  # the job's UpscaleParams, as JSON
+    latent_fps: str | None = None  # a latent's frame rate; None for a clip
+    source: JobSource
+    output: JobOutput
+    tiles: JobTiles
+    tiles_found: int | None = None  # tiles its run already held when the job first started
+    quality: dict[str, Any] | None = None  # the output's quality report, once completed (README, "Quality report")
+    disk_bytes: int | None = None  # what a finished job keeps on disk (its output and its run)
+
+    def changed(self, **changes: Any) -> JobRecord:
+        """This record with `changes` applied, validated; a name that is not a field is refused."""
+        unknown = sorted(changes.keys() - type(self).model_fields.keys())
+        if unknown:
+            raise TypeError(f"a job record has no field {', '.join(unknown)}")
+        return type(self).model_validate({**self.model_dump(exclude_unset=True), **changes})
+
+    def to_json(self) -> dict[str, Any]:
+        """What the record file holds."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+def _write_record(path: Path, job: JobRecord) -> None:
     from storage.records import atomic_write_json
 
-    atomic_write_json(path, job)
+    atomic_write_json(path, job.to_json())
 
 
 def new_job_id() -> str:
@@ -146,15 +214,15 @@ class JobEntry:
     disk_bytes: int  # what a finished job keeps on disk (its output and its run); 0 until it finishes
 
     @classmethod
-    def of(cls, job: dict[str, Any]) -> JobEntry:
+    def of(cls, job: JobRecord) -> JobEntry:
         return cls(
-            id=job["id"],
-            owner=job.get("owner"),
-            status=job["status"],
-            run_key=job["run_key"],
-            created_ns=job.get("created_ns", 0),
-            completed_at=job.get("completed_at"),
-            disk_bytes=job.get("disk_bytes") or 0,
+            id=job.id,
+            owner=job.owner,
+            status=job.status,
+            run_key=job.run_key,
+            created_ns=job.created_ns,
+            completed_at=job.completed_at,
+            disk_bytes=job.disk_bytes or 0,
         )
 
 
@@ -175,7 +243,7 @@ class JobStore:
         for path in self.root.glob(f"{ID_PREFIX}*.json"):
             job = self.get(path.stem)
             if job is not None:
-                self._index[job["id"]] = JobEntry.of(job)
+                self._index[job.id] = JobEntry.of(job)
 
     def record_path(self, job_id: str) -> Path:
         return self.root / f"{job_id}.json"
@@ -189,29 +257,32 @@ class JobStore:
     def output_path(self, job_id: str) -> Path:
         return self.job_dir(job_id) / "output.mp4"
 
-    def get(self, job_id: str) -> dict[str, Any] | None:
+    def get(self, job_id: str) -> JobRecord | None:
         if not valid_job_id(job_id):
             return None
         try:
-            return json.loads(self.record_path(job_id).read_bytes())
-        except (OSError, ValueError):
+            return JobRecord.model_validate_json(self.record_path(job_id).read_bytes())
+        except OSError:
+            return None
+        except ValidationError as err:  # a torn or foreign file: as if there were none
+            log.warning("job %s: its record cannot be read (%d error(s)); skipped", job_id, err.error_count())
             return None
 
-    def put(self, job: dict[str, Any]) -> dict[str, Any]:
+    def put(self, job: JobRecord) -> JobRecord:
         with self.lock:
-            _write_record(self.record_path(job["id"]), job)
-            self._index[job["id"]] = JobEntry.of(job)
+            _write_record(self.record_path(job.id), job)
+            self._index[job.id] = JobEntry.of(job)
         return job
 
-    def update(self, job_id: str, only_if: tuple[str, ...] | None = None, **changes: Any) -> dict[str, Any] | None:
-        """Apply `changes` (when the status is in `only_if`, if given); returns the job as it is afterwards."""
+    def update(self, job_id: str, only_if: tuple[str, ...] | None = None, **changes: Any) -> JobRecord | None:
+        """Apply `changes`, fields of `JobRecord` (when the status is in `only_if`, if given); returns the job as it
+        is afterwards."""
         with self.lock:
             job = self.get(job_id)
             if job is None:
                 return None
-            if only_if is None or job["status"] in only_if:
-                job.update(changes)
-                self.put(job)
+            if only_if is None or job.status in only_if:
+                job = self.put(job.changed(**changes))
             return job
 
     def entries(self, owner: str | None = None, everyone: bool = True) -> list[JobEntry]:
@@ -220,7 +291,7 @@ class JobStore:
             found = [entry for entry in self._index.values() if everyone or entry.owner == owner]
         return sorted(found, key=lambda entry: (entry.created_ns, entry.id))
 
-    def jobs(self, owner: str | None = None, everyone: bool = True) -> list[dict[str, Any]]:
+    def jobs(self, owner: str | None = None, everyone: bool = True) -> list[JobRecord]:
         """The records of `entries(owner, everyone)`: only those are read."""
         found = (self.get(entry.id) for entry in self.entries(owner, everyone))
         return [job for job in found if job is not None]

@@ -27,8 +27,13 @@ from entrypoints.server.records import (
     COMPLETED,
     FINISHED,
     IN_PROGRESS,
+    QUEUED,
     InputFile,
+    JobOutput,
+    JobRecord,
+    JobSource,
     JobStore,
+    JobTiles,
     new_job_id,
 )
 from entrypoints.server.runner import JobRunner
@@ -44,36 +49,36 @@ log = logging.getLogger("k6vsr.server")
 PAGE_SIZE = 100
 
 
-def job_view(job: dict[str, Any], caller: Caller, store_root: str | Path, retention_s: float) -> dict[str, Any]:
+def job_view(job: JobRecord, caller: Caller, store_root: str | Path, retention_s: float) -> dict[str, Any]:
     """The job as `caller` sees it: no server paths; a `video_path`, relative to its allowed folder, only to its
     owner."""
-    progress = job.get("progress", 0)
-    if job["status"] == IN_PROGRESS and job.get("tiles", {}).get("total"):
-        decoded = RunRef(store_root=str(store_root), run_key=job["run_key"]).open().tiles_decoded()
-        progress = min(99, int(100 * decoded / job["tiles"]["total"]))
-    output = job["output"]
-    source = {"type": job["source"]["type"]}
-    if "video_path" in job["source"] and caller.owns(job):
-        source["video_path"] = job["source"]["video_path"]
-    finished_at = job.get("completed_at") if job["status"] in FINISHED else None
+    progress = job.progress
+    if job.status == IN_PROGRESS and job.tiles.total:
+        decoded = RunRef(store_root=str(store_root), run_key=job.run_key).open().tiles_decoded()
+        progress = min(99, int(100 * decoded / job.tiles.total))
+    output = job.output
+    source = {"type": job.source.type}
+    if job.source.video_path is not None and caller.owns(job):
+        source["video_path"] = job.source.video_path
+    finished_at = job.completed_at if job.status in FINISHED else None
     return {
-        "id": job["id"],
+        "id": job.id,
         "object": "video",
-        "model": job["model"],
-        "status": job["status"],
+        "model": job.model,
+        "status": job.status,
         "progress": progress,
-        "created_at": job["created_at"],
-        "started_at": job.get("started_at"),
-        "completed_at": job.get("completed_at"),
+        "created_at": job.created_at,
+        "started_at": job.started_at,
+        "completed_at": job.completed_at,
         "expires_at": int(finished_at + retention_s) if finished_at is not None else None,
-        "error": job.get("error"),
-        "run_key": job["run_key"],
-        "params": api_params(job["request"]),
-        "size": f"{output['width']}x{output['height']}",
-        "seconds": f"{output['frames'] / output['fps']:.3f}",
-        "output": output,
-        "tiles": job["tiles"],
-        "quality": job.get("quality"),  # the output's quality report, once completed (README, "Quality report")
+        "error": job.error.model_dump(mode="json") if job.error is not None else None,
+        "run_key": job.run_key,
+        "params": api_params(job.request),
+        "size": f"{output.width}x{output.height}",
+        "seconds": f"{output.frames / output.fps:.3f}",
+        "output": output.model_dump(mode="json"),
+        "tiles": job.tiles.model_dump(mode="json"),
+        "quality": job.quality,  # the output's quality report, once completed (README, "Quality report")
         "source": source,
     }
 
@@ -138,7 +143,7 @@ class Received:
     latent's frame rate (None for a clip)."""
 
     params: UpscaleParams
-    origin: dict[str, str]
+    origin: JobSource
     label: str
     latent_fps: str | None = None
 
@@ -153,10 +158,10 @@ class Videos:
     runner: JobRunner
     keyed: bool  # the server has API keys: each key lists its own jobs
 
-    def view(self, job: dict[str, Any], caller: Caller) -> dict[str, Any]:
+    def view(self, job: JobRecord, caller: Caller) -> dict[str, Any]:
         return job_view(job, caller, self.config.runs, self.config.limits.retention_s)
 
-    def find(self, job_id: str, caller: Caller) -> dict[str, Any]:
+    def find(self, job_id: str, caller: Caller) -> JobRecord:
         job = self.store.get(job_id)
         if job is None or not caller.sees(job):  # another key's job is as unknown as a missing one
             raise ApiError(404, f"no video job {quote(job_id)}", param="video_id", code="job_not_found")
@@ -178,7 +183,7 @@ class Videos:
                     check_latent_scale(params)
                 except ParameterError as err:
                     raise ApiError(400, str(err), param="sr_resolution_scale", code="invalid_value") from None
-                return Received(params, {"type": "latent"}, LATENT_FIELD, rate)
+                return Received(params, JobSource(type="latent"), LATENT_FIELD, rate)
             if RATE_FIELD in form.fields:
                 raise ApiError(
                     400,
@@ -186,7 +191,7 @@ class Videos:
                     param=RATE_FIELD,
                     code="unexpected_field",
                 )
-            return Received(params_from_fields(form.fields), {"type": "upload"}, FILE_FIELD)
+            return Received(params_from_fields(form.fields), JobSource(type="upload"), FILE_FIELD)
         fields = await read_json(request, self.config.limits)
         if LATENT_FIELD in fields:
             raise ApiError(
@@ -198,7 +203,7 @@ class Videos:
         raw_path = fields.pop("video_path", None)
         params = params_from_fields(fields)  # a bad field is refused before anything is copied
         relative = await run_in_threadpool(copy_path_source, raw_path, self.config.allow_paths, self.store, job_id)
-        return Received(params, {"type": "path", "video_path": relative}, f"video_path {quote(relative)}")
+        return Received(params, JobSource(type="path", video_path=relative), f"video_path {quote(relative)}")
 
     def prepare(self, job_id: str, received: Received) -> Any:
         label, params = received.label, received.params
@@ -263,34 +268,33 @@ async def create_video(request: Request) -> JSONResponse:
             plan = prepared.plan
             job = await run_in_threadpool(
                 videos.store.put,
-                {
-                    "id": job_id,
-                    "object": "video",
-                    "model": videos.config.model_name,
-                    "owner": caller.owner,
-                    "status": "queued",
-                    "progress": 0,
-                    "created_at": int(time.time()),
-                    "created_ns": time.time_ns(),
-                    "started_at": None,
-                    "completed_at": None,
-                    "error": None,
-                    # The run is found by its key, its plan in the run's manifest: the record stays small.
-                    "run_key": prepared.run.run_key,
-                    "request": params.model_dump(mode="json"),
-                    "latent_fps": received.latent_fps,
-                    "source": origin,
-                    "output": {
-                        "width": plan.delivery_size[1],
-                        "height": plan.delivery_size[0],
-                        "frames": plan.num_frames,
-                        "fps": plan.fps,
+                JobRecord(
+                    id=job_id,
+                    object="video",
+                    model=videos.config.model_name,
+                    owner=caller.owner,
+                    status=QUEUED,
+                    progress=0,
+                    created_at=int(time.time()),
+                    created_ns=time.time_ns(),
+                    started_at=None,
+                    completed_at=None,
+                    error=None,
+                    run_key=prepared.run.run_key,
+                    request=params.model_dump(mode="json"),
+                    latent_fps=received.latent_fps,
+                    source=origin,
+                    output=JobOutput(
+                        width=plan.delivery_size[1],
+                        height=plan.delivery_size[0],
+                        frames=plan.num_frames,
+                        fps=plan.fps,
                         # A latent has no streams; an HTTP request names no audio file.
-                        "has_audio": prepared.probe is not None and prepared.probe.has_audio,
-                        "bytes": None,
-                    },
-                    "tiles": {"total": plan.num_tiles * plan.num_windows, "computed": None, "reused": None},
-                },
+                        has_audio=prepared.probe is not None and prepared.probe.has_audio,
+                        bytes=None,
+                    ),
+                    tiles=JobTiles(total=plan.num_tiles * plan.num_windows, computed=None, reused=None),
+                ),
             )
         except BaseException:
             videos.store.discard_dir(job_id)  # a partial or refused request leaves nothing behind
@@ -344,15 +348,15 @@ def get_video(request: Request, video_id: str) -> dict[str, Any]:
 def get_content(request: Request, video_id: str) -> OpenedFileResponse:
     videos = videos_of(request)
     job = videos.find(video_id, caller_of(request))
-    if job["status"] != COMPLETED:
-        hint = "poll GET /v1/videos/{id} until it is completed" if job["status"] in ACTIVE else "it has no output"
-        raise ApiError(409, f"video job {video_id} is {job['status']}; {hint}", code=f"job_{job['status']}")
+    if job.status != COMPLETED:
+        hint = "poll GET /v1/videos/{id} until it is completed" if job.status in ACTIVE else "it has no output"
+        raise ApiError(409, f"video job {video_id} is {job.status}; {hint}", code=f"job_{job.status}")
     try:
         # Opened here, before the answer starts: a job deleted while it downloads keeps its bytes for this answer.
         output = videos.store.output_path(video_id).open("rb")
     except OSError:
         raise ApiError(404, f"the output of video job {video_id} is gone from the store", code="output_gone") from None
-    mkv = job.get("request", {}).get("codec") == "ffv1"
+    mkv = job.request.get("codec") == "ffv1"
     media_type, suffix = ("video/x-matroska", ".mkv") if mkv else ("video/mp4", ".mp4")
     return OpenedFileResponse(output, media_type=media_type, filename=f"{video_id}{suffix}")
 
@@ -362,9 +366,9 @@ def delete_video(request: Request, video_id: str) -> dict[str, Any]:
     videos = videos_of(request)
     caller = caller_of(request)
     job = videos.find(video_id, caller)
-    if job["status"] in ACTIVE:
+    if job.status in ACTIVE:
         job = videos.runner.cancel(video_id) or job
-        if job["status"] == CANCELLED:
+        if job.status == CANCELLED:
             return videos.view(job, caller)
     if videos.runner.running(video_id):
         raise ApiError(

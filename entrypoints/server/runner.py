@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from entrypoints.confine import scrub_paths
 from entrypoints.server.memory import MemoryLedger, own_rss, tree_rss
@@ -45,6 +45,7 @@ from entrypoints.server.records import (
     COMPLETED,
     FINISHED,
     QUEUED,
+    JobRecord,
     JobStore,
     KeyQueueFull,
     QueueFull,
@@ -160,12 +161,12 @@ class JobRunner:
             self.waiting[job_id] = owner
         self.queue.put(job_id)
 
-    def cancel(self, job_id: str) -> dict[str, Any] | None:
+    def cancel(self, job_id: str) -> JobRecord | None:
         """Mark a queued or running job cancelled; a running one's child process is terminated (and its slot
         settles the job once the child is gone), a queued one's files and run are freed at once."""
         with self.store.lock:
             job = self.store.get(job_id)
-            if job is None or job["status"] not in ACTIVE:
+            if job is None or job.status not in ACTIVE:
                 return job
             job = self.store.update(job_id, status=CANCELLED, completed_at=int(time.time()))
             self.waiting.pop(job_id, None)
@@ -187,13 +188,13 @@ class JobRunner:
             job = self.store.get(job_id)
             if job is None:
                 return
-            if job["status"] == COMPLETED:
+            if job.status == COMPLETED:
                 self.store.drop_input(job_id)
             else:
                 self.store.discard_dir(job_id)
-            if job["status"] == CANCELLED:
-                self.reclaim_run(job["run_key"])
-        if self.finished_per_key is not None or (job["status"] == COMPLETED and self.finished_quota_bytes is not None):
+            if job.status == CANCELLED:
+                self.reclaim_run(job.run_key)
+        if self.finished_per_key is not None or (job.status == COMPLETED and self.finished_quota_bytes is not None):
             self.expire()  # one more finished job: its key may be past its count, the outputs past their budget
 
     def delete(self, job_id: str) -> bool:
@@ -203,7 +204,7 @@ class JobRunner:
             job = self.store.get(job_id)
             if job is None:
                 return False
-            self.reclaim_run(job["run_key"], leaving=job_id)
+            self.reclaim_run(job.run_key, leaving=job_id)
             self.store.remove(job_id)
             return True
 

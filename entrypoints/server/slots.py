@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from entrypoints.server.messages import short_message
 from entrypoints.server.records import (
     ACTIVE,
     CANCELLED,
@@ -25,8 +26,10 @@ from entrypoints.server.records import (
     FAILED,
     IN_PROGRESS,
     QUEUED,
+    JobError,
+    JobOutput,
+    JobRecord,
     JobStore,
-    short_message,
 )
 
 if TYPE_CHECKING:
@@ -99,7 +102,7 @@ class WorkerSlot:
                     only_if=ACTIVE,
                     status=FAILED,
                     completed_at=int(time.time()),
-                    error={"message": "internal error in the job worker", "type": "server_error", "code": "job_failed"},
+                    error=JobError(message="internal error in the job worker", type="server_error", code="job_failed"),
                 )
             finally:
                 self.current = None
@@ -109,12 +112,12 @@ class WorkerSlot:
         with store.lock:
             self.context.waiting.pop(job_id, None)
             job = store.get(job_id)
-            if job is None or job["status"] != QUEUED:
+            if job is None or job.status != QUEUED:
                 return  # cancelled or deleted while it waited
             self.current = job_id
-            found = job.get("tiles_found")
+            found = job.tiles_found
             if found is None:  # a job resumed after a restart keeps the count of its first start
-                found = _tiles_decoded(store.run_root, job["run_key"])
+                found = _tiles_decoded(store.run_root, job.run_key)
             store.update(job_id, status=IN_PROGRESS, started_at=int(time.time()), tiles_found=found)
         if not self._alive():
             self._spawn()
@@ -124,7 +127,8 @@ class WorkerSlot:
         try:
             self.process.stdin.write(json.dumps(message) + "\n")
             self.process.stdin.flush()
-            if (store.get(job_id) or {}).get("status") == CANCELLED:
+            latest = store.get(job_id)
+            if latest is not None and latest.status == CANCELLED:
                 self.terminate()  # cancelled between being taken and being handed over
             while reply is None:
                 line = self.process.stdout.readline()
@@ -145,14 +149,14 @@ class WorkerSlot:
             _mark_crashed_runs()
             if self.context.stopping.is_set():
                 return  # stays in_progress, input kept: the next server start resumes it
-            error = {
-                "message": f"the worker process exited (code {code}) during the job; resubmit the same "
+            error = JobError(
+                message=f"the worker process exited (code {code}) during the job; resubmit the same "
                 "request to resume from its finished tiles",
-                "type": "server_error",
-                "code": "worker_exited",
-            }
+                type="server_error",
+                code="worker_exited",
+            )
             if self.over_memory is not None:
-                error = {"message": self.over_memory, "type": "invalid_request_error", "code": "memory_exceeded"}
+                error = JobError(message=self.over_memory, type="invalid_request_error", code="memory_exceeded")
                 self.over_memory = None
             store.update(job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now, error=error)
             self._spawn()  # warm up the next child while the queue is idle
@@ -161,6 +165,7 @@ class WorkerSlot:
             width, height = summary["size"]
             output = store.output_path(job_id)
             written = output.stat().st_size if output.is_file() else None
+            started = store.get(job_id)
             store.update(
                 job_id,
                 only_if=(IN_PROGRESS,),
@@ -168,21 +173,23 @@ class WorkerSlot:
                 progress=100,
                 completed_at=now,
                 run_key=summary["run_key"],
-                output={
-                    "width": width,
-                    "height": height,
-                    "frames": summary["frames"],
-                    "fps": summary["fps"],
-                    "has_audio": reply.get("has_audio"),
-                    "bytes": written,
-                },
-                tiles=tile_counts(summary, (store.get(job_id) or {}).get("tiles_found")),
+                output=JobOutput(
+                    width=width,
+                    height=height,
+                    frames=summary["frames"],
+                    fps=summary["fps"],
+                    has_audio=reply.get("has_audio"),
+                    bytes=written,
+                ),
+                tiles=tile_counts(summary, started.tiles_found if started is not None else None),
                 quality=summary.get("quality"),
                 # What the job keeps once its input is dropped: its output and its run.
                 disk_bytes=(written or 0) + _run_bytes(store.run_root, summary["run_key"]),
             )
         else:  # failed, or the child could not start (fatal)
-            error = {**reply["error"], "message": short_message(self.context.scrub(job_id, reply["error"]["message"]))}
+            error = JobError.model_validate(
+                {**reply["error"], "message": short_message(self.context.scrub(job_id, reply["error"]["message"]))}
+            )
             store.update(job_id, only_if=(IN_PROGRESS,), status=FAILED, completed_at=now, error=error)
             if reply["event"] == "fatal":
                 self._reap()
@@ -226,17 +233,17 @@ class WorkerSlot:
         threading.Thread(target=kill_later, daemon=True).start()
 
 
-def job_message(store: JobStore, job: dict[str, Any]) -> dict[str, Any]:
+def job_message(store: JobStore, job: JobRecord) -> dict[str, Any]:
     """What a job's child is handed, and so all its flow run's parameters hold: the job's own files and the request
     (a few hundred bytes), never the plan; the flow plans the job's input again, as the server did at
     submit, and from ingest on runs the plan recorded in the run's manifest."""
     return {
-        "id": job["id"],
-        "source": str(store.input_path(job["id"])),  # the job's own copy: nothing a client can swap
-        "output": str(store.output_path(job["id"])),
-        "params": job["request"],
+        "id": job.id,
+        "source": str(store.input_path(job.id)),  # the job's own copy: nothing a client can swap
+        "output": str(store.output_path(job.id)),
+        "params": job.request,
         "store_root": str(store.run_root),
-        "latent_fps": job.get("latent_fps"),
+        "latent_fps": job.latent_fps,
     }
 
 
