@@ -52,8 +52,10 @@ def _preload_lines() -> Iterator[list[logging.LogRecord]]:
     handler = logging.Handler()
     handler.emit = lambda record: lines.append(record) if record.getMessage().startswith("preload ") else None
     logger = logging.getLogger("k6vsr.workers")
-    # A logging configuration applied by an earlier test in this process may have disabled the logger.
-    disabled, logger.disabled = logger.disabled, False
+    # A logging configuration applied by an earlier test in this process may have disabled the logger; `setLevel`
+    # (not the attribute) also drops the answers loggers cache, which an earlier test's lines may have filled.
+    disabled, logger.disabled, level = logger.disabled, False, logger.level
+    logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     try:
         yield lines
@@ -64,6 +66,7 @@ def _preload_lines() -> Iterator[list[logging.LogRecord]]:
     finally:
         logger.removeHandler(handler)
         logger.disabled = disabled
+        logger.setLevel(level)
 
 
 # --------------------------------------------------------------------------------------------------- store
@@ -138,7 +141,6 @@ def test_flow_output_equals_runner_and_reuses_everything(
     plan_calls: list[int],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(logging.getLogger("k6vsr.workers"), "level", logging.INFO)
     with _preload_lines() as preloads:
         first = _run(clip_1f, tmp_path / "a.mp4", tiny_bundle_path, tmp_path / "store")
     # Its tiles compute in this process: the model was loaded beside the flow's start, in a thread of its own.
