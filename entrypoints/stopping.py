@@ -55,8 +55,7 @@ def stop(signum: int) -> NoReturn:
     # The one line is the last. What this command started is frozen before it is written (a Dask worker that was
     # printing a warning went on below it), and killed after; a Dask scheduler in this process would log the workers
     # it loses below it.
-    children = _descendants(os.getpid())
-    _send(children, signal.SIGSTOP)
+    children = _freeze_descendants()
     logging.disable(logging.CRITICAL)
     warnings.simplefilter("ignore")
     # Written past Python's buffers: this may run inside a signal handler that interrupted a write to them.
@@ -66,27 +65,31 @@ def stop(signum: int) -> NoReturn:
     fresh_line = "\n" if sys.stderr.isatty() else ""  # after the progress bar or the terminal's ^C
     with contextlib.suppress(OSError):
         os.write(2, f"{fresh_line}k6vsr: {MESSAGE}\n".encode())
-    if "runtime.flow_leases" in sys.modules:  # else no flow ran
-        _end_runs_after_exit(signum)  # started after the list of what to kill was taken: it outlives this process
+    # Started after the list of what to kill was taken, and kept off the second: it outlives this process.
+    helper = _end_runs_after_exit(signum) if "runtime.flow_leases" in sys.modules else None  # else no flow ran
     _send(children, signal.SIGKILL)
+    # A nanny thread of this process may have started a worker after the list was taken.
+    _send([pid for pid in _descendants(os.getpid(), apart=helper) if pid not in children], signal.SIGKILL)
     # Not `sys.exit`: the interpreter would wait for the threads still computing tiles, which nothing can stop.
     os._exit(128 + signum)
 
 
-def _end_runs_after_exit(signum: int) -> None:
+def _end_runs_after_exit(signum: int) -> int | None:
     """Start the helper that marks this command's runs Cancelled once it has exited (`end_leased_runs`): in its own
     session, so that a second Ctrl-C does not reach it, and silent, so that the one line stays the last."""
     how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
     reason = f"the k6vsr command was interrupted ({how}); finished items are kept, rerun to resume"
     code = f"from runtime.flow_leases import end_leased_runs; end_leased_runs({os.getpid()}, {reason!r})"
-    with contextlib.suppress(OSError):  # else the next command marks them Crashed instead
-        subprocess.Popen(
+    try:
+        return subprocess.Popen(
             [sys.executable, "-c", code],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-        )
+        ).pid
+    except OSError:  # the next command marks them Crashed instead
+        return None
 
 
 def _send(pids: list[int], sig: int) -> None:
@@ -105,22 +108,45 @@ def _send(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def _descendants(root: int) -> list[int]:
+def _freeze_descendants(rounds: int = 5) -> list[int]:
+    """Stop every process this one started, and theirs, listing them again until no new one appears: this process's
+    other threads (a Dask nanny's) keep running and may start a worker while the list is being taken."""
+    frozen: list[int] = []
+    for _ in range(rounds):
+        new = [pid for pid in _descendants(os.getpid()) if pid not in frozen]
+        if not new:
+            break
+        _send(new, signal.SIGSTOP)
+        frozen.extend(new)
+    return frozen
+
+
+def _descendants(root: int, apart: int | None = None) -> list[int]:
+    """The processes under `root` but not `apart` or its own, Python's resource tracker left out."""
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
-                if RESOURCE_TRACKER in (entry / "cmdline").read_bytes():
-                    continue
-            except OSError:
+            except OSError:  # gone
+                continue
+            if _is_resource_tracker(entry):
                 continue
             parents[int(entry.name)] = int(stat[stat.rindex(")") + 2 :].split()[1])
     found: list[int] = []
     frontier = [root]
     while frontier:
         parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid != apart]
         found.extend(children)
         frontier.extend(children)
     return found
+
+
+def _is_resource_tracker(proc: Path) -> bool:
+    """Whether `proc` is Python's resource tracker. A command line that cannot be read (the process is exiting, or
+    its memory is busy being mapped) says no: a process left out of the list would outlive the stop."""
+    try:
+        return RESOURCE_TRACKER in (proc / "cmdline").read_bytes()
+    except OSError:
+        return False
