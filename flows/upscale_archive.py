@@ -633,7 +633,9 @@ def run_clips(
     # under that task (flows.artifacts).
     shared = SharedQueue()
 
-    def run(index: int) -> tuple[int, float, str | None, Any]:
+    def run(index: int) -> tuple[int, ArchiveRow, float, str | None]:
+        """The clip's finished row. Its summary (its quality report with it) or its error (with the frames of its
+        traceback) is dropped here, not kept by the list of futures for as long as the archive runs."""
         row = rows[index]
         ARCHIVE_QUEUE.set((shared, index))  # this clip's model work after every earlier clip's, before later ones'
         progress.started(row.relative_path, plans[row.relative_path].run.open())
@@ -647,7 +649,8 @@ def run_clips(
                 break
             logger.warning("clip %s: the Prefect API was busy (%s); running it again", row.relative_path, outcome)
             time.sleep(API_BUSY_PAUSE_S)
-        return index, time.perf_counter() - started, clip_run, outcome
+        seconds = time.perf_counter() - started
+        return index, _finished_row(row, seconds, outcome), seconds, clip_run
 
     with (
         progress.watching(),
@@ -656,9 +659,8 @@ def run_clips(
         # Each clip runs in a copy of this flow run's context, so its flow run is a subflow of this run.
         futures = [pool.submit(contextvars.copy_context().run, run, index) for index in pending]
         for finished, future in enumerate(as_completed(futures), start=1):
-            index, seconds, clip_run, outcome = future.result()
-            rows[index] = _finished_row(rows[index], seconds, outcome)
-            row = rows[index]
+            index, row, seconds, clip_run = future.result()
+            rows[index] = row
             if clip_run is not None:
                 clip_runs[row.relative_path] = clip_run
             progress.finished(row.relative_path, failed=row.status == "failed")

@@ -253,3 +253,47 @@ def test_a_clip_the_busy_api_failed_runs_again_and_another_failure_does_not(
     assert rows["c00.mp4"]["status"] == "done" and Path(rows["c00.mp4"]["output"]).is_file()
     assert rows["c01.mp4"]["status"] == "failed" and "Not Found" in rows["c01.mp4"]["reason"]
     assert sorted(calls) == ["c00.mp4", "c00.mp4", "c01.mp4"]
+
+
+def test_a_finished_clip_s_summary_is_not_kept_while_the_archive_runs(
+    prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The archive's memory grows with its rows only: each clip's summary (its quality report with it) is freed once
+    the clip's row is made, not kept until the archive ends.
+
+    The archive is handed a copy of each summary, which only it can hold: Prefect's own (the subflow's state, held
+    for up to a minute by the cancelled timers of its HTTP calls, whose contexts keep the run's context) is not
+    what is measured."""
+    import gc
+    import weakref
+
+    import flows.upscale_archive as archive
+
+    monkeypatch.setenv("K6VSR_FAKE_MODEL_MS", "1")
+    monkeypatch.setenv("K6VSR_BENCH_ONLY", "1")
+    folder = tmp_path / "in"
+    _clips(folder, 3)
+    handed: list[weakref.ref] = []
+    alive_at_start: list[int] = []
+    original = archive.upscale_one
+
+    def watched(*args, **kwargs):
+        gc.collect()
+        alive_at_start.append(sum(ref() is not None for ref in handed))
+        clip_run, outcome = original(*args, **kwargs)
+        copy = outcome.model_copy()
+        handed.append(weakref.ref(copy))
+        return clip_run, copy
+
+    monkeypatch.setattr(archive, "upscale_one", watched)
+    state = archive.upscale_archive(
+        input_dir=str(folder),
+        output_dir=str(tmp_path / "out"),
+        params=PARAMS,
+        model=ModelSpec(model=str(tiny_bundle_path), device="cpu"),
+        store_root=str(tmp_path / "store"),
+        max_parallel=1,
+        return_state=True,
+    )
+    assert state.is_completed() and len(handed) == 3
+    assert alive_at_start == [0, 0, 0]
