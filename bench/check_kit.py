@@ -1,7 +1,8 @@
 """What the device check's run sets share (`device_check.py` runs them, `same_bytes.py`, `streaming.py` and
 `two_gpus.py` define them): the README's command as a run or an archive, the runs' rough costs, the output's md5,
 the store's timeline lines, and `Check`, what a run set may ask of the check that runs it. The sets import this and
-not `device_check`, so that no module of `bench/` imports itself back.
+not `device_check`, so that no module of `bench/` imports itself back. The CPU benches of one run take their work
+folder, tiny bundle and clip from here too (`tiny_inputs`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import re
 import shlex
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,6 +49,23 @@ COST = {
     "gpus-archive-clip": 35,
     "gpus-kill": 70,
 }
+
+
+def tiny_inputs(work: Path | None, prefix: str, frames: int, size: int) -> tuple[Path, Path, Path]:
+    """A work folder (`work`, else a new one named with `prefix`), the tiny random bundle and a `size`-square
+    synthetic clip of `frames` frames in it: each made once, and reused by a later run on the same folder."""
+    from k6vsr_core.bundle import make_tiny_bundle
+    from k6vsr_core.sample import make_sample_clip
+
+    work = (work or Path(tempfile.mkdtemp(prefix=prefix))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    bundle = work / "tiny-bundle"
+    if not (bundle / "model_index.json").is_file():
+        make_tiny_bundle(bundle)
+    clip = work / f"clip-{frames}.mp4"
+    if not clip.is_file():
+        make_sample_clip(clip, width=size, height=size, num_frames=frames, fps=24)
+    return work, bundle, clip
 
 
 def readme_gpu_command() -> list[str]:

@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,19 +40,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
+    from bench.check_kit import tiny_inputs
     from flows.orchestrate import prefect_api
-    from k6vsr_core.bundle import make_tiny_bundle
-    from k6vsr_core.sample import make_sample_clip
     from runtime.prefect_server import stop_server
 
-    work = (args.work or Path(tempfile.mkdtemp(prefix="k6vsr-preview-bench-"))).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    bundle = work / "tiny-bundle"
-    if not (bundle / "model_index.json").is_file():
-        make_tiny_bundle(bundle)
-    clip = work / f"clip-{args.frames}.mp4"
-    if not clip.is_file():
-        make_sample_clip(clip, width=args.size, height=args.size, num_frames=args.frames, fps=24)
+    work, bundle, clip = tiny_inputs(args.work, "k6vsr-preview-bench-", args.frames, args.size)
     common = ["--scale", "2", "--model", str(bundle), "--json"]
     home = work / "prefect"
     load_before = os.getloadavg()[0]

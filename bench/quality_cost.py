@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -71,19 +70,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
+    from bench.check_kit import tiny_inputs
     from flows.orchestrate import prefect_api
-    from k6vsr_core.bundle import make_tiny_bundle
-    from k6vsr_core.sample import make_sample_clip
     from runtime.prefect_server import stop_server
 
-    work = (args.work or Path(tempfile.mkdtemp(prefix="k6vsr-quality-bench-"))).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    bundle = work / "tiny-bundle"
-    if not (bundle / "model_index.json").is_file():
-        make_tiny_bundle(bundle)
-    clip = work / f"clip-{args.frames}.mp4"
-    if not clip.is_file():
-        make_sample_clip(clip, width=args.size, height=args.size, num_frames=args.frames, fps=24)
+    work, bundle, clip = tiny_inputs(args.work, "k6vsr-quality-bench-", args.frames, args.size)
     store = work / "run-store"
     shutil.rmtree(store, ignore_errors=True)
     home = work / "prefect"
