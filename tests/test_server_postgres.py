@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -102,6 +103,32 @@ def _read(api: str, flow_run_id: str) -> str:
         return json.loads(response.read())["state_type"]
 
 
+def _task_runs(postgres: Postgres, flow_runs: dict[str, str], wait_s: float = 30.0) -> int:
+    """The task runs of `flow_runs` in the database, once their count settles: a server writes them from the
+    events its clients sent, a moment after the flow run ended."""
+    ids = ", ".join(f"'{run_id}'" for run_id in flow_runs)
+    deadline, last = time.monotonic() + wait_s, -1
+    while True:
+        count = _query(postgres, f"SELECT count(*) FROM task_run WHERE flow_run_id IN ({ids})")[0][0]
+        if (count and count == last) or time.monotonic() > deadline:
+            return count
+        last = count
+        time.sleep(0.5)
+
+
+# A flow of two tasks, run by a plain Prefect client at PREFECT_API_URL.
+TINY_FLOW = """
+from prefect import flow, task
+@task
+def double(x: int) -> int:
+    return 2 * x
+@flow
+def probe() -> int:
+    return double(double(1))
+assert probe() == 4
+"""
+
+
 def _upscale(home: Path, clip: Path, out: Path, bundle: Path) -> None:
     result = _k6vsr(
         home,
@@ -179,33 +206,46 @@ def test_a_run_lands_in_postgresql_and_a_secondary_server_shares_it(
     other = _k6vsr(first, "server", "start", "--database", "sqlite")
     assert other.returncode == 2 and "stop it first" in other.stderr
 
-    assert _flow_runs(postgres) == {}  # a database of its own: every flow run in it is this test's
-    _upscale(first, clip, tmp_path / "first" / "out.mp4", tiny_bundle_path)
-    runs = _flow_runs(postgres)
-    assert runs and set(runs.values()) == {"COMPLETED"}, runs
-    assert _query(postgres, "SELECT count(*) FROM task_run")[0][0] > 0
+    # A second API server on the same database (started while the first serves a run: a start costs 10-20 s).
+    secondary = subprocess.Popen(
+        [*CLI, "server", "start", "--database", postgres.url(), "--secondary"],
+        env=_env(second),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert _flow_runs(postgres) == {}  # a database of its own: every flow run in it is this test's
+        _upscale(first, clip, tmp_path / "out.mp4", tiny_bundle_path)
+        runs = _flow_runs(postgres)
+        assert runs and set(runs.values()) == {"COMPLETED"}, runs
+        assert _task_runs(postgres, runs) > 0
+        _, err = secondary.communicate(timeout=240)
+    finally:
+        if secondary.poll() is None:
+            secondary.kill()
+    assert secondary.returncode == 0, err[-3000:]
 
-    # A second API server on the same database: it reads what the first wrote...
-    secondary = _k6vsr(second, "server", "start", "--database", postgres.url(), "--secondary", "--json")
-    assert secondary.returncode == 0, secondary.stderr[-3000:]
-    info = json.loads(_k6vsr(second, "server", "status", "--json").stdout)
-    assert info["secondary"] and info["url"] != status["url"]
-    assert {run_id: _read(info["url"], run_id) for run_id in runs} == runs
+    # The second server reads what the first wrote...
+    info = prefect_server.server_status(second)
+    assert info.running and info.secondary and info.url != status["url"] and info.database == status["database"]
+    assert {run_id: _read(info.url, run_id) for run_id in runs} == runs
     # ...runs without the database-wide services (they run once, on the first)...
-    environ = Path(f"/proc/{info['pid']}/environ").read_bytes().split(b"\0")
+    environ = Path(f"/proc/{info.pid}/environ").read_bytes().split(b"\0")
     assert b"PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED=false" in environ
     assert b"PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED=false" in environ
-    # ...and records its own clients' runs, task runs included (they come as events to the server they use).
-    _upscale(second, clip, tmp_path / "second" / "out.mp4", tiny_bundle_path)
+    # ...and records its own clients' runs, task runs included (they come to it as events, which it writes).
+    client = procs.run([sys.executable, "-c", TINY_FLOW], env=_env(second, PREFECT_API_URL=info.url), cwd=ROOT)
+    assert client.returncode == 0, client.stderr[-3000:]
     later = {run_id: state for run_id, state in _flow_runs(postgres).items() if run_id not in runs}
-    assert later and set(later.values()) == {"COMPLETED"}, later
-    assert {run_id: _read(status["url"], run_id) for run_id in later} == later  # and the first reads them
-    ids = ", ".join(f"'{run_id}'" for run_id in later)
-    assert _query(postgres, f"SELECT count(*) FROM task_run WHERE flow_run_id IN ({ids})")[0][0] > 0
+    assert list(later.values()) == ["COMPLETED"], later
+    assert {run_id: _read(status["url"], run_id) for run_id in later} == later  # and the first reads it
+    assert _task_runs(postgres, later) == 2
 
     for home in (second, first):
         stop = _k6vsr(home, "server", "stop", "--json")
         assert stop.returncode == 0 and json.loads(stop.stdout)["stopped"] is True, stop.stderr[-2000:]
         assert _servers_of(home) == []
     # Stopped, the server still says where its next start keeps the history.
-    assert json.loads(_k6vsr(first, "server", "status", "--json").stdout)["database"] == status["database"]
+    assert prefect_server.server_status(first).database == status["database"]
