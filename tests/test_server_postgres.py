@@ -249,3 +249,30 @@ def test_a_run_lands_in_postgresql_and_a_secondary_server_shares_it(
         assert _servers_of(home) == []
     # Stopped, the server still says where its next start keeps the history.
     assert prefect_server.server_status(first).database == status["database"]
+
+
+def test_the_choice_is_remembered_and_prefects_own_setting_honoured(
+    tmp_path: Path, postgres: Postgres, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from runtime import server_database
+
+    for name in server_database.PREFECT_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    folder = tmp_path / "server-home"
+    chosen = server_database.choose(folder, postgres.url())
+    assert chosen.url == postgres.url() and server_database.remembered(folder) == chosen
+    assert server_database.choose(folder) == chosen  # a later start with no --database: the remembered one
+    # Prefect's own setting, where set, wins over the remembered choice (and is not remembered itself).
+    monkeypatch.setenv("PREFECT_SERVER_DATABASE_CONNECTION_URL", postgres.url("template1"))
+    assert server_database.choose(folder).url == postgres.url("template1")
+    assert server_database.remembered(folder) == chosen
+    # --database sqlite goes back to the default, and the server is started without any inherited database setting.
+    assert server_database.choose(folder, "sqlite") == server_database.DatabaseChoice()
+    assert server_database.remembered(folder).url is None
+    env = prefect_server._server_env(folder, 4242, None, server_database.DatabaseChoice())
+    assert not set(server_database.PREFECT_SETTINGS) & set(env)
+    secondary = server_database.server_env(server_database.DatabaseChoice(url=postgres.url(), secondary=True))
+    assert secondary["PREFECT_SERVER_DATABASE_CONNECTION_URL"] == postgres.url()
+    assert {f"PREFECT_SERVER_SERVICES_{name}_ENABLED" for name in server_database.DATABASE_WIDE_SERVICES} <= {
+        name for name, value in secondary.items() if value == "false"
+    }
