@@ -276,3 +276,12 @@ def test_the_choice_is_remembered_and_prefects_own_setting_honoured(
     assert {f"PREFECT_SERVER_SERVICES_{name}_ENABLED" for name in server_database.DATABASE_WIDE_SERVICES} <= {
         name for name, value in secondary.items() if value == "false"
     }
+
+
+def test_absent_postgresql_binaries_fail_the_tests_saying_how_to_install_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    import postgres as harness
+
+    monkeypatch.setattr(harness.shutil, "which", lambda name: None)
+    monkeypatch.setattr(harness.glob, "glob", lambda pattern: [])
+    with pytest.raises(pytest.fail.Exception, match="apt-get install postgresql"), harness.running_postgres():
+        pass
