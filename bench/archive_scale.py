@@ -1,10 +1,12 @@
 """The orchestration's own cost at archive scale: N small clips through one real `k6vsr archive` run.
 
     nice -n 10 python bench/archive_scale.py --clips 20 [--fake-ms 5] [--kill-at K] [--work DIR] [--append]
+        [--database postgresql+asyncpg://USER:PASSWORD@HOST:PORT/EMPTY_DATABASE]
 
 What runs: a Prefect server (Prefect's own app, `prefect.server.api.server.create_app`, with its services, on a
-SQLite database in the work folder) wrapped in one ASGI middleware that counts every HTTP request and every message
-received on a websocket (Prefect 3 clients send task-run states as events over `/api/events/in`) at the server;
+SQLite database in the work folder, or with `--database` on an empty PostgreSQL database) wrapped in one ASGI
+middleware that counts every HTTP request and every message received on a websocket (Prefect 3 clients send
+task-run states as events over `/api/events/in`) at the server;
 then `k6vsr archive` as a subprocess pointed at it (`PREFECT_API_URL`), on N synthetic 64x64 clips (every fifth
 122 frames long, so two windows of one tile; the others one frame, one window), the tiny random bundle on the CPU
 and the bench-only stand-in for the networks (`K6VSR_FAKE_MODEL_MS`, `k6vsr_core/fake_model.py`), so the networks
@@ -108,7 +110,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(work: Path) -> tuple[subprocess.Popen, str, Path]:
+def start_server(work: Path, database_url: str | None = None) -> tuple[subprocess.Popen, str, Path]:
     home = work / "prefect-home"
     home.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -122,6 +124,8 @@ def start_server(work: Path) -> tuple[subprocess.Popen, str, Path]:
         "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
     }
     env.pop("PREFECT_API_URL", None)
+    if database_url:
+        env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = database_url
     log = (work / "server.log").open("w")
     process = subprocess.Popen(
         [sys.executable, "-c", SERVER, str(home), str(port), str(counts)],
@@ -305,12 +309,42 @@ def failed_rows(out: Path) -> dict[str, str]:
     return {row["relative_path"]: row["reason"][:300] for row in manifest_rows(out) if row["status"] == "failed"}
 
 
+TABLES = ("flow_run", "task_run", "flow_run_state", "task_run_state", "events", "artifact", "log")
+
+
+def postgres_database(url: str) -> dict[str, object]:
+    """The PostgreSQL database's size and rows, as `database` gives them for SQLite."""
+    import asyncio
+
+    import asyncpg
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+
+    async def read() -> dict[str, object]:
+        db = await asyncpg.connect(
+            host=parsed.host, port=parsed.port, user=parsed.username, password=parsed.password, database=parsed.database
+        )
+        try:
+            rows: dict[str, int] = {}
+            for table in TABLES:
+                try:
+                    rows[table] = await db.fetchval(f"select count(*) from {table}")  # noqa: S608 - fixed names
+                except asyncpg.UndefinedTableError:
+                    pass
+            return {"bytes": await db.fetchval("select pg_database_size(current_database())"), "rows": rows}
+        finally:
+            await db.close()
+
+    return asyncio.run(read())
+
+
 def database(home: Path) -> dict[str, object]:
     files = [home / name for name in ("prefect.db", "prefect.db-wal", "prefect.db-shm")]
     size = sum(f.stat().st_size for f in files if f.exists())
     rows: dict[str, int] = {}
     with sqlite3.connect(f"file:{home / 'prefect.db'}?mode=ro", uri=True, timeout=30) as db:
-        for table in ("flow_run", "task_run", "flow_run_state", "task_run_state", "events", "artifact", "log"):
+        for table in TABLES:
             try:
                 rows[table] = db.execute(f"select count(*) from {table}").fetchone()[0]  # noqa: S608 - fixed names
             except sqlite3.Error:
@@ -338,6 +372,12 @@ def diff(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
 
 
+def _without_password(argv: list[str]) -> list[str]:
+    from runtime import server_database
+
+    return [server_database.masked(arg) if "://" in arg else arg for arg in argv]
+
+
 def _commit() -> str:
     done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return done.stdout.strip()
@@ -354,7 +394,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     parser.add_argument("--append", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument(
+        "--database",
+        default=None,
+        metavar="URL",
+        help="the server's database: an empty PostgreSQL one (postgresql+asyncpg://...); default SQLite in --work",
+    )
     args = parser.parse_args(argv)
+    if args.database:
+        from runtime import server_database
+
+        args.database = server_database.parse_url(args.database)
+        if args.database is not None:
+            server_database.check_reachable(args.database)
+            if postgres_database(args.database)["rows"].get("flow_run"):
+                parser.error(f"--database {server_database.masked(args.database)} holds flow runs: give an empty one")
 
     from k6vsr_core.bundle import make_tiny_bundle
 
@@ -368,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     width, height = (int(v) for v in args.size.split("x"))
     clips, windows = make_clips(work / "in", args.clips, args.windows, (width, height))
 
-    server, api, counts_path = start_server(work)
+    server, api, counts_path = start_server(work, args.database)
     env = {
         **os.environ,
         "PREFECT_API_URL": api,
@@ -384,12 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, object] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": os.environ.get("K6VSR_BENCH_COMMIT") or _commit(),
-        "command": shlex.join(["python", "bench/archive_scale.py", *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", "bench/archive_scale.py", *_without_password(argv or sys.argv[1:])]),
         "machine": f"{platform.node()}, {os.cpu_count()} cores",
         "clips": clips,
         "windows": windows,
         "size": args.size,
         "fake_ms": args.fake_ms,
+        "database_kind": "postgresql" if args.database else "sqlite",
     }
     try:
         store = work / "store"
@@ -426,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
             "done": done_rows(out),
             "failed": failed,  # a failed clip is a finding (e.g. the server's 503 under load): its reason is kept
         }
-        result["database"] = database(work / "prefect-home")
+        result["database"] = postgres_database(args.database) if args.database else database(work / "prefect-home")
 
         # A rerun of the finished archive: every clip is skipped.
         before = read_counts(counts_path)
@@ -499,7 +554,8 @@ def table(result: dict) -> str:
     run, db = result["run"], result["database"]
     lines = [
         f"## {result['date'][:10]} — archive at scale (#39): {result['clips']} clips, {result['windows']} windows, "
-        f"{result.get('size', '64x64')}, stand-in {result['fake_ms']:g} ms",
+        f"{result.get('size', '64x64')}, stand-in {result['fake_ms']:g} ms"
+        + (", on PostgreSQL" if result.get("database_kind") == "postgresql" else ""),
         "",
         f"Commit {result['commit']}, `{result['command']}`, {result['machine']}.",
         "",

@@ -114,6 +114,24 @@ def _service_flags(parser: argparse.ArgumentParser) -> None:
     output_flags(parser)
 
 
+def _server_flags(parser: argparse.ArgumentParser) -> None:
+    _service_flags(parser)
+    parser.add_argument(
+        "--database",
+        metavar="URL",
+        default=None,
+        help="start: keep the history in this PostgreSQL database (postgresql+asyncpg://USER:PASSWORD@HOST:PORT/DB), "
+        "or 'sqlite' (the default: a file in the state folder); remembered for later starts. Default: Prefect's "
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL when set, else the database of the last start",
+    )
+    parser.add_argument(
+        "--secondary",
+        action="store_true",
+        help="start: a further API server on a PostgreSQL database another server already serves; it leaves the "
+        "database-wide services (scheduler, late runs, ...) to that one",
+    )
+
+
 def _workers_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=("start", "stop", "status"))
     parser.add_argument("-n", "--workers", type=int, default=0, help="CPU workers to start (default: one per GPU)")
@@ -546,8 +564,12 @@ def cmd_server(args: argparse.Namespace) -> dict[str, Any]:
     """`k6vsr server start|stop|status`: the local server, whatever `PREFECT_API_URL` says (status names it)."""
     from runtime import flow_leases, prefect_api, prefect_server
 
+    if args.action != "start" and (args.database is not None or args.secondary):
+        raise UserFacingError(f"--database and --secondary go with `k6vsr server start`, not {args.action}")
     if args.action == "start":
-        flow_leases.mark_crashed_runs(prefect_server.start_server())
+        # --secondary alone keeps the remembered database; --database alone makes a primary server.
+        secondary = args.secondary if args.database is not None or args.secondary else None
+        flow_leases.mark_crashed_runs(prefect_server.start_server(database=args.database, secondary=secondary))
     elif args.action == "stop":
         was_running = prefect_server.stop_server()
         return {**prefect_server.server_status().model_dump(mode="json"), "stopped": was_running}
@@ -640,6 +662,9 @@ def _print_server(result: dict[str, Any]) -> None:
         print(f"  API: {result['url']}")
     else:
         print("local Prefect server not running (the next command that runs a flow starts it)")
+    if result.get("database"):
+        role = " (secondary: the database-wide services run on another server)" if result["secondary"] else ""
+        print(f"  database: {result['database']}{role}")
     print(f"  home: {result['home']}")
     if result.get("external_api_url"):
         print(f"  note: PREFECT_API_URL is set; commands report to {result['external_api_url']}")
@@ -691,7 +716,7 @@ COMMANDS = {
     "gc": Command("reclaim the disk of finished or abandoned runs", _gc_flags, _print_gc),
     "server": Command(
         "the local Prefect server that keeps every run's history (started by any command that needs it)",
-        _service_flags,
+        _server_flags,
         _print_server,
     ),
     "workers": Command(

@@ -10,6 +10,7 @@ Its state folder (`$K6VSR_SERVER_HOME`, else `$K6VSR_STATE_HOME/prefect-server`,
     server.lock   held (fcntl) while a command checks or starts the server, so racing commands start one
     leases/       one file per flow run in progress here: the process that runs it (`runtime.flow_leases`)
     auth          a secured server's auth string (owner-only): only a process that reads it reaches the API
+    database.json the database chosen with `k6vsr server start --database` (owner-only; `runtime.server_database`)
 
 The server runs detached, in its own session, so neither a terminal's Ctrl-C nor a killed command stops it. Its
 pid is recorded before it is healthy: a command killed while the server starts leaves a server the next command
@@ -39,6 +40,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from k6vsr_core import status
+from k6vsr_core.errors import UserFacingError
+from runtime import server_database
 from runtime.errors import ServerError
 from runtime.state_folder import LaunchFailed, StateFolder, now, state_home
 from storage.processes import alive
@@ -63,6 +66,8 @@ class ServerStatus(BaseModel):
     started_at: str | None = None
     uptime_s: float | None = None
     external_api_url: str | None = None  # PREFECT_API_URL, when set: commands report there instead
+    database: str | None = None  # the running server's database, without its password (`sqlite`: the default)
+    secondary: bool = False  # runs without the database-wide services, which another server runs
 
 
 class ServerRecord(BaseModel):
@@ -71,6 +76,8 @@ class ServerRecord(BaseModel):
     url: str
     started_at: str
     process_start: int | None = None
+    database: str = server_database.SQLITE  # without its password
+    secondary: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ the folder
@@ -151,9 +158,11 @@ def _pick_port(folder: StateFolder, secured: bool = False) -> int:
     return port
 
 
-def _server_env(home: Path, port: int, auth: str | None) -> dict[str, str]:
-    # A UI setting given to commands (they may point at another server) must not reach this server's UI.
+def _server_env(home: Path, port: int, auth: str | None, database: server_database.DatabaseChoice) -> dict[str, str]:
+    # A UI setting given to commands (they may point at another server) must not reach this server's UI; the
+    # database is the one chosen (`server_database.choose`, which read Prefect's setting), never an inherited one.
     dropped = {
+        *server_database.PREFECT_SETTINGS,
         "PREFECT_API_URL",
         "PREFECT_PROFILE",
         "PREFECT_UI_URL",
@@ -173,10 +182,11 @@ def _server_env(home: Path, port: int, auth: str | None) -> dict[str, str]:
     )
     if auth is not None:
         env["PREFECT_SERVER_API_AUTH_STRING"] = auth
+    env.update(server_database.server_env(database))
     return env
 
 
-def _launch(folder: StateFolder, port: int, secured: bool) -> ServerRecord:
+def _launch(folder: StateFolder, port: int, secured: bool, database: server_database.DatabaseChoice) -> ServerRecord:
     (folder.path / "prefect").mkdir(parents=True, exist_ok=True)
     auth = secrets.token_urlsafe(32) if secured else None
     if auth is None:
@@ -184,9 +194,15 @@ def _launch(folder: StateFolder, port: int, secured: bool) -> ServerRecord:
     else:
         atomic_write_bytes(_auth_path(folder), auth.encode())  # owner-only (mkstemp), before the server can answer
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
-    fields = {"port": port, "url": f"http://{HOST}:{port}/api", "started_at": now()}
+    fields = {
+        "port": port,
+        "url": f"http://{HOST}:{port}/api",
+        "started_at": now(),
+        "database": server_database.masked(database.url),
+        "secondary": database.secondary,
+    }
     try:
-        folder.launch(command, _server_env(folder.path, port, auth), fields)
+        folder.launch(command, _server_env(folder.path, port, auth, database), fields)
     except LaunchFailed as err:
         raise ServerError(f"the Prefect server could not be launched: {err}") from None
     record = folder.read(ServerRecord)
@@ -224,12 +240,28 @@ def _terminate(record: ServerRecord, timeout: float = STOP_TIMEOUT_S) -> None:
 # ------------------------------------------------------------------------------------------------ the API
 
 
-def start_server(home: Path | None = None, secured: bool = False) -> str:
+def _check_same_database(record: ServerRecord, database: str | None, secondary: bool | None) -> None:
+    """A `start --database`/`--secondary` that asks for another database than the running server's is refused: the
+    server is not swapped under the commands that use it."""
+    wanted = record.database if database is None else server_database.masked(server_database.parse_url(database))
+    if wanted != record.database or (secondary is not None and secondary != record.secondary):
+        running = f"{record.database}{' (secondary)' if record.secondary else ''}"
+        raise UserFacingError(
+            f"the local Prefect server (pid {record.pid}) runs on {running}; stop it first (`k6vsr server stop`)"
+        )
+
+
+def start_server(
+    home: Path | None = None, secured: bool = False, database: str | None = None, secondary: bool | None = None
+) -> str:
     """The local server's API URL: the running one, else one started now (exactly one, however many race).
 
     `secured`: the server must ask for its auth string (`server_auth(home)`); one found running without it is
-    replaced."""
+    replaced. `database` (`--database`: a PostgreSQL URL or `sqlite`) and `secondary`: see `runtime.server_database`;
+    None keeps Prefect's setting, else the remembered choice. A running server on another database is refused."""
     folder = server_folder(home)
+    if database is not None:
+        server_database.parse_url(database)  # a bad URL is refused before anything else
     record = folder.read(ServerRecord)
     if (
         record
@@ -237,6 +269,7 @@ def start_server(home: Path | None = None, secured: bool = False) -> str:
         and alive(record.pid, record.process_start)
         and _healthy(record.url)
     ):
+        _check_same_database(record, database, secondary)
         return record.url
     with folder.locked():
         record = folder.read(ServerRecord)
@@ -248,16 +281,18 @@ def start_server(home: Path | None = None, secured: bool = False) -> str:
         elif record and alive(record.pid, record.process_start):
             # Started by a command that was killed before it was healthy, or busy: give it the start timeout.
             if _wait_healthy(record, START_TIMEOUT_S):
+                _check_same_database(record, database, secondary)
                 return record.url
             log.warning("the Prefect server %d at %s does not answer; restarting it", record.pid, record.url)
             _terminate(record)
         folder.remove_record()
+        choice = server_database.choose(folder.path, database, secondary)  # checked: it answers, before any start
         last_error = ""
         status.say(
             f"starting the local Prefect server (10-30 s; it keeps running for later commands; log: {folder.log_path})"
         )
         for _attempt in range(2):  # a port taken between the check and the bind: once more on another port
-            record = _launch(folder, _pick_port(folder, secured), secured)
+            record = _launch(folder, _pick_port(folder, secured), secured, choice)
             if _wait_healthy(record, START_TIMEOUT_S):
                 status.say(f"Prefect UI: {ui_url(record.url)} (`k6vsr server status` shows it again)")
                 return record.url
@@ -287,7 +322,16 @@ def server_status(home: Path | None = None) -> ServerStatus:
     folder = server_folder(home)
     record = folder.read(ServerRecord)
     external = os.environ.get("PREFECT_API_URL") or None
-    base = ServerStatus(running=False, home=str(folder.path), log=str(folder.log_path), external_api_url=external)
+    # Not running: the database its next start would use (unless `--database` or Prefect's setting says otherwise).
+    choice = server_database.remembered(folder.path)
+    base = ServerStatus(
+        running=False,
+        home=str(folder.path),
+        log=str(folder.log_path),
+        external_api_url=external,
+        database=server_database.masked(choice.url),
+        secondary=choice.secondary,
+    )
     if record is None or not alive(record.pid, record.process_start) or not _healthy(record.url):
         return base
     started = datetime.fromisoformat(record.started_at)
@@ -299,5 +343,7 @@ def server_status(home: Path | None = None) -> ServerStatus:
             "ui_url": ui_url(record.url),
             "started_at": record.started_at,
             "uptime_s": round((datetime.now(UTC) - started).total_seconds(), 1),
+            "database": record.database,
+            "secondary": record.secondary,
         }
     )

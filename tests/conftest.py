@@ -27,6 +27,7 @@ LONGEST_FILES = (
     "test_browser.py",
     "test_fast.py",
     "test_prefect_server.py",
+    "test_server_postgres.py",
     "test_server.py",
     "test_server_limits.py",
     "test_server_bounds.py",
