@@ -120,7 +120,7 @@ def windows_done(store: RunStore, plan: ClipPlan) -> list[int]:
 def preview_graph(plan: ClipPlan, chosen: tuple[int, ...], stream_blend: bool = True) -> Graph:
     """The clip's graph (`runtime.schedule.clip_graph`) cut down to the chosen windows' model work and blends, each
     chosen window encoded once the one chosen before it is being denoised, as a run encodes one window ahead."""
-    whole = clip_graph(plan, stream_blend)
+    whole = clip_graph(plan, stream_blend, segments=False)
     items = tuple(item for item in whole.items if item.window in chosen and item.stage in (*MODEL_STAGES, "blend"))
     kept = set(items)
     needs = {item: tuple(need for need in whole.needs[item] if need in kept) for item in items}
