@@ -10,6 +10,7 @@ Artifacts are best effort: a Prefect API that cannot take one logs a warning and
 from __future__ import annotations
 
 import base64
+import contextvars
 import hashlib
 import io
 import logging
@@ -187,7 +188,9 @@ class TileProgress:
             if wait > 0:
                 self._pending = (self._made, progress)
                 if self._timer is None:
-                    self._timer = threading.Timer(wait, self._send_pending)
+                    # In the caller's context: Prefect's settings (which API, its auth) are context variables, and a
+                    # thread of its own would see none of them (and start an API of its own).
+                    self._timer = threading.Timer(wait, contextvars.copy_context().run, (self._send_pending,))
                     self._timer.daemon = True
                     self._timer.start()
                 return

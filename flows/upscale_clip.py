@@ -35,7 +35,7 @@ from runtime.errors import WorkersUnavailable
 from runtime.flow_leases import leased
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
 from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner
-from runtime.schedule import Item, Scheduler, clip_graph
+from runtime.schedule import DENOISE_DECODE, Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
 from storage.location import is_url
@@ -246,7 +246,7 @@ def _windows(
             return lambda item: lane(*_task_of(item, run, model, attempt))
 
         model_slots, cpu_slots, rank = shared_queues(lanes)
-        graph = clip_graph(plan, stream_blend=lanes.stream_blend)
+        graph = clip_graph(plan, stream_blend=lanes.stream_blend, fused=lanes.fuses(plan))
         scheduler = Scheduler(graph, start(lanes.model), start(lanes.cpu), model_slots, rank, cpu_slots)
         finished = False
         try:
@@ -298,10 +298,10 @@ def _task_of(item: Item, run: RunRef, model: ModelSpec, attempt: str) -> tuple[A
     w = item.window
     if item.stage == "encode":
         return stage_tasks.encode, dict(run=run, model=model, window=w, attempt=attempt)
-    if item.stage == "denoise":
+    if item.stage in ("denoise", DENOISE_DECODE):
         label = "-".join(map(str, item.tiles))
         parameters = dict(run=run, model=model, window=w, chunk_index=item.index, attempt=attempt, tiles_label=label)
-        return stage_tasks.denoise, parameters
+        return stage_tasks.denoise if item.stage == "denoise" else stage_tasks.denoise_decode, parameters
     if item.stage == "decode":
         return stage_tasks.decode, dict(run=run, model=model, window=w, tile=item.index, attempt=attempt)
     if item.stage == "blend":  # a preview's (flows.preview)

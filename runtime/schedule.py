@@ -41,7 +41,12 @@ from typing import Any, Protocol
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.stage_names import MODEL_STAGES as PIPELINE_MODEL_STAGES
 
-MODEL_STAGES = tuple(reversed(PIPELINE_MODEL_STAGES))  # within a window, the most urgent first
+# A chunk's denoise and the decode of its tiles as one task (`denoise-decode`), where that spreads no less work.
+DENOISE_DECODE = "denoise-decode"
+# The model lane's items, within a window the most urgent first: a decode, a chunk (denoised, or denoised and
+# decoded), an encode.
+MODEL_STAGES = tuple(reversed(PIPELINE_MODEL_STAGES))
+MODEL_ITEMS = (MODEL_STAGES[0], DENOISE_DECODE, *MODEL_STAGES[1:])
 # A run's CPU item of a window: its blend, segment and part of the quality report, one task.
 BLEND_SEGMENT = "blend-segment"
 # A window's CPU items: a run's, or a preview's blend alone (flows.preview, `clip_graph(segments=False)`).
@@ -50,7 +55,8 @@ CPU_STAGES = (BLEND_SEGMENT, "blend")
 
 @dataclass(frozen=True)
 class Item:
-    """One task of a clip run: a stage of a window, and the chunk (denoise) or tile (decode) it computes."""
+    """One task of a clip run: a stage of a window (or a few, as one task), and the chunk (denoise) or tile (decode)
+    it computes."""
 
     stage: str
     window: int
@@ -59,13 +65,13 @@ class Item:
 
     @property
     def on_model(self) -> bool:
-        return self.stage in MODEL_STAGES
+        return self.stage in MODEL_ITEMS
 
     @property
     def urgency(self) -> tuple[int, int, int]:
         """Smaller runs first among ready work of its lane: an earlier window first, then by stage (a decode before a
         denoise before an encode), then by chunk or tile."""
-        stages = MODEL_STAGES if self.on_model else CPU_STAGES
+        stages = MODEL_ITEMS if self.on_model else CPU_STAGES
         return (self.window, stages.index(self.stage), self.index)
 
 
@@ -89,11 +95,13 @@ class Graph:
         return self.starts_with.get(item, self.needs[item])
 
 
-def clip_graph(plan: ClipPlan, stream_blend: bool = True, segments: bool = True) -> Graph:
+def clip_graph(plan: ClipPlan, stream_blend: bool = True, segments: bool = True, fused: bool = False) -> Graph:
     """The items of a clip. With `stream_blend`, a window's CPU item starts with its first decoded tile (it waits for
     the others itself: its lane must have a thread for it that no decode needs); without, once every tile is decoded.
     With `segments`, that item is the window's `blend-segment`, which needs the window before's too; without (a
-    preview), its blend alone."""
+    preview), its blend alone. With `fused`, a chunk's item denoises it and then decodes its tiles (`denoise-decode`),
+    one task in place of a denoise and a decode per tile: the order the model lane would take them in anyway (a
+    tile's decode is the most urgent item once its chunk is denoised), so what is left out is only the tasks."""
     items: list[Item] = []
     needs: dict[Item, tuple[Item, ...]] = {}
     after_start: dict[Item, tuple[Item, ...]] = {}
@@ -104,17 +112,19 @@ def clip_graph(plan: ClipPlan, stream_blend: bool = True, segments: bool = True)
         encode = Item("encode", window, tiles=tuple(range(plan.num_tiles)))
         needs[encode] = ()
         after_start[encode] = last_denoises  # one window encoded ahead, no more
-        chunks = {c.index: Item("denoise", window, c.index, c.tiles) for c in plan.chunks}
+        chunk_stage = DENOISE_DECODE if fused else "denoise"
+        chunks = {c.index: Item(chunk_stage, window, c.index, c.tiles) for c in plan.chunks}
         for chunk in chunks.values():
             needs[chunk] = (encode,)
-        decodes = [Item("decode", window, t, (t,)) for t in range(plan.num_tiles)]
+        decodes = [] if fused else [Item("decode", window, t, (t,)) for t in range(plan.num_tiles)]
         for decode in decodes:
             needs[decode] = (chunks[plan.chunk_of(decode.index).index],)
+        tiled = decodes or list(chunks.values())  # the items that give the window's tiles, the first one first
         before = tuple(blends[-1:]) if segments else ()  # its segment cross-fades into the window before's frames
         blends.append(Item(BLEND_SEGMENT if segments else "blend", window))
-        needs[blends[-1]] = (*decodes, *before)
+        needs[blends[-1]] = (*tiled, *before)
         if stream_blend:
-            starts_with[blends[-1]] = (decodes[0], *before)  # it adds the others as they are decoded, in tile order
+            starts_with[blends[-1]] = (tiled[0], *before)  # it adds the others as they are decoded, in tile order
         items += [encode, *chunks.values(), *decodes, blends[-1]]
         last_denoises = tuple(chunks.values())
     return Graph(tuple(items), needs, after_start, starts_with)

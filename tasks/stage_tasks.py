@@ -256,6 +256,30 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
     return StageResult(stage="decode", item=str(tile), computed=True, seconds=seconds, tiles=(tile,), window=window)
 
 
+@task(name="denoise-decode", task_run_name="denoise-decode-window-{window}-tiles-{tiles_label}", **STAGE_TASK)
+def denoise_decode(
+    run: RunRef, model: ModelSpec, window: int, chunk_index: int, attempt: str, tiles_label: str = ""
+) -> list[StageResult]:
+    """One chunk of a window denoised (`denoise`), then each of its tiles decoded (`decode`), as one task run: the
+    order the model lane takes them in as separate tasks, without a task run each (each costs the Prefect API 3 to 4
+    state events). Each stage still records each tile, so a retry or a resumed run decodes only the tiles not
+    recorded, and denoises nothing whose latents are kept. Each result says how long before the task's end its
+    stage ended (`ends_before`)."""
+    results = [denoise.fn(run, model, window, chunk_index, attempt, tiles_label)]
+    ended = [time.perf_counter()]
+    for tile in results[0].tiles:
+        results.append(decode.fn(run, model, window, tile, attempt))
+        ended.append(time.perf_counter())
+    return _ending(results, ended)
+
+
+def _ending(results: list[StageResult], ended: list[float]) -> list[StageResult]:
+    """`results` of a task that ran several stages, each with how long before the last one it ended."""
+    return [
+        result.model_copy(update={"ends_before": ended[-1] - at}) for result, at in zip(results, ended, strict=True)
+    ]
+
+
 @task(name="blend", task_run_name="blend-window-{window}", **STAGE_TASK)
 def blend(run: RunRef, window: int, attempt: str) -> StageResult:
     """Hann-blend one window's tiles as they are decoded, crop, and downscale to the delivery tier; then drop its
@@ -383,8 +407,7 @@ def blend_segment(run: RunRef, window: int, attempt: str) -> list[StageResult]:
     for step in (blend.fn, segment, measure_window):
         results.append(step(run, window, attempt))
         ended.append(time.perf_counter())
-    end = ended[-1]
-    return [result.model_copy(update={"ends_before": end - at}) for result, at in zip(results, ended, strict=True)]
+    return _ending(results, ended)
 
 
 @contextmanager

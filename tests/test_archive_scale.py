@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextvars import ContextVar
 from pathlib import Path
 
 import pytest
@@ -185,8 +186,16 @@ def test_tile_progress_is_sent_at_most_once_per_interval_and_the_end_at_once(mon
     from storage.progress import RunProgress
 
     sent: list[str] = []
+    api: ContextVar[str] = ContextVar("api", default="none")  # as Prefect's settings are: a context variable
+    api.set("the run's")
+    seen: list[str] = []
     monkeypatch.setattr(artifacts, "create", lambda kind, key, data, text, run: sent.append(text))
-    monkeypatch.setattr(artifacts, "update", lambda artifact_id, data, text: sent.append(text))
+
+    def update(artifact_id: object, data: float, text: str) -> None:
+        sent.append(text)
+        seen.append(api.get())
+
+    monkeypatch.setattr(artifacts, "update", update)
     progress = artifacts.TileProgress("clip.mp4", "key", None, RunProgress("encode", 0, 2, 0, 18), 1.0)
     for done in range(1, 10):  # a stage, then nine decodes, then the next window, all within the interval
         progress.update(RunProgress("decode", 0, 2, done, 18))
@@ -195,7 +204,8 @@ def test_tile_progress_is_sent_at_most_once_per_interval_and_the_end_at_once(mon
     deadline = time.monotonic() + 5
     while len(sent) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert sent[1:] == ["decode · window 2 of 2 · 10 of 18 tiles"]  # only the newest, by the timer
+    assert sent[1:] == ["decode · window 2 of 2 · 10 of 18 tiles"]  # only the newest, by the timer...
+    assert seen == ["the run's"]  # ...to the run's API, not to one its thread would find without the run's settings
     progress.update(RunProgress("mux", 1, 2, 18, 18))  # within the next interval: held back...
     progress.finish(RunProgress("done", 1, 2, 18, 18))  # ...and dropped: the end is sent at once
     time.sleep(1.2)

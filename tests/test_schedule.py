@@ -52,8 +52,9 @@ class Lanes:
         with self._lock:
             self.log.append((lane, item, start, time.monotonic()))
             self._model_running -= lane == "model"
-        if item.stage == "decode":
-            self._decoded(item.window, item.index).set()
+        if item.stage in ("decode", "denoise-decode"):
+            for tile in item.tiles:
+                self._decoded(item.window, tile).set()
         if item in self.failing:
             raise RuntimeError(f"{item} failed")
         return item
@@ -72,10 +73,10 @@ class Lanes:
         return next((s, e) for _, i, s, e in self.log if (i.stage, i.window, i.index) == (stage, window, index))
 
 
-def _run(plan: ClipPlan, lanes: Lanes, slots: int) -> list[Item]:
+def _run(plan: ClipPlan, lanes: Lanes, slots: int, fused: bool = False) -> list[Item]:
     """Every item the scheduler ran to its end, in the order they finished; failures are told to it (and kept in
     `lanes.failed`)."""
-    scheduler = Scheduler(clip_graph(plan), lanes.model, lanes.cpu, slots)
+    scheduler = Scheduler(clip_graph(plan, fused=fused), lanes.model, lanes.cpu, slots)
     finished = []
     for item, future in scheduler.run():
         if future.exception() is not None:
@@ -110,6 +111,48 @@ def test_a_window_is_its_model_items_and_one_cpu_item() -> None:
     preview = clip_graph(_plan(2), segments=False)
     assert [i.stage for i in preview.items if i.stage not in ("encode", "denoise", "decode")] == ["blend", "blend"]
     assert preview.needs_to_start(Item("blend", 1)) == (Item("decode", 1, 0, (0,)),)
+
+
+def test_fused_a_window_is_an_encode_a_task_per_chunk_and_its_cpu_task() -> None:
+    """Where a chunk's denoise and its tiles' decodes are one task, a window of 9 one-tile chunks is 11 task runs
+    (not 20), taken in the same order on one slot, and the blend still starts with the first tile."""
+    graph = clip_graph(_plan(2), fused=True)
+    for window in (0, 1):
+        assert [i.stage for i in graph.items if i.window == window] == [
+            "encode",
+            *["denoise-decode"] * 9,
+            "blend-segment",
+        ]
+    one = Lanes()
+    _run(_plan(2), one, slots=1, fused=True)
+    model = [(i.stage, i.window, i.index) for lane, i, _, _ in sorted(one.log, key=lambda r: r[2]) if lane == "model"]
+    assert model == [
+        ("encode", 0, 0),
+        *[("denoise-decode", 0, n) for n in range(9)],
+        ("encode", 1, 0),
+        *[("denoise-decode", 1, n) for n in range(9)],
+    ]
+    two = Lanes(seconds=0.02)
+    finished = _run(_plan(3), two, slots=2, fused=True)
+    assert len(finished) == len(clip_graph(_plan(3), fused=True).items) and two.at_once == 2
+    for window in range(3):
+        blend = two.span("blend-segment", window)
+        last_chunk_end = max(two.span("denoise-decode", window, n)[1] for n in range(9))
+        assert two.span("denoise-decode", window, 0)[1] <= blend[0] < last_chunk_end <= blend[1]
+
+
+def test_lanes_fuse_a_chunks_decodes_unless_a_chunks_tiles_could_spread_over_workers() -> None:
+    from runtime.lanes import Lanes as TaskLanes
+
+    def submit(task: object, parameters: dict) -> None:
+        return None
+
+    with pytest.warns(UserWarning, match="not lossless"):
+        batched = make_plan((512, 768), 121, 24.0, UpscaleParams(scale=2, tiles_batch_size=3))
+    assert len(batched.chunks) == 3
+    threads, dask = TaskLanes(submit, submit, 2, "threads"), TaskLanes(submit, submit, 4, "dask", spread=True)
+    assert threads.fuses(_plan(1)) and threads.fuses(batched)
+    assert dask.fuses(_plan(1)) and not dask.fuses(batched)
 
 
 def test_blend_and_segment_overlap_the_next_windows_model_work() -> None:
