@@ -215,9 +215,10 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
     )
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     # --verbose: every task line
-    assert "Task run 'decode-window-0-tile-5' - Finished in state Completed()" in rerun.stderr
+    assert "Task run 'denoise-decode-window-0-tiles-5' - Finished in state Completed()" in rerun.stderr
     summary = json.loads(rerun.stdout)
-    # Two tiles' latents were stored, none decoded: the rerun denoises the others and decodes every tile.
+    # Two tiles' latents were stored, none decoded: the rerun denoises the others and decodes every tile. A chunk's
+    # denoise and decode are one task here (runtime.lanes.Lanes.fuses): the two stored tiles are decoded alone.
     assert summary["items"]["denoise"] == {"computed": summary["tiles_total"] - 2, "reused": 2}
     assert (summary["tiles_computed"], summary["tiles_reused"]) == (summary["tiles_total"], 0)
     assert summary["dit_calls"] == 2 * summary["items"]["denoise"]["computed"]
@@ -423,5 +424,5 @@ def test_default_command_prints_a_bar_warnings_and_six_lines(tiny_bundle_path: P
     log = Path(lines[5].removeprefix("log: "))
     assert lines[4] == f"store: {log.parent}"
     logged = log.read_text()
-    assert "Task run 'decode-window-0-tile-0' - Finished in state Completed()" in logged
+    assert "Task run 'denoise-decode-window-0-tiles-0' - Finished in state Completed()" in logged
     assert "Flow run 'upscale-slow.mp4'" in logged
