@@ -255,20 +255,24 @@ def test_tile_progress_says_each_moment_once_even_when_two_tiles_finish_together
 def test_each_clip_run_owns_its_artifacts(
     prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    """A clip and its copy share a run key but not their artifacts; progress counts every decoded tile."""
+    """A clip and its copy share a run key but not their artifacts; progress counts every decoded tile, at most
+    once per interval and the end at once."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
     from prefect.runtime import flow_run
 
     from flows.orchestrate import run_clip
+    from flows.upscale_clip import PROGRESS_EVERY_S
     from k6vsr_core.params import UpscaleParams
     from service.runs import prepare_run
 
     updates: list[tuple[str, object, str]] = []
+    sent_at: dict[str, list[float]] = {}
     real_update = artifacts.update
 
     def recording(artifact_id, data, description):
         updates.append((flow_run.id, data, description))
+        sent_at.setdefault(flow_run.id, []).append(time.monotonic())
         real_update(artifact_id, data, description)
 
     monkeypatch.setattr(artifacts, "update", recording)
@@ -287,15 +291,18 @@ def test_each_clip_run_owns_its_artifacts(
     ]
     assert summaries[0].run_key == summaries[1].run_key and summaries[1].tiles_reused == summaries[1].tiles_total
     total = summaries[0].tiles_total
-    # The first run names its stages as they pass, in pipeline order, and counts up to every tile, never saying
-    # the same twice (two tiles may finish together); the second, which decodes nothing, says at once it is done.
+    # The first run names its stages as they are when it sends, in pipeline order, at most once per interval and
+    # the end at once, and counts up to every tile, never saying the same twice (two tiles may finish together);
+    # the second, which decodes nothing, says at once it is done.
     first = [(data, text) for run, data, text in updates if run == run_ids[0]]
     texts = [text for _, text in first]
     assert len(texts) == len(set(texts)), texts
     stages = [text.split(" · ")[0] for text in texts]
     order = [*PIPELINE, "done"]
     assert [order.index(stage) for stage in stages] == sorted(order.index(stage) for stage in stages), texts
-    assert {"mux", "publish"} <= set(stages) and texts[-1] == f"done · {total} of {total} tiles", texts
+    assert texts[-1] == f"done · {total} of {total} tiles", texts
+    times = sent_at[run_ids[0]][:-1]
+    assert all(b - a >= PROGRESS_EVERY_S - 0.1 for a, b in zip(times, times[1:], strict=False)), times
     counts = [int(text.split(" · ")[-1].split(" of ")[0]) for text in texts]
     assert counts == sorted(counts) and first[-1][0] == 100.0
     assert all(data == artifacts.percent(n, total) for n, (data, _) in zip(counts, first, strict=True))
