@@ -266,7 +266,7 @@ def _windows(
                     for key in [(item.window, tile) for tile in item.tiles] or [(item.window, -1)]:
                         failures.setdefault(key, message)
                     continue
-                # A window's blend-segment task returns a result per stage it ran.
+                # A task of several stages (denoise-decode, blend-segment) returns a result per stage it ran.
                 for result in outcome if isinstance(outcome, list) else [outcome]:
                     record(result)
                     # Each task's end may move the run to its next stage: counted from its result, not re-read.
