@@ -70,6 +70,18 @@ def test_spans_follow_the_pipeline_and_add_up_to_the_run() -> None:
     assert clock.task_seconds()["denoise"] == 2.8
 
 
+def test_a_task_of_several_stages_places_each_where_it_ended() -> None:
+    """A blend-segment task that returns at 6.0 s after a blend that ended at 4.0 s (1.0 s of work), a segment at
+    5.5 s (1.5 s) and a quality part at 6.0 s (0.5 s): each stage spans its own seconds, not the task's end."""
+    time = FakeTime()
+    clock = StageClock(now=time)
+    time.now = 1006.0
+    for stage, seconds, ends_before in (("blend", 1.0, 2.0), ("segment", 1.5, 0.5), ("quality", 0.5, 0.0)):
+        clock.finished(stage, seconds, ends_before)
+    spans = {s.stage: (s.starts, s.ends) for s in clock.spans()}
+    assert spans == {"blend": (3.0, 4.0), "segment": (4.0, 5.5), "quality": (5.5, 6.0)}
+
+
 def test_printed_adds_sum_exactly_to_the_last_end() -> None:
     clock = _clock([(0.123, "ingest", 0.1), (0.456, "encode", 0.2), (0.789, "decode", 0.2), (0.7891, "denoise", 0.3)])
     printed = [float(f"{s.adds:.2f}") for s in clock.spans()]
