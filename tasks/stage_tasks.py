@@ -1,4 +1,7 @@
-"""One Prefect task per stage: read inputs from the run store, call `k6vsr_core`, write outputs, write the record.
+"""The stages as Prefect tasks: read inputs from the run store, call `k6vsr_core`, write outputs, write the record.
+
+A stage writes its own records whichever task runs it; a run's window is fewer task runs than stages
+(`denoise_decode`, `blend_segment`), since each task run costs the Prefect API the same few requests.
 
 Every task returns at once when its completion record is valid, is safe to run twice (and concurrently with a
 twin: writes are per-chunk and records atomic), and retries transient errors. Completed work is recognised from
