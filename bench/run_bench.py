@@ -916,7 +916,7 @@ def _run_job(
     gpu_done = time.perf_counter() - started
     # W1 is one window (121 frames).
     stage_tasks.blend.fn(run, 0, ATTEMPT)
-    stage_tasks.segment.fn(run, 0, ATTEMPT)
+    stage_tasks.segment(run, 0, ATTEMPT)
     stage_tasks.mux.fn(run, ATTEMPT)
     seconds = time.perf_counter() - started
     return {

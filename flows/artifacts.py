@@ -10,6 +10,7 @@ Artifacts are best effort: a Prefect API that cannot take one logs a warning and
 from __future__ import annotations
 
 import base64
+import contextvars
 import hashlib
 import io
 import logging
@@ -151,7 +152,14 @@ def percent(done: int, total: int) -> float:
 
 class TileProgress:
     """A clip run's progress artifact: its data the share of tiles decoded, its description what the terminal's bar
-    says (`decode · window 2 of 3 · 7 of 18 tiles`), updated as tasks finish."""
+    says (`decode · window 2 of 3 · 7 of 18 tiles`), updated as tasks finish, at most once per `every_s`.
+
+    Each update is a request to the Prefect API: sent at every stage's end, they were a sixth of a run's requests.
+    So a state is sent at once only when `every_s` has passed since the last one; else it waits, and a timer sends
+    the newest one when the interval is up (a run whose tasks are minutes long still shows each state within
+    `every_s`). `finish` sends the final state at once. The terminal reads its progress from the run store, not
+    from here: it is not held back.
+    """
 
     def __init__(
         self,
@@ -159,26 +167,64 @@ class TileProgress:
         run_key: str,
         flow_run_id: str | UUID | None,
         progress: RunProgress,
-        same_stage_every_s: float = 0.0,
+        every_s: float = 0.0,
     ) -> None:
-        self._shown, self._where = progress.text(), progress.where()
-        self._every, self._sent = same_stage_every_s, time.monotonic()
+        self._shown = progress.text()
+        self._every, self._sent = every_s, time.monotonic()
+        self._made = self._sent_made = 0  # the states given so far, and the number of the last one sent
+        self._pending: tuple[int, RunProgress] | None = None
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()  # the fields above
+        self._sending = threading.Lock()  # one request at a time, in order
         self._id = create(
             "progress", clip_key("tiles", source, run_key), _share(progress), progress.text(), flow_run_id
         )
 
     def update(self, progress: RunProgress) -> None:
-        """The run's progress as the store says it now: two tasks that finish together read the same, and what the
-        first sent is not sent again. A new stage or window is sent at once; a count within the same one at most
-        once per `same_stage_every_s` (each update is an API request: a window of many tiles would cost one a
-        tile)."""
-        text, where = progress.text(), progress.where()
-        if text == self._shown:
-            return
-        if where == self._where and time.monotonic() - self._sent < self._every:
-            return
-        self._shown, self._where, self._sent = text, where, time.monotonic()
-        update(self._id, _share(progress), text)
+        """The run's progress as the store says it now; what was last sent is not sent again."""
+        with self._lock:
+            self._made += 1
+            wait = self._every - (time.monotonic() - self._sent)
+            if wait > 0:
+                self._pending = (self._made, progress)
+                if self._timer is None:
+                    # In the caller's context: Prefect's settings (which API, its auth) are context variables, and a
+                    # thread of its own would see none of them (and start an API of its own).
+                    self._timer = threading.Timer(wait, contextvars.copy_context().run, (self._send_pending,))
+                    self._timer.daemon = True
+                    self._timer.start()
+                return
+            self._pending = None
+            made = self._made
+        self._send(made, progress)
+
+    def finish(self, progress: RunProgress) -> None:
+        """The run's final state: sent at once, and nothing held back is sent after it."""
+        with self._lock:
+            self._made += 1
+            made, self._pending = self._made, None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+        self._send(made, progress)
+
+    def _send_pending(self) -> None:
+        with self._lock:
+            pending, self._pending, self._timer = self._pending, None, None
+        if pending is not None:
+            self._send(*pending)
+
+    def _send(self, made: int, progress: RunProgress) -> None:
+        """Send the `made`-th state unless a later one is already out: the timer's thread and the flow's may both
+        be sending, and the newest must be the one left shown."""
+        text = progress.text()
+        with self._sending:
+            if made <= self._sent_made or text == self._shown:
+                return
+            self._shown, self._sent_made = text, made
+            with self._lock:
+                self._sent = time.monotonic()
+            update(self._id, _share(progress), text)
 
 
 def _share(progress: RunProgress) -> float:

@@ -33,7 +33,7 @@ from k6vsr_core.errors import MissingInput
 from k6vsr_core.plan import ClipPlan, representative_windows
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
 from runtime.runners import WarmOrThreadsTaskRunner
-from runtime.schedule import MODEL_STAGES, Graph, Item, Scheduler, clip_graph
+from runtime.schedule import DENOISE_DECODE, MODEL_ITEMS, Graph, Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef
 from storage import RunStore
 from storage.estimate import RATES, RunEstimate, StageRates, estimate_run, read_rates
@@ -117,17 +117,17 @@ def windows_done(store: RunStore, plan: ClipPlan) -> list[int]:
     return [w.index for w in plan.windows if stage_tasks.window_blended(store, plan, w.index)]
 
 
-def preview_graph(plan: ClipPlan, chosen: tuple[int, ...], stream_blend: bool = True) -> Graph:
+def preview_graph(plan: ClipPlan, chosen: tuple[int, ...], stream_blend: bool = True, fused: bool = False) -> Graph:
     """The clip's graph (`runtime.schedule.clip_graph`) cut down to the chosen windows' model work and blends, each
     chosen window encoded once the one chosen before it is being denoised, as a run encodes one window ahead."""
-    whole = clip_graph(plan, stream_blend)
-    items = tuple(item for item in whole.items if item.window in chosen and item.stage in (*MODEL_STAGES, "blend"))
+    whole = clip_graph(plan, stream_blend, segments=False, fused=fused)
+    items = tuple(item for item in whole.items if item.window in chosen and item.stage in (*MODEL_ITEMS, "blend"))
     kept = set(items)
     needs = {item: tuple(need for need in whole.needs[item] if need in kept) for item in items}
     after_start = {}
     for before, window in zip(chosen, chosen[1:], strict=False):
         after_start[Item("encode", window, tiles=tuple(range(plan.num_tiles)))] = tuple(
-            item for item in items if item.window == before and item.stage == "denoise"
+            item for item in items if item.window == before and item.stage in ("denoise", DENOISE_DECODE)
         )
     starts_with = {item: first for item, first in whole.starts_with.items() if item in kept}
     return Graph(items, needs, after_start, starts_with)
@@ -151,21 +151,20 @@ def _windows(
         def start(lane: SubmitTask) -> Callable[[Item], Any]:
             return lambda item: lane(*_task_of(item, run, model, attempt))
 
-        scheduler = Scheduler(
-            preview_graph(plan, chosen, lanes.stream_blend), start(lanes.model), start(lanes.cpu), model_slots,
-            rank, cpu_slots,
-        )  # fmt: skip
+        graph = preview_graph(plan, chosen, lanes.stream_blend, lanes.fuses(plan))
+        scheduler = Scheduler(graph, start(lanes.model), start(lanes.cpu), model_slots, rank, cpu_slots)
         started = time.perf_counter()
         for item, future in scheduler.run():
             try:
-                result: StageResult = future.result()
+                outcome: StageResult | list[StageResult] = future.result()
             except Exception as err:  # noqa: BLE001 - the first error is raised once the lanes are idle
                 scheduler.failed(item)
                 for window in chosen:  # a blend waiting for a tile that will not come
                     store.stop_window(window, attempt)
                 error = error or err
                 continue
-            computed[item.window] = computed[item.window] and result.computed
+            results = outcome if isinstance(outcome, list) else [outcome]
+            computed[item.window] = computed[item.window] and all(result.computed for result in results)
             if item.stage == "blend":
                 ends[item.window] = time.perf_counter() - started
     if error is not None:

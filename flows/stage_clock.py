@@ -46,9 +46,10 @@ class StageClock:
         self.started_at = now()
         self._tasks: list[tuple[str, float, float]] = []  # (stage, seconds worked, end from the run's start)
 
-    def finished(self, stage: str, seconds: float) -> None:
-        """A task of `stage` has just finished after working `seconds` (0 when it found its work done)."""
-        self._tasks.append((stage, seconds, self.elapsed()))
+    def finished(self, stage: str, seconds: float, ends_before: float = 0.0) -> None:
+        """A task of `stage` has just finished after working `seconds` (0 when it found its work done); or, for a
+        stage that a task ran before others, its work ended `ends_before` seconds before the task's end, now."""
+        self._tasks.append((stage, seconds, max(0.0, self.elapsed() - ends_before)))
 
     def elapsed(self) -> float:
         return self._now() - self.started_at

@@ -1,6 +1,6 @@
 """The clip flow: ingest, then per window: encode -> denoise per tile chunk -> decode per tile -> blend -> segment ->
-the window's part of the quality report; then mux (join the segments) -> publish -> the quality report (the parts
-joined).
+the window's part of the quality report (these three one task, `blend-segment`); then mux (join the segments) ->
+publish -> the quality report (the parts joined).
 
 Every stage is persisted in the run store per (window, tile), so a crash, a killed worker or a bad tile costs only
 the unfinished work: the next run of the same clip and parameters finds the finished items by their records and
@@ -35,7 +35,7 @@ from runtime.errors import WorkersUnavailable
 from runtime.flow_leases import leased
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
 from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner
-from runtime.schedule import Item, Scheduler, clip_graph
+from runtime.schedule import DENOISE_DECODE, Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
 from storage.location import is_url
@@ -68,9 +68,9 @@ class ClipSummary(BaseModel):
     quality: QualityReport | None = None  # the output's quality report (tasks.quality); None for a latent run
 
 
-# Tiles decoded within one stage of one window are counted in the progress artifact at most this often: each
-# update is a request to the Prefect API.
-PROGRESS_EVERY_S = 2.0
+# The progress artifact is updated at most this often, and at the run's end: each update is a request to the Prefect
+# API (flows.artifacts.TileProgress).
+PROGRESS_EVERY_S = 5.0
 
 # Long enough for a cluster of GPU workers to start and import torch; a worker that cannot import k6vsr would
 # otherwise be restarted by Dask forever and the run would hang instead of failing.
@@ -159,7 +159,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
     published = output if output and is_url(output) else str(destination)  # a path would mangle a URL
 
     def record(result: StageResult) -> StageResult:
-        clock.finished(result.stage, result.seconds)
+        clock.finished(result.stage, result.seconds, result.ends_before)
         return result
 
     attempt = _attempt_id()
@@ -188,7 +188,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
             record(stage_tasks.mux(run, attempt))
             progress.update(read_progress(store, plan))
         record(stage_tasks.publish(run, published))
-        progress.update(run_finished(plan))
+        progress.finish(run_finished(plan))
         quality = quality_tasks.measure_quality(run, attempt)
 
     # The run's timeline says what this attempt computed: a tile Dask recomputed after a worker died counts once.
@@ -246,19 +246,16 @@ def _windows(
             return lambda item: lane(*_task_of(item, run, model, attempt))
 
         model_slots, cpu_slots, rank = shared_queues(lanes)
-        graph = clip_graph(plan, stream_blend=lanes.stream_blend)
+        graph = clip_graph(plan, stream_blend=lanes.stream_blend, fused=lanes.fuses(plan))
         scheduler = Scheduler(graph, start(lanes.model), start(lanes.cpu), model_slots, rank, cpu_slots)
         finished = False
         try:
             # Every task is recorded as it ends, so the stage clock sees when each one finished.
             for item, future in scheduler.run():
                 try:
-                    result = record(future.result())
+                    outcome = future.result()
                 except Exception as err:  # noqa: BLE001 - collected and reported per (window, tile) below
                     scheduler.failed(item)
-                    if item.stage == "quality":  # the report never fails the run: its part is measured after the mux
-                        get_run_logger().warning("the quality of window %d was not measured: %s", item.window, err)
-                        continue
                     if item.on_model:
                         _stop_blends(store, [item.window], attempt)
                     if isinstance(err, StoreUnreachable):
@@ -269,11 +266,14 @@ def _windows(
                     for key in [(item.window, tile) for tile in item.tiles] or [(item.window, -1)]:
                         failures.setdefault(key, message)
                     continue
-                # Each task's end may move the run to its next stage: counted from its result, not re-read.
-                counter.finished(result.stage, result.window, result.tiles)
+                # A task of several stages (denoise-decode, blend-segment) returns a result per stage it ran.
+                for result in outcome if isinstance(outcome, list) else [outcome]:
+                    record(result)
+                    # Each task's end may move the run to its next stage: counted from its result, not re-read.
+                    counter.finished(result.stage, result.window, result.tiles)
+                    if result.stage == "denoise":
+                        denoised.append(result)
                 progress.update(counter.progress())
-                if item.stage == "denoise":
-                    denoised.append(result)
             finished = True
         finally:
             if not finished:  # interrupted: a blend still waiting on a worker must not wait for ever
@@ -298,17 +298,15 @@ def _task_of(item: Item, run: RunRef, model: ModelSpec, attempt: str) -> tuple[A
     w = item.window
     if item.stage == "encode":
         return stage_tasks.encode, dict(run=run, model=model, window=w, attempt=attempt)
-    if item.stage == "denoise":
+    if item.stage in ("denoise", DENOISE_DECODE):
         label = "-".join(map(str, item.tiles))
         parameters = dict(run=run, model=model, window=w, chunk_index=item.index, attempt=attempt, tiles_label=label)
-        return stage_tasks.denoise, parameters
+        return stage_tasks.denoise if item.stage == "denoise" else stage_tasks.denoise_decode, parameters
     if item.stage == "decode":
         return stage_tasks.decode, dict(run=run, model=model, window=w, tile=item.index, attempt=attempt)
-    if item.stage == "blend":
+    if item.stage == "blend":  # a preview's (flows.preview)
         return stage_tasks.blend, dict(run=run, window=w, attempt=attempt)
-    if item.stage == "quality":
-        return quality_tasks.measure_window, dict(run=run, window=w, attempt=attempt)
-    return stage_tasks.segment, dict(run=run, window=w, attempt=attempt)
+    return stage_tasks.blend_segment, dict(run=run, window=w, attempt=attempt)
 
 
 # The still compares a frame of the first window: reaching it decodes at most this many frames of the output.

@@ -21,6 +21,7 @@ from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from k6vsr_core.plan import ClipPlan
 from runtime.runners import is_dask_runner, warm_address
 from runtime.schedule import ModelQueue
 from runtime.slots import CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS
@@ -38,6 +39,13 @@ class Lanes:
     # count, a window's blend may start with its first tile and wait for the others on its thread.
     cpu_slots: int | None = None
     stream_blend: bool = True
+    spread: bool = False  # model tasks go to Dask workers, which may be several devices
+
+    def fuses(self, plan: ClipPlan) -> bool:
+        """Whether a chunk's denoise and its tiles' decodes are one task (`runtime.schedule.clip_graph(fused=...)`):
+        in this process's threads always (one device takes them in that order anyway); on Dask workers only where a
+        chunk is one tile (the default), so that a chunk's tiles are still decoded on as many workers as are free."""
+        return not self.spread or all(len(chunk.tiles) == 1 for chunk in plan.chunks)
 
 
 @contextmanager
@@ -63,12 +71,12 @@ def lanes_for(runner: Any) -> Iterator[Lanes]:
         # so that a model task always finds one.
         spare = sum(max(0, int(w.get("nthreads", 1)) - d) for w, d in zip(workers, declared, strict=True))
         where = f"{on}: {sum(declared)} model slots and {spare} CPU threads on {len(declared)} workers"
-        yield Lanes(model, runner.submit, sum(declared), where, cpu_slots=spare, stream_blend=spare > 0)
+        yield Lanes(model, runner.submit, sum(declared), where, cpu_slots=spare, stream_blend=spare > 0, spread=True)
         return
     threads = sum(int(worker.get("nthreads", 1)) for worker in workers) or 1
     where = f"{on}: {threads} threads, without {MODEL_RESOURCE}"
     # Both lanes take any thread: a blend waiting there for its tiles could hold the one a decode needs.
-    yield Lanes(runner.submit, runner.submit, threads, where, stream_blend=False)
+    yield Lanes(runner.submit, runner.submit, threads, where, stream_blend=False, spread=True)
 
 
 @dataclass

@@ -1,20 +1,23 @@
 """The order a clip's tasks run in: each as soon as its inputs exist, the model's work most urgent first.
 
 A window is encode -> denoise per chunk -> decode per tile -> blend -> segment -> quality (a segment also reads the
-window before). Submitted all at once, tasks ran in submission order: every denoise chunk of a window before its first
-decode, and blends and segments queued behind model work on the same threads. So the flow submits each task when
-its inputs are in, to one of two lanes:
+window before); its blend, segment and quality are one task (`blend-segment`: each task run costs the Prefect API
+the same few requests, whatever it does). Submitted all at once, tasks ran in submission order: every denoise chunk
+of a window before its first decode, and blends and segments queued behind model work on the same threads. So the
+flow submits each task when its inputs are in, to one of two lanes:
 
 - the model lane (encode, denoise, decode) holds at most `slots` tasks at once and takes the most urgent ready one:
   an earlier window before a later one, within a window a decode before a denoise before an encode, so a tile is
   decoded as soon as its chunk is denoised. The next window's encode becomes ready once the last denoise of the
   window before it is under way: its frames are read and encoded while that window's tiles decode, and no more than
   one window is encoded ahead;
-- the CPU lane (blend, segment, and the window's part of the quality report, `tasks.quality`) takes a task the
-  moment its inputs are in, beside the model lane, so a window's blend, segment and measures overlap the next
-  window's model work. A window's blend starts with its first decoded tile and
-  adds the others as they are decoded (`tasks.stage_tasks.blend` waits for them), so what is left of it after the
-  window's last decode is one tile and the division.
+- the CPU lane (a window's `blend-segment`: its blend, its segment and its part of the quality report,
+  `tasks.quality`) takes a task the moment its inputs are in, beside the model lane, so a window's blend, segment
+  and measures overlap the next window's model work. A window's task starts with its first decoded tile, once the
+  window before it is through its own (its segment cross-fades into that window's frames), and adds the others as
+  they are decoded (`tasks.stage_tasks.blend` waits for them), so what is left of its blend after the window's last
+  decode is one tile and the division. A clip's windows go through the CPU lane one after another: a window's
+  CPU work is seconds, its model work many more, so the order costs no overlap with the model lane.
 
 The model lane's slots are a `ModelQueue`, which the clips of an archive share: it grants a free slot to the most
 urgent ready item of every clip that computes on the same workers, an earlier clip's before a later one's, so the
@@ -36,33 +39,39 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from k6vsr_core.plan import ClipPlan
-from k6vsr_core.stage_names import CPU_STAGES as WINDOW_CPU_STAGES
 from k6vsr_core.stage_names import MODEL_STAGES as PIPELINE_MODEL_STAGES
-from k6vsr_core.stage_names import Stage
 
-MODEL_STAGES = tuple(reversed(PIPELINE_MODEL_STAGES))  # within a window, the most urgent first
-# A window's CPU items, in order: its blend and segment, then its part of the quality report (tasks.quality).
-CPU_STAGES = (*WINDOW_CPU_STAGES, Stage.QUALITY)
+# A chunk's denoise and the decode of its tiles as one task (`denoise-decode`), where that spreads no less work.
+DENOISE_DECODE = "denoise-decode"
+# The model lane's items, within a window the most urgent first: a decode, a chunk (denoised, or denoised and
+# decoded), an encode.
+MODEL_STAGES = tuple(reversed(PIPELINE_MODEL_STAGES))
+MODEL_ITEMS = (MODEL_STAGES[0], DENOISE_DECODE, *MODEL_STAGES[1:])
+# A run's CPU item of a window: its blend, segment and part of the quality report, one task.
+BLEND_SEGMENT = "blend-segment"
+# A window's CPU items: a run's, or a preview's blend alone (flows.preview, `clip_graph(segments=False)`).
+CPU_STAGES = (BLEND_SEGMENT, "blend")
 
 
 @dataclass(frozen=True)
 class Item:
-    """One task of a clip run: a stage of a window, and the chunk (denoise) or tile (decode) it computes."""
+    """One task of a clip run: a stage of a window (or a few, as one task), and the chunk (denoise) or tile (decode)
+    it computes."""
 
     stage: str
     window: int
     index: int = 0
-    tiles: tuple[int, ...] = ()  # the tiles its failure stands for (none: the window's own stage)
+    tiles: tuple[int, ...] = ()  # the tiles its failure stands for (none: the window's own stages)
 
     @property
     def on_model(self) -> bool:
-        return self.stage in MODEL_STAGES
+        return self.stage in MODEL_ITEMS
 
     @property
     def urgency(self) -> tuple[int, int, int]:
         """Smaller runs first among ready work of its lane: an earlier window first, then by stage (a decode before a
-        denoise before an encode; a blend before a segment), then by chunk or tile."""
-        stages = MODEL_STAGES if self.on_model else CPU_STAGES
+        denoise before an encode), then by chunk or tile."""
+        stages = MODEL_ITEMS if self.on_model else CPU_STAGES
         return (self.window, stages.index(self.stage), self.index)
 
 
@@ -86,9 +95,13 @@ class Graph:
         return self.starts_with.get(item, self.needs[item])
 
 
-def clip_graph(plan: ClipPlan, stream_blend: bool = True) -> Graph:
-    """The items of a clip. With `stream_blend`, a window's blend starts with its first decoded tile (it waits for the
-    others itself: its lane must have a thread for it that no decode needs); without, once every tile is decoded."""
+def clip_graph(plan: ClipPlan, stream_blend: bool = True, segments: bool = True, fused: bool = False) -> Graph:
+    """The items of a clip. With `stream_blend`, a window's CPU item starts with its first decoded tile (it waits for
+    the others itself: its lane must have a thread for it that no decode needs); without, once every tile is decoded.
+    With `segments`, that item is the window's `blend-segment`, which needs the window before's too; without (a
+    preview), its blend alone. With `fused`, a chunk's item denoises it and then decodes its tiles (`denoise-decode`),
+    one task in place of a denoise and a decode per tile: the order the model lane would take them in anyway (a
+    tile's decode is the most urgent item once its chunk is denoised), so what is left out is only the tasks."""
     items: list[Item] = []
     needs: dict[Item, tuple[Item, ...]] = {}
     after_start: dict[Item, tuple[Item, ...]] = {}
@@ -99,21 +112,20 @@ def clip_graph(plan: ClipPlan, stream_blend: bool = True) -> Graph:
         encode = Item("encode", window, tiles=tuple(range(plan.num_tiles)))
         needs[encode] = ()
         after_start[encode] = last_denoises  # one window encoded ahead, no more
-        chunks = {c.index: Item("denoise", window, c.index, c.tiles) for c in plan.chunks}
+        chunk_stage = DENOISE_DECODE if fused else "denoise"
+        chunks = {c.index: Item(chunk_stage, window, c.index, c.tiles) for c in plan.chunks}
         for chunk in chunks.values():
             needs[chunk] = (encode,)
-        decodes = [Item("decode", window, t, (t,)) for t in range(plan.num_tiles)]
+        decodes = [] if fused else [Item("decode", window, t, (t,)) for t in range(plan.num_tiles)]
         for decode in decodes:
             needs[decode] = (chunks[plan.chunk_of(decode.index).index],)
-        blends.append(Item("blend", window))
-        needs[blends[-1]] = tuple(decodes)
+        tiled = decodes or list(chunks.values())  # the items that give the window's tiles, the first one first
+        before = tuple(blends[-1:]) if segments else ()  # its segment cross-fades into the window before's frames
+        blends.append(Item(BLEND_SEGMENT if segments else "blend", window))
+        needs[blends[-1]] = (*tiled, *before)
         if stream_blend:
-            starts_with[blends[-1]] = (decodes[0],)  # it adds the others as they are decoded, in tile order
-        segment = Item("segment", window)
-        needs[segment] = tuple(blends[-2:])
-        quality = Item("quality", window)  # its part of the quality report, read from the segment
-        needs[quality] = (segment,)
-        items += [encode, *chunks.values(), *decodes, blends[-1], segment, quality]
+            starts_with[blends[-1]] = (tiled[0], *before)  # it adds the others as they are decoded, in tile order
+        items += [encode, *chunks.values(), *decodes, blends[-1]]
         last_denoises = tuple(chunks.values())
     return Graph(tuple(items), needs, after_start, starts_with)
 

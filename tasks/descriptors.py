@@ -15,6 +15,8 @@ class StageResult(BaseModel):
     dit_calls: int = 0
     tiles: tuple[int, ...] = ()
     window: int = 0
+    # Seconds before its task returned that this stage's work ended: a task that runs several stages reports each.
+    ends_before: float = 0.0
 
 
 class IngestResult(StageResult):

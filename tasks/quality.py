@@ -1,19 +1,21 @@
 """The quality report of a run's output (`k6vsr_core.quality`), measured window by window and kept in the run store.
 
-Each window's part is measured on the CPU lane as soon as its segment is written (`measure_window`), from the
-segment file and the source, while the model computes the windows after it, and kept in the store
-(`quality/<window>.npz`; a resumed run finds it there). After the mux, `measure_quality` only joins the parts (and
-measures the pair that crosses each segment's start) into the report, `quality.json`. A part missing then (its item
-failed) is measured there; an output whose segments are gone is measured whole. A measurement that fails is logged
-and the run goes on without it: the report describes the output, it never decides it.
+Each window's part is measured on the CPU lane as soon as its segment is written (`measure_window`, the last step of the
+window's `blend-segment` task), from the segment file and the source, while the model computes the windows after it, and
+kept in the store (`quality/<window>.npz`; a resumed run finds it there). After the mux, `measure_quality` only joins
+the parts (and measures the pair that crosses each segment's start) into the report, `quality.json`. A part missing then
+(its item failed) is measured there; an output whose segments are gone is measured whole. A measurement that fails is
+logged and the run goes on without it: the report describes the output, it never decides it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
 
 from k6vsr_core.quality import Measures, QualityReport, combine, measure_files, measure_segment, tile_borders
 from service.runs import RunRef
@@ -23,6 +25,13 @@ from tasks.descriptors import StageResult
 
 REPORT = "quality.json"
 QUALITY = "quality"  # the folder of the windows' parts
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    try:
+        return get_run_logger()
+    except MissingContextError:  # called outside a task (a test, a bench)
+        return logging.getLogger(__name__)
 
 
 def part_path(store: RunStore, window: int) -> Location:
@@ -51,10 +60,9 @@ def _measure_part(store: RunStore, window: int, attempt: str) -> Measures:
     return measures
 
 
-@task(name="quality", task_run_name="quality-window-{window}", cache_policy=NO_CACHE)
 def measure_window(run: RunRef, window: int, attempt: str) -> StageResult:
     """Window `window`'s part of the report, once its segment is written; never fails (the part is then measured
-    after the mux)."""
+    after the mux). Not a task of its own: it ends the window's `blend-segment` task (`tasks.stage_tasks`)."""
     store = run.open()
     skipped = StageResult(stage="quality", item=str(window), computed=False, window=window)
     try:
@@ -64,7 +72,7 @@ def measure_window(run: RunRef, window: int, attempt: str) -> StageResult:
             return skipped
         measures = _measure_part(store, window, attempt)
     except Exception as err:  # noqa: BLE001 - a report never fails the run it describes
-        get_run_logger().warning("could not measure the quality of window %d: %s", window, err)
+        _logger().warning("could not measure the quality of window %d: %s", window, err)
         return skipped
     return StageResult(stage="quality", item=str(window), computed=True, seconds=measures.seconds, window=window)
 

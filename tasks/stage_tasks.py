@@ -1,4 +1,7 @@
-"""One Prefect task per stage: read inputs from the run store, call `k6vsr_core`, write outputs, write the record.
+"""The stages as Prefect tasks: read inputs from the run store, call `k6vsr_core`, write outputs, write the record.
+
+A stage writes its own records whichever task runs it; a run's window is fewer task runs than stages
+(`denoise_decode`, `blend_segment`), since each task run costs the Prefect API the same few requests.
 
 Every task returns at once when its completion record is valid, is safe to run twice (and concurrently with a
 twin: writes are per-chunk and records atomic), and retries transient errors. Completed work is recognised from
@@ -256,6 +259,30 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
     return StageResult(stage="decode", item=str(tile), computed=True, seconds=seconds, tiles=(tile,), window=window)
 
 
+@task(name="denoise-decode", task_run_name="denoise-decode-window-{window}-tiles-{tiles_label}", **STAGE_TASK)
+def denoise_decode(
+    run: RunRef, model: ModelSpec, window: int, chunk_index: int, attempt: str, tiles_label: str = ""
+) -> list[StageResult]:
+    """One chunk of a window denoised (`denoise`), then each of its tiles decoded (`decode`), as one task run: the
+    order the model lane takes them in as separate tasks, without a task run each (each costs the Prefect API 3 to 4
+    state events). Each stage still records each tile, so a retry or a resumed run decodes only the tiles not
+    recorded, and denoises nothing whose latents are kept. Each result says how long before the task's end its
+    stage ended (`ends_before`)."""
+    results = [denoise.fn(run, model, window, chunk_index, attempt, tiles_label)]
+    ended = [time.perf_counter()]
+    for tile in results[0].tiles:
+        results.append(decode.fn(run, model, window, tile, attempt))
+        ended.append(time.perf_counter())
+    return _ending(results, ended)
+
+
+def _ending(results: list[StageResult], ended: list[float]) -> list[StageResult]:
+    """`results` of a task that ran several stages, each with how long before the last one it ended."""
+    return [
+        result.model_copy(update={"ends_before": ended[-1] - at}) for result, at in zip(results, ended, strict=True)
+    ]
+
+
 @task(name="blend", task_run_name="blend-window-{window}", **STAGE_TASK)
 def blend(run: RunRef, window: int, attempt: str) -> StageResult:
     """Hann-blend one window's tiles as they are decoded, crop, and downscale to the delivery tier; then drop its
@@ -327,9 +354,9 @@ def _wait_for_decode(store: RunStore, run: RunRef, window: int, tile: int, attem
     return time.monotonic() - started
 
 
-@task(name="segment", task_run_name="segment-window-{window}", **STAGE_TASK)
 def segment(run: RunRef, window: int, attempt: str) -> StageResult:
-    """Cross-fade a window with the one before and encode its segment; then drop the frames no one needs."""
+    """Cross-fade a window with the one before and encode its segment; then drop the frames no one needs. Not a task
+    of its own: the second step of `blend_segment`."""
     store = _store(run)
     manifest = store.read_manifest()
     apply_profile(manifest.compute)
@@ -364,6 +391,26 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
     return StageResult(
         stage="segment", item=str(window), computed=True, seconds=time.perf_counter() - started, window=window
     )
+
+
+@task(name="blend-segment", task_run_name="blend-segment-window-{window}", **STAGE_TASK)
+def blend_segment(run: RunRef, window: int, attempt: str) -> list[StageResult]:
+    """A window's CPU work as one task run: its blend (`blend`, which waits for the window's tiles), its segment
+    (`segment`), then its part of the quality report (`tasks.quality.measure_window`, which never fails).
+
+    One task run, not three: each costs the Prefect API 3 to 4 state events whatever it does. Each stage still
+    writes its own record and finds it again, so a retry or a resumed run redoes only the stages not recorded. Each
+    result says how long before the task's end its stage ended (`ends_before`), so the run's stage clock places it
+    where it ran, not at the task's end.
+    """
+    from tasks.quality import measure_window
+
+    results: list[StageResult] = []
+    ended: list[float] = []
+    for step in (blend.fn, segment, measure_window):
+        results.append(step(run, window, attempt))
+        ended.append(time.perf_counter())
+    return _ending(results, ended)
 
 
 @contextmanager

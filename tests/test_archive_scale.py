@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextvars import ContextVar
 from pathlib import Path
 
 import pytest
@@ -176,32 +177,39 @@ def test_the_stand_in_runs_the_real_archive_flow(
     assert again.counts == {"reused": 2}
 
 
-def test_tile_progress_sends_a_count_within_a_stage_at_most_once_per_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A window of many tiles costs one progress request per stage and interval, not one a tile; a new stage or
-    window, and the end, are sent at once."""
+@pytest.mark.timed
+def test_tile_progress_is_sent_at_most_once_per_interval_and_the_end_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's stages and tiles cost one progress request per interval, not one a task: what comes within the
+    interval waits and the newest of it is sent by a timer when the interval is up; the final state goes at once and
+    nothing held back follows it."""
     from flows import artifacts
     from storage.progress import RunProgress
 
-    clock = [100.0]
-    monkeypatch.setattr(artifacts.time, "monotonic", lambda: clock[0])
     sent: list[str] = []
+    api: ContextVar[str] = ContextVar("api", default="none")  # as Prefect's settings are: a context variable
+    api.set("the run's")
+    seen: list[str] = []
     monkeypatch.setattr(artifacts, "create", lambda kind, key, data, text, run: sent.append(text))
-    monkeypatch.setattr(artifacts, "update", lambda artifact_id, data, text: sent.append(text))
-    progress = artifacts.TileProgress("clip.mp4", "key", None, RunProgress("encode", 0, 2, 0, 18), 2.0)
-    for done in range(1, 10):  # nine decodes within a second
-        clock[0] += 0.1
+
+    def update(artifact_id: object, data: float, text: str) -> None:
+        sent.append(text)
+        seen.append(api.get())
+
+    monkeypatch.setattr(artifacts, "update", update)
+    progress = artifacts.TileProgress("clip.mp4", "key", None, RunProgress("encode", 0, 2, 0, 18), 1.0)
+    for done in range(1, 10):  # a stage, then nine decodes, then the next window, all within the interval
         progress.update(RunProgress("decode", 0, 2, done, 18))
-    clock[0] += 2.0
-    progress.update(RunProgress("decode", 0, 2, 9, 18))  # the count held back, sent once the interval passed
-    progress.update(RunProgress("decode", 1, 2, 10, 18))  # the next window: at once
-    progress.update(RunProgress("done", 1, 2, 18, 18))
-    assert sent == [
-        "encode · window 1 of 2 · 0 of 18 tiles",
-        "decode · window 1 of 2 · 1 of 18 tiles",
-        "decode · window 1 of 2 · 9 of 18 tiles",
-        "decode · window 2 of 2 · 10 of 18 tiles",
-        "done · 18 of 18 tiles",
-    ]
+    progress.update(RunProgress("decode", 1, 2, 10, 18))
+    assert sent == ["encode · window 1 of 2 · 0 of 18 tiles"]
+    deadline = time.monotonic() + 5
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sent[1:] == ["decode · window 2 of 2 · 10 of 18 tiles"]  # only the newest, by the timer...
+    assert seen == ["the run's"]  # ...to the run's API, not to one its thread would find without the run's settings
+    progress.update(RunProgress("mux", 1, 2, 18, 18))  # within the next interval: held back...
+    progress.finish(RunProgress("done", 1, 2, 18, 18))  # ...and dropped: the end is sent at once
+    time.sleep(1.2)
+    assert sent[2:] == ["done · 18 of 18 tiles"]
 
 
 def _status_error(status: int, message: str) -> Exception:

@@ -215,9 +215,10 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
     )
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     # --verbose: every task line
-    assert "Task run 'decode-window-0-tile-5' - Finished in state Completed()" in rerun.stderr
+    assert "Task run 'denoise-decode-window-0-tiles-5' - Finished in state Completed()" in rerun.stderr
     summary = json.loads(rerun.stdout)
-    # Two tiles' latents were stored, none decoded: the rerun denoises the others and decodes every tile.
+    # Two tiles' latents were stored, none decoded: the rerun denoises the others and decodes every tile. A chunk's
+    # denoise and decode are one task here (runtime.lanes.Lanes.fuses): the two stored tiles are decoded alone.
     assert summary["items"]["denoise"] == {"computed": summary["tiles_total"] - 2, "reused": 2}
     assert (summary["tiles_computed"], summary["tiles_reused"]) == (summary["tiles_total"], 0)
     assert summary["dit_calls"] == 2 * summary["items"]["denoise"]["computed"]
@@ -246,6 +247,39 @@ def test_a_run_resumed_from_a_moved_source_reads_it_where_it_is_now(tiny_bundle_
     assert again.run == prepared.run
     assert not ingest.fn(again, "two").computed
     assert RunStore(tmp_path / "store", again.run.run_key).read_manifest().source.path == str(moved.resolve())
+
+
+def test_a_chunk_task_left_after_one_decoded_tile_resumes_the_other_tile_alone(
+    tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path
+) -> None:
+    """A chunk's denoise and its tiles' decodes are one task (`denoise-decode`), and each tile is still the unit of
+    resume: an attempt killed after the chunk's latents and its first tile were stored leaves the next one only the
+    second tile to decode, no DiT step; a third attempt computes nothing. Each stage's result says when it ended."""
+    from tasks import stage_tasks
+    from tasks.ingest import ingest
+
+    spec = ModelSpec(model=str(tiny_bundle_path))
+    with pytest.warns(UserWarning, match="not lossless"):
+        prepared = prepare_run(clip_1f, UpscaleParams(scale=2, tiles_batch_size=2), spec, tmp_path / "store")
+    run, chunk = prepared.run, prepared.plan.chunks[0]
+    assert chunk.tiles == (0, 1)
+    ingest.fn(prepared, "killed")
+    stage_tasks.encode.fn(run, spec, 0, "killed")
+    # What the killed attempt's task had stored: the chunk's latents, then its first tile.
+    stage_tasks.denoise.fn(run, spec, 0, 0, "killed")
+    stage_tasks.decode.fn(run, spec, 0, 0, "killed")
+    resumed = stage_tasks.denoise_decode.fn(run, spec, 0, 0, "resumed", "0-1")
+    assert [(r.stage, r.tiles, r.computed, r.dit_calls) for r in resumed] == [
+        ("denoise", (0, 1), False, 0),
+        ("decode", (0,), False, 0),
+        ("decode", (1,), True, 0),
+    ]
+    ends = [r.ends_before for r in resumed]
+    assert ends == sorted(ends, reverse=True) and ends[-1] == 0.0
+    store = RunStore(tmp_path / "store", run.run_key)
+    assert store.records.computed("resumed") == {"decode": {"0-1"}}
+    again = stage_tasks.denoise_decode.fn(run, spec, 0, 0, "again", "0-1")
+    assert not any(r.computed for r in again) and store.records.computed("again") == {}
 
 
 def test_tile_failing_once_is_retried(
@@ -423,5 +457,5 @@ def test_default_command_prints_a_bar_warnings_and_six_lines(tiny_bundle_path: P
     log = Path(lines[5].removeprefix("log: "))
     assert lines[4] == f"store: {log.parent}"
     logged = log.read_text()
-    assert "Task run 'decode-window-0-tile-0' - Finished in state Completed()" in logged
+    assert "Task run 'denoise-decode-window-0-tiles-0' - Finished in state Completed()" in logged
     assert "Flow run 'upscale-slow.mp4'" in logged

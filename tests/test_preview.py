@@ -78,6 +78,13 @@ def test_the_preview_runs_the_chosen_windows_as_a_run_schedules_them() -> None:
         finished = [item for item, _ in Scheduler(graph, submit, submit, 2).run()]
     assert sorted(ran, key=str) == sorted(graph.items, key=str) == sorted(finished, key=str)
     assert finished.index(Item("blend", 0)) > finished.index(Item("decode", 0, 0, (0,)))
+    # Where the run denoises and decodes a chunk as one task, so does its preview.
+    fused = preview_graph(plan, (0, 2), fused=True)
+    assert {(item.stage, item.window) for item in fused.items} == {
+        (stage, window) for stage in ("encode", "denoise-decode", "blend") for window in (0, 2)
+    }
+    chunk = Item("denoise-decode", 0, 0, (0,))
+    assert fused.waits_for_start(encode) == (chunk,) and fused.needs[Item("blend", 0)] == (chunk,)
 
 
 def test_the_rate_is_the_previews_wall_clock_over_the_frames_it_computed() -> None:

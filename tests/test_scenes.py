@@ -229,7 +229,7 @@ def test_the_flow_runs_scene_windows_as_the_runner_does(
     assert quality.model_dump(exclude={"seconds"}) == whole.model_dump(exclude={"seconds"})
     parts = {w: run_store.records.read("quality", str(w)) for w in range(plan.num_windows)}
     assert all(record is not None for record in parts.values())
-    assert quality_tasks.measure_window.fn(summary_ref(summary, store), 0, "later").computed is False
+    assert quality_tasks.measure_window(summary_ref(summary, store), 0, "later").computed is False
     # A report lost is joined again from the parts in the store: none is measured again.
     (store / "runs" / summary.run_key / "quality.json").unlink()
     third = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "third.mp4"), model)

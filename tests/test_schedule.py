@@ -47,13 +47,14 @@ class Lanes:
                 self.at_once = max(self.at_once, self._model_running)
         start = time.monotonic()
         time.sleep(self.seconds)
-        if item.stage == "blend":
+        if item.stage in ("blend", "blend-segment"):
             self._wait_for_tiles(item.window)  # as the blend task does: it adds tiles as they are decoded
         with self._lock:
             self.log.append((lane, item, start, time.monotonic()))
             self._model_running -= lane == "model"
-        if item.stage == "decode":
-            self._decoded(item.window, item.index).set()
+        if item.stage in ("decode", "denoise-decode"):
+            for tile in item.tiles:
+                self._decoded(item.window, tile).set()
         if item in self.failing:
             raise RuntimeError(f"{item} failed")
         return item
@@ -72,10 +73,10 @@ class Lanes:
         return next((s, e) for _, i, s, e in self.log if (i.stage, i.window, i.index) == (stage, window, index))
 
 
-def _run(plan: ClipPlan, lanes: Lanes, slots: int) -> list[Item]:
+def _run(plan: ClipPlan, lanes: Lanes, slots: int, fused: bool = False) -> list[Item]:
     """Every item the scheduler ran to its end, in the order they finished; failures are told to it (and kept in
     `lanes.failed`)."""
-    scheduler = Scheduler(clip_graph(plan), lanes.model, lanes.cpu, slots)
+    scheduler = Scheduler(clip_graph(plan, fused=fused), lanes.model, lanes.cpu, slots)
     finished = []
     for item, future in scheduler.run():
         if future.exception() is not None:
@@ -96,26 +97,80 @@ def test_one_model_slot_decodes_each_tile_as_soon_as_its_chunk_is_denoised() -> 
     assert lanes.at_once == 1
 
 
+def test_a_window_is_its_model_items_and_one_cpu_item() -> None:
+    """A window of 9 tiles (9 chunks) is 9 + 9 + 2 task runs: its encode, a denoise per chunk, a decode per tile and
+    one blend-segment (its blend, segment and part of the quality report), which needs the window before's."""
+    graph = clip_graph(_plan(2))
+    for window in (0, 1):
+        stages = [i.stage for i in graph.items if i.window == window]
+        assert stages == ["encode", *["denoise"] * 9, *["decode"] * 9, "blend-segment"]
+    second = Item("blend-segment", 1)
+    assert Item("blend-segment", 0) in graph.needs[second]
+    assert graph.needs_to_start(second) == (Item("decode", 1, 0, (0,)), Item("blend-segment", 0))
+    # A preview blends alone, each window on its own.
+    preview = clip_graph(_plan(2), segments=False)
+    assert [i.stage for i in preview.items if i.stage not in ("encode", "denoise", "decode")] == ["blend", "blend"]
+    assert preview.needs_to_start(Item("blend", 1)) == (Item("decode", 1, 0, (0,)),)
+
+
+def test_fused_a_window_is_an_encode_a_task_per_chunk_and_its_cpu_task() -> None:
+    """Where a chunk's denoise and its tiles' decodes are one task, a window of 9 one-tile chunks is 11 task runs
+    (not 20), taken in the same order on one slot, and the blend still starts with the first tile."""
+    graph = clip_graph(_plan(2), fused=True)
+    for window in (0, 1):
+        assert [i.stage for i in graph.items if i.window == window] == [
+            "encode",
+            *["denoise-decode"] * 9,
+            "blend-segment",
+        ]
+    one = Lanes()
+    _run(_plan(2), one, slots=1, fused=True)
+    model = [(i.stage, i.window, i.index) for lane, i, _, _ in sorted(one.log, key=lambda r: r[2]) if lane == "model"]
+    assert model == [
+        ("encode", 0, 0),
+        *[("denoise-decode", 0, n) for n in range(9)],
+        ("encode", 1, 0),
+        *[("denoise-decode", 1, n) for n in range(9)],
+    ]
+    two = Lanes(seconds=0.02)
+    finished = _run(_plan(3), two, slots=2, fused=True)
+    assert len(finished) == len(clip_graph(_plan(3), fused=True).items) and two.at_once == 2
+    for window in range(3):
+        blend = two.span("blend-segment", window)
+        last_chunk_end = max(two.span("denoise-decode", window, n)[1] for n in range(9))
+        assert two.span("denoise-decode", window, 0)[1] <= blend[0] < last_chunk_end <= blend[1]
+
+
+def test_lanes_fuse_a_chunks_decodes_unless_a_chunks_tiles_could_spread_over_workers() -> None:
+    from runtime.lanes import Lanes as TaskLanes
+
+    def submit(task: object, parameters: dict) -> None:
+        return None
+
+    with pytest.warns(UserWarning, match="not lossless"):
+        batched = make_plan((512, 768), 121, 24.0, UpscaleParams(scale=2, tiles_batch_size=3))
+    assert len(batched.chunks) == 3
+    threads, dask = TaskLanes(submit, submit, 2, "threads"), TaskLanes(submit, submit, 4, "dask", spread=True)
+    assert threads.fuses(_plan(1)) and threads.fuses(batched)
+    assert dask.fuses(_plan(1)) and not dask.fuses(batched)
+
+
 def test_blend_and_segment_overlap_the_next_windows_model_work() -> None:
     lanes = Lanes(seconds=0.02)
     _run(_plan(3), lanes, slots=2)
     assert lanes.at_once == 2
+    assert {lane for lane, i, _, _ in lanes.log if i.stage == "blend-segment"} == {"cpu"}
     for window in (0, 1):
-        blend, segment = lanes.span("blend", window), lanes.span("segment", window)
-        assert {lane for lane, i, _, _ in lanes.log if i.stage in ("blend", "segment")} == {"cpu"}
-        # Window k's blend and segment run while window k+1's tiles are still being denoised or decoded.
+        blend = lanes.span("blend-segment", window)
+        # Window k's blend-segment runs while window k+1's tiles are still being denoised or decoded.
         next_model_end = max(e for lane, i, _, e in lanes.log if lane == "model" and i.window == window + 1)
-        assert blend[0] < next_model_end and segment[0] < next_model_end
-        # The blend starts with the first decoded tile and takes the others as they come: it begins before the
-        # window's last decode ends, and ends after it. The segment starts once the blend has ended.
+        assert blend[0] < next_model_end
+        # It starts with the first decoded tile and takes the others as they come: it begins before the window's
+        # last decode ends, and ends after it.
         last_decode_end = max(lanes.span("decode", window, t)[1] for t in range(9))
         assert lanes.span("decode", window, 0)[1] <= blend[0] < last_decode_end <= blend[1]
-        assert segment[0] >= blend[1]
-        # The window's part of the quality report is measured from its segment, on the CPU lane, beside the next
-        # window's model work too.
-        quality = lanes.span("quality", window)
-        assert quality[0] >= segment[1] and quality[0] < next_model_end
-    assert {lane for lane, i, _, _ in lanes.log if i.stage == "quality"} == {"cpu"}
+        # The next window's starts once this one has ended (its segment cross-fades into this window's frames).
+        assert lanes.span("blend-segment", window + 1)[0] >= blend[1]
     first_decode = lanes.span("decode", 0, 0)[0]
     assert first_decode < lanes.span("denoise", 0, 8)[1]
 
@@ -125,20 +180,21 @@ def test_a_failed_tile_stops_only_what_needs_it() -> None:
     lanes = Lanes(failing=failing)
     finished = _run(_plan(2), lanes, slots=2)
     ran = {(i.stage, i.window) for i in finished}
-    # Window 0 cannot be blended (its blend started with tile 0 and failed for want of tile 4), so neither its segment
-    # nor window 1's (which reads window 0's frames) is made.
-    assert ("segment", 0) not in ran and ("segment", 1) not in ran
-    assert ("blend", 0) not in {(i.stage, i.window) for i in finished if i not in lanes.failed}
-    # Everything else is computed, so that a rerun has only that tile and what follows it left.
+    # Window 0 cannot be blended (its blend-segment started with tile 0 and failed for want of tile 4), so window
+    # 1's, whose segment reads window 0's frames, never starts.
+    assert ("blend-segment", 0) in ran and Item("blend-segment", 0) in lanes.failed
+    assert ("blend-segment", 1) not in ran
+    # The model work of both windows is computed, so that a rerun has only that tile and what follows it left.
     assert sum(1 for i in finished if i.window == 1 and i.stage == "decode") == 9
-    assert ("blend", 1) in ran
+    assert sum(1 for i in finished if i.window == 0 and i.stage == "decode") == 9
 
 
 def test_a_window_whose_encode_fails_does_not_hold_back_the_next() -> None:
     lanes = Lanes(failing=(Item("encode", 0, 0, tuple(range(9))),))
     finished = _run(_plan(2), lanes, slots=2)
     assert [i.stage for i in finished if i.window == 0] == ["encode"]
-    assert {i.stage for i in finished if i.window == 1} == {"encode", "denoise", "decode", "blend"}
+    # The next window's model work goes on; its segment, which reads window 0's frames, waits for a rerun.
+    assert {i.stage for i in finished if i.window == 1} == {"encode", "denoise", "decode"}
 
 
 def test_the_model_lane_needs_a_slot() -> None:
@@ -240,7 +296,7 @@ def test_a_cpu_queue_bounds_the_cpu_lane_and_everything_still_runs() -> None:
 def test_without_a_streaming_blend_a_window_is_blended_once_every_tile_is_decoded() -> None:
     """What a cluster whose threads both lanes share without model slots gets (`runtime.lanes`)."""
     graph = clip_graph(_plan(1), stream_blend=False)
-    blend = Item("blend", 0)
+    blend = Item("blend-segment", 0)
     assert graph.needs_to_start(blend) == graph.needs[blend] and len(graph.needs[blend]) == 9
     assert clip_graph(_plan(1)).needs_to_start(blend) == (Item("decode", 0, 0, (0,)),)
 

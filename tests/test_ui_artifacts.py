@@ -70,6 +70,18 @@ def test_spans_follow_the_pipeline_and_add_up_to_the_run() -> None:
     assert clock.task_seconds()["denoise"] == 2.8
 
 
+def test_a_task_of_several_stages_places_each_where_it_ended() -> None:
+    """A blend-segment task that returns at 6.0 s after a blend that ended at 4.0 s (1.0 s of work), a segment at
+    5.5 s (1.5 s) and a quality part at 6.0 s (0.5 s): each stage spans its own seconds, not the task's end."""
+    time = FakeTime()
+    clock = StageClock(now=time)
+    time.now = 1006.0
+    for stage, seconds, ends_before in (("blend", 1.0, 2.0), ("segment", 1.5, 0.5), ("quality", 0.5, 0.0)):
+        clock.finished(stage, seconds, ends_before)
+    spans = {s.stage: (s.starts, s.ends) for s in clock.spans()}
+    assert spans == {"blend": (3.0, 4.0), "segment": (4.0, 5.5), "quality": (5.5, 6.0)}
+
+
 def test_printed_adds_sum_exactly_to_the_last_end() -> None:
     clock = _clock([(0.123, "ingest", 0.1), (0.456, "encode", 0.2), (0.789, "decode", 0.2), (0.7891, "denoise", 0.3)])
     printed = [float(f"{s.adds:.2f}") for s in clock.spans()]
@@ -255,20 +267,24 @@ def test_tile_progress_says_each_moment_once_even_when_two_tiles_finish_together
 def test_each_clip_run_owns_its_artifacts(
     prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path, monkeypatch
 ) -> None:
-    """A clip and its copy share a run key but not their artifacts; progress counts every decoded tile."""
+    """A clip and its copy share a run key but not their artifacts; progress counts every decoded tile, at most
+    once per interval and the end at once."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
     from prefect.runtime import flow_run
 
     from flows.orchestrate import run_clip
+    from flows.upscale_clip import PROGRESS_EVERY_S
     from k6vsr_core.params import UpscaleParams
     from service.runs import prepare_run
 
     updates: list[tuple[str, object, str]] = []
+    sent_at: dict[str, list[float]] = {}
     real_update = artifacts.update
 
     def recording(artifact_id, data, description):
         updates.append((flow_run.id, data, description))
+        sent_at.setdefault(flow_run.id, []).append(time.monotonic())
         real_update(artifact_id, data, description)
 
     monkeypatch.setattr(artifacts, "update", recording)
@@ -287,15 +303,18 @@ def test_each_clip_run_owns_its_artifacts(
     ]
     assert summaries[0].run_key == summaries[1].run_key and summaries[1].tiles_reused == summaries[1].tiles_total
     total = summaries[0].tiles_total
-    # The first run names its stages as they pass, in pipeline order, and counts up to every tile, never saying
-    # the same twice (two tiles may finish together); the second, which decodes nothing, says at once it is done.
+    # The first run names its stages as they are when it sends, in pipeline order, at most once per interval and
+    # the end at once, and counts up to every tile, never saying the same twice (two tiles may finish together);
+    # the second, which decodes nothing, says at once it is done.
     first = [(data, text) for run, data, text in updates if run == run_ids[0]]
     texts = [text for _, text in first]
     assert len(texts) == len(set(texts)), texts
     stages = [text.split(" · ")[0] for text in texts]
     order = [*PIPELINE, "done"]
     assert [order.index(stage) for stage in stages] == sorted(order.index(stage) for stage in stages), texts
-    assert {"mux", "publish"} <= set(stages) and texts[-1] == f"done · {total} of {total} tiles", texts
+    assert texts[-1] == f"done · {total} of {total} tiles", texts
+    times = sent_at[run_ids[0]][:-1]
+    assert all(b - a >= PROGRESS_EVERY_S - 0.1 for a, b in zip(times, times[1:], strict=False)), times
     counts = [int(text.split(" · ")[-1].split(" of ")[0]) for text in texts]
     assert counts == sorted(counts) and first[-1][0] == 100.0
     assert all(data == artifacts.percent(n, total) for n, (data, _) in zip(counts, first, strict=True))
