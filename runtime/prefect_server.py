@@ -202,13 +202,9 @@ def _launch(folder: StateFolder, port: int, secured: bool, database: server_data
         "secondary": database.secondary,
     }
     try:
-        folder.launch(command, _server_env(folder.path, port, auth, database), fields)
+        return folder.launch_recorded(command, _server_env(folder.path, port, auth, database), fields, ServerRecord)
     except LaunchFailed as err:
         raise ServerError(f"the Prefect server could not be launched: {err}") from None
-    record = folder.read(ServerRecord)
-    if record is None:
-        raise ServerError(f"the Prefect server could not be launched: no record in {folder.record_path}")
-    return record
 
 
 def _wait_healthy(record: ServerRecord, timeout: float) -> bool:

@@ -130,6 +130,16 @@ class StateFolder:
         if launcher.returncode != 0:
             raise LaunchFailed(launcher.stderr.strip()[-2000:] or f"the launcher exited with {launcher.returncode}")
 
+    def launch_recorded(
+        self, argv: list[str], env: dict[str, str], fields: dict[str, object], model_type: type[Record]
+    ) -> Record:
+        """`launch`, then its record as `model_type`; LaunchFailed if it left none."""
+        self.launch(argv, env, fields)
+        record = self.read(model_type)
+        if record is None:
+            raise LaunchFailed(f"no record in {self.record_path}")
+        return record
+
     def rotate_log(self) -> None:
         """Each start appends to the log: past `LOG_KEEP_BYTES`, keep the previous log, once, and start anew."""
         with contextlib.suppress(OSError):

@@ -186,13 +186,9 @@ def _launch(folder: StateFolder, count: int, devices: list[str], model_json: str
     # The supervisor rewrites the record with its address once ready; the launcher writes it only if not yet done.
     fields = {"started_at": now(), "workers": count, "gpus": devices, "model": model_json}
     try:
-        folder.launch(argv, env, fields)
+        return folder.launch_recorded(argv, env, fields, WorkersRecord)
     except LaunchFailed as err:
         raise WorkersError(f"the warm workers could not be launched: {err}; see {folder.log_path}") from None
-    record = folder.read(WorkersRecord)
-    if record is None:
-        raise WorkersError(f"the warm workers could not be launched; see {folder.log_path}")
-    return record
 
 
 def _wait_ready(folder: StateFolder, record: WorkersRecord) -> WorkersRecord:

@@ -70,3 +70,18 @@ def test_a_service_that_cannot_start_says_why(tmp_path: Path) -> None:
     with pytest.raises(LaunchFailed, match="No such file"):
         folder.launch([str(tmp_path / "no-such-program")], dict(os.environ), {})
     assert not folder.record_path.exists()
+
+
+def test_a_launch_that_leaves_no_record_it_can_read_says_so(tmp_path: Path) -> None:
+    from pydantic import BaseModel
+
+    class Record(BaseModel):
+        pid: int
+        address: str  # what the service itself would have written, and this one does not
+
+    folder = StateFolder(tmp_path, "svc")
+    with pytest.raises(LaunchFailed, match="no record in"):
+        folder.launch_recorded([sys.executable, "-c", "pass"], dict(os.environ), {}, Record)
+    fresh = StateFolder(tmp_path / "fresh", "svc")
+    record = fresh.launch_recorded([sys.executable, "-c", "pass"], dict(os.environ), {"address": "here"}, Record)
+    assert record.address == "here"
