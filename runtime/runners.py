@@ -78,6 +78,7 @@ def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:
         "threads_per_worker": WORKER_THREADS,
         "resources": WORKER_RESOURCES,
         "dashboard_address": ":0",
+        "preload": ["runtime.worker_quiet"],
     }
 
 
