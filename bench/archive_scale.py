@@ -4,8 +4,10 @@
         [--database postgresql+asyncpg://USER:PASSWORD@HOST:PORT/EMPTY_DATABASE]
 
 What runs: a Prefect server (Prefect's own app, `prefect.server.api.server.create_app`, with its services, on a
-SQLite database in the work folder, or with `--database` on an empty PostgreSQL database) wrapped in one ASGI
-middleware that counts every HTTP request and every message received on a websocket (Prefect 3 clients send
+SQLite database in the work folder, its write transactions taking the lock at BEGIN as the local server's do
+(`runtime.sqlite_writes`; `K6VSR_BENCH_SQLITE_AS_PREFECT=1` leaves Prefect's own), or with `--database` on an empty
+PostgreSQL database) wrapped in one ASGI middleware that counts every HTTP request, its answers other than a success
+and the server's milliseconds per route, and every message received on a websocket (Prefect 3 clients send
 task-run states as events over `/api/events/in`) at the server;
 then `k6vsr archive` as a subprocess pointed at it (`PREFECT_API_URL`), on N synthetic 64x64 clips (every fifth
 122 frames long, so two windows of one tile; the others one frame, one window), the tiny random bundle on the CPU
@@ -52,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 PROBE_HEADER = "x-k6vsr-bench-probe"
 LONG_EVERY = 5  # every fifth clip is two windows long
+MAX_PARALLEL = 0  # --max-parallel: the archive's clips in flight (0: its default)
 
 # The server: Prefect's app inside a counting middleware. Run as `python -c SERVER home port counts.json`.
 SERVER = r"""
@@ -59,6 +62,9 @@ import json, os, re, sys, threading, time
 from collections import Counter
 home, port, counts_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 import uvicorn
+if os.environ.get("K6VSR_BENCH_SQLITE_AS_PREFECT") != "1":  # the local server's SQLite writes, as k6vsr runs them
+    from runtime.sqlite_writes import take_write_lock_at_begin
+    take_write_lock_at_begin()
 from prefect.server.api.server import create_app
 ids = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 counts = Counter()
@@ -74,9 +80,20 @@ class Counting:
             return await self.app(scope, receive, send)
         route = ids.sub("{id}", scope["path"])
         if kind == "http":
+            key = f"{scope['method']} {route}"
             with lock:
-                counts[f"http {scope['method']} {route}"] += 1
-            return await self.app(scope, receive, send)
+                counts[f"http {key}"] += 1
+            started = time.perf_counter()
+            async def timed(message):
+                if message["type"] == "http.response.start" and message["status"] >= 300:
+                    with lock:
+                        counts[f"answer {message['status']} {key}"] += 1
+                return await send(message)
+            try:
+                return await self.app(scope, receive, timed)
+            finally:
+                with lock:  # seconds from the request to its answer's end, in milliseconds, over all of the route's
+                    counts[f"ms {key}"] += round(1000 * (time.perf_counter() - started))
         with lock:
             counts[f"ws-open {route}"] += 1
         async def counted():
@@ -122,6 +139,7 @@ def start_server(work: Path, database_url: str | None = None) -> tuple[subproces
         "PREFECT_SERVER_API_HOST": "127.0.0.1",
         "PREFECT_SERVER_API_PORT": str(port),
         "PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api",
+        "PYTHONPATH": str(ROOT),
     }
     env.pop("PREFECT_API_URL", None)
     if database_url:
@@ -252,6 +270,7 @@ class Sampler:
 
 
 def archive_command(inp: Path, out: Path, store: Path, bundle: Path) -> list[str]:
+    extra = ["--max-parallel", str(MAX_PARALLEL)] if MAX_PARALLEL else []
     return [
         sys.executable,
         "-m",
@@ -269,6 +288,7 @@ def archive_command(inp: Path, out: Path, store: Path, bundle: Path) -> list[str
         "--store",
         str(store),
         "--json",
+        *extra,
     ]
 
 
@@ -364,6 +384,14 @@ def summarise(values: list[float]) -> dict[str, float]:
     }
 
 
+def _requests(counts: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in counts.items() if k.startswith(("http ", "ws-"))}
+
+
+def _prefixed(counts: dict[str, int], prefix: str) -> dict[str, int]:
+    return {k.removeprefix(prefix): v for k, v in counts.items() if k.startswith(prefix)}
+
+
 def total(counts: dict[str, int], prefix: str = "") -> int:
     return sum(n for key, n in counts.items() if key.startswith(prefix))
 
@@ -390,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=int, default=0, help="also kill a second archive at this clip and resume")
     parser.add_argument("--windows", type=int, default=0, choices=(0, 1, 2, 3), help="windows a clip (0: a mix)")
     parser.add_argument("--size", default="64x64", help="WIDTHxHEIGHT of every clip (64x64: one tile a window)")
+    parser.add_argument("--max-parallel", type=int, default=0, help="the archive's clips in flight (default: its own)")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     parser.add_argument("--append", action="store_true", help="append the table to bench/RESULTS.md")
@@ -401,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         help="the server's database: an empty PostgreSQL one (postgresql+asyncpg://...); default SQLite in --work",
     )
     args = parser.parse_args(argv)
+    global MAX_PARALLEL
+    MAX_PARALLEL = args.max_parallel
     if args.database:
         from runtime import server_database
 
@@ -428,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         "PREFECT_API_URL": api,
         "PREFECT_HOME": str(work / "client-home"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # As the command sets it for its own local server (runtime.prefect_api); this server has no CSRF either.
+        "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED": "false",
         "K6VSR_SERVER_HOME": str(work / "k6vsr-server"),
         "K6VSR_WORKERS_HOME": str(work / "k6vsr-workers"),
         "K6VSR_WARM_WORKERS": "off",
@@ -470,7 +503,11 @@ def main(argv: list[str] | None = None) -> int:
             "ws_messages": total(counts, "ws-msg"),
             "requests_per_clip": round(requests / clips, 2),
             "requests_per_window": round(requests / windows, 2),
-            "top_routes": dict(sorted(counts.items(), key=lambda kv: -kv[1])[:12]),
+            "top_routes": dict(sorted(_requests(counts).items(), key=lambda kv: -kv[1])[:12]),
+            # The answers that were not a success (a 503: SQLite was busy, and the client waited about 2 s) and the
+            # milliseconds the server took over each route, in all.
+            "answers_not_ok": {k: v for k, v in counts.items() if k.startswith("answer ")},
+            "server_ms_by_route": dict(sorted(_prefixed(counts, "ms ").items(), key=lambda kv: -kv[1])[:12]),
             "rss_command_mib": summarise(sampler.rss["command"]),
             "rss_server_mib": summarise(sampler.rss["server"]),
             # Every tenth sample (10 s apart), to see whether memory grows with the clips done.
@@ -584,6 +621,13 @@ def table(result: dict) -> str:
         )
     lines.append("")
     lines.append("Most frequent routes: " + ", ".join(f"`{k}` {v}" for k, v in run["top_routes"].items()) + ".")
+    lines.append(
+        "Answers other than a success: "
+        + (", ".join(f"`{k.removeprefix('answer ')}` {v}" for k, v in run["answers_not_ok"].items()) or "none")
+        + ". Server ms by route, in all: "
+        + ", ".join(f"`{k}` {v}" for k, v in run["server_ms_by_route"].items())
+        + "."
+    )
     return "\n".join(lines)
 
 

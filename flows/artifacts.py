@@ -10,6 +10,7 @@ Artifacts are best effort: a Prefect API that cannot take one logs a warning and
 from __future__ import annotations
 
 import base64
+import contextlib
 import contextvars
 import hashlib
 import io
@@ -19,8 +20,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -157,8 +157,9 @@ class TileProgress:
     Each update is a request to the Prefect API: sent at every stage's end, they were a sixth of a run's requests.
     So a state is sent at once only when `every_s` has passed since the last one; else it waits, and a timer sends
     the newest one when the interval is up (a run whose tasks are minutes long still shows each state within
-    `every_s`). `finish` sends the final state at once. The terminal reads its progress from the run store, not
-    from here: it is not held back.
+    `every_s`). `finish` sends the final state at once. The interval counts from the run's start, and the artifact
+    is made by the first state sent: a clip shorter than `every_s` makes one request, its end. The terminal reads
+    its progress from the run store, not from here: it is not held back.
     """
 
     def __init__(
@@ -169,16 +170,16 @@ class TileProgress:
         progress: RunProgress,
         every_s: float = 0.0,
     ) -> None:
-        self._shown = progress.text()
+        self._key, self._run = clip_key("tiles", source, run_key), flow_run_id
+        self._id: UUID | str | None = None  # made by the first state sent
+        self._shown: str | None = None
         self._every, self._sent = every_s, time.monotonic()
         self._made = self._sent_made = 0  # the states given so far, and the number of the last one sent
         self._pending: tuple[int, RunProgress] | None = None
         self._timer: threading.Timer | None = None
         self._lock = threading.Lock()  # the fields above
         self._sending = threading.Lock()  # one request at a time, in order
-        self._id = create(
-            "progress", clip_key("tiles", source, run_key), _share(progress), progress.text(), flow_run_id
-        )
+        self.update(progress)
 
     def update(self, progress: RunProgress) -> None:
         """The run's progress as the store says it now; what was last sent is not sent again."""
@@ -224,7 +225,10 @@ class TileProgress:
             self._shown, self._sent_made = text, made
             with self._lock:
                 self._sent = time.monotonic()
-            update(self._id, _share(progress), text)
+            if self._id is None:
+                self._id = create("progress", self._key, _share(progress), text, self._run)
+            else:
+                update(self._id, _share(progress), text)
 
 
 def _share(progress: RunProgress) -> float:
@@ -424,9 +428,9 @@ class ArchiveProgress:
         self._id = create("progress", f"archive-progress-{archive}", 0.0, self._shown, flow_run_id)
 
     def started(self, clip: str, store: RunStore) -> None:
+        """Shown by the next poll of `watching`, not at once: two requests a clip were a tenth of a short clip's."""
         with self._lock:
             self.running[clip] = store
-            self._show()
 
     def finished(self, clip: str, failed: bool) -> None:
         with self._lock:
@@ -434,7 +438,6 @@ class ArchiveProgress:
             self._plans.pop(clip, None)
             self.failed += failed
             self.done += not failed
-            self._show()
 
     def text(self) -> str:
         """`clips: 1 done, 0 failed, 2 left · b.mp4: decode · window 2 of 3 · 7 of 18 tiles`."""
@@ -452,11 +455,17 @@ class ArchiveProgress:
             self._shown = text
             update(self._id, percent(self.done + self.failed, self.total), text)
 
-    def watching(self, every_s: float = ARCHIVE_POLL_S) -> AbstractContextManager[None]:
-        """While the block runs, the running clips' progress is shown every `every_s` seconds as it changes."""
+    @contextlib.contextmanager
+    def watching(self, every_s: float = ARCHIVE_POLL_S) -> Iterator[None]:
+        """While the block runs, the clips and the running clips' progress are shown every `every_s` seconds as
+        they change, and once more as it ends."""
 
         def show() -> None:
             with self._lock:
                 self._show()
 
-        return polling(show, "archive-progress", every_s)
+        try:
+            with polling(show, "archive-progress", every_s):
+                yield
+        finally:
+            show()

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 from uuid import UUID
 
-from prefect import flow, get_run_logger
+from prefect import Flow, flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Failed
 from pydantic import BaseModel
@@ -504,18 +504,49 @@ def shared_tiles_cluster(workers: int, gpus: bool, dask_address: str | None) -> 
         yield cluster.scheduler_address
 
 
+# The name of the clip run a thread of the archive is starting: the clip's path relative to the archive's input.
+CLIP_RUN_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("k6vsr_clip_run_name", default="upscale-clip")
+
+
+def _clip_run_name() -> str:
+    return CLIP_RUN_NAME.get()
+
+
+def clip_flow_of_archive(dask_address: str | None = None) -> Flow:
+    """The clip flow as an archive runs it, made once per archive: a flow's options rebuild its parameters' schema
+    (55 ms a clip); the run's name comes from `CLIP_RUN_NAME`."""
+    return upscale_clip.with_options(flow_run_name=_clip_run_name, task_runner=make_task_runner(1, dask_address, False))
+
+
+@contextlib.contextmanager
+def clip_runs_without_heartbeats() -> Iterator[None]:
+    """Clip runs started in the block (in threads that copy its context) send no heartbeats of their own.
+
+    Prefect joins a flow run's heartbeat thread as the run ends, and that thread looks for its stop once a second:
+    half a second a clip on average, while the clip thread holds its slot. The archive run's own heartbeats go on
+    (its engine read the setting as it started), so a killed archive still stops beating, and each clip run's lease
+    (runtime.flow_leases) marks it Crashed once its process is gone.
+    """
+    from prefect.settings import temporary_settings
+
+    with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+        yield
+
+
 def upscale_one(
-    relative_path: str, output: str, prepared: PreparedRun, model: ModelSpec, dask_address: str | None = None
+    relative_path: str, output: str, prepared: PreparedRun, model: ModelSpec, clip_flow: Flow
 ) -> tuple[str, ClipSummary | Exception]:
-    """Run the clip flow on the clip's plan, as a subflow of this flow run, named after the clip.
+    """Run `clip_flow` (`clip_flow_of_archive`) on the clip's plan, as a subflow of this flow run, named after the
+    clip.
 
     Returns the clip's flow run id and its summary, or the error it failed with. Called straight from the archive
     flow, not from a task: the clip run's artifacts then belong to the clip run alone.
     """
-    clip_flow = upscale_clip.with_options(
-        flow_run_name=f"upscale-{relative_path}", task_runner=make_task_runner(1, dask_address, False)
-    )
-    state = clip_flow(prepared=prepared, output=output, model=model, return_state=True)
+    named = CLIP_RUN_NAME.set(f"upscale-{relative_path}")
+    try:
+        state = clip_flow(prepared=prepared, output=output, model=model, return_state=True)
+    finally:
+        CLIP_RUN_NAME.reset(named)
     try:
         return str(state.state_details.flow_run_id), state.result()
     except Exception as err:  # noqa: BLE001 - the clip failed: its row says why, the others go on
@@ -632,6 +663,7 @@ def run_clips(
     # a concurrency limit bounds runs but starts none; and a clip run started from a task would file its artifacts
     # under that task (flows.artifacts).
     shared = SharedQueue()
+    clip_flow = clip_flow_of_archive(address)
 
     def run(index: int) -> tuple[int, ArchiveRow, float, str | None]:
         """The clip's finished row. Its summary (its quality report with it) or its error (with the frames of its
@@ -642,7 +674,9 @@ def run_clips(
         started = time.perf_counter()
         for attempt in range(1 + API_BUSY_RETRIES):
             try:
-                clip_run, outcome = upscale_one(row.relative_path, row.output, plans[row.relative_path], model, address)
+                clip_run, outcome = upscale_one(
+                    row.relative_path, row.output, plans[row.relative_path], model, clip_flow
+                )
             except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
                 clip_run, outcome = None, err
             if attempt == API_BUSY_RETRIES or not api_busy(outcome):
@@ -654,6 +688,7 @@ def run_clips(
 
     with (
         progress.watching(),
+        clip_runs_without_heartbeats(),
         ThreadPoolExecutor(max_workers=max(1, max_parallel), thread_name_prefix="archive-clip") as pool,
     ):
         # Each clip runs in a copy of this flow run's context, so its flow run is a subflow of this run.

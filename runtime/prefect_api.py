@@ -13,6 +13,9 @@ from pathlib import Path
 from runtime.flow_leases import mark_crashed_runs
 from runtime.prefect_server import HOME_ENV, server_auth, start_server
 
+# Without it a Prefect client asks the server for a CSRF token on each new connection, one more request a clip run.
+CSRF_SETTING = "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED"
+
 
 def configured_api_url() -> str | None:
     """`PREFECT_API_URL` from the environment or the active Prefect profile, if any."""
@@ -47,18 +50,24 @@ def prefect_api(home: Path | None = None, secured: bool = False) -> Iterator[str
     from prefect.settings import (
         PREFECT_API_AUTH_STRING,
         PREFECT_API_URL,
+        PREFECT_CLIENT_CSRF_SUPPORT_ENABLED,
         PREFECT_SERVER_ANALYTICS_ENABLED,
         temporary_settings,
     )
 
+    ours = configured_api_url() is None
     url = ensure_server(home, secured)
     auth = api_auth(home)
     exported = {"PREFECT_API_URL": url, **({"PREFECT_API_AUTH_STRING": auth} if auth else {})}
+    if ours:  # the local server runs without CSRF protection (runtime.prefect_server)
+        exported[CSRF_SETTING] = "false"
     if home is not None:  # flow runs hold their leases beside the server they report to
         exported[HOME_ENV] = str(home)
     saved = {name: os.environ.get(name) for name in exported}
     os.environ.update(exported)
     updates = {PREFECT_API_URL: url, PREFECT_SERVER_ANALYTICS_ENABLED: False}
+    if ours:
+        updates[PREFECT_CLIENT_CSRF_SUPPORT_ENABLED] = False
     if auth:
         updates[PREFECT_API_AUTH_STRING] = auth
     try:

@@ -179,6 +179,9 @@ def _server_env(home: Path, port: int, auth: str | None, database: server_databa
         # The UI asks `/ui-settings` where its API is; Prefect answers from the settings, not from `--port`, so
         # without this a server started on another port than 4200 would send its UI to 4200.
         PREFECT_SERVER_UI_API_URL=f"http://{HOST}:{port}/api",
+        # Off, as in Prefect's default, and said here because the commands that report to it skip the token
+        # (runtime.prefect_api): a client asks for one per new connection otherwise, a request a clip.
+        PREFECT_SERVER_CSRF_PROTECTION_ENABLED="false",
     )
     if auth is not None:
         env["PREFECT_SERVER_API_AUTH_STRING"] = auth
@@ -193,7 +196,8 @@ def _launch(folder: StateFolder, port: int, secured: bool, database: server_data
         _auth_path(folder).unlink(missing_ok=True)
     else:
         atomic_write_bytes(_auth_path(folder), auth.encode())  # owner-only (mkstemp), before the server can answer
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", HOST, "--port", str(port)]
+    # `prefect server start`, with SQLite's write transactions taking their lock at BEGIN (runtime.sqlite_writes)
+    command = [sys.executable, "-m", "runtime.sqlite_writes", "server", "start", "--host", HOST, "--port", str(port)]
     fields = {
         "port": port,
         "url": f"http://{HOST}:{port}/api",

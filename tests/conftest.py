@@ -131,7 +131,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
     env.pop("PREFECT_API_URL", None)
     log = (home / "server.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        [sys.executable, "-m", "runtime.sqlite_writes", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -185,31 +185,49 @@ def test_tile_progress_is_sent_at_most_once_per_interval_and_the_end_at_once(mon
     from flows import artifacts
     from storage.progress import RunProgress
 
-    sent: list[str] = []
+    sent: list[tuple[str, str]] = []
     api: ContextVar[str] = ContextVar("api", default="none")  # as Prefect's settings are: a context variable
     api.set("the run's")
     seen: list[str] = []
-    monkeypatch.setattr(artifacts, "create", lambda kind, key, data, text, run: sent.append(text))
+
+    def create(kind: str, key: str, data: float, text: str, run: object) -> str:
+        sent.append(("create", text))
+        seen.append(api.get())
+        return "artifact-id"
 
     def update(artifact_id: object, data: float, text: str) -> None:
-        sent.append(text)
+        sent.append(("update", text))
         seen.append(api.get())
 
+    monkeypatch.setattr(artifacts, "create", create)
     monkeypatch.setattr(artifacts, "update", update)
     progress = artifacts.TileProgress("clip.mp4", "key", None, RunProgress("encode", 0, 2, 0, 18), 1.0)
-    for done in range(1, 10):  # a stage, then nine decodes, then the next window, all within the interval
+    for done in range(1, 10):  # a stage, then nine decodes, then the next window, all within the first interval
         progress.update(RunProgress("decode", 0, 2, done, 18))
     progress.update(RunProgress("decode", 1, 2, 10, 18))
-    assert sent == ["encode · window 1 of 2 · 0 of 18 tiles"]
+    assert sent == []  # the interval counts from the run's start
     deadline = time.monotonic() + 5
-    while len(sent) < 2 and time.monotonic() < deadline:
+    while not sent and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert sent[1:] == ["decode · window 2 of 2 · 10 of 18 tiles"]  # only the newest, by the timer...
+    assert sent == [("create", "decode · window 2 of 2 · 10 of 18 tiles")]  # only the newest, by the timer...
     assert seen == ["the run's"]  # ...to the run's API, not to one its thread would find without the run's settings
     progress.update(RunProgress("mux", 1, 2, 18, 18))  # within the next interval: held back...
     progress.finish(RunProgress("done", 1, 2, 18, 18))  # ...and dropped: the end is sent at once
     time.sleep(1.2)
-    assert sent[2:] == ["done · 18 of 18 tiles"]
+    assert sent[1:] == [("update", "done · 18 of 18 tiles")]
+
+
+def test_a_clip_shorter_than_the_interval_sends_its_progress_once(monkeypatch) -> None:
+    from flows import artifacts
+    from storage.progress import RunProgress
+
+    sent: list[tuple[str, str]] = []
+    monkeypatch.setattr(artifacts, "create", lambda kind, key, data, text, run: sent.append((kind, text)) or "id")
+    monkeypatch.setattr(artifacts, "update", lambda artifact_id, data, text: sent.append(("update", text)))
+    progress = artifacts.TileProgress("clip.mp4", "key", None, RunProgress("encode", 0, 1, 0, 1), 30.0)
+    progress.update(RunProgress("decode", 0, 1, 1, 1))
+    progress.finish(RunProgress("done", 0, 1, 1, 1))
+    assert sent == [("progress", "done · 1 of 1 tile")]
 
 
 def _status_error(status: int, message: str) -> Exception:
@@ -305,3 +323,52 @@ def test_a_finished_clip_s_summary_is_not_kept_while_the_archive_runs(
     )
     assert state.is_completed() and len(handed) == 3
     assert alive_at_start == [0, 0, 0]
+
+
+def test_clip_runs_send_no_heartbeats_of_their_own_and_are_named_after_their_clip(
+    prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefect joins a run's heartbeat thread as it ends, up to a second a clip: the clip runs of an archive have
+    none, the archive run keeps its own, and each clip run is still named after its clip's path."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.settings import get_current_settings
+
+    import flows.upscale_archive as archive
+    import flows.upscale_clip as clip
+
+    monkeypatch.setenv("K6VSR_FAKE_MODEL_MS", "1")
+    monkeypatch.setenv("K6VSR_BENCH_ONLY", "1")
+    _clips(tmp_path / "in" / "sub", 2)
+    seen: dict[str, list[int | None]] = {"archive": [], "clip": []}
+    write_manifest, report = archive.write_manifest, clip._report
+
+    def archive_writes(*args, **kwargs):
+        seen["archive"].append(get_current_settings().flows.heartbeat_frequency)
+        return write_manifest(*args, **kwargs)
+
+    def clip_reports(*args, **kwargs):
+        seen["clip"].append(get_current_settings().flows.heartbeat_frequency)
+        return report(*args, **kwargs)
+
+    monkeypatch.setattr(archive, "write_manifest", archive_writes)
+    monkeypatch.setattr(clip, "_report", clip_reports)
+    state = archive.upscale_archive(
+        input_dir=str(tmp_path / "in"),
+        output_dir=str(tmp_path / "out"),
+        params=PARAMS,
+        model=ModelSpec(model=str(tiny_bundle_path), device="cpu"),
+        store_root=str(tmp_path / "store"),
+        return_state=True,
+    )
+    assert state.is_completed()
+    default = get_current_settings().flows.heartbeat_frequency
+    assert default is not None and seen["archive"][0] == default  # the plan's manifest, as the archive run began
+    assert seen["clip"] == [None, None]
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[state.state_details.flow_run_id])
+            )
+        )
+    assert sorted(run.name for run in runs) == ["upscale-sub/c00.mp4", "upscale-sub/c01.mp4"]

@@ -360,3 +360,23 @@ def test_a_port_taken_since_is_replaced_and_remembered(tmp_path: Path) -> None:
             port = prefect_server._pick_port(folder)
             assert port != taken.getsockname()[1] and (tmp_path / "port").read_text() == f"{port}\n"
             assert prefect_server._pick_port(folder) == port  # free: asked for again
+
+
+CSRF_SEEN = """
+from prefect.settings import get_current_settings
+from runtime.prefect_api import prefect_api
+with prefect_api():
+    print(get_current_settings().client.csrf_support_enabled)
+"""
+
+
+def test_the_local_server_takes_sqlite_s_lock_at_begin_and_its_commands_ask_no_csrf_token(home: Path, url: str) -> None:
+    """Launched through runtime.sqlite_writes; commands reporting to it skip the CSRF token it does not check, and
+    commands reporting to a configured API keep Prefect's default."""
+    pid = json.loads((home / "server.json").read_text())["pid"]
+    assert b"runtime.sqlite_writes" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    for extra, expected in (({}, "False"), ({"PREFECT_API_URL": url}, "True")):
+        seen = _python(CSRF_SEEN, _env(home, **extra))
+        out, err = seen.communicate(timeout=120)
+        assert seen.returncode == 0, err[-3000:]
+        assert out.strip().splitlines()[-1] == expected, extra

@@ -105,7 +105,8 @@ def test_percent_reaches_exactly_100() -> None:
 
 
 def test_archive_progress_follows_clips_as_they_start_and_end(tmp_path: Path, monkeypatch) -> None:
-    """The artifact says what the terminal's lines say: the clips, then where each running clip stands."""
+    """The artifact says what the terminal's lines say: the clips, then where each running clip stands. Clips that
+    start and end are shown by the next poll, not each by a request of its own, and the end is shown at once."""
     shown: list[tuple[float, str]] = []
     monkeypatch.setattr(artifacts, "create", lambda kind, key, data, text, run: shown.append((data, text)) or "id")
     monkeypatch.setattr(artifacts, "update", lambda artifact, data, text: shown.append((data, text)))
@@ -113,9 +114,15 @@ def test_archive_progress_follows_clips_as_they_start_and_end(tmp_path: Path, mo
     monkeypatch.setattr(artifacts, "stored_plan", lambda store: plans.get(store.run_key))
     stores = {name: RunStore(tmp_path, name) for name in "abc"}
     progress = artifacts.ArchiveProgress("nightly-abc123", "run-id", 3)
-    progress.started("a.mp4", stores["a"])
-    progress.started("b.mp4", stores["b"])
-    progress.finished("a.mp4", failed=False)
+    with progress.watching(every_s=3600):  # no poll comes: three changes, one request as the block ends
+        progress.started("a.mp4", stores["a"])
+        progress.started("b.mp4", stores["b"])
+        progress.finished("a.mp4", failed=False)
+        assert len(shown) == 1
+    assert [text for _, text in shown] == [
+        "clips: 0 done, 0 failed, 3 left",
+        "clips: 1 done, 0 failed, 2 left · b.mp4: ingest · 0 of 6 tiles",
+    ]
     folder = stores["b"].path / "done" / "ingest"
     folder.mkdir(parents=True)
     (folder / "all.json").write_text("{}")
@@ -123,19 +130,13 @@ def test_archive_progress_follows_clips_as_they_start_and_end(tmp_path: Path, mo
         deadline = time.monotonic() + 5
         while "encode" not in shown[-1][1] and time.monotonic() < deadline:
             time.sleep(0.01)
-    progress.finished("b.mp4", failed=True)
-    progress.started("c.mp4", stores["c"])
-    progress.finished("c.mp4", failed=False)
-    assert [text for _, text in shown] == [
-        "clips: 0 done, 0 failed, 3 left",
-        "clips: 0 done, 0 failed, 3 left · a.mp4: ingest",
-        "clips: 0 done, 0 failed, 3 left · a.mp4: ingest · b.mp4: ingest · 0 of 6 tiles",
-        "clips: 1 done, 0 failed, 2 left · b.mp4: ingest · 0 of 6 tiles",
-        "clips: 1 done, 0 failed, 2 left · b.mp4: encode · 0 of 6 tiles",  # seen while it runs, not at its end
-        "clips: 1 done, 1 failed, 1 left",
-        "clips: 1 done, 1 failed, 1 left · c.mp4: ingest",
-        "clips: 2 done, 1 failed, 0 left",
-    ]
+    assert shown[-1][1] == "clips: 1 done, 0 failed, 2 left · b.mp4: encode · 0 of 6 tiles"  # seen while it runs
+    sent = len(shown)
+    with progress.watching(every_s=3600):
+        progress.finished("b.mp4", failed=True)
+        progress.started("c.mp4", stores["c"])
+        progress.finished("c.mp4", failed=False)
+    assert [text for _, text in shown[sent:]] == ["clips: 2 done, 1 failed, 0 left"]
     assert shown[-1][0] == 100.0 and shown[-2][0] < 100.0
 
 
@@ -282,12 +283,21 @@ def test_each_clip_run_owns_its_artifacts(
     sent_at: dict[str, list[float]] = {}
     real_update = artifacts.update
 
+    real_create = artifacts.create
+
     def recording(artifact_id, data, description):
         updates.append((flow_run.id, data, description))
         sent_at.setdefault(flow_run.id, []).append(time.monotonic())
         real_update(artifact_id, data, description)
 
+    def recording_progress(kind, key, data, description, run):  # a run's progress artifact is made by its first state
+        if kind == "progress":
+            updates.append((flow_run.id, data, description))
+            sent_at.setdefault(flow_run.id, []).append(time.monotonic())
+        return real_create(kind, key, data, description, run)
+
     monkeypatch.setattr(artifacts, "update", recording)
+    monkeypatch.setattr(artifacts, "create", recording_progress)
     run_ids = []
     monkeypatch.setattr(artifacts, "workers_in_use", lambda: run_ids.append(flow_run.id) or "test workers")
 
