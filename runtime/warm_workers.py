@@ -323,23 +323,27 @@ def _worker_env(devices: list[str], index: int, count: int) -> dict[str, str]:
     return env
 
 
+def worker_options(devices: list[str], index: int, count: int) -> dict[str, Any]:
+    """The Nanny options of worker `index` of `count`. Its preloads: the model (tasks.worker_preload), and the
+    filter that drops a heartbeat its scheduler did not answer, which only says that the cluster's process is
+    going (runtime.worker_quiet)."""
+    return {
+        "nthreads": WORKER_THREADS,
+        "resources": WORKER_RESOURCES,
+        "memory_limit": 0,
+        "host": HOST,
+        "env": _worker_env(devices, index, count),
+        "preload": ["runtime.worker_quiet", "tasks.worker_preload"],
+    }
+
+
 def make_cluster(devices: list[str], count: int) -> Any:
     """A local cluster of `count` workers (one per GPU of `devices` when given), with the settings above."""
     import dask
     from distributed import Nanny, Scheduler, SpecCluster
 
     workers = {
-        (f"gpu-{devices[i]}" if devices else f"cpu-{i}"): {
-            "cls": Nanny,
-            "options": {
-                "nthreads": WORKER_THREADS,
-                "resources": WORKER_RESOURCES,
-                "memory_limit": 0,
-                "host": HOST,
-                "env": _worker_env(devices, i, count),
-                "preload": ["tasks.worker_preload"],
-            },
-        }
+        (f"gpu-{devices[i]}" if devices else f"cpu-{i}"): {"cls": Nanny, "options": worker_options(devices, i, count)}
         for i in range(count)
     }
     scheduler = {"cls": Scheduler, "options": {"host": HOST, "port": 0, "dashboard_address": f"{HOST}:0"}}

@@ -15,6 +15,15 @@ def test_the_local_cluster_s_workers_load_the_preload() -> None:
     assert kwargs["preload"] == ["runtime.worker_quiet"]
 
 
+def test_gpu_and_warm_workers_load_it_before_the_model() -> None:
+    """`--gpus` and the warm workers build their workers alike (`make_cluster`)."""
+    from runtime import warm_workers
+
+    for devices in ([], ["0", "1"]):
+        options = warm_workers.worker_options(devices, 1, 2)
+        assert options["preload"] == ["runtime.worker_quiet", "tasks.worker_preload"]
+
+
 def test_a_lost_heartbeat_is_dropped_and_other_errors_are_kept(caplog: pytest.LogCaptureFixture) -> None:
     logger = logging.getLogger("distributed.worker")
     before = list(logger.filters)
