@@ -5,7 +5,7 @@
 
 What runs: a Prefect server (Prefect's own app, `prefect.server.api.server.create_app`, with its services, on a
 SQLite database in the work folder, its write transactions taking the lock at BEGIN as the local server's do
-(`runtime.sqlite_writes`; `K6VSR_BENCH_SQLITE_AS_PREFECT=1` leaves Prefect's own), or with `--database` on an empty
+(`runtime.sqlite_writes`; `K6VSR_BENCH_PREFECT_DEFAULTS=1` leaves Prefect's own, and the clients' CSRF setting), or with `--database` on an empty
 PostgreSQL database) wrapped in one ASGI middleware that counts every HTTP request, its answers other than a success
 and the server's milliseconds per route, and every message received on a websocket (Prefect 3 clients send
 task-run states as events over `/api/events/in`) at the server;
@@ -62,7 +62,7 @@ import json, os, re, sys, threading, time
 from collections import Counter
 home, port, counts_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 import uvicorn
-if os.environ.get("K6VSR_BENCH_SQLITE_AS_PREFECT") != "1":  # the local server's SQLite writes, as k6vsr runs them
+if os.environ.get("K6VSR_BENCH_PREFECT_DEFAULTS") != "1":  # the local server's SQLite writes, as k6vsr runs them
     from runtime.sqlite_writes import take_write_lock_at_begin
     take_write_lock_at_begin()
 from prefect.server.api.server import create_app
@@ -459,8 +459,6 @@ def main(argv: list[str] | None = None) -> int:
         "PREFECT_API_URL": api,
         "PREFECT_HOME": str(work / "client-home"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        # As the command sets it for its own local server (runtime.prefect_api); this server has no CSRF either.
-        "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED": "false",
         "K6VSR_SERVER_HOME": str(work / "k6vsr-server"),
         "K6VSR_WORKERS_HOME": str(work / "k6vsr-workers"),
         "K6VSR_WARM_WORKERS": "off",
@@ -468,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
         "K6VSR_BENCH_ONLY": "1",
         "PYTHONPATH": str(ROOT),
     }
+    if os.environ.get("K6VSR_BENCH_PREFECT_DEFAULTS") != "1":
+        # As the command sets it for its own local server (runtime.prefect_api); this server has no CSRF either.
+        env["PREFECT_CLIENT_CSRF_SUPPORT_ENABLED"] = "false"
     result: dict[str, object] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "commit": os.environ.get("K6VSR_BENCH_COMMIT") or _commit(),
