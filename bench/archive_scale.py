@@ -6,9 +6,9 @@
 What runs: a Prefect server (Prefect's own app, `prefect.server.api.server.create_app`, with its services, on a
 SQLite database in the work folder, its write transactions taking the lock at BEGIN as the local server's do
 (`runtime.sqlite_writes`; `K6VSR_BENCH_PREFECT_DEFAULTS=1` leaves Prefect's own, and the clients' CSRF setting),
-or with `--database` on an empty PostgreSQL database) wrapped in one ASGI middleware that counts every HTTP request, its answers other than a success
-and the server's milliseconds per route, and every message received on a websocket (Prefect 3 clients send
-task-run states as events over `/api/events/in`) at the server;
+or with `--database` on an empty PostgreSQL database) wrapped in one ASGI middleware that counts every HTTP
+request, its answers other than a success and the server's milliseconds per route, and every message received on
+a websocket (Prefect 3 clients send task-run states as events over `/api/events/in`) at the server;
 then `k6vsr archive` as a subprocess pointed at it (`PREFECT_API_URL`), on N synthetic 64x64 clips (every fifth
 122 frames long, so two windows of one tile; the others one frame, one window), the tiny random bundle on the CPU
 and the bench-only stand-in for the networks (`K6VSR_FAKE_MODEL_MS`, `k6vsr_core/fake_model.py`), so the networks
