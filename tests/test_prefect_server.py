@@ -370,9 +370,13 @@ with prefect_api():
 """
 
 
-def test_the_local_server_takes_sqlite_s_lock_at_begin_and_its_commands_ask_no_csrf_token(home: Path, url: str) -> None:
+def test_the_local_server_takes_sqlite_s_lock_at_begin_and_its_commands_ask_no_csrf_token(home: Path) -> None:
     """Launched through runtime.sqlite_writes; commands reporting to it skip the CSRF token it does not check, and
     commands reporting to a configured API keep Prefect's default."""
+    ensured = _python(ENSURE, _env(home))  # the module's server, started again if a test before this one stopped it
+    out, err = ensured.communicate(timeout=240)
+    assert ensured.returncode == 0, err[-3000:]
+    url = out.strip().splitlines()[-1]
     pid = json.loads((home / "server.json").read_text())["pid"]
     assert b"runtime.sqlite_writes" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     for extra, expected in (({}, "False"), ({"PREFECT_API_URL": url}, "True")):
