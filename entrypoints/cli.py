@@ -33,6 +33,7 @@ from k6vsr_core import status
 from k6vsr_core.errors import ParameterError, ServiceError, UserFacingError, describe_error
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from runtime import interrupts
+from runtime.malloc_arenas import limit_malloc_arenas
 from runtime.slots import ARCHIVE_CLIPS_IN_FLIGHT
 
 if TYPE_CHECKING:
@@ -767,6 +768,7 @@ def _print_result(args: argparse.Namespace, result: dict[str, Any]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    limit_malloc_arenas()  # before any thread of the command starts
     args = build_parser().parse_args(argv)
     configure_terminal(verbose=args.debug or getattr(args, "verbose", False))
     try:
