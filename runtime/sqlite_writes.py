@@ -4,10 +4,10 @@ Prefect's server opens its transactions DEFERRED unless a caller asks for `with_
 transaction that reads and then writes fails at once with SQLITE_BUSY_SNAPSHOT when another connection committed
 in between: the busy timeout (60 s) is never consulted, the server answers 503, and Prefect's client sleeps about
 2 s before it asks again. An archive run has that race all the time (the task-run recorder writes every event while
-the clips create their flow and task runs): 8 such answers in 20 one-window clips, the clip threads asleep for most
-of the run (bench/RESULTS.md). With BEGIN IMMEDIATE the lock is taken at the start, so a second writer waits in the
-busy handler, for milliseconds, instead of failing. SQLite has one writer at a time either way; readers outside a
-transaction (most of the API's GETs and filters) are not affected under WAL.
+the clips create their flow and task runs): 8 such answers in 20 one-window clips, a clip thread asleep for about
+a third of its time (bench/RESULTS.md). With BEGIN IMMEDIATE the lock is taken at the start, so a second writer
+waits in the busy handler, for milliseconds, instead of failing. SQLite has one writer at a time either way; readers
+outside a transaction (most of the API's GETs and filters) are not affected under WAL.
 
 `python -m runtime.sqlite_writes server start ...` is `prefect server start ...` with that change; it is how the
 local server runs (runtime.prefect_server). PostgreSQL servers are left as Prefect makes them.
