@@ -11,7 +11,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.upscale_clip import ClipSummary, upscale_clip
 from runtime.prefect_api import prefect_api
-from runtime.runners import make_task_runner
+from runtime.runners import make_task_runner, own_processes, split_runner
 from service.runs import ModelSpec, PreparedRun
 from tasks.worker_preload import preload_in_background
 
@@ -29,6 +29,9 @@ def run_clip(
     """Run the clip flow on the plan `prepared`, its tiles on threads or Dask workers, reporting to one Prefect API."""
     runner = make_task_runner(workers, dask_address, gpus)
     if isinstance(runner, ThreadPoolTaskRunner) and not prepared.finished:
-        preload_in_background(model, prepared.plan)  # the tiles compute here: load it beside the flow's start
+        if own_processes(model.device):  # a model process that only computes, loading the model as it starts
+            runner = split_runner(model.model_dump_json())
+        else:  # the tiles compute here: load it beside the flow's start
+            preload_in_background(model, prepared.plan)
     with prefect_api():
         return upscale_clip.with_options(task_runner=runner)(prepared=prepared, output=output, model=model)

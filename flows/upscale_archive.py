@@ -51,8 +51,9 @@ from k6vsr_core.fake_model import identity_suffix
 from k6vsr_core.params import UpscaleParams, output_name
 from runtime.flow_leases import leased
 from runtime.lanes import ARCHIVE_QUEUE, SharedQueue
-from runtime.runners import make_task_runner, resolve_address, start_cluster, uses_processes
+from runtime.runners import make_task_runner, own_processes, resolve_address, start_cluster, uses_processes
 from runtime.slots import ARCHIVE_CLIPS_IN_FLIGHT
+from runtime.warm_workers import split_cluster
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
 from storage import default_store_root, parse_store_root, run_key, source_info
 from storage.records import atomic_write_bytes
@@ -492,12 +493,21 @@ class ManifestArtifact:
 
 
 @contextlib.contextmanager
-def shared_tiles_cluster(workers: int, gpus: bool, dask_address: str | None) -> Iterator[str | None]:
-    """The Dask scheduler every clip sends its tiles to: the given one, the warm workers, one started here, or None
-    (threads)."""
+def shared_tiles_cluster(
+    workers: int, gpus: bool, dask_address: str | None, own: str | None = None
+) -> Iterator[str | None]:
+    """The Dask scheduler every clip sends its tiles to: the given one, the warm workers, one started here (asked
+    for, or with `own`, the model to load, the archive's own split cluster), or None (threads)."""
     dask_address = resolve_address(workers, gpus, dask_address)
-    if dask_address or not uses_processes(workers, gpus, None):
+    if dask_address:
         yield dask_address
+        return
+    if not uses_processes(workers, gpus, None):
+        if own is None:
+            yield None
+            return
+        with split_cluster(own) as cluster:
+            yield cluster.scheduler_address
         return
     cluster = start_cluster(workers, gpus)
     with cluster:
@@ -605,8 +615,9 @@ def upscale_archive(
     logger.info("running %d of %d clips, %d at once", len(pending), len(rows), max_parallel)
     progress = artifacts.ArchiveProgress(slug, flow_run.id, len(pending))
     manifest_artifact.show(rows, {})
-    with shared_tiles_cluster(workers, gpus, dask_address) as address:
-        computing = [plans[rows[i].relative_path] for i in pending if not plans[rows[i].relative_path].finished]
+    computing = [plans[rows[i].relative_path] for i in pending if not plans[rows[i].relative_path].finished]
+    own = model.model_dump_json() if computing and own_processes(model.device) else None
+    with shared_tiles_cluster(workers, gpus, dask_address, own) as address:
         if address is None and computing:  # the tiles compute in this process: load it beside the first clip's start
             preload_in_background(model, computing[0].plan)
         run_clips(rows, pending, plans, model, address, max_parallel, out_dir, header, manifest_artifact, progress)

@@ -51,7 +51,7 @@ DEFAULT_LQ_NOISE_SCALE = 0.7
 DEFAULT_LATENT_CHANNELS = 64
 
 
-_DIFFUSERS_LOCK = threading.Lock()
+_DIFFUSERS_LOCK = threading.RLock()
 
 
 @functools.cache
@@ -75,6 +75,24 @@ def _classes() -> dict[str, Any]:
         PIFLOW: PiflowScheduler,
         FLOW_EULER: FlowMatchEulerDiscreteScheduler,
     }
+
+
+def import_networks() -> None:
+    """Imports, under `_classes`' lock, every k6vsr_core module that imports diffusers at its top. Two threads that
+    import diffusers' modules at the same time can meet Python's import-deadlock avoidance, which hands one of them a
+    partly initialized module (an ImportError naming a class diffusers has): a model worker's preload and its first
+    tasks, or two clips' first tasks on one worker, import them in this one order instead."""
+    with _DIFFUSERS_LOCK:
+        import k6vsr_core.fast_decoder
+        import k6vsr_core.stages  # noqa: F401 - its imports are what is taken under the lock
+
+        _classes()
+
+
+def diffusers_class(name: str) -> Any:
+    """A class of `_classes` by component or scheduler name, imported under its lock: every import of diffusers'
+    top-level names goes through here (a model worker's preload and its first task import it at the same time)."""
+    return _classes()[name]
 
 
 class BundleInfo(BaseModel):

@@ -2,10 +2,10 @@
 
 With `K6VSR_FAKE_MODEL_MS=N` (and `K6VSR_BENCH_ONLY=1`, which says the caller knows its outputs are meaningless),
 every KVAE encode, DiT chunk and KVAE decode a stage task would run sleeps N milliseconds instead and returns
-zeros of the shape and dtype the real call returns. Everything else is the real pipeline: the flows, the tasks, the
-run store, the blend, the segments and the mux. It exists so that the cost of the orchestration (Prefect's API,
-the scheduler, the store's records) can be measured on a CPU where the networks would otherwise dominate
-(`bench/archive_scale.py`).
+zeros of the shape and dtype the real call returns; the calls of one process take turns, as on one GPU. Everything
+else is the real pipeline: the flows, the tasks, the run store, the blend, the segments and the mux. It exists so
+that the cost of the orchestration (Prefect's API, the scheduler, the store's records) can be measured on a CPU
+where the networks would otherwise dominate (`bench/archive_scale.py`).
 
 The run key includes the stand-in (`identity_suffix`), so a fake run never shares stored tiles or outputs with a
 run of the real model.
@@ -14,6 +14,7 @@ run of the real model.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -59,8 +60,14 @@ def identity_suffix() -> str:
     return "" if ms is None else f"+fake-model-{ms:g}ms"
 
 
+# One device per process: a GPU runs one call at a time whatever the number of model threads feeding it (they share
+# its stream), so two model slots of one process take turns here as they would on the card.
+_DEVICE = threading.Lock()
+
+
 def _pause(ms: float) -> None:
-    time.sleep(ms / 1000.0)
+    with _DEVICE:
+        time.sleep(ms / 1000.0)
 
 
 class FakeNetworks:

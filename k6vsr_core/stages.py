@@ -23,7 +23,7 @@ import torch
 
 from k6vsr_core import kvae
 from k6vsr_core.attention import AttentionMode, set_attention
-from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.bundle import PIFLOW, ModelBundle, diffusers_class
 from k6vsr_core.pixels import TileBlender, pad_video, pre_upscale_video, resize_video
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan, TileChunk
 from k6vsr_core.precision import dit_for
@@ -113,9 +113,7 @@ def cut_tiles(latent: torch.Tensor, plan: ClipPlan, tiles: tuple[int, ...]) -> t
 
 
 def _timesteps(scheduler: object, plan: ClipPlan, device: torch.device) -> torch.Tensor:
-    from diffusers import PiflowScheduler
-
-    if isinstance(scheduler, PiflowScheduler):
+    if isinstance(scheduler, diffusers_class(PIFLOW)):
         scheduler.set_timesteps(plan.steps, device=device)
     else:
         # The official flow-Euler schedule: N + 1 points linspace(1, 0), shifted; diffusers' default differs.

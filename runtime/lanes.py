@@ -3,11 +3,15 @@
 - Threads (a command computing in its own process): the model lane is the flow's own runner, `MODEL_SLOTS` threads
   (one task's store reads and writes overlap the other's model work; the memory budget allows for two at once); the
   CPU lane is a thread pool of its own, so a blend or a segment never waits for a model thread.
-- Dask (warm workers, `--workers`, `--gpus`, a scheduler's address): both lanes are the cluster. The workers this
-  project starts declare `MODEL_SLOTS` units of the resource `MODEL_RESOURCE` and run `WORKER_THREADS` threads;
-  a model task asks for one unit (`dask.annotate`), so a worker runs two model tasks at most and its other threads
-  take blends and segments. The workers of a cluster started by others may declare no such resource: an annotated
-  task would then wait forever, so none is annotated and the model lane is as wide as the cluster's threads.
+- Dask (warm workers, `--workers`, `--gpus`, a scheduler's address): both lanes are the cluster.
+  - Warm workers and `--gpus` (`runtime.warm_workers.make_cluster`): model workers declare `MODEL_SLOTS` units of
+    `MODEL_RESOURCE` and run that many threads, CPU-lane workers declare `CPU_RESOURCE`; each lane's task asks for
+    one unit of its own resource (`dask.annotate`), so the process that drives the GPU runs model tasks alone.
+  - `--workers N`: each worker declares `MODEL_SLOTS` units of `MODEL_RESOURCE` and runs `WORKER_THREADS` threads;
+    a model task asks for one unit, so a worker runs two model tasks at most and its other threads take blends and
+    segments.
+  - The workers of a cluster started by others may declare no such resource: an annotated task would then wait
+    forever, so none is annotated and the model lane is as wide as the cluster's threads.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from k6vsr_core.plan import ClipPlan
 from runtime.runners import is_dask_runner, warm_address
 from runtime.schedule import ModelQueue
-from runtime.slots import CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS
+from runtime.slots import CPU_RESOURCE, CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS
 
 SubmitTask = Callable[[Any, dict[str, Any]], Any]  # (task, parameters) -> its Prefect future
 
@@ -56,27 +60,48 @@ def lanes_for(runner: Any) -> Iterator[Lanes]:
             yield Lanes(runner.submit, cpu.submit, MODEL_SLOTS, f"{MODEL_SLOTS} model threads, {CPU_THREADS} CPU")
         return
     info = runner.client.scheduler_info(n_workers=-1)
-    workers = info["workers"].values()
+    workers = list(info["workers"].values())
     cluster = "the warm workers" if info["address"] == warm_address() else "Dask workers"
     on = f"tiles run on {cluster} at {info['address']}"
     declared = [int(worker.get("resources", {}).get(MODEL_RESOURCE, 0)) for worker in workers]
+    lanes = [int(worker.get("resources", {}).get(CPU_RESOURCE, 0)) for worker in workers]
+    if workers and any(declared) and any(lanes) and all(m or c for m, c in zip(declared, lanes, strict=True)):
+        # Model workers and CPU-lane workers apart: each lane asks for its own resource, so a blend or a segment
+        # never runs in the process that drives the GPU.
+        where = f"{on}: {sum(declared)} model slots on {sum(map(bool, declared))} workers, {sum(lanes)} CPU slots on"
+        where += f" {sum(map(bool, lanes))} CPU-lane workers"
+        yield Lanes(
+            _annotated(runner, MODEL_RESOURCE),
+            _annotated(runner, CPU_RESOURCE),
+            sum(declared),
+            where,
+            cpu_slots=sum(lanes),
+            spread=True,
+        )
+        return
     if workers and all(declared):
-        import dask
-
-        def model(task: Any, parameters: dict[str, Any]) -> Any:
-            with dask.annotate(resources={MODEL_RESOURCE: 1}):
-                return runner.submit(task, parameters)
-
         # The threads a worker has beside its model slots: so many blends and segments at once, never a thread more,
         # so that a model task always finds one.
         spare = sum(max(0, int(w.get("nthreads", 1)) - d) for w, d in zip(workers, declared, strict=True))
         where = f"{on}: {sum(declared)} model slots and {spare} CPU threads on {len(declared)} workers"
+        model = _annotated(runner, MODEL_RESOURCE)
         yield Lanes(model, runner.submit, sum(declared), where, cpu_slots=spare, stream_blend=spare > 0, spread=True)
         return
     threads = sum(int(worker.get("nthreads", 1)) for worker in workers) or 1
     where = f"{on}: {threads} threads, without {MODEL_RESOURCE}"
     # Both lanes take any thread: a blend waiting there for its tiles could hold the one a decode needs.
     yield Lanes(runner.submit, runner.submit, threads, where, stream_blend=False, spread=True)
+
+
+def _annotated(runner: Any, resource: str) -> SubmitTask:
+    """Submits to `runner`, the task asking Dask for one unit of `resource`."""
+    import dask
+
+    def submit(task: Any, parameters: dict[str, Any]) -> Any:
+        with dask.annotate(resources={resource: 1}):
+            return runner.submit(task, parameters)
+
+    return submit
 
 
 @dataclass

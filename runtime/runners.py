@@ -10,10 +10,15 @@ from typing import Any
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from k6vsr_core import status
+from k6vsr_core.errors import ParameterError
 from runtime.slots import MODEL_SLOTS, WORKER_RESOURCES, WORKER_THREADS
 
 # "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
 USE_WARM_ENV = "K6VSR_WARM_WORKERS"
+# Where a command's tiles compute when nothing else is asked and no warm workers run: "auto" (a cluster of its own
+# on a GPU machine, its threads elsewhere), "processes" or "threads".
+LANES_ENV = "K6VSR_LANES"
+LANES = ("auto", "processes", "threads")
 
 
 def warm_address() -> str | None:
@@ -33,6 +38,22 @@ def resolve_address(workers: int, gpus: bool, dask_address: str | None) -> str |
     if address:
         status.say(f"tiles run on the warm workers at {address} (k6vsr workers status)")
     return address
+
+
+def own_processes(device: str) -> bool:
+    """Whether a command that asks for no cluster and finds no warm workers starts one of its own for its tiles
+    (`runtime.warm_workers.split_cluster`: a model process per GPU that only computes, CPU-lane processes beside
+    it) rather than computing in its own threads. On a GPU machine it does unless K6VSR_LANES=threads: there the
+    blends, segments and x264 encodes of its threads would share the GIL and cores of the process that drives the
+    GPU."""
+    setting = os.environ.get(LANES_ENV, "auto").strip().lower() or "auto"
+    if setting not in LANES:
+        raise ParameterError(f"{LANES_ENV}={setting!r} must be one of {', '.join(LANES)}")
+    if setting != "auto":
+        return setting == "processes"
+    from runtime.warm_workers import gpu_ids
+
+    return device != "cpu" and bool(gpu_ids())
 
 
 def uses_processes(workers: int, gpus: bool, dask_address: str | None) -> bool:
@@ -78,7 +99,7 @@ def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:
         "threads_per_worker": WORKER_THREADS,
         "resources": WORKER_RESOURCES,
         "dashboard_address": ":0",
-        "preload": ["runtime.worker_quiet"],
+        "preload": ["runtime.worker_quiet", "tasks.worker_preload"],
     }
 
 
@@ -89,9 +110,17 @@ def start_cluster(workers: int, gpus: bool) -> Any:
     return getattr(importlib.import_module(module), name)(**kwargs)
 
 
+def split_runner(model_json: str) -> Any:
+    """A Dask task runner on a cluster of the flow's own: a model process per GPU (or one on the CPU), loading the
+    model as it starts, and CPU-lane processes."""
+    from prefect_dask import DaskTaskRunner
+
+    return DaskTaskRunner(cluster_class="runtime.warm_workers.split_cluster", cluster_kwargs={"model_json": model_json})
+
+
 def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bool = False) -> Any:
     """One process per worker for `workers > 1`; the warm workers when they run and nothing else is asked for;
-    threads (so a decode overlaps the next denoise) otherwise.
+    threads (so a decode overlaps the next denoise) otherwise (the command's own cluster: `split_runner`).
 
     With `gpus`, one worker per visible GPU (or `workers` of them), each pinned to its GPU
     (`runtime.warm_workers.gpu_cluster`); with `dask_address`, tiles go to an existing Dask scheduler, possibly

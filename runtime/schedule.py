@@ -8,9 +8,10 @@ flow submits each task when its inputs are in, to one of two lanes:
 
 - the model lane (encode, denoise, decode) holds at most `slots` tasks at once and takes the most urgent ready one:
   an earlier window before a later one, within a window a decode before a denoise before an encode, so a tile is
-  decoded as soon as its chunk is denoised. The next window's encode becomes ready once the last denoise of the
-  window before it is under way: its frames are read and encoded while that window's tiles decode, and no more than
-  one window is encoded ahead;
+  decoded as soon as its chunk is denoised; an encode, short and what makes its window's chunks ready, before
+  anything else. The next window's encode becomes ready once the last denoise but one of the window before it is
+  under way: its frames are read and encoded while that window's last chunk computes, and no more than one window
+  is encoded ahead;
 - the CPU lane (a window's `blend-segment`: its blend, its segment and its part of the quality report,
   `tasks.quality`) takes a task the moment its inputs are in, beside the model lane, so a window's blend, segment
   and measures overlap the next window's model work. A window's task starts with its first decoded tile, once the
@@ -111,7 +112,9 @@ def clip_graph(plan: ClipPlan, stream_blend: bool = True, segments: bool = True,
     for window in range(plan.num_windows):
         encode = Item("encode", window, tiles=tuple(range(plan.num_tiles)))
         needs[encode] = ()
-        after_start[encode] = last_denoises  # one window encoded ahead, no more
+        # One window encoded ahead, no more: it becomes ready as the window before's last chunk but one starts (its
+        # only chunk, if one), so that it is encoded while that window's last chunk computes, not after.
+        after_start[encode] = last_denoises[-2:-1] or last_denoises
         chunk_stage = DENOISE_DECODE if fused else "denoise"
         chunks = {c.index: Item(chunk_stage, window, c.index, c.tiles) for c in plan.chunks}
         for chunk in chunks.values():
@@ -299,7 +302,9 @@ class Scheduler:
                 self._release(item)
 
         self._offered[item] = grant
-        lane.offer((self._rank, *item.urgency, self._order[item]), grant)
+        # An encode goes first, whichever clip it is of: it is short, and what it makes ready (its window's chunks)
+        # keeps the device busy once the work in flight is done; the graph lets only one window be encoded ahead.
+        lane.offer((item.stage != "encode", self._rank, *item.urgency, self._order[item]), grant)
 
     def _unblock(self, item: Item) -> None:
         self._blocked[item] -= 1

@@ -42,7 +42,7 @@ from pydantic import BaseModel
 
 from k6vsr_core.errors import ParameterError
 from runtime.errors import WorkersError
-from runtime.slots import WORKER_RESOURCES, WORKER_THREADS
+from runtime.slots import CPU_THREADS, CPU_WORKER_RESOURCES, MODEL_WORKER_RESOURCES, MODEL_WORKER_SLOTS
 from runtime.state_folder import LaunchFailed, StateFolder, now, state_home
 from service.runs import ModelSpec
 from storage.processes import alive, group_alive, process_start
@@ -295,7 +295,9 @@ def _ask_workers(address: str) -> list[WorkerInfo]:
 
     with Client(address, timeout=10, set_as_default=False) as client:
         names = {addr: info.get("name") for addr, info in client.scheduler_info(n_workers=-1)["workers"].items()}
-        infos = client.run(lambda: cache_info().model_dump())
+        # The CPU-lane workers hold no model: the status lists the model workers.
+        models = [addr for addr, name in names.items() if not str(name).startswith(CPU_LANE_PREFIX)]
+        infos = client.run(lambda: cache_info().model_dump(), workers=models)
     return sorted(
         (
             WorkerInfo(
@@ -323,29 +325,69 @@ def _worker_env(devices: list[str], index: int, count: int) -> dict[str, str]:
     return env
 
 
-def worker_options(devices: list[str], index: int, count: int) -> dict[str, Any]:
-    """The Nanny options of worker `index` of `count`. Its preloads: the model (tasks.worker_preload), and the
-    filter that drops a heartbeat its scheduler did not answer, which only says that the cluster's process is
-    going (runtime.worker_quiet)."""
+def worker_options(devices: list[str], index: int, count: int, model_json: str | None = None) -> dict[str, Any]:
+    """The Nanny options of model worker `index` of `count`: its model slots and no thread more, so the process
+    that holds the model only computes. Its preloads: the model (tasks.worker_preload), and the filter that drops a
+    heartbeat its scheduler did not answer, which only says that the cluster's process is going
+    (runtime.worker_quiet)."""
+    env = _worker_env(devices, index, count) | ({MODEL_ENV: model_json} if model_json else {})
     return {
-        "nthreads": WORKER_THREADS,
-        "resources": WORKER_RESOURCES,
+        "nthreads": MODEL_WORKER_SLOTS,
+        "resources": MODEL_WORKER_RESOURCES,
         "memory_limit": 0,
         "host": HOST,
-        "env": _worker_env(devices, index, count),
+        "env": env,
         "preload": ["runtime.worker_quiet", "tasks.worker_preload"],
     }
 
 
-def make_cluster(devices: list[str], count: int) -> Any:
-    """A local cluster of `count` workers (one per GPU of `devices` when given), with the settings above."""
+# CPU-lane workers beside the model workers (blends, segments, the quality report): one per model worker unless
+# set. Each has its own GIL, so two clips' blends and x264 encodes never queue behind one interpreter.
+CPU_LANE_ENV = "K6VSR_CPU_LANE_WORKERS"
+CPU_LANE_PREFIX = "cpu-lane-"
+
+
+def cpu_lane_count(model_workers: int) -> int:
+    value = os.environ.get(CPU_LANE_ENV, "").strip()
+    if not value:
+        return max(1, model_workers)
+    if not value.isdigit() or int(value) < 1:
+        raise ParameterError(f"{CPU_LANE_ENV}={value!r} must be a whole number of at least 1")
+    return int(value)
+
+
+def cpu_lane_options(count: int, lanes: int) -> dict[str, Any]:
+    """The Nanny options of a CPU-lane worker: no GPU (CUDA_VISIBLE_DEVICES empty: torch never touches a device
+    there), no model to preload, its share of the cores."""
+    cores = str(max(1, len(os.sched_getaffinity(0)) // (count + lanes)))
+    env = {"OMP_NUM_THREADS": cores, "MKL_NUM_THREADS": cores, "OPENBLAS_NUM_THREADS": cores}
+    env |= {"CUDA_VISIBLE_DEVICES": "", MODEL_ENV: ""}
+    return {
+        "nthreads": CPU_THREADS,
+        "resources": CPU_WORKER_RESOURCES,
+        "memory_limit": 0,
+        "host": HOST,
+        "env": env,
+        "preload": ["runtime.worker_quiet", "tasks.worker_preload"],
+    }
+
+
+def make_cluster(devices: list[str], count: int, lanes: int | None = None, model_json: str | None = None) -> Any:
+    """A local cluster of `count` model workers (one per GPU of `devices` when given; each loading `model_json` as
+    it starts, when given) and `lanes` CPU-lane workers (default `cpu_lane_count`), with the settings above."""
     import dask
     from distributed import Nanny, Scheduler, SpecCluster
 
+    lanes = cpu_lane_count(count) if lanes is None else lanes
     workers = {
-        (f"gpu-{devices[i]}" if devices else f"cpu-{i}"): {"cls": Nanny, "options": worker_options(devices, i, count)}
+        (f"gpu-{devices[i]}" if devices else f"cpu-{i}"): {
+            "cls": Nanny,
+            "options": worker_options(devices, i, count, model_json),
+        }
         for i in range(count)
     }
+    for i in range(lanes):
+        workers[f"{CPU_LANE_PREFIX}{i}"] = {"cls": Nanny, "options": cpu_lane_options(count, lanes)}
     scheduler = {"cls": Scheduler, "options": {"host": HOST, "port": 0, "dashboard_address": f"{HOST}:0"}}
     # The nanny's defaults: OpenMP/BLAS on one thread (replaced per worker above) and malloc trimming at 64 KiB,
     # which turns off glibc's adaptive mmap threshold so every tile-sized buffer is mapped and faulted in anew.
@@ -366,6 +408,14 @@ def gpu_cluster(n_workers: int = 0) -> Any:
     return make_cluster(devices, len(devices))
 
 
+def split_cluster(model_json: str | None = None) -> Any:
+    """A command's own cluster (`runtime.runners.own_processes`): a model worker per GPU, or one on the CPU where
+    none is found (K6VSR_LANES=processes), each loading `model_json` as it starts, beside the command's flow start
+    and ingest, and the CPU-lane workers."""
+    devices = gpu_ids()
+    return make_cluster(devices, len(devices) or 1, model_json=model_json)
+
+
 def _supervise(folder: StateFolder, count: int, devices: list[str], model_json: str | None) -> None:
     stop = False
 
@@ -382,8 +432,9 @@ def _supervise(folder: StateFolder, count: int, devices: list[str], model_json: 
     # Read when a worker is lost, long after the cluster is made: set for the life of the supervisor.
     dask.config.set({"distributed.deploy.lost-worker-timeout": "7 days"})
     cluster = make_cluster(devices, count)
+    everyone = len(cluster.worker_spec)  # the model workers and the CPU-lane workers
     try:
-        cluster.wait_for_workers(count, timeout=START_TIMEOUT_S)
+        cluster.wait_for_workers(everyone, timeout=START_TIMEOUT_S)
         record = folder.read(WorkersRecord)
         pid, start = os.getpid(), process_start(os.getpid())
         record = WorkersRecord(
@@ -398,13 +449,17 @@ def _supervise(folder: StateFolder, count: int, devices: list[str], model_json: 
             # Ready only once every worker holds the model, warm: the first run must not pay for it.
             folder.write(record.model_copy(update={"loading_since": now()}))
             print(f"warm workers up: {count} loading {ModelSpec.model_validate_json(model_json).model}", flush=True)
-            states = wait_preloaded(cluster.scheduler_address, count, lambda: stop)
+            states = wait_preloaded(cluster.scheduler_address, everyone, lambda: stop)
             if stop:
                 return
             _print_preloaded(states)
         record = record.model_copy(update={"address": cluster.scheduler_address, "dashboard": cluster.dashboard_link})
         folder.write(record)
-        print(f"warm workers ready at {cluster.scheduler_address}: {count} workers", flush=True)
+        print(
+            f"warm workers ready at {cluster.scheduler_address}: {count} model workers, "
+            f"{everyone - count} CPU-lane workers",
+            flush=True,
+        )
         checked = time.monotonic()
         while not stop:
             time.sleep(0.5)

@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel
 
 from k6vsr_core import status
-from k6vsr_core.bundle import ModelBundle, load_bundle
+from k6vsr_core.bundle import ModelBundle, import_networks, load_bundle
 from k6vsr_core.fast import compile_bundle
 from k6vsr_core.memory import GIB, apply_budget, budget_for, free_gpu_bytes
 from k6vsr_core.memory_modes import BudgetName
@@ -95,6 +95,7 @@ def _evict_to(size: int) -> None:
 
 def get_bundle(spec: ModelSpec, plan: ClipPlan | None = None) -> ModelBundle:
     """The worker's bundle for `spec`, placed under the memory budget of `plan` (without one: loaded, not placed)."""
+    import_networks()
     with _LOCK:
         device = torch.device(resolve_device(spec.device))
         # Keyed by the device it resolves to: a worker preloaded for `cpu` (or `cuda`) serves a command's `auto`

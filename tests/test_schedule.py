@@ -91,8 +91,10 @@ def test_one_model_slot_decodes_each_tile_as_soon_as_its_chunk_is_denoised() -> 
     _run(_plan(2), lanes, slots=1)
     model = [(i.stage, i.window, i.index) for lane, i, _, _ in sorted(lanes.log, key=lambda r: r[2]) if lane == "model"]
     window_0 = [("encode", 0, 0)] + [(stage, 0, n) for n in range(9) for stage in ("denoise", "decode")]
-    # The next window's encode comes once its window's last denoise has started: after that denoise's own decode.
-    assert model[: len(window_0) + 1] == window_0 + [("encode", 1, 0)]
+    # The next window's encode is ready once its window's last denoise but one has started, and an encode goes
+    # first: right after that denoise, so it is encoded while the window's last chunk is still to compute.
+    penultimate = window_0.index(("denoise", 0, 7)) + 1
+    assert model[: len(window_0) + 1] == [*window_0[:penultimate], ("encode", 1, 0), *window_0[penultimate:]]
     assert model[len(window_0) + 1 :] == [(stage, 1, n) for n in range(9) for stage in ("denoise", "decode")]
     assert lanes.at_once == 1
 
@@ -128,8 +130,9 @@ def test_fused_a_window_is_an_encode_a_task_per_chunk_and_its_cpu_task() -> None
     model = [(i.stage, i.window, i.index) for lane, i, _, _ in sorted(one.log, key=lambda r: r[2]) if lane == "model"]
     assert model == [
         ("encode", 0, 0),
-        *[("denoise-decode", 0, n) for n in range(9)],
-        ("encode", 1, 0),
+        *[("denoise-decode", 0, n) for n in range(8)],
+        ("encode", 1, 0),  # ready as the last chunk but one started: encoded before the window's last chunk
+        ("denoise-decode", 0, 8),
         *[("denoise-decode", 1, n) for n in range(9)],
     ]
     two = Lanes(seconds=0.02)

@@ -1,0 +1,68 @@
+"""One process that only computes: an archive's model work in one process, its CPU work in processes of their own,
+and the model lane never idle while anything is ready for it.
+
+The archive runs at its defaults on the cluster a GPU machine's command starts for itself
+(`runtime.warm_workers.split_cluster`, chosen here with K6VSR_LANES=processes since this machine has no GPU), with the
+bench-only stand-in for the networks: each call holds the process's one "device" for a fixed time, as a GPU would
+(`k6vsr_core.fake_model`). What is asserted is where each item ran and how model items overlap, never a wall-clock
+bound.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from k6vsr_core.params import UpscaleParams
+from k6vsr_core.sample import make_sample_clip
+from service.runs import ModelSpec
+from storage import RunStore
+from tests.timelines import MODEL_STAGES, covered, lines_of, next_ready
+
+STAND_IN_MS = 200.0
+CPU_ITEMS = ("blend", "segment")
+
+
+def test_an_archive_keeps_the_model_process_computing_and_its_cpu_work_apart(
+    prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.upscale_archive import upscale_archive
+
+    monkeypatch.setenv("K6VSR_FAKE_MODEL_MS", f"{STAND_IN_MS:g}")
+    monkeypatch.setenv("K6VSR_BENCH_ONLY", "1")
+    monkeypatch.setenv("K6VSR_LANES", "processes")
+    monkeypatch.setenv("K6VSR_WARM_WORKERS", "off")
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(3):  # two windows of four tiles each; its own tone, so a run of its own
+        make_sample_clip(folder / f"c{i}.mp4", width=128, height=128, num_frames=122, tone_hz=300.0 + i)
+    summary = upscale_archive(
+        input_dir=str(folder),
+        output_dir=str(tmp_path / "out"),
+        params=UpscaleParams(scale=2),
+        model=ModelSpec(model=str(tiny_bundle_path), device="cpu"),
+        store_root=str(tmp_path / "store"),
+    )
+    assert summary.counts == {"done": 3}
+    runs = [RunStore(str(tmp_path / "store"), row.run_key).path for row in summary.rows]
+    lines = lines_of(runs)
+    model = [line for line in lines if line["stage"] in MODEL_STAGES]
+    cpu = [line for line in lines if line["stage"] in CPU_ITEMS]
+    assert len(model) >= 3 * 2 * 3 and cpu
+
+    # Where each item ran: every model item in one process, neither the command's nor a CPU item's.
+    model_pids = {line["pid"] for line in model}
+    cpu_pids = {line["pid"] for line in cpu}
+    assert len(model_pids) == 1, model_pids
+    assert not model_pids & cpu_pids and os.getpid() not in model_pids | cpu_pids
+
+    # The model lane: the next item was under way whenever one ended (it waited for the device, not the device for
+    # it), and some model item was running over nine tenths of the span from the first to the last.
+    spans = [(line["start"], line["end"]) for line in model]
+    span = max(e for _, e in spans) - min(s for s, _ in spans)
+    assert next_ready(spans) >= 0.9
+    assert covered(spans) >= 0.9 * span
+    # CPU work overlapped model work: blends and segments ran while the model process computed.
+    assert any(any(s < c["start"] < e for s, e in spans) for c in cpu)
