@@ -51,7 +51,7 @@ DEFAULT_LQ_NOISE_SCALE = 0.7
 DEFAULT_LATENT_CHANNELS = 64
 
 
-_DIFFUSERS_LOCK = threading.RLock()
+DIFFUSERS_LOCK = threading.RLock()
 
 
 @functools.cache
@@ -60,7 +60,7 @@ def _classes() -> dict[str, Any]:
     which takes seconds that `k6vsr --help` and the pure modules must not pay. Imported under a lock: diffusers' lazy
     module attributes are not safe to resolve from several threads at the same time (seen as spurious ImportErrors
     when clips are planned in parallel)."""
-    with _DIFFUSERS_LOCK:
+    with DIFFUSERS_LOCK:
         from diffusers import (
             FlowMatchEulerDiscreteScheduler,
             Kandinsky6SRLatentUpscalerBank,
@@ -75,18 +75,6 @@ def _classes() -> dict[str, Any]:
         PIFLOW: PiflowScheduler,
         FLOW_EULER: FlowMatchEulerDiscreteScheduler,
     }
-
-
-def import_networks() -> None:
-    """Imports, under `_classes`' lock, every k6vsr_core module that imports diffusers at its top. Two threads that
-    import diffusers' modules at the same time can meet Python's import-deadlock avoidance, which hands one of them a
-    partly initialized module (an ImportError naming a class diffusers has): a model worker's preload and its first
-    tasks, or two clips' first tasks on one worker, import them in this one order instead."""
-    with _DIFFUSERS_LOCK:
-        import k6vsr_core.fast_decoder
-        import k6vsr_core.stages  # noqa: F401 - its imports are what is taken under the lock
-
-        _classes()
 
 
 def diffusers_class(name: str) -> Any:

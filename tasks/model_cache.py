@@ -29,10 +29,11 @@ import torch
 from pydantic import BaseModel
 
 from k6vsr_core import status
-from k6vsr_core.bundle import ModelBundle, import_networks, load_bundle
+from k6vsr_core.bundle import ModelBundle, load_bundle
 from k6vsr_core.fast import compile_bundle
 from k6vsr_core.memory import GIB, apply_budget, budget_for, free_gpu_bytes
 from k6vsr_core.memory_modes import BudgetName
+from k6vsr_core.network_imports import import_networks
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.precision import check_precision
 from service.runs import ModelSpec

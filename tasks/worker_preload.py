@@ -116,7 +116,7 @@ def dask_setup(worker: Any) -> None:
     """Before the worker takes a task: the networks' modules imported in one thread (`import_networks`: its threads
     would otherwise import them at once), then the model's load begun in the background, when one is asked."""
     global _STATE
-    from k6vsr_core.bundle import import_networks
+    from k6vsr_core.network_imports import import_networks
 
     import_networks()
     import tasks.model_cache  # noqa: F401 - imports the compiled paths' modules in this thread, before any task

@@ -12,7 +12,7 @@ from runtime import runners, worker_quiet
 
 def test_the_local_cluster_s_workers_load_the_preload() -> None:
     _, kwargs = runners.cluster_spec(2, gpus=False)
-    assert kwargs["preload"] == ["runtime.worker_quiet"]
+    assert kwargs["preload"] == ["runtime.worker_quiet", "tasks.worker_preload"]
 
 
 def test_gpu_and_warm_workers_load_it_before_the_model() -> None:
@@ -22,6 +22,7 @@ def test_gpu_and_warm_workers_load_it_before_the_model() -> None:
     for devices in ([], ["0", "1"]):
         options = warm_workers.worker_options(devices, 1, 2)
         assert options["preload"] == ["runtime.worker_quiet", "tasks.worker_preload"]
+        assert warm_workers.cpu_lane_options(2, 2)["preload"] == ["runtime.worker_quiet", "tasks.worker_preload"]
 
 
 def test_a_lost_heartbeat_is_dropped_and_other_errors_are_kept(caplog: pytest.LogCaptureFixture) -> None:
