@@ -6,10 +6,11 @@ from k6vsr_core.bundle import DIFFUSERS_LOCK, PIFLOW, diffusers_class
 
 
 def import_networks() -> None:
-    """Imports, under the lock of diffusers' classes (`k6vsr_core.bundle`), every k6vsr_core module that imports diffusers at its top. Two threads that
-    import diffusers' modules at the same time can meet Python's import-deadlock avoidance, which hands one of them a
-    partly initialized module (an ImportError naming a class diffusers has): a model worker's preload and its first
-    tasks, or two clips' first tasks on one worker, import them in this one order instead."""
+    """Imports every k6vsr_core module that imports diffusers at its top, under the lock of diffusers' classes
+    (`k6vsr_core.bundle`). Two threads that import diffusers' modules at the same time can meet Python's
+    import-deadlock avoidance, which hands one of them a partly initialized module (an ImportError naming a class
+    diffusers has): a model worker's preload and its first tasks, or two clips' first tasks on one worker, import
+    them in this one order instead."""
     with DIFFUSERS_LOCK:
         import k6vsr_core.fast_decoder
         import k6vsr_core.stages  # noqa: F401 - its imports are what is taken under the lock
