@@ -173,6 +173,16 @@ def timeline(store: Path, started: float) -> tuple[dict[str, list[float]], float
     return {k: [round(v[0], 1), round(v[1], 1), int(v[2])] for k, v in stages.items()}, peak
 
 
+# The command's compile lines (`k6vsr_core.compile_cache`): a shape's first compile on the machine, and a compile of
+# a shape the machine or the process had run before.
+COMPILE_LINES = ("compiling GPU kernels for the ", " ran this shape before: ")
+
+
+def compile_notices(stderr: str) -> int:
+    """How many compile lines the command printed, of either kind."""
+    return sum(any(mark in line for mark in COMPILE_LINES) for line in stderr.splitlines())
+
+
 def head_and_tail(stages: dict[str, list[float]], wall: float) -> dict[str, float | None]:
     """Seconds from the command's start to its first GPU item (`head_s`), and from its last GPU item's end to the
     command's end (`tail_s`), from the stage spans of `timeline`."""
@@ -300,7 +310,7 @@ class Check:
             "nvml_peak_gib": nvml.gib,
             "nvml_peak_gib_per_gpu": nvml.per_gpu,
             "md5": md5(outputs[-1]) if outputs else None,
-            "compile_notices": result["stderr"].count("compiling GPU kernels"),
+            "compile_notices": compile_notices(result["stderr"]),
             "stage_sums": stage_checksums(store),
             "error": None if result["rc"] == 0 else result["stderr"].strip().splitlines()[-1:],
         }

@@ -803,3 +803,17 @@ def test_a_preview_without_an_estimate_fails_its_row_and_runs_nothing_after_it(
     verdicts = {v["target"]: v for v in check.verdicts()}
     assert verdicts["preview estimate within 25% of the run"]["pass"] is None
     assert verdicts[f"{preview_check.PREVIEW} completes"]["pass"] is False
+
+
+def test_the_compile_notices_count_both_kinds_of_compile_line() -> None:
+    """A shape's first compile and a compile of a shape run before are both counted (the second kind read 0)."""
+    stderr = (
+        "k6vsr: warning: compiling GPU kernels for the DiT at 1x31x32x48x129 (first run on this machine ...)\n"
+        "k6vsr: the run's log ...\n"
+        "k6vsr: warning: compiled 3 graphs of the KVAE decoder at 1x16x32x48 in 111 s although this machine ran this "
+        "shape before: Inductor's cache (/c) did not hold them\n"
+        "k6vsr: warning: compiled 1 graphs of the DiT at 1x31x32x48x129 in 61 s although this process ran this shape "
+        "before: Inductor's cache (/c) did not hold them\n"
+    )
+    assert device_check.compile_notices(stderr) == 3
+    assert device_check.compile_notices("k6vsr: done\n") == 0
