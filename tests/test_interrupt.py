@@ -67,18 +67,22 @@ def _run_states(name: str) -> tuple[str, list[str]]:
 
 
 @pytest.mark.parametrize(
-    ("signum", "code", "extra"),
-    [(signal.SIGINT, 130, ()), (signal.SIGTERM, 143, ("--workers", "2"))],
-    ids=["ctrl-c-threads", "sigterm-dask-workers"],
+    ("signum", "code", "extra", "lanes"),
+    [
+        (signal.SIGINT, 130, (), "threads"),
+        (signal.SIGTERM, 143, ("--workers", "2"), "threads"),
+        (signal.SIGTERM, 143, (), "processes"),  # the split cluster a GPU machine's command starts for itself
+    ],
+    ids=["ctrl-c-threads", "sigterm-dask-workers", "sigterm-split-cluster"],
 )
 def test_an_interrupt_stops_the_run_at_once_and_leaves_the_truth(
-    signum: int, code: int, extra: tuple[str, ...], slow_clip: Path, tiny_bundle_path: Path, tmp_path: Path
+    signum: int, code: int, extra: tuple[str, ...], lanes: str, slow_clip: Path, tiny_bundle_path: Path, tmp_path: Path
 ) -> None:
-    clip = tmp_path / f"interrupted-{signal.Signals(signum).name}.mp4"  # its own flow run name
+    clip = tmp_path / f"interrupted-{signal.Signals(signum).name}-{lanes}.mp4"  # its own flow run name
     shutil.copyfile(slow_clip, clip)
     store = tmp_path / "store"
     marker = f"K6VSR_TEST_STOP={uuid.uuid4()}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), marker.split("=")[0]: marker.split("=")[1]}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), marker.split("=")[0]: marker.split("=")[1], "K6VSR_LANES": lanes}
     argv = [
         sys.executable, "-m", "entrypoints.cli", "upscale", str(clip), "--scale", "2", "--model",
         str(tiny_bundle_path), "--device", "cpu", "--store", str(store), "-o", str(tmp_path / "out"), *extra,
