@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 from k6vsr_core.status import STATUS_LOGGER
@@ -25,6 +26,11 @@ CONSOLE_CLASS = "entrypoints.console_log.CommandConsoleHandler"
 # Prefect's client telemetry switch (it reads no setting of its own): off, so that a new user's first command shows
 # its output, not Prefect's notice about usage data. Our server's analytics are off too (runtime.prefect_server).
 TELEMETRY_ENV = "DO_NOT_TRACK"
+# k6vsr's packages (pyproject's), side by side in the folder that holds them: the repository or site-packages.
+OWN_PACKAGES = ("k6vsr_core", "storage", "service", "tasks", "runtime", "flows", "entrypoints")
+PACKAGES_ROOT = Path(__file__).resolve().parents[1]
+# Where a library's warnings go instead of the terminal (as its SyntaxWarning or DeprecationWarning while imported).
+LIBRARY_WARNINGS = logging.getLogger("k6vsr.library_warnings")
 
 
 class StatusLines(logging.Handler):
@@ -73,11 +79,26 @@ _SHOWN: set[str] = set()
 def _show_once(
     message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None, line: Any = None
 ) -> None:
-    """One line per warning, each said once: planning before the run and ingest in it may see the same thing."""
+    """One line per warning of k6vsr's own, each said once: planning before the run and ingest in it may see the
+    same thing. Another package's warning is for its developers, not k6vsr's users: a debug log line."""
+    if not own_warning(category, filename):
+        LIBRARY_WARNINGS.debug("%s:%s: %s: %s", filename, lineno, category.__name__, message)
+        return
     text = f"k6vsr: warning: {message}"
     if text not in _SHOWN:
         _SHOWN.add(text)
         print(text, file=sys.stderr)
+
+
+def own_warning(category: type[Warning], filename: str) -> bool:
+    """Whether a warning is k6vsr's: of a category of its own, or raised (as its `stacklevel` says) in its code."""
+    if category.__module__.partition(".")[0] in OWN_PACKAGES:
+        return True
+    try:
+        where = Path(filename).resolve().relative_to(PACKAGES_ROOT)
+    except ValueError:
+        return False
+    return len(where.parts) > 1 and where.parts[0] in OWN_PACKAGES
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:

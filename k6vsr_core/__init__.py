@@ -8,7 +8,8 @@ seconds, and a command that only parses its flags or plans a run imports `k6vsr_
 
 Importing it sets the environment every process that computes needs before torch reads it
 (`k6vsr_core.process_env`): the first of k6vsr's modules any process imports, before anything asks for Inductor's
-cache folder or starts CUDA.
+cache folder or starts CUDA. It also keeps diffusers from importing torchao, which only `precision=fp8` needs
+(`k6vsr_core.torchao_gate`).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from k6vsr_core.process_env import compute_defaults
+from k6vsr_core.torchao_gate import hide_torchao_from_diffusers
 
 compute_defaults()
+hide_torchao_from_diffusers()
 
 if TYPE_CHECKING:
     from k6vsr_core.bundle import (

@@ -139,8 +139,15 @@ class CompileWatch:
         # (component, detail) pairs that compile; a detail of None stands for every detail of that component.
         self.watched = watched
         self.estimate = estimate
-        self._seen: set[str] = set()
         self._lock = threading.Lock()
+        # Each shape's first call in this process, set once it has ended. A call that came while another thread
+        # compiled its shape compiled it a second time (Dynamo looks for a compiled graph before it waits for its
+        # compile lock): the warm-up's DiT and decoder again in a model thread. So later calls wait for the first.
+        self._first_ended: dict[str, threading.Event] = {}
+        # First calls under way, and how many have begun: torch's compile counters are the process's, so a call
+        # beside another's first call would count that one's compiles as its own.
+        self._compiling = 0
+        self._begun = 0
 
     def compiles(self, component: str, detail: str) -> bool:
         return (component, None) in self.watched or (component, detail) in self.watched
@@ -151,9 +158,11 @@ class CompileWatch:
             yield
             return
         key = shape_key(component, shape, detail)
+        first_here, ended = self._first_call(key)
+        if not first_here:
+            ended.wait()
         with self._lock:
-            first_here = key not in self._seen
-            self._seen.add(key)
+            busy, begun = self._compiling > first_here, self._begun
         announced = first_here and not _marker(self.root, key).exists()
         if announced:
             warnings.warn(
@@ -165,8 +174,14 @@ class CompileWatch:
             )
         before = CompileCounts.now()
         started = time.perf_counter()
-        yield
+        try:
+            yield
+        finally:
+            if first_here:
+                self._first_call_ended(ended)
         done = CompileCounts.now() - before
+        with self._lock:
+            alone = not busy and self._compiling == 0 and self._begun == begun
         if done.graphs:
             log.info(
                 "the %s at %s: %d graphs compiled in %.1f s (%d built, %d from the cache)",
@@ -177,7 +192,7 @@ class CompileWatch:
                 done.built,
                 done.loaded,
             )
-        if done.built and not announced:
+        if done.built and not announced and alone:
             # A compile the shape markers did not foresee: the kernels were not where this process looked.
             who = "this machine" if first_here else "this process"
             warnings.warn(
@@ -192,6 +207,22 @@ class CompileWatch:
         if first_here:
             _write_marker(self.root, key)
             save_process_artifacts(self.root)
+
+    def _first_call(self, key: str) -> tuple[bool, threading.Event]:
+        """Whether this is the first call of `key` in this process, and the event its end sets."""
+        with self._lock:
+            ended = self._first_ended.get(key)
+            if ended is not None:
+                return False, ended
+            ended = self._first_ended[key] = threading.Event()
+            self._compiling += 1
+            self._begun += 1
+            return True, ended
+
+    def _first_call_ended(self, ended: threading.Event) -> None:
+        with self._lock:
+            self._compiling -= 1
+        ended.set()  # a first call that failed frees the others too: the next one compiles
 
 
 class CompileCounts(BaseModel):

@@ -134,3 +134,47 @@ def test_the_watch_says_nothing_for_what_does_not_compile(tmp_path: Path) -> Non
             pass
     assert caught == []
     assert compile_cache.known_shapes(tmp_path) == []
+
+
+# Two threads call one compiled function at one shape under the watch, the second while the first compiles it: as
+# a model thread's denoise comes while the command's warm-up thread compiles the DiT.
+COMPILE_BESIDE = """
+import json, threading, time, warnings
+import torch
+from torch._dynamo.utils import counters
+from k6vsr_core import compile_cache
+root = compile_cache.compile_cache_dir()
+compile_cache.enable_compile_cache(root)
+watch = compile_cache.CompileWatch(root, {("DiT", None)}, "about 3 minutes")
+f = torch.compile(lambda x: (x.sin() * 2).cumsum(0), dynamic=False)
+compiling = threading.Event()
+unforeseen = []
+def call(first):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if not first:
+            compiling.wait()
+            time.sleep(0.3)
+        with watch("DiT", (8,), "dense"):
+            if first:
+                compiling.set()
+            f(torch.ones(8))
+    unforeseen.extend(str(w.message) for w in caught if "although" in str(w.message))
+threads = [threading.Thread(target=call, args=(first,)) for first in (True, False)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(json.dumps({"frames": counters["frames"]["ok"], "unforeseen": unforeseen}))
+"""
+
+
+def test_a_shape_called_while_another_thread_compiles_it_compiles_once(tmp_path: Path) -> None:
+    env = {**os.environ, process_env.COMPILE_CACHE_ENV: str(tmp_path / "cache")}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    env["TMPDIR"] = str(tmp_path)
+    env.pop(compile_cache.ARTIFACTS_ENV, None)
+    done = subprocess.run([sys.executable, "-c", COMPILE_BESIDE], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"frames": 1, "unforeseen": []}
