@@ -5,7 +5,7 @@ The archive runs at its defaults on the cluster a GPU machine's command starts f
 (`runtime.warm_workers.split_cluster`, chosen here with K6VSR_LANES=processes since this machine has no GPU), with the
 bench-only stand-in for the networks: each call holds the process's one "device" for a fixed time, as a GPU would
 (`k6vsr_core.fake_model`). What is asserted is where each item ran and how model items overlap, never a wall-clock
-bound.
+bound; the overlaps still need the machine to itself, so the archive's test is in the timed pass.
 """
 
 from __future__ import annotations
@@ -21,10 +21,13 @@ from service.runs import ModelSpec
 from storage import RunStore
 from tests.timelines import MODEL_STAGES, covered, lines_of, next_ready
 
-STAND_IN_MS = 200.0
+STAND_IN_MS = 300.0
 CPU_ITEMS = ("blend", "segment")
 
 
+# The overlaps are of items a few hundred milliseconds long: a machine loaded several times over by other tests
+# stretches the scheduler's round trips between them, so this one runs alone, in the timed pass.
+@pytest.mark.timed
 def test_an_archive_keeps_the_model_process_computing_and_its_cpu_work_apart(
     prefect_server: str, tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
