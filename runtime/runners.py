@@ -53,7 +53,8 @@ def own_processes(device: str) -> bool:
         return setting == "processes"
     from runtime.warm_workers import gpu_ids
 
-    return device != "cpu" and bool(gpu_ids())
+    # A device named by number (`cuda:1`) keeps the command's threads: a model worker sees its own GPU alone.
+    return device in ("auto", "cuda") and bool(gpu_ids())
 
 
 def uses_processes(workers: int, gpus: bool, dask_address: str | None) -> bool:

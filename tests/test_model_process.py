@@ -114,6 +114,7 @@ def test_auto_starts_a_split_cluster_where_a_gpu_is_listed(monkeypatch: pytest.M
     monkeypatch.setenv("K6VSR_LANES", "auto")
     monkeypatch.setattr(warm_workers, "gpu_ids", lambda: ["0"])
     assert runners.own_processes("auto") and runners.own_processes("cuda") and not runners.own_processes("cpu")
+    assert not runners.own_processes("cuda:1")  # a device by number: the command's threads
     monkeypatch.setattr(warm_workers, "gpu_ids", lambda: [])
     assert not runners.own_processes("auto")
 
