@@ -193,6 +193,8 @@ def test_resume_after_kill_recomputes_only_unfinished_tiles(
         import tasks.stage_tasks as st
         plain, stored, lock = st.RunStore.put_tile, [], threading.Lock()
         def put_tile(self, name, index, *args, **kwargs):
+            if name == "tiles":  # no decoded tile is stored before the kill, whichever thread is quicker
+                threading.Event().wait()
             # One store at a time, so no other thread's tile lands between the second and the kill.
             with lock:
                 plain(self, name, index, *args, **kwargs)
