@@ -15,6 +15,15 @@ functions (`stages.denoise_chunk`: latent upscaler and 2 DiT calls; `stages.deco
 - `convs`: every distinct convolution of the reference decode timed alone: as recorded, with height and width padded
   by the convolution, channels-last, cuDNN's benchmark search, and as 2-D convolutions over frames.
 - `fp8`: the DiT with FP8 linear layers (`--precision fp8`, k6vsr_core.precision), compiled.
+- `attention`: one layer's attention at the tile shape, every maintained kernel this torch has, on the reference's
+  layer-0 inputs: flex attention on NABLA's real mask (shipped options, then Inductor's max-autotune), on fixed
+  block densities (`k6vsr_core.fast.fixed_density_block_mask`: 40 % and 27 %, and the STA floor), on a mask of every
+  block; dense SDPA through cuDNN, FlashAttention 2 and memory-efficient kernels; FP8 inputs where a kernel takes
+  them. Each with its milliseconds and its deviation from the shipped kernel's output.
+- `density`: the shipped fast path's DiT with a fixed block density (the STA floor, 40 %) in place of NABLA's
+  threshold, timed as one denoise chunk; with one W1 encode and the `fast` section's decode, W1's GPU work at each
+  density (the plan's chunks and tiles), beside the random weights' own. Trained weights keep far fewer blocks than
+  random ones: this is the projection of what the released weights cost.
 
     python3 bench/network_profile.py --work /tmp/k6vsr-net --out $OUT/net --sections reference,fast,unfused \\
         --cache-import .devcache/compile-cache.zip --deadline 520
@@ -43,9 +52,20 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("reference", "fast", "unfused", "flex", "convs", "fp8")
+SECTIONS = ("reference", "fast", "unfused", "flex", "convs", "fp8", "attention", "density")
 # Rough seconds each section takes on an H200 (compiles from a warm cache), to skip what cannot finish.
-COST = {"reference": 60, "fast": 120, "unfused": 40, "flex": 120, "convs": 60, "fp8": 120}
+COST = {
+    "reference": 60,
+    "fast": 120,
+    "unfused": 40,
+    "flex": 120,
+    "convs": 60,
+    "fp8": 120,
+    "attention": 90,
+    "density": 150,
+}
+# The fixed densities of the projection: NABLA's STA floor measured 27 % of block pairs on W1 (performance-baseline.md).
+FIXED_DENSITIES = (0.40, 0.27)
 FLEX_VARIANTS: dict[str, dict[str, Any]] = {
     "shipped": {},
     "warps8": {"num_warps": 8},
@@ -260,11 +280,21 @@ def section_reference(session: Session) -> None:
             session.captured.update(q=query.clone(), k=key.clone(), v=value.clone(), block_mask=kwargs["block_mask"])
         return original(query, key, value, **kwargs)
 
+    original_call = type(first).__call__
+
+    def keep_sta(self: Any, attn: Any, hidden_states: Any, rotary_emb: Any, sparse_params: Any) -> Any:
+        session.captured.setdefault("sta", sparse_params["sta_mask"])
+        return original_call(self, attn, hidden_states, rotary_emb, sparse_params)
+
     first.flex = recorder
+    type(first).__call__ = keep_sta  # type: ignore[method-assign]
     denoise = denoise_fn(session, bundle)
     started = time.perf_counter()
-    latents = denoise()
-    sync()
+    try:
+        latents = denoise()
+        sync()
+    finally:
+        type(first).__call__ = original_call  # type: ignore[method-assign]
     first_s = time.perf_counter() - started
     first.flex = original
     denoise_s, latents = timed(denoise, repeats=1)
@@ -501,6 +531,168 @@ def section_fp8(session: Session) -> None:
     measure_variant(session, "fp8", bundle, precision="fp8", profile=True)
 
 
+def deviation(value: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    diff = value.float() - reference.float()
+    return {"max_abs": round(float(diff.abs().max()), 5), "rel_l2": round(rel_error(value, reference), 6)}
+
+
+def attention_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: dict[str, Any]) -> dict[str, Any]:
+    """The attention kernels of one layer: name -> (callable, the name of the output it is compared with)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from k6vsr_core.fast import FLEX_KERNEL_OPTIONS, _cudnn_attention
+
+    flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    options = dict(FLEX_KERNEL_OPTIONS)
+    kernels: dict[str, Any] = {}
+    for name, mask in masks.items():
+        kernels[f"flex {name}"] = (lambda m=mask: flex(q, k, v, block_mask=m, kernel_options=options), "flex nabla")
+
+    def sdpa(backend: Any) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v)
+
+        return run
+
+    kernels["dense cudnn"] = (lambda: _cudnn_attention(q, k, v), "flex all blocks")
+    kernels["dense flash2"] = (sdpa(SDPBackend.FLASH_ATTENTION), "flex all blocks")
+    kernels["dense efficient"] = (sdpa(SDPBackend.EFFICIENT_ATTENTION), "flex all blocks")
+    fp8 = [t.to(torch.float8_e4m3fn) for t in (q, k, v)]
+    kernels["fp8 flex nabla"] = (
+        lambda: flex(*fp8, block_mask=masks["nabla"], kernel_options=options),
+        "flex nabla",
+    )
+    kernels["fp8 dense sdpa"] = (lambda: F.scaled_dot_product_attention(*fp8), "flex all blocks")
+    return kernels
+
+
+def section_attention(session: Session) -> None:
+    from diffusers.models.transformers.transformer_kandinsky6_sr import nabla_block_mask
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    from k6vsr_core.fast import FLEX_KERNEL_OPTIONS, fixed_density_block_mask
+
+    if "q" not in session.captured:
+        session.record("attention", skipped="needs the reference section in the same process (the block mask)")
+        return
+    q, k, v, nabla = (session.captured[key] for key in ("q", "k", "v", "block_mask"))
+    sta = session.captured["sta"]
+    blocks = q.shape[2] // 64
+    every = torch.ones((*q.shape[:2], blocks, blocks), dtype=torch.bool, device=q.device)
+    masks: dict[str, Any] = {
+        "nabla": nabla,
+        "sta floor": nabla_block_mask(q, k, sta, thr=0.0),
+        **{f"{d:.0%}": fixed_density_block_mask(q, k, sta, d) for d in FIXED_DENSITIES},
+        "all blocks": fixed_density_block_mask(q, k, every, 1.0),
+    }
+    densities = {name: round(block_density(mask), 4) for name, mask in masks.items()}
+    rows: dict[str, Any] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    for name, (fn, compare_with) in attention_kernels(q, k, v, masks).items():
+        if session.left() < 30:
+            rows[name] = {"skipped": "deadline"}
+            continue
+        try:
+            started = time.perf_counter()
+            out = fn()
+            sync()
+            first_s = time.perf_counter() - started
+            ms = event_ms(fn)
+            outputs.setdefault(name, out)
+            row: dict[str, Any] = {"ms_per_layer": round(ms, 3), "first_call_s": round(first_s, 1)}
+            if compare_with in outputs and compare_with != name:
+                row[f"vs {compare_with}"] = deviation(out, outputs[compare_with])
+            rows[name] = row
+        except Exception as err:  # noqa: BLE001 - a kernel this torch or card refuses is a result too
+            rows[name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        session.record("attention", densities=densities, kernels=rows)
+    if session.left() > 120:
+        # Inductor's own search over flex's kernel configurations, on NABLA's real mask.
+        tuned = torch.compile(flex_attention, dynamic=False, fullgraph=True, mode="max-autotune-no-cudagraphs")
+        try:
+            started = time.perf_counter()
+            out = tuned(q, k, v, block_mask=nabla)
+            sync()
+            first_s = time.perf_counter() - started
+            ms = event_ms(lambda: tuned(q, k, v, block_mask=nabla))
+            rows["flex nabla max-autotune"] = {
+                "ms_per_layer": round(ms, 3),
+                "first_call_s": round(first_s, 1),
+                "vs flex nabla": deviation(out, outputs["flex nabla"]),
+                "shipped_options": dict(FLEX_KERNEL_OPTIONS),
+            }
+        except Exception as err:  # noqa: BLE001
+            rows["flex nabla max-autotune"] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        session.record("attention", densities=densities, kernels=rows)
+    del BlockMask
+
+
+def block_density(mask: Any) -> float:
+    kept = mask.kv_num_blocks.sum() + (mask.full_kv_num_blocks.sum() if mask.full_kv_num_blocks is not None else 0)
+    return float(kept) / (mask.kv_num_blocks.numel() * mask.kv_indices.shape[-1])
+
+
+def encode_seconds(session: Session, bundle: Any) -> float:
+    """One W1 window's KVAE encode, hot (the median of three after a warm call)."""
+    from k6vsr_core import stages
+
+    plan = session.plan()
+    height, width = plan.grid.padded_size
+    generator = torch.Generator().manual_seed(2)
+    video = torch.randint(0, 256, (plan.window_frames, 3, height, width), dtype=torch.uint8, generator=generator)
+    stages.encode_clip(bundle, video)
+    return timed(lambda: stages.encode_clip(bundle, video))[0]
+
+
+def section_density(session: Session) -> None:
+    """W1's GPU work with the DiT at fixed block densities, beside NABLA's own on random weights."""
+    bundle = getattr(session, "fast_bundle", None)
+    fast = session.results["sections"].get("fast", {})
+    if bundle is None or "decode_tile_s" not in fast:
+        session.record("density", skipped="needs the fast section in the same process")
+        return
+    plan = session.plan()
+    chunks, tiles = len(plan.chunks), plan.grid.num_tiles
+    encode_s = encode_seconds(session, bundle)
+    switch = bundle.attention_hook
+    stats = torch.zeros(2, dtype=torch.float64, device=session.device)
+
+    def projection(chunk_s: float) -> float:
+        return round(encode_s + chunks * chunk_s + tiles * fast["decode_tile_s"], 2)
+
+    rows: dict[str, Any] = {
+        "nabla (random weights)": {
+            "denoise_chunk_s": fast["denoise_chunk_s"],
+            "w1_gpu_work_s": projection(fast["denoise_chunk_s"]),
+        }
+    }
+    denoise = denoise_fn(session, bundle)
+    for label, threshold, density in (("sta floor", 0.0, None), *((f"{d:.0%}", None, d) for d in FIXED_DENSITIES)):
+        if session.left() < 90:
+            rows[label] = {"skipped": "deadline"}
+            continue
+        try:
+            switch.nabla_settings(threshold=threshold, density=density, stats=stats)
+            warm, chunk_s, _ = warm_then_timed(denoise)
+            stats.zero_()
+            denoise()
+            kept, total = (float(x) for x in stats.tolist())
+            rows[label] = {
+                "block_density": round(kept / total, 4) if total else None,
+                "warm_s": round(warm, 1),
+                "denoise_chunk_s": round(chunk_s, 3),
+                "w1_gpu_work_s": projection(chunk_s),
+            }
+        except Exception as err:  # noqa: BLE001
+            rows[label] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+        finally:
+            switch.nabla_settings()
+        session.record("density", encode_s=round(encode_s, 3), chunks=chunks, tiles=tiles, rows=rows)
+
+
 RUNNERS: dict[str, Callable[[Session], None]] = {
     "reference": section_reference,
     "fast": section_fast,
@@ -508,6 +700,8 @@ RUNNERS: dict[str, Callable[[Session], None]] = {
     "flex": section_flex,
     "convs": section_convs,
     "fp8": section_fp8,
+    "attention": section_attention,
+    "density": section_density,
 }
 
 

@@ -33,6 +33,7 @@ benchmark measured 31 dB PSNR between them on W2), so only real weights can say 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from typing import Any
 
 import torch
 from diffusers.models.transformers.transformer_kandinsky6_sr import Kandinsky6SRAttnProcessor, nabla_block_mask
-from torch.nn.attention.flex_attention import flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from k6vsr_core.attention import AttentionMode, DenseSdpaProcessor, project_qkv
 from k6vsr_core.bundle import ModelBundle
@@ -124,14 +125,44 @@ class FastDenseProcessor(DenseSdpaProcessor):
         return super().attend(query, key, value)
 
 
+def fixed_density_block_mask(
+    query: torch.Tensor, key: torch.Tensor, sta: torch.Tensor, density: float, block_size: int = 64
+) -> BlockMask:
+    """NABLA's block mask with a fixed share of blocks per query block, for the benchmark's real-weights projection.
+
+    NABLA keeps, per query block, the key blocks that hold `threshold` of its pooled attention mass, plus the STA
+    prior. Random weights spread that mass evenly and keep about 84 % of the blocks; trained weights concentrate it.
+    This keeps the `ceil(density * blocks)` strongest blocks of each row by the same pooled map (so the kernel sees
+    the same block pattern shape as NABLA's), plus the STA prior: at least `density`, more where the prior adds.
+    """
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"a block density must be in (0, 1], not {density}")
+    batch, heads, tokens, dim = query.shape
+    blocks = tokens // block_size
+    pooled_q = query.reshape(batch, heads, blocks, block_size, dim).mean(-2)
+    pooled_k = key.reshape(batch, heads, blocks, block_size, dim).mean(-2).transpose(-2, -1)
+    scores = (pooled_q @ pooled_k) / math.sqrt(dim)
+    keep = math.ceil(density * blocks)
+    strongest = scores.topk(keep, dim=-1).indices
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(-1, strongest, True)
+    mask = torch.logical_or(mask, sta)
+    counts = mask.sum(-1).to(torch.int32)
+    indices = mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+    return BlockMask.from_kv_blocks(
+        torch.zeros_like(counts), indices, counts, indices, BLOCK_SIZE=block_size, mask_mod=None
+    )
+
+
 class FastNablaProcessor(Kandinsky6SRAttnProcessor):
     """The NABLA processor of the fast path (a subclass of diffusers' own, so `set_attention` keeps it).
 
     diffusers' NABLA arithmetic with explicit flex kernel options on CUDA; the plain processor elsewhere.
 
     `threshold` overrides the model's `nabla_threshold` (the benchmark's STA-floor run sets 0: only the STA
-    prior and the single strongest block per row are kept). `stats`, a float64 CUDA tensor of two elements,
-    accumulates (kept block pairs, all block pairs) over every call, to report the density actually used.
+    prior and the single strongest block per row are kept); `density`, where set, replaces NABLA's threshold rule
+    by `fixed_density_block_mask` (the benchmark's projection of trained weights' sparsity). `stats`, a float64
+    CUDA tensor of two elements, accumulates (kept block pairs, all block pairs) over every call, to report the
+    density actually used.
     """
 
     # Off CUDA the plain processor runs (bit-identical); tests lift that to check the CUDA path's memory on the CPU.
@@ -144,6 +175,7 @@ class FastNablaProcessor(Kandinsky6SRAttnProcessor):
         flex: Callable[..., torch.Tensor] = flex_attention,
     ) -> None:
         self.threshold = threshold
+        self.density: float | None = None
         self.stats = stats
         # Plain `flex_attention` when the blocks around it are compiled (it is traced into their graph), else
         # `compiled_flex_attention()`: never the eager one, which builds the whole attention matrix.
@@ -155,8 +187,11 @@ class FastNablaProcessor(Kandinsky6SRAttnProcessor):
         if self.cuda_only and not hidden_states.is_cuda:
             return super().__call__(attn, hidden_states, rotary_emb, sparse_params)
         query, key, value = project_qkv(attn, hidden_states, rotary_emb)
-        threshold = sparse_params["threshold"] if self.threshold is None else self.threshold
-        block_mask = nabla_block_mask(query, key, sparse_params["sta_mask"], thr=threshold)
+        if self.density is not None:
+            block_mask = fixed_density_block_mask(query, key, sparse_params["sta_mask"], self.density)
+        else:
+            threshold = sparse_params["threshold"] if self.threshold is None else self.threshold
+            block_mask = nabla_block_mask(query, key, sparse_params["sta_mask"], thr=threshold)
         if self.stats is not None:
             # diffusers files every kept block as a full block (its partial counts are zeros); count both.
             kept = block_mask.kv_num_blocks.sum().to(torch.float64)
@@ -231,10 +266,14 @@ class AttentionSwitch:
             if module.processor is not processor:
                 module.set_processor(processor)
 
-    def nabla_settings(self, threshold: float | None = None, stats: torch.Tensor | None = None) -> None:
-        """Set the NABLA threshold override and the density accumulator on every layer (benchmark use)."""
+    def nabla_settings(
+        self, threshold: float | None = None, stats: torch.Tensor | None = None, density: float | None = None
+    ) -> None:
+        """Set the NABLA threshold override, a fixed block density and the density accumulator on every layer
+        (benchmark use)."""
         for processor in self.processors["nabla"]:
             processor.threshold = threshold
+            processor.density = density
             processor.stats = stats
 
 

@@ -146,3 +146,14 @@ def test_flex_attention_without_compiled_blocks_is_pytorchs_compiled_flex_attent
     processor = fast.fast_processor("nabla", compiled_blocks=False, use_cudnn=True)
     assert processor.flex is compiled
     assert fast.fast_processor("nabla", compiled_blocks=True, use_cudnn=True).flex is flex_attention
+
+
+@pytest.mark.parametrize("density", [0.27, 0.4])
+def test_a_fixed_block_density_at_a_w1_tile_allocates_no_attention_matrix(
+    recorder: LargestTensor, density: float
+) -> None:
+    """The benchmark's fixed-density mask (`fast.fixed_density_block_mask`) at the released shape, compiled blocks."""
+    processor = cuda_default("nabla", compiled_blocks=True)
+    processor.density = density
+    largest = largest_allocation(recorder, processor, compiled_blocks=True)
+    assert largest < BOUND, f"{largest / 2**30:.1f} GiB in {recorder.where}"
