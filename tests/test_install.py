@@ -6,10 +6,14 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+from packaging.markers import Marker
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,17 +22,27 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pins_module():
     spec = importlib.util.spec_from_file_location("lock_pins", ROOT / ".ci" / "pins.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules["lock_pins"] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
+def _constraint_lines() -> list[Requirement]:
+    return [
+        Requirement(line)
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+
+
 def _constraints() -> dict[str, str]:
+    """{name: version} of the pins whose marker holds on this interpreter."""
     pins = {}
-    for line in (ROOT / "constraints.txt").read_text().splitlines():
-        if line and not line.startswith("#"):
-            name, _, version = line.partition("==")
-            assert version and name == canonicalize_name(name), f"not a canonical name==version pin: {line!r}"
-            pins[name] = version
+    for requirement in _constraint_lines():
+        [spec] = requirement.specifier
+        assert spec.operator == "==" and requirement.name == canonicalize_name(requirement.name), requirement
+        if requirement.marker is None or requirement.marker.evaluate():
+            pins[requirement.name] = spec.version
     return pins
 
 
@@ -63,7 +77,54 @@ def test_the_test_environment_is_the_one_the_constraints_pin() -> None:
     """What `.ci/lock` would write from this environment is constraints.txt: no requirement is left unpinned (pip
     would take its newest release) and no installed version differs from its pin."""
     lock = _pins_module()
-    assert lock.constraints_text(lock.pins()) == (ROOT / "constraints.txt").read_text()
+    assert lock.constraints_text(lock.needs()) == (ROOT / "constraints.txt").read_text()
+
+
+def test_every_accepted_python_finds_a_pin_for_every_package_it_takes() -> None:
+    """Debian 12's Python 3.11.2 takes async-timeout (through redis) where 3.11.7 does not: a lock made on one Python
+    left it unpinned, and the install check failed there every time."""
+    lock = _pins_module()
+    lines = _constraint_lines()
+    for python in lock.PYTHONS:
+        holding = {r.name for r in lines if r.marker is None or r.marker.evaluate(lock.environment(python, ""))}
+        taken = {name for name, need in lock.needs().items() if python in need.pythons}
+        assert taken <= holding, f"Python {python} takes {sorted(taken - holding)} unpinned"
+    [timeout] = [r for r in lines if r.name == "async-timeout"]
+    assert not timeout.marker.evaluate(lock.environment("3.11.3", "")) and timeout.marker.evaluate(
+        lock.environment("3.11.2", "")
+    )
+
+
+def test_the_pythons_the_lock_checks_lie_on_each_side_of_every_marker_s_boundary() -> None:
+    """Each release the project accepts decides every Python marker of the closure as the checked one below it."""
+    lock = _pins_module()
+    checked = sorted(lock.PYTHONS, key=_version)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    accepted = SpecifierSet(project["requires-python"])
+    releases = [f"3.{minor}.{patch}" for minor in (11, 12, 13) for patch in range(20)]
+    markers = {marker for need in lock.needs().values() for marker in need.markers}
+    assert markers, "the closure has Python markers (async-timeout, importlib-metadata): the check must see them"
+    for release in (r for r in releases if accepted.contains(r)):
+        below = [p for p in checked if _version(p) <= _version(release)][-1]
+        for text in markers:
+            marker = Marker(text)
+            assert marker.evaluate(lock.environment(release, "")) == marker.evaluate(lock.environment(below, "")), (
+                f"{text} tells {release} from {below}: add {release} to PYTHONS in .ci/pins.py"
+            )
+
+
+def test_a_package_only_another_python_takes_and_nobody_pinned_stops_the_lock() -> None:
+    lock = _pins_module()
+    need = lock.Need(pythons={"3.11.0"}, markers=['python_full_version < "3.11.1"'])
+    with pytest.raises(SystemExit, match="not-installed-anywhere is taken only on Python 3.11.0.*add"):
+        lock.constraint_lines({"not-installed-anywhere": need}, before={})
+    assert lock.constraint_lines({"not-installed-anywhere": need}, before={"not-installed-anywhere": "1.0"}) == [
+        'not-installed-anywhere==1.0 ; python_full_version < "3.11.1"'
+    ]
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
 
 
 def test_the_readme_and_ci_install_the_same_way() -> None:
