@@ -7,6 +7,7 @@ The tiny bundles have the released layout and native config spelling but tile si
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,17 @@ def clip_1f(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from k6vsr_core.sample import make_sample_clip
 
     return make_sample_clip(tmp_path_factory.mktemp("clips") / "one.mp4", width=128, height=96, num_frames=1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fault_states_under_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The fault harness's state folders of commands given no `--state` (tests/fault_harness.py)."""
+    from fault_harness import ENV_STATE_ROOT
+
+    saved = os.environ.get(ENV_STATE_ROOT)
+    os.environ[ENV_STATE_ROOT] = str(tmp_path_factory.mktemp("fault-states"))
+    yield
+    if saved is None:
+        os.environ.pop(ENV_STATE_ROOT, None)
+    else:
+        os.environ[ENV_STATE_ROOT] = saved

@@ -300,6 +300,9 @@ finally:
 """
 
 
+ENV_STATE_ROOT = "K6VSR_FAULTS_ROOT"
+
+
 def child_environment(specs: list[str], state: Path) -> dict[str, str]:
     """The variables that make every Python process started with them install `specs` at start-up."""
     for spec in specs:
@@ -327,7 +330,10 @@ def main(argv: list[str]) -> int:
     state: str | None = None
     if head[:1] == ["--state"]:
         state, head = head[1], head[2:]
-    state_dir = Path(state) if state else Path(tempfile.mkdtemp(prefix="k6vsr-faults-"))
+    # Under the test session's own temporary folder where the suite names one (pytest prunes it), so that no run of
+    # the suite leaves a folder behind in the system's.
+    root = os.environ.get(ENV_STATE_ROOT) or None
+    state_dir = Path(state) if state else Path(tempfile.mkdtemp(prefix="k6vsr-faults-", dir=root))
     os.environ.update(child_environment(head, state_dir))
     install_from_env()
 

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -323,3 +324,15 @@ def test_damaged_output_in_store_is_muxed_again(baseline, argv, tmp_path: Path, 
     assert rc == 0, err[-3000:]
     assert summary["tiles_computed"] == 0 and summary["reused_output"] is False
     assert (tmp_path / "out" / NAME).read_bytes() == baseline["bytes"]
+
+
+def test_a_command_given_no_state_folder_keeps_it_under_the_session_s_temporary_folder(tmp_path: Path) -> None:
+    """The suite used to leave a `k6vsr-faults-*` folder in the system's temporary folder for each such command."""
+    root = tmp_path / "states"
+    root.mkdir()
+    env = {**os.environ, fault_harness.ENV_STATE_ROOT: str(root)}
+    done = subprocess.run(
+        fault_harness.command("--help", specs=("kill@decode",)), env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert [p.name.startswith("k6vsr-faults-") for p in root.iterdir()] == [True]
