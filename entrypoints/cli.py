@@ -18,6 +18,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -739,6 +740,26 @@ COMMANDS = {
 }
 
 
+def unexpected_error(err: BaseException) -> str:
+    """An error no rule describes, in words that always name a cause: its message, else the message of the error
+    it came from, else where it was raised (a bare `TimeoutError()` from a library said nothing at all)."""
+    name = type(err).__name__
+    if str(err).strip():
+        return f"{name}: {err}"
+    seen: set[int] = {id(err)}
+    inner = err.__cause__ or err.__context__
+    while inner is not None and id(inner) not in seen:
+        if str(inner).strip():
+            return f"{name}, from {type(inner).__name__}: {inner}"
+        seen.add(id(inner))
+        inner = inner.__cause__ or inner.__context__
+    frames = traceback.extract_tb(err.__traceback__)
+    if frames:
+        last = frames[-1]
+        return f"{name} (no message) raised in {last.name} at {Path(last.filename).name}:{last.lineno}"
+    return f"{name} (no message)"
+
+
 def _error_exit(err: Exception) -> int:
     """The one line an error is, and the exit code: a service's or an internal failure 1, the user's 2."""
     if isinstance(err, ServiceError):  # the server or the workers: not the user's doing, but said in one line
@@ -746,7 +767,7 @@ def _error_exit(err: Exception) -> int:
         return EXIT_FAILED
     message = describe_error(err)
     if message is None:
-        print(f"k6vsr: error: {type(err).__name__}: {err} (rerun with --debug for details)", file=sys.stderr)
+        print(f"k6vsr: error: {unexpected_error(err)} (rerun with --debug for details)", file=sys.stderr)
         return EXIT_FAILED
     print(f"k6vsr: error: {message}", file=sys.stderr)
     return EXIT_USAGE

@@ -39,6 +39,31 @@ def test_an_internal_invariant_failure_exits_1_as_an_internal_error(
     assert line.startswith("k6vsr: error: ValueError: frames must be uint8") and "--debug" in line
 
 
+def _wait_for_the_scheduler() -> None:
+    raise TimeoutError
+
+
+def _wrapped() -> None:
+    try:
+        raise OSError("Timed out trying to connect to tcp://127.0.0.1:8786 after 30 s")
+    except OSError as err:
+        raise TimeoutError from err
+
+
+def test_an_error_without_a_message_still_names_its_cause(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A library's bare `TimeoutError()` printed `k6vsr: error: TimeoutError:` and nothing after the colon."""
+    for raising, said in (
+        (_wait_for_the_scheduler, "TimeoutError (no message) raised in _wait_for_the_scheduler at test_errors.py:"),
+        (_wrapped, "TimeoutError, from OSError: Timed out trying to connect to tcp://127.0.0.1:8786 after 30 s"),
+    ):
+        monkeypatch.setattr(cli, "cmd_gc", lambda _, raising=raising: raising())
+        assert cli.main(["gc"]) == cli.EXIT_FAILED
+        line = capsys.readouterr().err.strip()
+        assert line.startswith(f"k6vsr: error: {said}") and line.endswith("(rerun with --debug for details)"), line
+
+
 @pytest.mark.parametrize(
     ("command", "target", "error"),
     [
