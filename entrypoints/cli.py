@@ -79,14 +79,18 @@ def _preview_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _demo_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-o", "--output-dir", dest="output_dir", default="k6vsr-demo")
-    parser.add_argument("--scale", default="2")
+    parser.add_argument(
+        "-o", "--output-dir", dest="output_dir", default="k6vsr-demo", help="the demo's clip, model, store and output"
+    )
+    parser.add_argument("--scale", default="2", help="2, 4 or 2.25")
     output_flags(parser, verbose=True)
 
 
 def _archive_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input_dir")
-    parser.add_argument("-o", "--output-dir", dest="output_dir", required=True)
+    parser.add_argument(
+        "-o", "--output-dir", dest="output_dir", required=True, help="the outputs, in the input tree's layout"
+    )
     parser.add_argument("--include", action="append", default=None, help="glob of files to take (repeatable)")
     parser.add_argument("--exclude", action="append", default=None, help="glob of files to skip (repeatable)")
     parser.add_argument("--plan", action="store_true", help="write the plan and manifest, run nothing")
@@ -106,7 +110,9 @@ def _archive_flags(parser: argparse.ArgumentParser) -> None:
 def _gc_flags(parser: argparse.ArgumentParser) -> None:
     store_flag(parser)
     parser.add_argument("--keep-outputs", action="store_true", help="keep each run's muxed output and manifest")
-    parser.add_argument("--older-than-hours", type=float, default=0.0)
+    parser.add_argument(
+        "--older-than-hours", type=float, default=0.0, help="only runs last touched longer ago than this"
+    )
     parser.add_argument("--dry-run", action="store_true", help="say what would be reclaimed, delete nothing")
     output_flags(parser)
 

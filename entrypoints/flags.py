@@ -222,8 +222,10 @@ def _access_flags(parser: argparse.ArgumentParser) -> None:
 
 def serve_flags(parser: argparse.ArgumentParser) -> None:
     """`k6vsr serve`: where it listens, who may use it, its bounds, its jobs and their model."""
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface: set --api-key then)"
+    )
+    parser.add_argument("--port", type=int, default=30000, help="TCP port to listen on (SGLang's default)")
     parser.add_argument("--allow-path", action="append", default=[], help="folder JSON video_path may point into")
     _access_flags(parser)
     for title, table in (("limits", SERVE_LIMITS), ("connections", SERVE_CONNECTIONS)):
