@@ -59,7 +59,8 @@ def _installed(name: str) -> metadata.Distribution | None:
 def needs(project: str = PROJECT, extras: tuple[str, ...] = EXTRAS) -> dict[str, Need]:
     """{canonical name: Need} of the project's dependency closure with `extras` over `PYTHONS`, the project left out.
 
-    A package not installed here is a leaf: its own requirements cannot be read (one that has any fails the lock)."""
+    A package not installed here is taken as a leaf: its own requirements cannot be read here (async-timeout, the
+    one such package today, has none)."""
     found: dict[str, Need] = {}
     for python in PYTHONS:
         seen: set[tuple[str, str]] = set()

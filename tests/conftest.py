@@ -194,10 +194,6 @@ def _fault_states_under_the_session(tmp_path_factory: pytest.TempPathFactory) ->
     """The fault harness's state folders of commands given no `--state` (tests/fault_harness.py)."""
     from fault_harness import ENV_STATE_ROOT
 
-    saved = os.environ.get(ENV_STATE_ROOT)
-    os.environ[ENV_STATE_ROOT] = str(tmp_path_factory.mktemp("fault-states"))
-    yield
-    if saved is None:
-        os.environ.pop(ENV_STATE_ROOT, None)
-    else:
-        os.environ[ENV_STATE_ROOT] = saved
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(ENV_STATE_ROOT, str(tmp_path_factory.mktemp("fault-states")))
+        yield
