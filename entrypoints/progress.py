@@ -29,7 +29,7 @@ from storage.progress import (
     stage_items,
     stored_plan,
 )
-from storage.time_left import Span, items_left, seconds_left, window_items
+from storage.time_left import Span, seconds_left
 
 POLL_S = 0.5  # the bar redraws this often: its elapsed time and time left move every second
 # The time left is the store's estimate (`storage.time_left`), from what this run computes, not what it found done.
@@ -49,11 +49,14 @@ class RunBar:
         clock: Callable[[], float] = time.time,
     ) -> None:
         """`name`: the clip's, shown first (an archive's clip bar). Items recorded before the bar began were found
-        done: they say nothing of this run's pace."""
+        done: they say nothing of this run's pace, but the timeline's lines of them stand in for it until this run
+        has timed each stage (`storage.time_left`)."""
         self.store, self.plan, self.name, self.clock, self.position = store, plan, name, clock, position
         self.since = clock()
         self.seen: set[tuple[str, str]] = set()  # (stage, item) records read already
         self.spans: list[Span] = []  # the items this run computed
+        lines = [Span.of_line(line) for line in store.records.timeline()]
+        self.earlier = [span for span in lines if span is not None and span.end < self.since]
         progress = read_progress(store, plan)
         self.bar = tqdm(
             total=progress.total,
@@ -70,7 +73,7 @@ class RunBar:
         return clip_text(self.name, progress) if self.name else progress.text()
 
     def _time_left(self) -> str:
-        """`00:12 left`, or `? left` before this run has timed each model stage it has items left in."""
+        """`00:12 left`, or `? left` before the run has timed each model stage it has items left in."""
         records = self.store.records
         done = {stage: records.items(stage) for stage in stage_items(self.plan)}
         for stage, items in done.items():
@@ -81,7 +84,7 @@ class RunBar:
                 record = records.read(stage, item)
                 if record is not None and record.seconds > 0 and record.written_at >= self.since:
                     self.spans.append(Span.of(record))
-        left = seconds_left(items_left(self.plan, done), self.spans, self.clock(), window_items(self.plan))
+        left = seconds_left(self.plan, done, self.spans, self.clock(), self.since, self.earlier)
         return f"{'?' if left is None else tqdm.format_interval(left)} left"
 
     def show(self) -> None:

@@ -106,12 +106,16 @@ class RecordBook:
         """The items each stage computed in `attempt`, by stage, from the timeline (an item a retry computed again
         counts once); the items it found done are in no line of it."""
         computed: dict[str, set[str]] = {}
-        for line in self._lines(attempt):
+        for line in self._lines(f"-{attempt}.json"):
             if line.get("attempt") == attempt and isinstance(line.get("stage"), str):
                 computed.setdefault(line["stage"], set()).add(str(line.get("item")))
         return computed
 
-    def _lines(self, attempt: str) -> list[dict[str, Any]]:
+    def timeline(self) -> list[dict[str, Any]]:
+        """Every line of the run's timeline, of every attempt (a line cut short by a killed process left out)."""
+        return self._lines(".json")
+
+    def _lines(self, suffix: str) -> list[dict[str, Any]]:
         if isinstance(self.root, LocalLocation):
             try:
                 text = (self.root.path.parent / "timeline.jsonl").read_text(encoding="utf-8")
@@ -120,7 +124,7 @@ class RecordBook:
             blobs = text.splitlines()
         else:
             folder = self.root.parent / "timeline"
-            blobs = [(folder / name).read_bytes().decode() for name in folder.names(f"-{attempt}.json")]
+            blobs = [(folder / name).read_bytes().decode() for name in folder.names(suffix)]
         lines = []
         for blob in blobs:
             try:

@@ -1,77 +1,64 @@
-"""The time a clip run has left, from what this run measured and what its plan has left to do.
+"""The time a clip run has left, from what its items took and what its plan has left to do.
 
-The plan knows every item (`storage.progress.stage_items`); the records say which are done and, for those this run
-computed, when each ran. The model's stages (encode, denoise, decode) share the model lane, a few items at once, and
-hold the run back: what is left is their items not done, at each stage's seconds per item over its latest window
-(the machine's pace now: another process's load changes it within a run), over the lane's width (the most items
-seen running at once),
-then the last window's blend, segment and mux, which nothing overlaps. CPU stages of earlier windows run beside the
-model lane and add nothing.
+The plan knows every item; the records say which are done and, for those computed, when each ran. The model's items
+(encode, denoise, decode) hold the run back: they share the model lane, a few at once, in the order its scheduler
+grants them (`runtime.schedule`: an encode first once ready, then the earliest window's decodes, then its denoises).
+What is left is that lane replayed forward: its slots taken by the items not done, each at its stage's pace over
+its latest window (the machine's pace now: another process's load changes it within a run), a slot freeing when
+the item on it ends; an item in flight started when its slot last freed. Then the last window's tail, which nothing
+overlaps: its blend from its last decode (the blend's own record spans its wait for the decodes, and says nothing
+of its work), its segment and the mux. CPU items of earlier windows run beside the model lane and add nothing.
 
-The estimate is made when an item ends and counts down between ends, so the terminal shows a time that moves every
-second and corrects itself as items finish. It is None (`? left`) until every model stage with items left has
-been measured in this run: a first window's decode cannot be guessed from its encode.
+A pace is this run's: an item found done when the run started says nothing of this run's pace (it took no time
+here), and its record's seconds were of another process. Until this run has timed a stage, the timings earlier
+attempts of the same run left in its timeline stand in for it, so a resumed run shows a figure from its first
+item on. The estimate is None (`? left`) while a model stage with items left has no timing at all: a first
+window's decode cannot be guessed from its encode.
+
+The estimate counts down between item ends, so the terminal shows a time that moves every second and corrects
+itself as items finish.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from k6vsr_core.plan import ClipPlan
-from k6vsr_core.stage_names import CPU_STAGES, MODEL_STAGES, Stage
+from k6vsr_core.stage_names import MODEL_STAGES, Stage
 from storage.progress import stage_items
 from storage.records import CompletionRecord
 
-TAIL_STAGES = (*CPU_STAGES, Stage.MUX)  # of the last window: after its last decode, nothing beside them
+__all__ = ["Span", "items_left", "seconds_left", "window_items"]
 
 
 @dataclass(frozen=True)
 class Span:
-    """One item this run computed: its stage and when it ran (seconds since the epoch)."""
+    """One computed item: its stage, when it ran (seconds since the epoch) and its record's item name."""
 
     stage: str
     start: float
     end: float
+    item: str = ""
 
     @classmethod
     def of(cls, record: CompletionRecord) -> Span:
-        return cls(record.stage, record.written_at - record.seconds, record.written_at)
+        return cls(record.stage, record.written_at - record.seconds, record.written_at, record.item)
 
+    @classmethod
+    def of_line(cls, line: Mapping[str, object]) -> Span | None:
+        """A timeline line's span (`storage.records.RecordBook.timeline`); None for a line that is not one."""
+        try:
+            return cls(str(line["stage"]), float(line["start"]), float(line["end"]), str(line["item"]))  # type: ignore[arg-type]
+        except (KeyError, TypeError, ValueError):
+            return None
 
-def _means(spans: Iterable[Span], recent: Mapping[str, int]) -> dict[str, float]:
-    """Each stage's seconds per item over its `recent[stage]` latest items (all without one): the machine's pace
-    now, which another process's load changes within a run."""
-    totals: dict[str, list[float]] = {}
-    for span in sorted(spans, key=lambda span: span.end):
-        totals.setdefault(span.stage, []).append(span.end - span.start)
-    kept = {stage: seconds[-recent.get(stage, len(seconds)) :] for stage, seconds in totals.items()}
-    return {stage: sum(seconds) / len(seconds) for stage, seconds in kept.items()}
-
-
-def seconds_left(
-    left: Mapping[str, int], spans: list[Span], now: float, recent: Mapping[str, int] | None = None
-) -> float | None:
-    """Seconds until the run ends: `left` is each stage's items not done yet, `spans` the items this run computed,
-    `recent` how many of a stage's latest items give its pace (`window_items`; all by default).
-
-    None while a model stage with items left has no measurement."""
-    model = [span for span in spans if span.stage in MODEL_STAGES]
-    means = _means(spans, recent or {})
-    if any(left.get(stage, 0) and stage not in means for stage in MODEL_STAGES):
-        return None
-    if not any(left.get(stage, 0) for stage in (*MODEL_STAGES, *TAIL_STAGES)):
-        return 0.0
-    tail = sum(means.get(stage, 0.0) for stage in TAIL_STAGES if left.get(stage, 0))
-    if not model:  # only CPU stages are left, none of them measured beside the model lane
-        return tail
-    # The lane's width: the most of its items seen running at once. (Its busy seconds over the wall clock read low
-    # whenever an item is in flight, which the records cannot show until it ends.)
-    last = max(span.end for span in spans)
-    concurrency = max(sum(other.start <= (span.start + span.end) / 2 <= other.end for other in model) for span in model)
-    work = sum(left.get(stage, 0) * means[stage] for stage in MODEL_STAGES if left.get(stage, 0))
-    # Made when the last item ended; counted down since.
-    return max(0.0, work / concurrency + tail - (now - last))
+    @property
+    def window(self) -> int | None:
+        head = self.item.split("-", 1)[0]
+        return int(head) if head.isdigit() else None
 
 
 def window_items(plan: ClipPlan) -> dict[str, int]:
@@ -82,3 +69,193 @@ def window_items(plan: ClipPlan) -> dict[str, int]:
 def items_left(plan: ClipPlan, done: Mapping[str, Iterable[str]]) -> dict[str, int]:
     """Each recorded stage's items of `plan` not in `done` (the items recorded done, by stage)."""
     return {stage: len(set(items) - set(done.get(stage, ()))) for stage, items in stage_items(plan).items()}
+
+
+def _frames(plan: ClipPlan, span: Span) -> int:
+    """What an item's time grows with: its window's computed frames (scene windows differ in length)."""
+    window = span.window
+    return plan.windows[window].padded if window is not None and window < plan.num_windows else 1
+
+
+def _paces(plan: ClipPlan, spans: list[Span], recent: Mapping[str, int]) -> dict[str, float]:
+    """Each stage's seconds per computed frame over its `recent[stage]` latest items; the blend's from its window's
+    last decode to its end (what it adds once the decodes are done)."""
+    per_frame: dict[str, list[float]] = {}
+    decoded: dict[int, list[float]] = {}
+    for span in sorted(spans, key=lambda span: span.end):
+        if span.stage == Stage.DECODE and span.window is not None:
+            decoded.setdefault(span.window, []).append(span.end)
+    for span in sorted(spans, key=lambda span: span.end):
+        seconds = span.end - span.start
+        if span.stage == Stage.BLEND:
+            ends = decoded.get(span.window, []) if span.window is not None else []
+            if len(ends) < plan.num_tiles:  # its decodes ran before these spans: its wait cannot be told apart
+                continue
+            seconds = max(0.0, span.end - max(ends))
+        per_frame.setdefault(span.stage, []).append(seconds / _frames(plan, span))
+    kept = {stage: values[-recent.get(stage, len(values)) :] for stage, values in per_frame.items()}
+    return {stage: sum(values) / len(values) for stage, values in kept.items()}
+
+
+def _tasks(plan: ClipPlan, spans: Iterable[Span]) -> list[tuple[float, float]]:
+    """The model lane's tasks: a chunk's denoise records each of its tiles over the one task's interval."""
+    tasks: dict[tuple[str, int | None, str], tuple[float, float]] = {}
+    for span in spans:
+        if span.stage not in MODEL_STAGES:
+            continue
+        item = span.item
+        if span.stage == Stage.DENOISE and span.window is not None and "-" in item:
+            item = str(plan.chunk_of(int(item.split("-", 1)[1])).index)
+        tasks[(span.stage, span.window, item)] = (span.start, span.end)
+    return sorted(tasks.values())
+
+
+def _width(tasks: list[tuple[float, float]]) -> int:
+    """The lane's width: the most of its tasks seen running at once, at the middle of one of them. (Busy seconds over
+    the wall clock read low whenever a task is in flight, which the records cannot show until it ends.)"""
+    starts, ends = sorted(start for start, _ in tasks), sorted(end for _, end in tasks)
+    middles = ((start + end) / 2 for start, end in tasks)
+    return max((bisect.bisect_right(starts, m) - bisect.bisect_left(ends, m) for m in middles), default=1)
+
+
+@dataclass
+class _Item:
+    stage: str
+    window: int
+    seconds: float
+    needs: list[int]  # items that must end first
+    after_start: list[int]  # items that must have started
+    end: float | None = None  # known: recorded done
+
+
+def _lane_items(
+    plan: ClipPlan, done: Mapping[str, Iterable[str]], ends: Mapping[tuple[str, str], float], paces: Mapping[str, float]
+) -> list[_Item]:
+    """The run's model items in the scheduler's graph (`runtime.schedule.clip_graph`), those done with their end."""
+    done_sets = {stage: set(done.get(stage, ())) for stage in (*MODEL_STAGES, Stage.BLEND, Stage.SEGMENT)}
+    items: list[_Item] = []
+    last_chunks: list[int] = []
+    for window in plan.windows:
+        w, frames = window.index, window.padded
+        encode = len(items)
+        items.append(
+            _Item(Stage.ENCODE, w, paces.get(Stage.ENCODE, 0.0) * frames, [], last_chunks[-2:-1] or last_chunks)
+        )
+        if str(w) in done_sets[Stage.ENCODE]:
+            items[encode].end = ends.get((Stage.ENCODE, str(w)), float("-inf"))
+        chunks: dict[int, int] = {}
+        for chunk in plan.chunks:
+            chunks[chunk.index] = len(items)
+            item = _Item(Stage.DENOISE, w, paces.get(Stage.DENOISE, 0.0) * frames, [encode], [])
+            names = [f"{w}-{tile}" for tile in chunk.tiles]
+            if all(name in done_sets[Stage.DENOISE] for name in names):
+                item.end = max(ends.get((Stage.DENOISE, name), float("-inf")) for name in names)
+            items.append(item)
+        for tile in range(plan.num_tiles):
+            item = _Item(
+                Stage.DECODE, w, paces.get(Stage.DECODE, 0.0) * frames, [chunks[plan.chunk_of(tile).index]], []
+            )
+            if f"{w}-{tile}" in done_sets[Stage.DECODE]:
+                item.end = ends.get((Stage.DECODE, f"{w}-{tile}"), float("-inf"))
+            items.append(item)
+        last_chunks = list(chunks.values())
+    # A window blended or written needs none of its model items again, whatever records they kept.
+    for item in items:
+        if item.end is None and any(str(item.window) in done_sets[stage] for stage in (Stage.BLEND, Stage.SEGMENT)):
+            item.end = float("-inf")
+    return items
+
+
+def _urgency(item: _Item, position: int) -> tuple[int, int, int]:
+    """The order the lane is replayed in among ready items: the earliest window first, its decodes before its
+    denoises. The scheduler takes a ready encode before either; guessing instead that a decode took the slot
+    it freed errs by an encode's few seconds until its record comes, where the other guess, wrong, waits for a
+    decode that ran all along."""
+    return (item.window, item.stage != Stage.DECODE, position)
+
+
+def _lane_end(items: list[_Item], free: list[float], now: float) -> float:
+    """When the last of `items` ends, the items not done taken in the scheduler's order by the lane's slots, each
+    slot free from its time in `free`; an item that would have ended by `now` is still running (it has no record)."""
+    dependents: dict[int, list[int]] = {}
+    blocked: dict[int, int] = {}
+    starts: dict[int, float] = {}
+    last = max((item.end for item in items if item.end is not None), default=float("-inf"))
+    pending: list[tuple[float, int]] = []  # (ready at, item): every need scheduled
+    for position, item in enumerate(items):
+        if item.end is not None:
+            starts[position] = item.end
+            continue
+        waits = [need for need in (*item.needs, *item.after_start) if items[need].end is None]
+        blocked[position] = len(waits)
+        for need in waits:
+            dependents.setdefault(need, []).append(position)
+
+    def ready_at(position: int) -> float:
+        item = items[position]
+        return max(
+            [float("-inf")]
+            + [items[need].end for need in item.needs]  # type: ignore[misc]
+            + [starts[need] for need in item.after_start]
+        )
+
+    for position, count in blocked.items():
+        if not count:
+            heapq.heappush(pending, (ready_at(position), position))
+    slots = sorted(free)
+    ready: list[tuple[tuple[int, int, int], int]] = []
+    while pending or ready:
+        at = heapq.heappop(slots)
+        if not ready and pending[0][0] > at:
+            at = pending[0][0]
+        while pending and pending[0][0] <= at:
+            _, position = heapq.heappop(pending)
+            heapq.heappush(ready, (_urgency(items[position], position), position))
+        _, position = heapq.heappop(ready)
+        item = items[position]
+        starts[position] = at
+        item.end = max(now, at + item.seconds)
+        last = max(last, item.end)
+        heapq.heappush(slots, item.end)
+        for dependent in dependents.get(position, []):
+            blocked[dependent] -= 1
+            if not blocked[dependent]:
+                heapq.heappush(pending, (ready_at(dependent), dependent))
+    return last
+
+
+def seconds_left(
+    plan: ClipPlan,
+    done: Mapping[str, Iterable[str]],
+    spans: list[Span],
+    now: float,
+    started: float,
+    earlier: list[Span] | None = None,
+) -> float | None:
+    """Seconds until the run of `plan` ends: `done` is each stage's items recorded done, `spans` the items this run
+    computed (it started at `started`), `earlier` those earlier attempts of the run computed (their paces stand in
+    for a stage this run has not timed yet).
+
+    None while a model stage with items left has no timing."""
+    recent = window_items(plan)
+    left = items_left(plan, done)
+    paces = _paces(plan, [*(earlier or []), *spans], recent)
+    if any(left.get(stage, 0) and stage not in paces for stage in MODEL_STAGES):
+        return None
+    tail = (Stage.BLEND, Stage.SEGMENT, Stage.MUX)
+    if not any(left.get(stage, 0) for stage in (*MODEL_STAGES, *tail)):
+        return 0.0
+    ends = {(span.stage, span.item): span.end for span in spans}
+    tasks = _tasks(plan, spans)
+    width = max(_width(tasks), _width(_tasks(plan, earlier or [])))
+    # Each slot last freed at one of the latest task ends (then took the item now in flight), else at the start.
+    free = ([end for _, end in sorted(tasks, key=lambda task: task[1])][-width:] + [started] * width)[:width]
+    at = _lane_end(_lane_items(plan, done, ends, paces), free, now)
+    last = plan.windows[-1]
+    for stage in tail:
+        item = "all" if stage == Stage.MUX else str(last.index)
+        if item in set(done.get(stage, ())):
+            at = ends.get((stage, item), at)
+        else:
+            at = max(now, at + paces.get(stage, 0.0) * (1 if stage == Stage.MUX else last.padded))
+    return max(0.0, at - now)

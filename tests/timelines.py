@@ -45,3 +45,51 @@ def next_ready(intervals: list[tuple[float, float]]) -> float:
     ends = sorted(intervals, key=lambda span: span[1])[:-1]
     ready = sum(any(s < end < e for s, e in intervals) for _, end in ends)
     return ready / max(1, len(ends))
+
+
+def streamed(lines: list[dict], since: float = float("-inf")) -> list[dict]:
+    """`lines` as a run that streams its blends writes them: a window's blend line spans from its first decode's end
+    (or from `since`, a resumed run's start, where its first decodes were done before) to its own end, its wait
+    for the other decodes included."""
+    out = []
+    for line in lines:
+        if line["stage"] == "blend":
+            window = line["item"]
+            ends = [x["end"] for x in lines if x["stage"] == "decode" and x["item"].split("-")[0] == window]
+            line = {**line, "start": max(since, min(ends, default=since))}
+        out.append(line)
+    return out
+
+
+def resumed(lines: list[dict], killed_at: float, restarts_at: float) -> tuple[list[dict], list[dict]]:
+    """A run killed at `killed_at` and started again at `restarts_at`: the lines of the items that had ended (the
+    first attempt's), and those of the others as the second attempt computes them, each as long as it took first,
+    the earliest starting as the second attempt starts. What was in flight at the kill is computed again whole."""
+    first = [line for line in lines if line["end"] <= killed_at]
+    rest = [line for line in lines if line["end"] > killed_at and line["stage"] != "ingest"]
+    shift = restarts_at - min(line["start"] for line in rest)
+    second = [{**line, "start": line["start"] + shift, "end": line["end"] + shift} for line in rest]
+    return first, second
+
+
+def replay(plan, lines: list[dict], started: float, earlier: list[dict] = (), step: float = 1.0) -> list[tuple]:
+    """A run of `plan` replayed `step` by `step` from `started` (when its bar began) to its last line's end, the
+    estimator (`storage.time_left.seconds_left`) asked at each instant what the records and the timeline would say
+    then: (seconds since `started`, the time the run really had left, the estimate or None)."""
+    from storage.time_left import Span, seconds_left
+
+    end = max(line["end"] for line in lines)
+    before = [Span.of_line(line) for line in earlier]
+    found: dict[str, set[str]] = {}
+    for line in earlier:
+        found.setdefault(line["stage"], set()).add(line["item"])
+    replayed, now = [], started
+    while now < end:
+        done = {stage: set(items) for stage, items in found.items()}
+        past = [line for line in lines if line["end"] <= now]
+        for line in past:
+            done.setdefault(line["stage"], set()).add(line["item"])
+        spans = [Span.of_line(line) for line in past]
+        replayed.append((now - started, end - now, seconds_left(plan, done, spans, now, started, before)))
+        now += step
+    return replayed
