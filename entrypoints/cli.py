@@ -436,11 +436,10 @@ def _windows_of(plan: Any) -> list[dict[str, Any]]:
 def _run_estimate(prepared: Any) -> dict[str, Any] | None:
     """The whole run's time and disk from the rates a preview of this run measured (`k6vsr preview`); None
     without one."""
-    from storage.estimate import estimate_run, read_rates
+    from storage.estimate import run_estimate
 
-    store = prepared.run.open()
-    rates = read_rates(store)
-    return None if rates is None else estimate_run(prepared.plan, rates).model_dump()
+    estimate = run_estimate(prepared.run.open(), prepared.plan)
+    return None if estimate is None else estimate.model_dump()
 
 
 def _source_facts(prepared: Any) -> dict[str, Any]:

@@ -9,10 +9,10 @@ of the segments, which need each window's neighbour.
 It writes a side-by-side MP4 (the bicubic-upscaled source on the left, the output on the right, window after
 window) and a contact sheet PNG (the middle frame of each window, source and output), and, from its wall clock over
 the frames its windows computed, estimates the whole run's time and disk on this machine
-(`storage.estimate.estimate_run`). The wall clock, not the sum of the tasks' seconds: a run computes two model tasks
-at once (`runtime.slots.MODEL_SLOTS`) and encodes a window while the one before it decodes, and a sum of tasks
+(`storage.estimate.run_estimate`). The wall clock, not the sum of the tasks' seconds: a run computes two model
+tasks at once (`runtime.slots.MODEL_SLOTS`) and encodes a window while the one before it decodes, and a sum of tasks
 computed one at a time counted that overlapped work in full. The rates are kept in the store (`preview.json`), where
-`k6vsr plan` finds them.
+`k6vsr plan` finds them and says the same estimate, from the same function.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from runtime.runners import WarmOrThreadsTaskRunner
 from runtime.schedule import DENOISE_DECODE, MODEL_ITEMS, Graph, Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef
 from storage import RunStore
-from storage.estimate import RATES, RunEstimate, StageRates, estimate_run, read_rates
+from storage.estimate import RATES, RunEstimate, StageRates, read_rates, run_estimate
 from tasks import ingest as ingest_tasks
 from tasks import stage_tasks
 from tasks.descriptors import StageResult
@@ -96,7 +96,7 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
         side_by_side=str(side_by_side),
         contact_sheet=str(sheet),
         rates=rates,
-        estimate=None if rates is None else estimate_run(plan, rates, windows_done(store, plan)),
+        estimate=run_estimate(store, plan),
     )
 
 
@@ -110,11 +110,6 @@ def model_rate(measured: list[tuple[float, int]]) -> float:
     one-time costs (the model's load, first calls) are spread over the frames measured; with one window there is no
     overlap to see, and the rate is an upper bound."""
     return sum(seconds for seconds, _ in measured) / sum(frames for _, frames in measured)
-
-
-def windows_done(store: RunStore, plan: ClipPlan) -> list[int]:
-    """The windows whose model work the store already holds (blended, or written into segments)."""
-    return [w.index for w in plan.windows if stage_tasks.window_blended(store, plan, w.index)]
 
 
 def preview_graph(plan: ClipPlan, chosen: tuple[int, ...], stream_blend: bool = True, fused: bool = False) -> Graph:

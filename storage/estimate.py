@@ -7,7 +7,7 @@ what grows with length is only the encoded video (the segments, then the output)
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from pydantic import BaseModel
 
@@ -78,25 +78,50 @@ class RunEstimate(BaseModel):
     windows_measured: int
 
 
-def estimate_run(plan: ClipPlan, rates: StageRates, windows_done: Collection[int] = ()) -> RunEstimate:
+def estimate_run(plan: ClipPlan, rates: StageRates, done: Mapping[str, Collection[str]] | None = None) -> RunEstimate:
     """A run's time and disk from measured rates: its stages, one after another (a worker's CPU or GPU does them in
     turn), so an upper bound where stages overlap on separate devices, plus what a process's first window costs
-    once; the mux copies streams and costs little."""
+    once; the mux copies streams and costs little. What is left leaves out the work `done` (the items recorded
+    done, by stage: `done_items`) holds: the ingest, each window's model work (whole once it is blended, else by
+    its tiles decoded) and the segments written."""
+    done = {stage: set(items) for stage, items in (done or {}).items()}
     computed = [window.padded for window in plan.windows]
     model = rates.model_s_per_frame * sum(computed)
     segments = rates.segment_s_per_frame * plan.num_frames
     total = rates.ingest_s + rates.first_window_extra_s + model + segments
-    # The windows done are not computed again; a new process still pays for its first window.
-    done = rates.model_s_per_frame * sum(plan.windows[index].padded for index in windows_done)
+    # What is done is not computed again; a new process still pays for its first window.
+    saved = rates.ingest_s if "all" in done.get("ingest", ()) else 0.0
+    for window in plan.windows:
+        if {str(window.index)} & (done.get("blend", set()) | done.get("segment", set())):
+            share = 1.0
+        else:
+            decoded = {f"{window.index}-{tile}" for tile in range(plan.num_tiles)} & done.get("decode", set())
+            share = len(decoded) / plan.num_tiles
+        saved += share * rates.model_s_per_frame * window.padded
+        if str(window.index) in done.get("segment", ()):
+            start, stop = plan.segment_range(window.index)
+            saved += rates.segment_s_per_frame * (stop - start)
     encoded = round(rates.encoded_bytes_per_frame * plan.num_frames)
     store = store_estimate(plan)
     return RunEstimate(
         seconds=round(total, 1),
-        seconds_left=round(max(0.0, total - done), 1),
+        seconds_left=round(max(0.0, total - saved), 1),
         output_bytes=encoded,
         peak_store_bytes=min(WINDOWS_IN_FLIGHT, plan.num_windows) * store.window_bytes + 2 * encoded,
         windows_measured=rates.windows_measured,
     )
+
+
+def done_items(store: RunStore) -> dict[str, list[str]]:
+    """The items the store's records say are done, by stage: what a run of it will not compute again."""
+    return {stage: store.records.items(stage) for stage in ("ingest", "decode", "blend", "segment")}
+
+
+def run_estimate(store: RunStore, plan: ClipPlan) -> RunEstimate | None:
+    """The one answer to "how long will this run take, and how long is left": from the rates the last preview of
+    it kept and the work its store holds, as `k6vsr plan` and `k6vsr preview` both say it. None without a preview."""
+    rates = read_rates(store)
+    return None if rates is None else estimate_run(plan, rates, done_items(store))
 
 
 def read_rates(store: RunStore) -> StageRates | None:

@@ -44,9 +44,16 @@ def test_the_estimate_adds_the_stages_up_by_their_units() -> None:
     estimate = estimate_run(plan, rates)
     assert estimate.seconds == pytest.approx(2.0 + 0.1 * 363 + 0.01 * 250, abs=0.05)
     assert estimate.output_bytes == 250_000 and estimate.seconds_left == estimate.seconds
-    assert estimate_run(plan, rates, [0, 2]).seconds_left == pytest.approx(estimate.seconds - 0.1 * 242, abs=0.1)
+    blended = {"blend": ["0", "2"]}
+    assert estimate_run(plan, rates, blended).seconds_left == pytest.approx(estimate.seconds - 0.1 * 242, abs=0.1)
+    # What the store holds is left out, whichever command asks: the ingest, a window by the share of its tiles
+    # decoded (one tile here: all of window 1), the segments written.
+    done = {"ingest": ["all"], "decode": ["1-0"], "blend": ["0"], "segment": ["0"]}
+    start, stop = plan.segment_range(0)
+    saved = 2.0 + 0.1 * 242 + 0.01 * (stop - start)
+    assert estimate_run(plan, rates, done).seconds_left == pytest.approx(estimate.seconds - saved, abs=0.1)
     # What a process's first window costs beyond the rate is paid once, by the whole run and by what is left.
-    first = estimate_run(plan, rates.model_copy(update={"first_window_extra_s": 30.0}), [0])
+    first = estimate_run(plan, rates.model_copy(update={"first_window_extra_s": 30.0}), {"blend": ["0"]})
     assert first.seconds == pytest.approx(estimate.seconds + 30, abs=0.05)
     assert first.seconds_left == pytest.approx(first.seconds - 0.1 * 121, abs=0.1)
 
@@ -135,6 +142,10 @@ def test_a_preview_is_reused_by_the_whole_run(
     assert read_rates(RunStore(store, prepared.run.run_key)) == preview.rates
     estimate = preview.estimate
     assert estimate is not None and 0 < estimate.seconds_left < estimate.seconds
+    # `k6vsr plan` says the same time left as the preview did: one estimator, the store's work left out.
+    from entrypoints.cli import _run_estimate
+
+    assert _run_estimate(prepare_run(three_shots, SCENES, model, store)) == estimate.model_dump()
     assert "whole run     about" in preview_lines(preview.model_dump(mode="json"))[-1]
     # The whole run computes only the window the preview did not.
     summary = run_clip(prepare_run(three_shots, SCENES, model, store), str(tmp_path / "out.mp4"), model)
