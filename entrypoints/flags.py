@@ -9,9 +9,9 @@ takes the model's (official) default.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
+from k6vsr_core import settings
 from k6vsr_core.memory_modes import MEMORY_MODES
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.release_config import DEFAULT_MODEL
@@ -75,7 +75,7 @@ def model_flags(parser: argparse.ArgumentParser, at_start: bool = False) -> None
         if at_start
         else "Hugging Face repo id or local folder in the Diffusers layout (env K6VSR_MODEL)"
     )
-    default_model = None if at_start else os.environ.get("K6VSR_MODEL", DEFAULT_MODEL)
+    default_model = None if at_start else (settings.read(settings.Compute).model or DEFAULT_MODEL)
     group.add_argument("--model", "--model-path", dest="model", default=default_model, help=model_help)
     group.add_argument("--revision", default=None, help="hub revision (default: the pinned release revision)")
     group.add_argument(

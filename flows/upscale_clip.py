@@ -10,7 +10,6 @@ deleted) while later windows are on the GPU.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext, suppress
@@ -26,7 +25,7 @@ from pydantic import BaseModel
 from flows import artifacts
 from flows.run_log import run_log
 from flows.stage_clock import StageClock
-from k6vsr_core import media
+from k6vsr_core import media, settings
 from k6vsr_core.errors import TileFailure, WindowStopped
 from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
@@ -72,10 +71,6 @@ class ClipSummary(BaseModel):
 # API (flows.artifacts.TileProgress).
 PROGRESS_EVERY_S = 5.0
 
-# Long enough for a cluster of GPU workers to start and import torch; a worker that cannot import k6vsr would
-# otherwise be restarted by Dask forever and the run would hang instead of failing.
-WORKERS_READY_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_READY_TIMEOUT", "300"))
-
 
 def _check_workers(model: ModelSpec) -> None:
     """With process workers, one trivial task, which also checks the model's weights, must complete before tiles
@@ -85,13 +80,16 @@ def _check_workers(model: ModelSpec) -> None:
     context = FlowRunContext.get()
     if context is None or not is_dask_runner(context.task_runner):
         return
+    # Long enough for a cluster of GPU workers to start and import torch; a worker that cannot import k6vsr would
+    # otherwise be restarted by Dask forever and the run would hang instead of failing.
+    ready_s = settings.read(settings.Workers).workers_ready_timeout
     future = stage_tasks.workers_ready.submit(model)
-    future.wait(timeout=WORKERS_READY_TIMEOUT_S)
+    future.wait(timeout=ready_s)
     if future.state.is_failed():
         future.result()  # the worker's own error, e.g. a model whose weights do not match it
     if not future.state.is_completed():
         raise WorkersUnavailable(
-            f"no Dask worker ran a trivial k6vsr task within {WORKERS_READY_TIMEOUT_S:g} s "
+            f"no Dask worker ran a trivial k6vsr task within {ready_s:g} s "
             f"(state {future.state.name}): check that k6vsr is installed where the workers run and that they "
             "started (K6VSR_WORKERS_READY_TIMEOUT sets the wait)"
         )

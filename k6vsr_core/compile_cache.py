@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from pydantic import BaseModel
 
+from k6vsr_core import settings
 from k6vsr_core.process_env import compile_cache_dir
 
-ARTIFACTS_ENV = "K6VSR_COMPILE_ARTIFACTS"
+ARTIFACTS_ENV = settings.env_name("compile_artifacts")
 # Measured on an H200 (bench/RESULTS.md): DiT blocks and KVAE decoder at W1's shapes, empty cache, about 3 minutes;
 # flex attention alone (`--no-compile`) a few seconds.
 COMPILE_ESTIMATES = {"networks": "about 3 minutes on an H200", "flex attention": "a few seconds"}
@@ -340,7 +341,8 @@ _IMPORTED: set[str] = set()
 
 def import_configured_artifacts() -> dict[str, Any] | None:
     """Import `$K6VSR_COMPILE_ARTIFACTS` once per process (deployments and warm workers set it)."""
-    source = os.environ.get(ARTIFACTS_ENV)
+    configured = settings.read(settings.Compute).compile_artifacts
+    source = None if configured is None else str(configured)
     if not source or source in _IMPORTED:
         return None
     _IMPORTED.add(source)

@@ -19,10 +19,10 @@ import threading
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from k6vsr_core import settings
 from k6vsr_core.determinism import deterministic_requested
-from k6vsr_core.errors import ParameterError
 
-THREADS_ENV = "K6VSR_CPU_THREADS"
+THREADS_ENV = settings.env_name("cpu_threads")
 _LOCK = threading.Lock()
 
 
@@ -37,14 +37,7 @@ class ComputeProfile(BaseModel):
 def default_profile() -> ComputeProfile:
     """`$K6VSR_CPU_THREADS`, else one thread per core this process may run on (not `OMP_NUM_THREADS`); cuDNN as
     `$K6VSR_DETERMINISTIC` says (default: no timing, deterministic kernels)."""
-    explicit = os.environ.get(THREADS_ENV)
-    if explicit:
-        try:
-            threads = int(explicit)
-        except ValueError:
-            raise ParameterError(f"{THREADS_ENV}={explicit!r} is not a whole number of threads") from None
-    else:
-        threads = len(os.sched_getaffinity(0))
+    threads = settings.read(settings.Compute).cpu_threads or len(os.sched_getaffinity(0))
     deterministic = deterministic_requested()
     return ComputeProfile(cpu_threads=threads, cudnn_benchmark=not deterministic, cudnn_deterministic=deterministic)
 

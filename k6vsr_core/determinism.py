@@ -41,7 +41,9 @@ import threading
 
 from pydantic import BaseModel, ConfigDict
 
-SWITCH_ENV = "K6VSR_DETERMINISTIC"
+from k6vsr_core import settings
+
+SWITCH_ENV = settings.env_name("deterministic")
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 CUBLAS_WORKSPACE = ":4096:8"
 # Inductor options that choose kernels by timing them on the device; all off by default.
@@ -67,7 +69,7 @@ class KernelSettings(BaseModel):
 
 def deterministic_requested() -> bool:
     """The switch: on unless `K6VSR_DETERMINISTIC` is 0, false, no or off."""
-    return os.environ.get(SWITCH_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return settings.read(settings.Compute).deterministic
 
 
 def apply_kernel_settings(deterministic: bool | None = None) -> KernelSettings:

@@ -13,12 +13,12 @@ run of the real model.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from k6vsr_core import settings
 from k6vsr_core.errors import ParameterError
 from k6vsr_core.plan import TEMPORAL_FACTOR
 from k6vsr_core.tiling import SPATIAL_FACTOR
@@ -29,29 +29,22 @@ if TYPE_CHECKING:
     from k6vsr_core.bundle import ModelBundle
     from k6vsr_core.plan import ClipPlan, TileChunk
 
-FAKE_ENV = "K6VSR_FAKE_MODEL_MS"
-MARKER_ENV = "K6VSR_BENCH_ONLY"
-MAX_MS = 10_000.0
+FAKE_ENV = settings.env_name("fake_model_ms")
+MARKER_ENV = settings.env_name("bench_only")
 
 
 def fake_ms() -> float | None:
     """The stand-in's milliseconds per call when it is selected, else None; refuses a selection without the
     bench marker or with a value that is not a number of milliseconds."""
-    value = os.environ.get(FAKE_ENV, "").strip()
-    if not value:
+    bench = settings.read(settings.Bench)
+    if bench.fake_model_ms is None:
         return None
-    if os.environ.get(MARKER_ENV) != "1":
+    if not bench.bench_only:
         raise ParameterError(
             f"{FAKE_ENV} replaces the model with a stand-in that returns zeros, for measuring the orchestration "
             f"only; set {MARKER_ENV}=1 as well to say so, or unset {FAKE_ENV}"
         )
-    try:
-        ms = float(value)
-    except ValueError:
-        raise ParameterError(f"{FAKE_ENV}={value!r} is not a number of milliseconds") from None
-    if not 0 <= ms <= MAX_MS:
-        raise ParameterError(f"{FAKE_ENV}={value!r} must be between 0 and {MAX_MS:g} milliseconds")
-    return ms
+    return bench.fake_model_ms
 
 
 def identity_suffix() -> str:

@@ -28,7 +28,6 @@ it against the eager reference).
 
 from __future__ import annotations
 
-import os
 import types
 from typing import Any
 
@@ -40,13 +39,15 @@ from diffusers.models.autoencoders.autoencoder_kandinsky6_sr import (
     Kandinsky6SRSpatialNorm3D,
 )
 
+from k6vsr_core import settings
+
 CHANNELS_LAST = torch.channels_last_3d
 # `channels_first` keeps diffusers' layout (with the other fast forms): only to measure what the layout brings.
-LAYOUT_ENV = "K6VSR_DECODER_LAYOUT"
+LAYOUT_ENV = settings.env_name("decoder_layout")
 
 
 def channels_last_wanted() -> bool:
-    return os.environ.get(LAYOUT_ENV, "channels_last").strip().lower() != "channels_first"
+    return settings.read(settings.Compute).decoder_layout == "channels_last"
 
 
 def _conv_input(tensor: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

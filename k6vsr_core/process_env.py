@@ -14,20 +14,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from k6vsr_core import settings
+
 ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 # Expandable segments let the CUDA caching allocator grow a segment instead of reserving a new one for every size
 # class the stages ask for: with the two model slots' encode, denoise and decode interleaved, fixed segments left a
 # command's reserved memory several GiB above what it ever allocated.
 ALLOCATOR_DEFAULT = "expandable_segments:True"
-COMPILE_CACHE_ENV = "K6VSR_COMPILE_CACHE"
+COMPILE_CACHE_ENV = settings.env_name("compile_cache")
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def compile_cache_dir() -> Path:
     """`$K6VSR_COMPILE_CACHE`, else `<XDG cache or ~/.cache>/k6vsr/compile`."""
-    explicit = os.environ.get(COMPILE_CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
+    explicit = settings.read(settings.Compute).compile_cache
+    if explicit is not None:
+        return explicit.expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "k6vsr" / "compile"
 

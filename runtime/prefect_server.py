@@ -39,7 +39,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from k6vsr_core import status
+from k6vsr_core import settings, status
 from k6vsr_core.errors import UserFacingError
 from runtime import server_database
 from runtime.errors import ServerError
@@ -50,10 +50,9 @@ from storage.records import atomic_write_bytes
 log = logging.getLogger("k6vsr.prefect_server")
 
 DEFAULT_PORT = 4200  # Prefect's own default: the UI stays at one address while the port is free
-START_TIMEOUT_S = float(os.environ.get("K6VSR_SERVER_START_TIMEOUT", "180"))
 STOP_TIMEOUT_S = 20.0
 HOST = "127.0.0.1"
-HOME_ENV = "K6VSR_SERVER_HOME"
+HOME_ENV = settings.env_name("server_home")
 
 
 class ServerStatus(BaseModel):
@@ -84,7 +83,7 @@ class ServerRecord(BaseModel):
 
 
 def server_home() -> Path:
-    return state_home(HOME_ENV, "prefect-server")
+    return state_home(settings.read(settings.Server).server_home, "prefect-server")
 
 
 def server_folder(home: Path | None = None) -> StateFolder:
@@ -140,7 +139,7 @@ def _pick_port(folder: StateFolder, secured: bool = False) -> int:
     """`K6VSR_SERVER_PORT` when set; else the port this server had before, else the default, while it is free, and
     otherwise a free one, remembered, so that the UI keeps one address across restarts. A secured server takes a
     free one of its own, never the port of the user's server."""
-    given = None if secured else os.environ.get("K6VSR_SERVER_PORT")
+    given = None if secured else settings.read(settings.Server).server_port
     if secured:
         wanted = 0
     elif given is not None:
@@ -271,6 +270,7 @@ def start_server(
     ):
         _check_same_database(record, database, secondary)
         return record.url
+    start_s = settings.read(settings.Server).server_start_timeout
     with folder.locked():
         record = folder.read(ServerRecord)
         if record and secured and server_auth(home) is None:
@@ -280,7 +280,7 @@ def start_server(
             _terminate(record)
         elif record and alive(record.pid, record.process_start):
             # Started by a command that was killed before it was healthy, or busy: give it the start timeout.
-            if _wait_healthy(record, START_TIMEOUT_S):
+            if _wait_healthy(record, start_s):
                 _check_same_database(record, database, secondary)
                 return record.url
             log.warning("the Prefect server %d at %s does not answer; restarting it", record.pid, record.url)
@@ -293,7 +293,7 @@ def start_server(
         )
         for _attempt in range(2):  # a port taken between the check and the bind: once more on another port
             record = _launch(folder, _pick_port(folder, secured), secured, choice)
-            if _wait_healthy(record, START_TIMEOUT_S):
+            if _wait_healthy(record, start_s):
                 status.say(f"Prefect UI: {ui_url(record.url)} (`k6vsr server status` shows it again)")
                 return record.url
             still_running = alive(record.pid, record.process_start)
@@ -302,7 +302,7 @@ def start_server(
             last_error = folder.log_tail()
             if still_running:
                 raise ServerError(
-                    f"the Prefect server did not answer within {START_TIMEOUT_S:g} s (K6VSR_SERVER_START_TIMEOUT); "
+                    f"the Prefect server did not answer within {start_s:g} s (K6VSR_SERVER_START_TIMEOUT); "
                     f"its log {folder.log_path} ends:\n{last_error}"
                 )
         raise ServerError(f"the Prefect server exited while starting; its log {folder.log_path} ends:\n{last_error}")

@@ -3,27 +3,24 @@
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 from typing import Any
 
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from k6vsr_core import status
-from k6vsr_core.errors import ParameterError
+from k6vsr_core import settings, status
 from runtime.slots import MODEL_SLOTS, WORKER_RESOURCES, WORKER_THREADS
 
 # "off" runs tiles in the command's own process (or the cluster it asks for) even while warm workers run.
-USE_WARM_ENV = "K6VSR_WARM_WORKERS"
+USE_WARM_ENV = settings.env_name("warm_workers")
 # Where a command's tiles compute when nothing else is asked and no warm workers run: "auto" (a cluster of its own
 # on a GPU machine, its threads elsewhere), "processes" or "threads".
-LANES_ENV = "K6VSR_LANES"
-LANES = ("auto", "processes", "threads")
+LANES_ENV = settings.env_name("lanes")
 
 
 def warm_address() -> str | None:
     """The running warm workers' scheduler (`k6vsr workers start`), unless K6VSR_WARM_WORKERS=off."""
-    if os.environ.get(USE_WARM_ENV, "").lower() in ("off", "0", "false", "no"):
+    if not settings.read(settings.Workers).warm_workers:
         return None
     from runtime.warm_workers import running_address
 
@@ -46,9 +43,7 @@ def own_processes(device: str) -> bool:
     it) rather than computing in its own threads. On a GPU machine it does unless K6VSR_LANES=threads: there the
     blends, segments and x264 encodes of its threads would share the GIL and cores of the process that drives the
     GPU."""
-    setting = os.environ.get(LANES_ENV, "auto").strip().lower() or "auto"
-    if setting not in LANES:
-        raise ParameterError(f"{LANES_ENV}={setting!r} must be one of {', '.join(LANES)}")
+    setting = settings.read(settings.Workers).lanes
     if setting != "auto":
         return setting == "processes"
     from runtime.warm_workers import gpu_ids

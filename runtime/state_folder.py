@@ -33,6 +33,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel
 
+from k6vsr_core import settings
 from storage.processes import alive
 from storage.records import atomic_write_bytes
 
@@ -41,19 +42,16 @@ LOG_KEEP_BYTES = 1 << 20
 Record = TypeVar("Record", bound=BaseModel)
 
 
-STATE_ENV = "K6VSR_STATE_HOME"
-
-
-def state_home(env_var: str, name: str) -> Path:
-    """`$<env_var>`, else `$K6VSR_STATE_HOME/<name>`, else `$XDG_STATE_HOME/k6vsr/<name>` (`~/.local/state` if unset).
+def state_home(explicit: Path | None, name: str) -> Path:
+    """`explicit` (a folder's own setting, e.g. `K6VSR_SERVER_HOME`), else `$K6VSR_STATE_HOME/<name>`, else
+    `$XDG_STATE_HOME/k6vsr/<name>` (`~/.local/state` if unset).
 
     Never under `K6VSR_HOME`: that names the checkout the deployments' flow runs start in, and state written there
     would land among the code."""
-    explicit = os.environ.get(env_var)
-    if explicit:
-        return Path(explicit).expanduser()
-    root = os.environ.get(STATE_ENV)
-    if root:
+    if explicit is not None:
+        return explicit.expanduser()
+    root = settings.read(settings.Server).state_home
+    if root is not None:
         return Path(root).expanduser() / name
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(state).expanduser() / "k6vsr" / name

@@ -40,23 +40,21 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from k6vsr_core import settings
 from k6vsr_core.errors import ParameterError
 from runtime.errors import WorkersError
 from runtime.slots import CPU_THREADS, CPU_WORKER_RESOURCES, MODEL_WORKER_RESOURCES, MODEL_WORKER_SLOTS
 from runtime.state_folder import LaunchFailed, StateFolder, now, state_home
 from service.runs import ModelSpec
 from storage.processes import alive, group_alive, process_start
-from tasks.worker_preload import MODEL_ENV, preload_ended
+from tasks.worker_preload import preload_ended
 
 log = logging.getLogger("k6vsr.workers")
 
-START_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_START_TIMEOUT", "300"))
-# Loading the model and compiling a default run's shapes: about 3 minutes on an H200 with an empty compile cache.
-WARM_TIMEOUT_S = float(os.environ.get("K6VSR_WORKERS_WARM_TIMEOUT", "1800"))
 WARM_POLL_S = 2.0  # how long each worker is asked to wait for its preload before answering
 STOP_TIMEOUT_S = 20.0
 STOP_GRACE_S = 3.0  # `workers stop` answers within about this (the streaming issue asks for 5 s at most)
-HOME_ENV = "K6VSR_WORKERS_HOME"
+HOME_ENV = settings.env_name("workers_home")
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,7 +102,7 @@ class WorkersStatus(BaseModel):
 
 
 def workers_home() -> Path:
-    return state_home(HOME_ENV, "workers")
+    return state_home(settings.read(settings.Workers).workers_home, "workers")
 
 
 def _folder(home: Path | None) -> StateFolder:
@@ -192,9 +190,12 @@ def _launch(folder: StateFolder, count: int, devices: list[str], model_json: str
 
 
 def _wait_ready(folder: StateFolder, record: WorkersRecord) -> WorkersRecord:
-    """Until the supervisor writes its address: `START_TIMEOUT_S` for the workers to come up, then, with a model,
-    `WARM_TIMEOUT_S` from when they began to load it for every worker to load and warm it."""
-    deadline = time.monotonic() + START_TIMEOUT_S
+    """Until the supervisor writes its address: `K6VSR_WORKERS_START_TIMEOUT` for the workers to come up, then,
+    with a model, `K6VSR_WORKERS_WARM_TIMEOUT` (loading the model and compiling a default run's shapes: about 3
+    minutes on an H200 with an empty compile cache) from when they began to load it for every worker to load and
+    warm it."""
+    timeouts = settings.read(settings.Workers)
+    deadline = time.monotonic() + timeouts.workers_start_timeout
     loading = False
     while time.monotonic() < deadline:
         current = folder.read(WorkersRecord)
@@ -204,7 +205,7 @@ def _wait_ready(folder: StateFolder, record: WorkersRecord) -> WorkersRecord:
         if mine and current.loading_since and not loading:
             loading = True
             elapsed = (datetime.now(UTC) - datetime.fromisoformat(current.loading_since)).total_seconds()
-            deadline = time.monotonic() + WARM_TIMEOUT_S - max(0.0, elapsed)
+            deadline = time.monotonic() + timeouts.workers_warm_timeout - max(0.0, elapsed)
         if not alive(record.pid, record.process_start):
             folder.remove_record()
             raise WorkersError(f"the warm workers exited while starting; {folder.log_path} ends:\n{folder.log_tail()}")
@@ -214,11 +215,11 @@ def _wait_ready(folder: StateFolder, record: WorkersRecord) -> WorkersRecord:
     if loading:
         model = ModelSpec.model_validate_json(record.model).model if record.model else "the model"
         raise WorkersError(
-            f"the warm workers started but did not load and warm {model} within {WARM_TIMEOUT_S:g} s "
+            f"the warm workers started but did not load and warm {model} within {timeouts.workers_warm_timeout:g} s "
             f"(K6VSR_WORKERS_WARM_TIMEOUT), and were stopped; {folder.log_path} ends:\n{folder.log_tail()}"
         )
     raise WorkersError(
-        f"the warm workers did not start within {START_TIMEOUT_S:g} s (K6VSR_WORKERS_START_TIMEOUT); "
+        f"the warm workers did not start within {timeouts.workers_start_timeout:g} s (K6VSR_WORKERS_START_TIMEOUT); "
         f"{folder.log_path} ends:\n{folder.log_tail()}"
     )
 
@@ -330,7 +331,7 @@ def worker_options(devices: list[str], index: int, count: int, model_json: str |
     that holds the model only computes. Its preloads: the model (tasks.worker_preload), and the filter that drops a
     heartbeat its scheduler did not answer, which only says that the cluster's process is going
     (runtime.worker_quiet)."""
-    env = _worker_env(devices, index, count) | ({MODEL_ENV: model_json} if model_json else {})
+    env = _worker_env(devices, index, count) | (settings.child_env(warm_model=model_json) if model_json else {})
     return {
         "nthreads": MODEL_WORKER_SLOTS,
         "resources": MODEL_WORKER_RESOURCES,
@@ -343,17 +344,12 @@ def worker_options(devices: list[str], index: int, count: int, model_json: str |
 
 # CPU-lane workers beside the model workers (blends, segments, the quality report): one per model worker unless
 # set. Each has its own GIL, so two clips' blends and x264 encodes never queue behind one interpreter.
-CPU_LANE_ENV = "K6VSR_CPU_LANE_WORKERS"
+CPU_LANE_ENV = settings.env_name("cpu_lane_workers")
 CPU_LANE_PREFIX = "cpu-lane-"
 
 
 def cpu_lane_count(model_workers: int) -> int:
-    value = os.environ.get(CPU_LANE_ENV, "").strip()
-    if not value:
-        return max(1, model_workers)
-    if not value.isdigit() or int(value) < 1:
-        raise ParameterError(f"{CPU_LANE_ENV}={value!r} must be a whole number of at least 1")
-    return int(value)
+    return settings.read(settings.Workers).cpu_lane_workers or max(1, model_workers)
 
 
 def cpu_lane_options(count: int, lanes: int) -> dict[str, Any]:
@@ -361,7 +357,7 @@ def cpu_lane_options(count: int, lanes: int) -> dict[str, Any]:
     there), no model to preload, its share of the cores."""
     cores = str(max(1, len(os.sched_getaffinity(0)) // (count + lanes)))
     env = {"OMP_NUM_THREADS": cores, "MKL_NUM_THREADS": cores, "OPENBLAS_NUM_THREADS": cores}
-    env |= {"CUDA_VISIBLE_DEVICES": "", MODEL_ENV: ""}
+    env |= {"CUDA_VISIBLE_DEVICES": ""} | settings.child_env(warm_model=None)
     return {
         "nthreads": CPU_THREADS,
         "resources": CPU_WORKER_RESOURCES,
@@ -426,7 +422,7 @@ def _supervise(folder: StateFolder, count: int, devices: list[str], model_json: 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if model_json:
-        os.environ[MODEL_ENV] = model_json
+        os.environ.update(settings.child_env(warm_model=model_json))
     import dask
 
     # Read when a worker is lost, long after the cluster is made: set for the life of the supervisor.
@@ -434,7 +430,7 @@ def _supervise(folder: StateFolder, count: int, devices: list[str], model_json: 
     cluster = make_cluster(devices, count)
     everyone = len(cluster.worker_spec)  # the model workers and the CPU-lane workers
     try:
-        cluster.wait_for_workers(everyone, timeout=START_TIMEOUT_S)
+        cluster.wait_for_workers(everyone, timeout=settings.read(settings.Workers).workers_start_timeout)
         record = folder.read(WorkersRecord)
         pid, start = os.getpid(), process_start(os.getpid())
         record = WorkersRecord(

@@ -18,15 +18,19 @@ from collections.abc import Collection, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+from k6vsr_core import settings
 from k6vsr_core.errors import StoreError
 from storage.location import RemoteLocation
 
-# How long a lease lasts without renewal: the longest `gc` may have to wait for a killed run's prefix.
-LEASE_SECONDS = float(os.environ.get("K6VSR_LEASE_SECONDS", "300"))
 LEASES = "leases"
 GC_MARKER = "gc.json"
 # What `--keep-outputs` keeps of a finished run.
 KEPT = ("output.mp4", "manifest.json", "done")
+
+
+def lease_seconds() -> float:
+    """How long a lease lasts without renewal: the longest `gc` may have to wait for a killed run's prefix."""
+    return settings.read(settings.Store).lease_seconds
 
 
 def _stamp(seconds: float) -> bytes:
@@ -51,17 +55,19 @@ def _live(run: RemoteLocation, now: float) -> list[str]:
 
 def _claim(marker: RemoteLocation, now: float) -> bool:
     """Write the gc marker, if no other gc holds it; one left by a gc that died holds only until it expires."""
-    if marker.create(_stamp(LEASE_SECONDS)):
+    if marker.create(_stamp(lease_seconds())):
         return True
     if _holds(marker, now):
         return False
     marker.remove()
-    return marker.create(_stamp(LEASE_SECONDS))
+    return marker.create(_stamp(lease_seconds()))
 
 
 @contextmanager
-def held(run: RemoteLocation, seconds: float = LEASE_SECONDS, poll_s: float = 1.0) -> Iterator[None]:
-    """Hold a lease on `run` while the block runs; waits while a `gc` of it is under way."""
+def held(run: RemoteLocation, seconds: float | None = None, poll_s: float = 1.0) -> Iterator[None]:
+    """Hold a lease on `run` while the block runs (`seconds` without renewal, default `lease_seconds()`); waits
+    while a `gc` of it is under way."""
+    seconds = lease_seconds() if seconds is None else seconds
     lease = run / LEASES / f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
     while True:
         lease.write_bytes(_stamp(seconds))

@@ -46,6 +46,7 @@ import zarr
 from pydantic import BaseModel, ConfigDict
 from zarr.errors import ContainsArrayError
 
+from k6vsr_core import settings
 from k6vsr_core.errors import StoreError
 from storage import leases
 from storage.location import (
@@ -75,7 +76,7 @@ SOURCES_KEPT = 4
 
 def default_store_root() -> str | Path:
     """`$K6VSR_STORE` (a folder or an object-store URL), else the per-user cache folder."""
-    explicit = os.environ.get("K6VSR_STORE")
+    explicit = settings.read(settings.Store).store
     if explicit:
         return parse_store_root(explicit)
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

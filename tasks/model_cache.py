@@ -28,7 +28,7 @@ from collections import OrderedDict
 import torch
 from pydantic import BaseModel
 
-from k6vsr_core import status
+from k6vsr_core import settings, status
 from k6vsr_core.bundle import ModelBundle, load_bundle
 from k6vsr_core.fast import compile_bundle
 from k6vsr_core.memory import GIB, apply_budget, budget_for, free_gpu_bytes
@@ -38,8 +38,7 @@ from k6vsr_core.plan import ClipPlan
 from k6vsr_core.precision import check_precision
 from service.runs import ModelSpec
 
-SIZE_ENV = "K6VSR_MODEL_CACHE_SIZE"
-DEFAULT_SIZE = 2
+SIZE_ENV = settings.env_name("model_cache_size")
 
 _LOCK = threading.Lock()
 # Keyed by model and the name of the memory budget it is placed under (None: none yet, or no GPU to budget).
@@ -59,10 +58,7 @@ class CacheInfo(BaseModel):
 
 
 def cache_size() -> int:
-    try:
-        return max(1, int(os.environ.get(SIZE_ENV, DEFAULT_SIZE)))
-    except ValueError:
-        return DEFAULT_SIZE
+    return settings.read(settings.Workers).model_cache_size
 
 
 def resolve_device(device: str) -> str:

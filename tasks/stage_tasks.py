@@ -25,7 +25,7 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from k6vsr_core import media, segments
+from k6vsr_core import media, segments, settings
 from k6vsr_core.compute import apply_profile
 from k6vsr_core.errors import MissingInput, ParameterError, UserFacingError, WindowStopped
 from k6vsr_core.fake_model import FakeNetworks, fake_ms
@@ -330,23 +330,22 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
     return StageResult(stage="blend", item=str(window), computed=True, seconds=seconds - waited, window=window)
 
 
-# How long a blend waits for the next tile of its window before it gives up: a killed command's blend on a warm
-# worker must not wait for ever. A decode takes seconds on a GPU; on a CPU, a full-size tile can take many minutes.
-BLEND_WAIT_S = float(os.environ.get("K6VSR_BLEND_WAIT", "3600"))
 POLL_S = (0.02, 0.5)  # the first and the longest pause between two looks at the tile's record
 
 
 def _wait_for_decode(store: RunStore, run: RunRef, window: int, tile: int, attempt: str) -> float:
     """Seconds spent waiting until tile `tile` of `window` is recorded decoded; raises once the flow says it will
-    not be (`RunStore.stop_window`) or after `BLEND_WAIT_S` without it."""
+    not be (`RunStore.stop_window`) or after `K6VSR_BLEND_WAIT` without it: a killed command's blend on a warm
+    worker must not wait for ever (a decode takes seconds on a GPU; a full-size tile on a CPU, many minutes)."""
+    wait_s = settings.read(settings.Store).blend_wait
     started = time.monotonic()
     pause = POLL_S[0]
     while not store.tile_recorded("decode", (window, tile)):
         if store.window_stopped(window, attempt):
             raise WindowStopped(f"run {run.run_key}: window {window} stopped before tile {tile} was decoded")
-        if time.monotonic() - started > BLEND_WAIT_S:
+        if time.monotonic() - started > wait_s:
             raise MissingInput(
-                f"run {run.run_key}: tile {tile} of window {window} was not decoded within {BLEND_WAIT_S:g} s "
+                f"run {run.run_key}: tile {tile} of window {window} was not decoded within {wait_s:g} s "
                 "(K6VSR_BLEND_WAIT sets the wait)"
             )
         time.sleep(pause)

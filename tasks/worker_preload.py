@@ -22,10 +22,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from k6vsr_core import settings
 from k6vsr_core.plan import ClipPlan
 from service.runs import ModelSpec
 
-MODEL_ENV = "K6VSR_WARM_MODEL"  # a ModelSpec as JSON, set by `runtime.warm_workers` for the workers it starts
+# A ModelSpec as JSON, set by `runtime.warm_workers` for the workers it starts.
+MODEL_ENV = settings.env_name("warm_model")
 log = logging.getLogger("k6vsr.workers")
 
 
@@ -121,7 +123,7 @@ def dask_setup(worker: Any) -> None:
     import_networks()
     import tasks.model_cache  # noqa: F401 - imports the compiled paths' modules in this thread, before any task
 
-    text = os.environ.get(MODEL_ENV)
+    text = settings.read(settings.Workers).warm_model
     if text:
         _log_to_stderr()
         spec = ModelSpec.model_validate_json(text)

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from runtime.state_folder import LaunchFailed, StateFolder, state_home
+from runtime.prefect_server import server_home
+from runtime.state_folder import LaunchFailed, StateFolder
+from runtime.warm_workers import workers_home
 from storage.processes import alive, process_start
 
 
@@ -21,13 +23,13 @@ def test_state_lives_apart_from_the_checkout(tmp_path: Path, monkeypatch: pytest
     for name in ("K6VSR_STATE_HOME", "XDG_STATE_HOME", "K6VSR_SERVER_HOME", "K6VSR_WORKERS_HOME"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "user"))
-    assert state_home("K6VSR_SERVER_HOME", "prefect-server") == tmp_path / "user/.local/state/k6vsr/prefect-server"
+    assert server_home() == tmp_path / "user/.local/state/k6vsr/prefect-server"
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
-    assert state_home("K6VSR_SERVER_HOME", "prefect-server") == tmp_path / "xdg/k6vsr/prefect-server"
+    assert server_home() == tmp_path / "xdg/k6vsr/prefect-server"
     monkeypatch.setenv("K6VSR_STATE_HOME", str(tmp_path / "state"))
-    assert state_home("K6VSR_WORKERS_HOME", "workers") == tmp_path / "state/workers"
+    assert workers_home() == tmp_path / "state/workers"
     monkeypatch.setenv("K6VSR_SERVER_HOME", str(tmp_path / "server"))
-    assert state_home("K6VSR_SERVER_HOME", "prefect-server") == tmp_path / "server"
+    assert server_home() == tmp_path / "server"
 
 
 def _wait_for(condition, timeout: float = 10.0) -> bool:

@@ -344,7 +344,7 @@ def test_a_start_with_a_model_returns_only_once_the_supervisor_says_ready(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     warm_workers, folder, record = _loading(tmp_path)
-    monkeypatch.setattr(warm_workers, "START_TIMEOUT_S", 1.0)  # the workers are up: loading may take longer
+    monkeypatch.setenv("K6VSR_WORKERS_START_TIMEOUT", "1")  # the workers are up: loading may take longer
     monkeypatch.setattr(warm_workers, "_reachable", lambda address: True)
 
     def ready_later() -> None:
@@ -366,7 +366,7 @@ def test_a_warm_up_that_never_ends_times_out_with_its_own_message(
 
     warm_workers, folder, record = _loading(tmp_path)
     stopped: list[int] = []
-    monkeypatch.setattr(warm_workers, "WARM_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("K6VSR_WORKERS_WARM_TIMEOUT", "0.5")
     monkeypatch.setattr(warm_workers, "_terminate", lambda record: stopped.append(record.pid))
     with pytest.raises(WorkersError, match=r"started but did not load and warm /models/m within 0.5 s"):
         warm_workers._wait_ready(folder, record)

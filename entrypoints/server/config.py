@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from k6vsr_core import settings
 from k6vsr_core.errors import ParameterError
 
 
@@ -108,7 +108,7 @@ def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Pa
     # One key (or, without keys, one client address) never holds more than half of the admission slots, so its
     # stalled uploads always leave room for another.
     uploads_per_key = min(int(_at_least(args.max_uploads_per_key, 1, "--max-uploads-per-key")), max(1, max_queued // 2))
-    env_key = os.environ.get("K6VSR_API_KEY")
+    env_key = settings.read(settings.Server).api_key
     api_keys = [*(args.api_key or ([env_key] if env_key else [])), *_keys_in(args.api_key_file or [])]
     limits = Limits(
         max_upload_bytes=int(_at_least(args.max_upload_mb, 1, "--max-upload-mb")) << 20,
