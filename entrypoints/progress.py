@@ -88,9 +88,15 @@ class RunBar:
         return f"{'?' if left is None else tqdm.format_interval(left)} left"
 
     def show(self) -> None:
-        progress = read_progress(self.store, self.plan)
+        left = self._time_left()
+        # The stage a window's time goes to, at the seconds its items took (a decode may take ten denoises').
+        seconds: dict[str, list[float]] = {}
+        for span in [*self.earlier, *self.spans]:
+            seconds.setdefault(span.stage, []).append(span.end - span.start)
+        paces = {stage: sum(values) / len(values) for stage, values in seconds.items()}
+        progress = read_progress(self.store, self.plan, paces)
         self.bar.set_description_str(self._text(progress), refresh=False)
-        self.bar.set_postfix_str(self._time_left(), refresh=False)
+        self.bar.set_postfix_str(left, refresh=False)
         self.bar.update(progress.decoded - self.bar.n)
         self.bar.refresh()
 

@@ -111,6 +111,23 @@ def test_the_flows_counter_says_what_the_records_say_without_listing_them(tmp_pa
     assert counter.progress().text() == "publish · window 3 of 3 · 18 of 18 tiles"
 
 
+def test_the_stage_named_is_the_one_the_windows_time_goes_to(tmp_path: Path) -> None:
+    """Window 1 with 4 tiles denoised and 2 decoded: 2 denoises and 4 decodes left. By count the denoise comes
+    first; at 6 s a denoise and 100 s a decode, the decodes hold the window back, and the bar says so."""
+    store = RunStore(tmp_path, "run")
+    _record(store, "ingest", "all")
+    _record(store, "encode", "0")
+    _record(store, "denoise", *_tiles(0, 4))
+    _record(store, "decode", *_tiles(0, 2))
+    assert read_progress(store, PLAN).stage == "denoise"  # nothing timed: the stage that comes first
+    assert read_progress(store, PLAN, {"denoise": 6.0, "decode": 100.0}).stage == "decode"
+    assert read_progress(store, PLAN, {"denoise": 100.0, "decode": 6.0}).stage == "denoise"
+    counter = ProgressCounter(store, PLAN)
+    counter.finished("denoise", 0, (3,), seconds=6.0)
+    counter.finished("decode", 0, (1,), seconds=100.0)
+    assert counter.progress().text() == "decode · window 1 of 3 · 2 of 18 tiles"
+
+
 def test_one_window_names_no_window() -> None:
     assert RunProgress("decode", 0, 1, 2, 6).text() == "decode · 2 of 6 tiles"
     assert RunProgress("decode", 0, 1, 0, 1).text() == "decode · 0 of 1 tile"
