@@ -252,6 +252,22 @@ def test_a_resumed_run_counts_its_earlier_attempts_timings_and_none_of_their_ite
     assert left is not None and left > 140.0 + 2 + 3 - 40
 
 
+def test_a_previews_bar_moves_with_no_time_left(tmp_path: Path, monkeypatch) -> None:
+    """`k6vsr preview` computes a few windows, not the plan's items left: its bar says where it stands and the time
+    elapsed, every second from the model's load on, and no time left."""
+    clock = FakeTime()
+    monkeypatch.setattr("tqdm.std.time", clock)
+    store = RunStore(tmp_path, "run")
+    _record(store, "ingest", "all")
+    out = io.StringIO()
+    bar = terminal.RunBar(store, PLAN, out, clock=clock, time_left=False)
+    for second in (1.0, 2.0):
+        clock.now = second
+        bar.show()
+        assert out.getvalue().split("\r")[-1].endswith(f"| 00:0{second:.0f} elapsed"), out.getvalue()
+    bar.close()
+
+
 def _manifest(path: Path, store_root: Path, statuses: list[str]) -> None:
     rows = [
         {"relative_path": f"clip{i}.mp4", "run_key": f"run{i}", "status": status} for i, status in enumerate(statuses)
