@@ -367,10 +367,12 @@ def cmd_preview(args: argparse.Namespace) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     model_info(spec)
     check_device(spec.device)
+    from entrypoints.progress import run_progress
     from flows.orchestrate import prefect_api
     from flows.preview import preview_clip
 
-    with prefect_api():
+    # A bar from the start: the model's load and its first windows take minutes on a CPU, and said nothing.
+    with prefect_api(), run_progress(prepared, enabled=not args.json, time_left=False):
         summary = preview_clip(prepared=prepared, model=spec, count=args.preview_windows, out_dir=str(out_dir))
     return summary.model_dump(mode="json")
 

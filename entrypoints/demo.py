@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from entrypoints.progress import run_progress
-from flows.orchestrate import run_clip
+from flows.orchestrate import prefect_api, run_clip
 from k6vsr_core.bundle import make_tiny_bundle
 from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.sample import make_sample_clip
@@ -31,6 +31,7 @@ def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[
         print(NOTE)
     model = ModelSpec(model=str(bundle), device="cpu")
     prepared = prepare_run(clip, params, model, out_dir / "store")
-    with run_progress(prepared, enabled=not quiet):
+    # The local server first (10-30 s, said by a line of its own): a bar shown while it starts said `ingest`.
+    with prefect_api(), run_progress(prepared, enabled=not quiet):
         summary = run_clip(prepared, str(out_dir / output_name(clip, params)), model)
     return {**summary.model_dump(mode="json"), "note": NOTE}

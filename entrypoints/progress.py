@@ -47,11 +47,13 @@ class RunBar:
         name: str = "",
         position: int = 0,
         clock: Callable[[], float] = time.time,
+        time_left: bool = True,
     ) -> None:
         """`name`: the clip's, shown first (an archive's clip bar). Items recorded before the bar began were found
         done: they say nothing of this run's pace, but the timeline's lines of them stand in for it until this run
         has timed each stage (`storage.time_left`)."""
         self.store, self.plan, self.name, self.clock, self.position = store, plan, name, clock, position
+        self.time_left = time_left  # off for a preview: it computes a few windows, not the plan's items left
         self.since = clock()
         self.seen: set[tuple[str, str]] = set()  # (stage, item) records read already
         self.spans: list[Span] = []  # the items this run computed
@@ -66,7 +68,7 @@ class RunBar:
             position=position,
             bar_format=BAR_FORMAT,
             desc=self._text(progress),
-            postfix="? left",
+            postfix="? left" if time_left else None,
         )
 
     def _text(self, progress: RunProgress) -> str:
@@ -88,9 +90,16 @@ class RunBar:
         return f"{'?' if left is None else tqdm.format_interval(left)} left"
 
     def show(self) -> None:
-        progress = read_progress(self.store, self.plan)
+        left = self._time_left()
+        # The stage a window's time goes to, at the seconds its items took (a decode may take ten denoises').
+        seconds: dict[str, list[float]] = {}
+        for span in [*self.earlier, *self.spans]:
+            seconds.setdefault(span.stage, []).append(span.end - span.start)
+        paces = {stage: sum(values) / len(values) for stage, values in seconds.items()}
+        progress = read_progress(self.store, self.plan, paces)
         self.bar.set_description_str(self._text(progress), refresh=False)
-        self.bar.set_postfix_str(self._time_left(), refresh=False)
+        if self.time_left:
+            self.bar.set_postfix_str(left, refresh=False)
         self.bar.update(progress.decoded - self.bar.n)
         self.bar.refresh()
 
@@ -99,12 +108,12 @@ class RunBar:
 
 
 @contextmanager
-def run_progress(prepared: PreparedRun, enabled: bool = True) -> Iterator[None]:
-    """While the block runs, the run's bar on a terminal's stderr."""
+def run_progress(prepared: PreparedRun, enabled: bool = True, time_left: bool = True) -> Iterator[None]:
+    """While the block runs, the run's bar on a terminal's stderr (without a time left: a preview's)."""
     if not enabled or not sys.stderr.isatty():
         yield
         return
-    bar = RunBar(prepared.run.open(), prepared.plan, sys.stderr)
+    bar = RunBar(prepared.run.open(), prepared.plan, sys.stderr, time_left=time_left)
     try:
         with polling(bar.show, "k6vsr-progress", POLL_S):
             yield

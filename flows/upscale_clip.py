@@ -268,7 +268,7 @@ def _windows(
                 for result in outcome if isinstance(outcome, list) else [outcome]:
                     record(result)
                     # Each task's end may move the run to its next stage: counted from its result, not re-read.
-                    counter.finished(result.stage, result.window, result.tiles)
+                    counter.finished(result.stage, result.window, result.tiles, result.seconds)
                     if result.stage == "denoise":
                         denoised.append(result)
                 progress.update(counter.progress())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -45,9 +45,10 @@ class RunProgress:
         return f"{self.where()}{SEPARATOR}{self.decoded} of {self.total} tile{'s' * (self.total != 1)}"
 
 
-def read_progress(store: RunStore, plan: ClipPlan) -> RunProgress:
-    """The run's progress now. Publishing writes no record: once the joined output is recorded, the run publishes."""
-    return ProgressCounter(store, plan).progress()
+def read_progress(store: RunStore, plan: ClipPlan, paces: Mapping[str, float] | None = None) -> RunProgress:
+    """The run's progress now. Publishing writes no record: once the joined output is recorded, the run publishes.
+    `paces`: seconds per item by stage, as far as timed (`ProgressCounter.progress`)."""
+    return ProgressCounter(store, plan).progress(paces)
 
 
 class ProgressCounter:
@@ -58,9 +59,13 @@ class ProgressCounter:
         self.plan = plan
         self.output_done = store.output_done()
         self.done = {stage: set(store.records.items(stage)) for stage in PROGRESS_STAGES}
+        self.seconds: dict[str, list[float]] = {}  # the seconds of the items seen computed, by stage
 
-    def finished(self, stage: str, window: int, tiles: tuple[int, ...] = ()) -> None:
-        """`stage` of `window` (of those `tiles`, for a stage per tile) is recorded done."""
+    def finished(self, stage: str, window: int, tiles: tuple[int, ...] = (), seconds: float = 0.0) -> None:
+        """`stage` of `window` (of those `tiles`, for a stage per tile) is recorded done, after `seconds` of work
+        (0 when it found its work done)."""
+        if seconds > 0:
+            self.seconds.setdefault(stage, []).append(seconds)
         if stage in (Stage.DENOISE, Stage.DECODE):
             self.done[stage].update(f"{window}-{tile}" for tile in tiles)
         elif stage in PROGRESS_STAGES:
@@ -68,8 +73,13 @@ class ProgressCounter:
         elif stage == Stage.MUX:
             self.output_done = True
 
-    def progress(self) -> RunProgress:
+    def progress(self, paces: Mapping[str, float] | None = None) -> RunProgress:
+        """Where the run stands. In a window whose denoises and decodes are both left, the stage named is the one
+        with more seconds left at `paces` (seconds per item by stage; those `finished` was told of by default):
+        a decode may take ten times a denoise. Until both are timed, the denoise, which comes first."""
         plan, done = self.plan, self.done
+        if paces is None:
+            paces = {stage: sum(seconds) / len(seconds) for stage, seconds in self.seconds.items()}
         decoded = [0] * plan.num_windows
         for item in done[Stage.DECODE]:
             window = int(item.split("-", 1)[0])
@@ -88,8 +98,13 @@ class ProgressCounter:
         if window is not None:
             if str(window) not in done[Stage.ENCODE]:
                 return at(Stage.ENCODE, window)
-            denoised = sum(1 for item in done[Stage.DENOISE] if item.split("-", 1)[0] == str(window))
-            return at(Stage.DENOISE if denoised < plan.num_tiles else Stage.DECODE, window)
+            denoised = {item for item in done[Stage.DENOISE] if item.split("-", 1)[0] == str(window)}
+            if len(denoised) >= plan.num_tiles:
+                return at(Stage.DECODE, window)
+            chunks = sum(1 for c in plan.chunks if any(f"{window}-{tile}" not in denoised for tile in c.tiles))
+            denoising = chunks * paces.get(Stage.DENOISE, 0.0)  # a chunk's denoise is one task
+            decoding = (plan.num_tiles - decoded[window]) * paces.get(Stage.DECODE, 0.0)
+            return at(Stage.DECODE if decoding > denoising > 0 else Stage.DENOISE, window)
         for stage in CPU_STAGES:
             window = next((w for w in range(plan.num_windows) if str(w) not in done[stage]), None)
             if window is not None:

@@ -111,6 +111,23 @@ def test_the_flows_counter_says_what_the_records_say_without_listing_them(tmp_pa
     assert counter.progress().text() == "publish · window 3 of 3 · 18 of 18 tiles"
 
 
+def test_the_stage_named_is_the_one_the_windows_time_goes_to(tmp_path: Path) -> None:
+    """Window 1 with 4 tiles denoised and 2 decoded: 2 denoises and 4 decodes left. By count the denoise comes
+    first; at 6 s a denoise and 100 s a decode, the decodes hold the window back, and the bar says so."""
+    store = RunStore(tmp_path, "run")
+    _record(store, "ingest", "all")
+    _record(store, "encode", "0")
+    _record(store, "denoise", *_tiles(0, 4))
+    _record(store, "decode", *_tiles(0, 2))
+    assert read_progress(store, PLAN).stage == "denoise"  # nothing timed: the stage that comes first
+    assert read_progress(store, PLAN, {"denoise": 6.0, "decode": 100.0}).stage == "decode"
+    assert read_progress(store, PLAN, {"denoise": 100.0, "decode": 6.0}).stage == "denoise"
+    counter = ProgressCounter(store, PLAN)
+    counter.finished("denoise", 0, (3,), seconds=6.0)
+    counter.finished("decode", 0, (1,), seconds=100.0)
+    assert counter.progress().text() == "decode · window 1 of 3 · 2 of 18 tiles"
+
+
 def test_one_window_names_no_window() -> None:
     assert RunProgress("decode", 0, 1, 2, 6).text() == "decode · 2 of 6 tiles"
     assert RunProgress("decode", 0, 1, 0, 1).text() == "decode · 0 of 1 tile"
@@ -233,6 +250,22 @@ def test_a_resumed_run_counts_its_earlier_attempts_timings_and_none_of_their_ite
     own += [Span("decode", 1020.0, 1040.0, "1-0"), Span("decode", 1020.0, 1040.0, "1-1")]
     left = seconds_left(PLAN, _done(*earlier, *own), own, 1040.0, 1000.0, earlier)
     assert left is not None and left > 140.0 + 2 + 3 - 40
+
+
+def test_a_previews_bar_moves_with_no_time_left(tmp_path: Path, monkeypatch) -> None:
+    """`k6vsr preview` computes a few windows, not the plan's items left: its bar says where it stands and the time
+    elapsed, every second from the model's load on, and no time left."""
+    clock = FakeTime()
+    monkeypatch.setattr("tqdm.std.time", clock)
+    store = RunStore(tmp_path, "run")
+    _record(store, "ingest", "all")
+    out = io.StringIO()
+    bar = terminal.RunBar(store, PLAN, out, clock=clock, time_left=False)
+    for second in (1.0, 2.0):
+        clock.now = second
+        bar.show()
+        assert out.getvalue().split("\r")[-1].endswith(f"| 00:0{second:.0f} elapsed"), out.getvalue()
+    bar.close()
 
 
 def _manifest(path: Path, store_root: Path, statuses: list[str]) -> None:
