@@ -692,9 +692,11 @@ def _print_gc(result: dict[str, Any]) -> None:
 
 
 def _print_archive(result: dict[str, Any]) -> None:
-    for row in result.get("rows", []):  # every clip of a plan; of a run, those that failed, with the cause
-        if result.get("plan_only") or row.get("status") == "failed":
-            print(f"  {row.get('status', ''):>8}  {row.get('relative_path', '')}  {row.get('reason') or ''}")
+    # Every clip of a plan; of a run, each file that failed or was skipped, with its cause.
+    for row in result.get("rows", []):
+        if result.get("plan_only") or row.get("status") in ("failed", "skipped"):
+            reason = (row.get("reason") or "").removeprefix(f"{row.get('source')}: ")  # the row names the file
+            print(f"  {row.get('status', ''):>8}  {row.get('relative_path', '')}  {reason}")
     print(result.get("message") or "nothing to do")  # the counts, once
     print(f"manifest: {result.get('manifest_json')}")
 
