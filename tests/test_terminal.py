@@ -4,6 +4,7 @@ left, then `k6vsr server status` with the same address."""
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import os
 import pty
@@ -156,3 +157,52 @@ def test_an_archive_s_warnings_stand_above_its_bars_and_its_skipped_files_are_na
     assert str(folder) not in skipped[0]  # the reason, without the file's path the line already names
     assert lines[-2] == "2 done, 1 skipped", screen
     assert lines[-1] == f"manifest: {tmp_path / 'out' / 'k6vsr-archive-manifest.json'}", screen
+
+
+@pytest.mark.slow
+def test_serve_names_its_own_prefect_ui_and_how_to_log_in(tiny_bundle_path: Path, tmp_path: Path) -> None:
+    """`k6vsr serve` reports to a secured Prefect server of its own: its lines name that UI's address, the command
+    that shows this server (not the user's), and the file whose line its login page asks for."""
+    import httpx
+
+    store = tmp_path / "store"
+    home = store / "prefect-server"
+    env = {key: value for key, value in os.environ.items() if key not in ("PREFECT_API_URL", "K6VSR_SERVER_HOME")}
+    env.update(
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_LOGGING_TO_API_ENABLED="false",
+        K6VSR_STATE_HOME=str(tmp_path / "state"),  # the user's own server would be under it: never looked at
+    )
+    cli = [sys.executable, "-m", "entrypoints.cli"]
+    argv = [*cli, "serve", "--port", str(_free_port()), "--store", str(store), "--model", str(tiny_bundle_path)]
+    try:
+        lines = _on_a_terminal([*argv, "--device", "cpu"], env, until=r"its login page asks", exit_code=143)
+        said = [line for _, line in lines]
+        ui_line = r"INFO:     the jobs' flow runs: Prefect UI at (http://127\.0\.0\.1:\d+) \(`(.+)` shows it again\)"
+        [ui] = [m for line in said for m in [re.fullmatch(ui_line, line)] if m]
+        login = r"INFO:     its login page asks for the auth string: paste the line of (\S+) \(owner-only\)"
+        [auth_file] = [m.group(1) for line in said for m in [re.fullmatch(login, line)] if m]
+        assert not any("k6vsr server status` shows it again" in line for line in said if line.startswith("k6vsr:"))
+        assert ui.group(2) == f"K6VSR_SERVER_HOME={home.resolve()} k6vsr server status"
+
+        # The command named shows this server's UI; the login page is asked for, and the file's line passes it.
+        status_env = {**env, "K6VSR_SERVER_HOME": str(home.resolve())}
+        status = subprocess.run([*cli, "server", "status"], env=status_env, cwd=ROOT, capture_output=True, text=True)
+        assert f"  UI:  {ui.group(1)}" in status.stdout.splitlines(), status.stdout + status.stderr
+        assert httpx.get(f"{ui.group(1)}/ui-settings", timeout=10).json()["auth"] == "BASIC"
+        token = base64.b64encode(Path(auth_file).read_text().strip().encode()).decode()
+        api = f"{ui.group(1)}/api/flow_runs/filter"
+        assert httpx.post(api, json={}, timeout=10).status_code == 401
+        assert httpx.post(api, json={}, headers={"Authorization": f"Basic {token}"}, timeout=10).status_code == 200
+        assert Path(auth_file) == home.resolve() / "auth"
+    finally:
+        prefect_server.stop_server(home)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
