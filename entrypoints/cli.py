@@ -682,6 +682,10 @@ def _print_lines(lines: Callable[[dict[str, Any]], list[str]]) -> Callable[[dict
     return lambda result: print("\n".join(lines(result)))
 
 
+def _print_demo(result: dict[str, Any]) -> None:
+    print("\n".join([*summary_lines(result), result["next"]]))
+
+
 def _print_gc(result: dict[str, Any]) -> None:
     verb = "would reclaim" if result["dry_run"] else "reclaimed"
     runs = plural(sum(r["deleted"] for r in result["runs"]), "run")
@@ -720,7 +724,10 @@ COMMANDS = {
         _print_lines(preview_lines),
     ),
     "demo": Command(
-        "run the whole pipeline on a synthetic clip with a tiny random model", _demo_flags, _print_lines(summary_lines)
+        "run the whole pipeline on a synthetic clip with a tiny random model (k6vsr-demo/tiny-bundle), which every "
+        "command takes with --model on a machine without a GPU",
+        _demo_flags,
+        _print_demo,
     ),
     "archive": Command("upscale every clip of a folder tree", _archive_flags, _print_archive),
     "gc": Command("reclaim the disk of finished or abandoned runs", _gc_flags, _print_gc),

@@ -18,6 +18,15 @@ NOTE = (
 )
 
 
+def next_step(bundle: Path) -> str:
+    """The demo's closing line: its tiny model is what every other command runs on a machine without a GPU or the
+    hub (the default model is the released checkpoint, gigabytes fetched from the hub)."""
+    return (
+        f"next: without a GPU or the hub, give any command the demo's tiny model, e.g. "
+        f"`k6vsr upscale CLIP --model {bundle} --device cpu` (random weights: noise-like output)"
+    )
+
+
 def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     bundle = out_dir / "tiny-bundle"
@@ -33,4 +42,4 @@ def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[
     prepared = prepare_run(clip, params, model, out_dir / "store")
     with run_progress(prepared, enabled=not quiet):
         summary = run_clip(prepared, str(out_dir / output_name(clip, params)), model)
-    return {**summary.model_dump(mode="json"), "note": NOTE}
+    return {**summary.model_dump(mode="json"), "note": NOTE, "next": next_step(bundle)}
