@@ -683,6 +683,10 @@ def _print_lines(lines: Callable[[dict[str, Any]], list[str]]) -> Callable[[dict
     return lambda result: print("\n".join(lines(result)))
 
 
+def _print_demo(result: dict[str, Any]) -> None:
+    print("\n".join([*summary_lines(result), result["next"]]))
+
+
 def _print_gc(result: dict[str, Any]) -> None:
     verb = "would reclaim" if result["dry_run"] else "reclaimed"
     runs = plural(sum(r["deleted"] for r in result["runs"]), "run")
@@ -693,9 +697,11 @@ def _print_gc(result: dict[str, Any]) -> None:
 
 
 def _print_archive(result: dict[str, Any]) -> None:
-    for row in result.get("rows", []):  # every clip of a plan; of a run, those that failed, with the cause
-        if result.get("plan_only") or row.get("status") == "failed":
-            print(f"  {row.get('status', ''):>8}  {row.get('relative_path', '')}  {row.get('reason') or ''}")
+    # Every clip of a plan; of a run, each file that failed or was skipped, with its cause.
+    for row in result.get("rows", []):
+        if result.get("plan_only") or row.get("status") in ("failed", "skipped"):
+            reason = (row.get("reason") or "").removeprefix(f"{row.get('source')}: ")  # the row names the file
+            print(f"  {row.get('status', ''):>8}  {row.get('relative_path', '')}  {reason}")
     print(result.get("message") or "nothing to do")  # the counts, once
     print(f"manifest: {result.get('manifest_json')}")
 
@@ -719,7 +725,10 @@ COMMANDS = {
         _print_lines(preview_lines),
     ),
     "demo": Command(
-        "run the whole pipeline on a synthetic clip with a tiny random model", _demo_flags, _print_lines(summary_lines)
+        "run the whole pipeline on a synthetic clip with a tiny random model (k6vsr-demo/tiny-bundle), which every "
+        "command takes with --model on a machine without a GPU",
+        _demo_flags,
+        _print_demo,
     ),
     "archive": Command("upscale every clip of a folder tree", _archive_flags, _print_archive),
     "gc": Command("reclaim the disk of finished or abandoned runs", _gc_flags, _print_gc),

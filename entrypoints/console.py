@@ -87,7 +87,9 @@ def _show_once(
     text = f"k6vsr: warning: {message}"
     if text not in _SHOWN:
         _SHOWN.add(text)
-        print(text, file=sys.stderr)
+        from tqdm import tqdm  # on a line of its own above a bar that is showing, the bar redrawn below
+
+        tqdm.write(text, file=sys.stderr)
 
 
 def own_warning(category: type[Warning], filename: str) -> bool:

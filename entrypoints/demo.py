@@ -18,6 +18,15 @@ NOTE = (
 )
 
 
+def next_step(bundle: Path) -> str:
+    """The demo's closing line: its tiny model is what every other command runs on a machine without a GPU or the
+    hub (the default model is the released checkpoint, gigabytes fetched from the hub)."""
+    return (
+        f"next: without a GPU or the hub, give any command the demo's tiny model, e.g. "
+        f"`k6vsr upscale CLIP --model {bundle} --device cpu` (random weights: noise-like output)"
+    )
+
+
 def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     bundle = out_dir / "tiny-bundle"
@@ -34,4 +43,4 @@ def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[
     # The local server first (10-30 s, said by a line of its own): a bar shown while it starts said `ingest`.
     with prefect_api(), run_progress(prepared, enabled=not quiet):
         summary = run_clip(prepared, str(out_dir / output_name(clip, params)), model)
-    return {**summary.model_dump(mode="json"), "note": NOTE}
+    return {**summary.model_dump(mode="json"), "note": NOTE, "next": next_step(bundle)}

@@ -73,7 +73,8 @@ def model_flags(parser: argparse.ArgumentParser, at_start: bool = False) -> None
         "load this model at start (and, compiled on CUDA, warm every shape a default run compiles); the start "
         "returns once every worker has"
         if at_start
-        else "Hugging Face repo id or local folder in the Diffusers layout (env K6VSR_MODEL)"
+        else "Hugging Face repo id or local folder in the Diffusers layout (env K6VSR_MODEL); without a GPU or the "
+        "hub: k6vsr-demo/tiny-bundle, the tiny random model `k6vsr demo` writes"
     )
     default_model = None if at_start else (settings.read(settings.Compute).model or DEFAULT_MODEL)
     group.add_argument("--model", "--model-path", dest="model", default=default_model, help=model_help)

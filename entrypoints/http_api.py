@@ -115,6 +115,20 @@ def _exit_on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+def prefect_ui_lines(api_url: str, home: Path | None, shown_by: str) -> list[str]:
+    """Where the jobs' flow runs show: the UI of `PREFECT_API_URL` (`home` None), else of the server of the service's
+    own in `home` (the command `shown_by` shows it again), whose login page asks for the auth string in its folder."""
+    from runtime import prefect_server
+
+    ui = prefect_server.ui_url(api_url)
+    if home is None:
+        return [f"the jobs' flow runs: Prefect UI at {ui} (PREFECT_API_URL)"]
+    return [
+        f"the jobs' flow runs: Prefect UI at {ui} (`{shown_by}` shows it again)",
+        f"its login page asks for the auth string: paste the line of {prefect_server.auth_path(home)} (owner-only)",
+    ]
+
+
 def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | None = None) -> None:
     """Run the server until interrupted, its jobs' files in `store_root` and their runs in `run_root` (default: the
     same folder). The model is checked before the port opens."""
@@ -122,6 +136,8 @@ def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | N
 
     from entrypoints.server.serving import fit_connections, uvicorn_config
     from flows.orchestrate import prefect_api
+    from runtime import prefect_server
+    from runtime.prefect_api import configured_api_url
 
     if not log.handlers:  # our own handler: Prefect's logging setup reconfigures the root logger
         handler = logging.StreamHandler()
@@ -141,7 +157,13 @@ def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | N
     # Job processes report to one Prefect API: the configured one, else a server of this service's own, in the store,
     # on loopback behind an auth string that no HTTP client sees: the jobs' flow runs are no client's to read.
     bounds = fit_connections(config.connections)
-    with prefect_api(Path(store_root) / PREFECT_HOME, secured=True):
+    home = Path(store_root) / PREFECT_HOME
+    # Read before the block, which points this process at that server (`PREFECT_API_URL`, `K6VSR_SERVER_HOME`).
+    own_server = configured_api_url() is None
+    shown_by = prefect_server.status_command(home)
+    with prefect_api(home, secured=True) as api_url:
+        for line in prefect_ui_lines(api_url, home if own_server else None, shown_by):
+            log.info("%s", line)
         app = create_app(config, spec)
         uvicorn.Server(
             uvicorn_config(app, bounds, args.host, args.port, log_level="debug" if args.debug else "info")

@@ -56,7 +56,22 @@ class PreviewSummary(BaseModel):
     estimate: RunEstimate | None
 
 
-@flow(name="preview-clip", log_prints=False, validate_parameters=True, task_runner=WarmOrThreadsTaskRunner())
+def _flow_run_name() -> str:
+    """`preview-<file name>`, as a clip run is `upscale-<file name>`: the Prefect UI tells the two apart."""
+    from prefect.runtime import flow_run
+
+    prepared = flow_run.parameters.get("prepared")
+    source = prepared.source if isinstance(prepared, PreparedRun) else (prepared or {}).get("source", "clip")
+    return f"preview-{Path(str(source)).name}"
+
+
+@flow(
+    name="preview-clip",
+    flow_run_name=_flow_run_name,
+    log_prints=False,
+    validate_parameters=True,
+    task_runner=WarmOrThreadsTaskRunner(),
+)
 def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: str) -> PreviewSummary:
     """Upscale `count` representative windows of the planned clip into its run store, write the side-by-side MP4
     and the contact sheet into `out_dir`, and estimate the whole run from the rates measured (or kept by an earlier

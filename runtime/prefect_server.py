@@ -29,6 +29,7 @@ import contextlib
 import logging
 import os
 import secrets
+import shlex
 import signal
 import socket
 import sys
@@ -94,12 +95,26 @@ def _auth_path(folder: StateFolder) -> Path:
     return folder.path / "auth"
 
 
+def auth_path(home: Path | None = None) -> Path:
+    """The file of a secured server's auth string: what its UI's login page asks for."""
+    return _auth_path(server_folder(home))
+
+
 def server_auth(home: Path | None = None) -> str | None:
     """The auth string of the local server in `home` if it was started secured, else None."""
     try:
-        return _auth_path(server_folder(home)).read_text().strip() or None
+        return auth_path(home).read_text().strip() or None
     except FileNotFoundError:
         return None
+
+
+def status_command(home: Path | None = None) -> str:
+    """The command that shows the server of `home` again: `k6vsr server status`, with `K6VSR_SERVER_HOME` where
+    `home` is not the folder it reads by default (another server's)."""
+    folder = (home or server_home()).expanduser().resolve()
+    if folder == server_home().expanduser().resolve():
+        return "k6vsr server status"
+    return f"{HOME_ENV}={shlex.quote(str(folder))} k6vsr server status"
 
 
 # --------------------------------------------------------------------------------------------- processes
@@ -294,7 +309,8 @@ def start_server(
         for _attempt in range(2):  # a port taken between the check and the bind: once more on another port
             record = _launch(folder, _pick_port(folder, secured), secured, choice)
             if _wait_healthy(record, start_s):
-                status.say(f"Prefect UI: {ui_url(record.url)} (`k6vsr server status` shows it again)")
+                if not secured:  # a secured server's caller (`k6vsr serve`) says where its UI is and how to log in
+                    status.say(f"Prefect UI: {ui_url(record.url)} (`{status_command(home)}` shows it again)")
                 return record.url
             still_running = alive(record.pid, record.process_start)
             _terminate(record)

@@ -140,3 +140,24 @@ def test_the_readme_and_ci_install_the_same_way() -> None:
 def test_the_demos_folder_is_not_committed_by_accident() -> None:
     """`k6vsr demo` writes `k6vsr-demo/` (a model, a clip, a store) in the folder it runs in: the checkout's root."""
     assert "/k6vsr-demo/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_the_readme_s_cpu_only_install_takes_the_pinned_torch_from_pytorch_s_cpu_index() -> None:
+    """The CPU-only line: PyTorch's CPU wheels at constraints.txt's torch, then exactly the GPU line's install."""
+    readme = (ROOT / "README.md").read_text()
+    [block] = re.findall(
+        r"On a machine without a GPU, install PyTorch's CPU-only build.*?```bash\n(.+?)\n```", readme, re.S
+    )
+    assert (
+        "\n" not in block
+        and block.startswith("python3.11 -m venv .venv && ")
+        and block.endswith(" && .venv/bin/k6vsr demo")
+    )
+    torch_install, project_install = _pip_installs(block)
+    assert torch_install[:2] == ["--index-url", "https://download.pytorch.org/whl/cpu"]
+    [pin] = [Requirement(word) for word in torch_install[2:]]
+    assert pin.name == "torch" and str(pin.specifier) == f"=={_constraints()['torch']}"
+    # The index's build of that version (2.13.0+cpu) still satisfies the constraint the project install applies.
+    assert SpecifierSet(f"=={_constraints()['torch']}").contains(f"{_constraints()['torch']}+cpu")
+    [ci_install] = _pip_installs((ROOT / ".ci" / "run").read_text())
+    assert project_install == ci_install

@@ -130,7 +130,12 @@ def test_a_preview_is_reused_by_the_whole_run(
     prepared = prepare_run(three_shots, SCENES, model, store)
     assert prepared.plan.cuts == (15, 30) and prepared.plan.num_windows == 3
     with prefect_api():
-        preview = preview_clip(prepared=prepared, model=model, count=2, out_dir=str(tmp_path))
+        state = preview_clip(prepared=prepared, model=model, count=2, out_dir=str(tmp_path), return_state=True)
+        preview = state.result()
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:  # named after the clip, as a clip run is
+            assert client.read_flow_run(state.state_details.flow_run_id).name == "preview-three.mkv"
     assert preview.windows == [0, 2] and preview.frames == [(0, 15), (30, 39)]
     # The side-by-side holds the previewed frames, source and output side by side; the sheet a row per window.
     with av.open(preview.side_by_side) as container:
