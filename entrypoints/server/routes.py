@@ -240,7 +240,18 @@ router = APIRouter()
 
 @router.get("/health")
 def health(request: Request) -> dict[str, Any]:
-    return {"status": "ok", "model": videos_of(request).config.model_name}
+    """`ok`, or `degraded` while the store's disk is full or a job worker is gone: the server answers, but new jobs
+    would fail (still 200, so that a client reads why)."""
+    videos = videos_of(request)
+    workers = sum(slot.thread.is_alive() for slot in videos.runner.slots)
+    disk = "full" if videos.store.disk.full else "ok"
+    healthy = disk == "ok" and workers == len(videos.runner.slots)
+    return {
+        "status": "ok" if healthy else "degraded",
+        "model": videos.config.model_name,
+        "disk": disk,
+        "workers": {"alive": workers, "total": len(videos.runner.slots)},
+    }
 
 
 @router.post("/v1/videos")
