@@ -215,8 +215,9 @@ class Videos:
         try:
             return prepare_run(self.store.input_path(job_id), params, self.spec, self.config.runs, received.latent_fps)
         except ParameterError as err:
-            if received.latent_fps is None:
-                raise
+            if received.latent_fps is None:  # e.g. an `exact` target above the result: named after the input
+                message = scrub_paths(str(err), {**known, f"{self.store.input_path(job_id)}: ": ""})
+                raise ApiError(400, message, param=getattr(err, "param", None), code="invalid_value") from None
             # The latent's own checks (file, shape, dtype, channels, frames, values): the rate and scale were
             # checked with their fields.
             raise ApiError(400, scrub_paths(str(err), known), param=LATENT_FIELD, code="invalid_latent") from None
