@@ -37,6 +37,7 @@ from entrypoints.server.auth import Caller, KeyAuth, key_owner
 from entrypoints.server.bodies import read_form
 from entrypoints.server.config import Limits, ServerConfig, config_from
 from entrypoints.server.errors import ApiError, error_response, install_error_handlers
+from entrypoints.server.framing import CloseAmbiguousFraming
 from entrypoints.server.records import JobStore
 from entrypoints.server.routes import Videos, router
 from entrypoints.server.runner import JobRunner
@@ -95,6 +96,7 @@ def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
     callers.update({key: Caller(key_owner(key), admin=True) for key in config.admin_keys})
     if callers:
         app.add_middleware(KeyAuth, callers=callers)
+    app.add_middleware(CloseAmbiguousFraming)  # outermost: a 401 closes such a connection too
     app.include_router(router)
     return app
 

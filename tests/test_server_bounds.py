@@ -713,3 +713,88 @@ def test_no_key_or_client_holds_every_upload_slot(served_anonymous: int, tmp_pat
             sock.close()
     flags = ["serve", "--max-queued", "4", "--max-uploads-per-key", "4"]
     assert config_from(build_parser().parse_args(flags), tmp_path, "m").limits.uploads_per_key == 2
+
+
+# ---------------------------------------------------------------------------------------- start checks, framing
+
+
+def test_keys_no_client_could_send_are_refused_at_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key with spaces around it (or a character outside printable ASCII) could never authenticate: `serve`
+    refuses it at start, naming where it came from and never echoing it."""
+    from entrypoints.cli import build_parser
+    from entrypoints.http_api import config_from
+
+    def config(*flags: str) -> ServerConfig:
+        return config_from(build_parser().parse_args(["serve", *flags]), tmp_path / "store", "m")
+
+    for flags, source in (
+        (["--api-key", " secret-key-1"], "--api-key"),
+        (["--api-key", "secret-key-1\t"], "--api-key"),
+        (["--admin-key", "secret-key-1 "], "--admin-key"),
+        (["--api-key", "secret-k\u00e9y"], "--api-key"),
+    ):
+        with pytest.raises(ParameterError) as refused:
+            config(*flags)
+        assert str(refused.value).startswith(source) and "secret" not in str(refused.value), refused.value
+    monkeypatch.setenv("K6VSR_API_KEY", "secret-key-1\n")
+    with pytest.raises(ParameterError, match="^K6VSR_API_KEY: a key has leading or trailing spaces"):
+        config()
+    monkeypatch.delenv("K6VSR_API_KEY")
+    assert config("--api-key", "secret-key-1", "--admin-key", "admin key 2").admin_keys == ("admin key 2",)
+
+
+def test_a_store_inside_an_allowed_folder_is_refused_at_start(tmp_path: Path) -> None:
+    """With the store inside an --allow-path folder (or one inside the store), a `video_path` could read another
+    key's inputs and outputs: `serve` refuses that layout; folders side by side are fine."""
+    from entrypoints.cli import build_parser
+    from entrypoints.http_api import config_from
+
+    (tmp_path / "store" / "jobs").mkdir(parents=True)
+    (tmp_path / "clips").mkdir()
+    for allowed, store in ((tmp_path, tmp_path / "store"), (tmp_path / "store" / "jobs", tmp_path / "store")):
+        args = build_parser().parse_args(["serve", "--allow-path", str(allowed)])
+        with pytest.raises(ParameterError, match="overlaps the server's store"):
+            config_from(args, store, "m")
+    args = build_parser().parse_args(["serve", "--allow-path", str(tmp_path / "store")])
+    with pytest.raises(ParameterError, match="overlaps the server's store"):  # the run store on this disk
+        config_from(args, tmp_path / "elsewhere", "m", run_root=tmp_path / "store")
+    args = build_parser().parse_args(["serve", "--allow-path", str(tmp_path / "clips")])
+    assert config_from(args, tmp_path / "store", "m").allow_paths == ((tmp_path / "clips").resolve(),)
+
+
+def test_an_unplannable_target_names_no_server_path(tmp_path: Path, tiny_bundle_path: Path) -> None:
+    """The probe: `sr_target_resize_mode: exact` with a target above the result. 400 saying why, without the
+    path of the job's input in the store."""
+    clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
+    client = TestClient(app_for(tmp_path / "store", tiny_bundle_path))
+    answer = upload(
+        client, clip, KEY_A, sr_resolution_scale="2", sr_target_resolution="2000x2000", sr_target_resize_mode="exact"
+    )
+    error = error_of(answer, 400, [str(tmp_path), "/jobs/", "<path>", "<store>"])
+    assert error["code"] == "invalid_value" and error["message"].startswith("target 2000x2000"), error
+
+
+def test_a_request_framed_twice_closes_its_connection(served: int) -> None:
+    """Content-Length beside Transfer-Encoding: answered (by the chunked body), then the connection is closed
+    (RFC 9112, 6.1); a request framed once keeps its connection."""
+    body = b'{"video_path": "/nowhere/x.mp4"}'
+    with socket.create_connection(("127.0.0.1", served), timeout=15) as sock:
+        sock.sendall(
+            b"POST /v1/videos HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY_A.encode() + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n" % len(body)
+            + body
+            + b"\r\n0\r\n\r\n"
+        )
+        status, _ = answer_of(sock)
+        assert status == 403
+        try:  # a next request on it finds it closed: no answer
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n\r\n".encode())
+            assert sock.recv(65536) == b""
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    with socket.create_connection(("127.0.0.1", served), timeout=15) as sock:
+        for _ in range(2):  # the same connection answers twice
+            sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n\r\n".encode())
+            assert answer_of(sock)[0] == 200
+

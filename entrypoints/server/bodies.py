@@ -321,13 +321,17 @@ def copy_path_source(raw: Any, roots: tuple[Path, ...], store: JobStore, job_id:
         )
         target = store.open_input(job_id, cap=limit, too_large=too_large)
         try:
-            while data := os.read(opened.fd, 1 << 20):
-                target.write(data)
-        except OSError as err:
-            raise PathRefused(
-                "path_unreadable",
-                f"video_path {quote(opened.relative)} could not be read ({os.strerror(err.errno or 0)})",
-            ) from None
+            while True:
+                try:
+                    data = os.read(opened.fd, 1 << 20)
+                except OSError as err:
+                    raise PathRefused(
+                        "path_unreadable",
+                        f"video_path {quote(opened.relative)} could not be read ({os.strerror(err.errno or 0)})",
+                    ) from None
+                if not data:
+                    break
+                target.write(data)  # a full disk raises here: the server's fault (507), not the file's
         finally:
             target.close()
     finally:

@@ -45,9 +45,13 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def _error_of(err: BaseException) -> dict[str, str]:
     """A failed job's error, typed: the client's fault (its input or values) or the server's, one short line."""
+    from entrypoints.server.disk import is_disk_full
     from entrypoints.server.error_table import user_answer
+    from entrypoints.server.slots import disk_full_error
     from k6vsr_core.errors import UserFacingError, describe_error
 
+    if is_disk_full(err):  # the server's disk, not the client's input
+        return disk_full_error().model_dump(mode="json")
     message = describe_error(err)
     if message is None:
         return {"message": short_message(f"{type(err).__name__}: {err}"), "type": "server_error", "code": "job_failed"}

@@ -82,6 +82,18 @@ def _keys_in(files: list[str]) -> list[str]:
     return keys
 
 
+def _check_key(key: str, source: str) -> str:
+    """A key a client can send: `Authorization: Bearer <key>` is read with the spaces around the key dropped, and
+    carries printable ASCII only, so any other key could never authenticate. Refused at start, never echoed."""
+    if key != key.strip():
+        raise ParameterError(f"{source}: a key has leading or trailing spaces, so no client could send it; remove them")
+    if not all(" " <= char <= "~" for char in key):
+        raise ParameterError(
+            f"{source}: a key holds a character other than printable ASCII, so no client could send it"
+        )
+    return key
+
+
 def _at_least(value: float, minimum: float, flag: str) -> float:
     if value < minimum:
         raise ParameterError(f"{flag} must be at least {minimum:g}, not {value:g}")
@@ -97,6 +109,20 @@ def memory_budget(megabytes: float | None) -> int:
     return int(_at_least(megabytes, 256, "--memory-budget-mb")) << 20
 
 
+def _check_store_outside(store_root: Path, run_root: str | Path | None, roots: list[Path]) -> None:
+    """The store (and a run store on this disk) must not overlap an `--allow-path` folder: a `video_path` into it
+    would read another key's inputs and outputs."""
+    stores = [store_root] + ([run_root] if isinstance(run_root, Path) else [])
+    for store in stores:
+        store = store.expanduser().resolve()
+        for root in roots:
+            if store.is_relative_to(root) or root.is_relative_to(store):
+                raise ParameterError(
+                    f"--allow-path {root}: overlaps the server's store {store}, so a video_path could read other "
+                    "jobs' files; allow a folder outside the store"
+                )
+
+
 def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Path | None = None) -> ServerConfig:
     roots = []
     for raw in args.allow_path or []:
@@ -109,7 +135,10 @@ def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Pa
     # stalled uploads always leave room for another.
     uploads_per_key = min(int(_at_least(args.max_uploads_per_key, 1, "--max-uploads-per-key")), max(1, max_queued // 2))
     env_key = settings.read(settings.Server).api_key
-    api_keys = [*(args.api_key or ([env_key] if env_key else [])), *_keys_in(args.api_key_file or [])]
+    given = [(key, "--api-key") for key in args.api_key or ()] or ([(env_key, "K6VSR_API_KEY")] if env_key else [])
+    api_keys = [_check_key(key, source) for key, source in given if key] + _keys_in(args.api_key_file or [])
+    admin_keys = [_check_key(key, "--admin-key") for key in args.admin_key or () if key]
+    _check_store_outside(Path(store_root), run_root, roots)
     limits = Limits(
         max_upload_bytes=int(_at_least(args.max_upload_mb, 1, "--max-upload-mb")) << 20,
         max_fields=int(_at_least(args.max_fields, 1, "--max-fields")),
@@ -147,7 +176,7 @@ def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Pa
         store_root=Path(store_root),
         allow_paths=tuple(roots),
         api_keys=tuple(key for key in api_keys if key),
-        admin_keys=tuple(args.admin_key or ()),
+        admin_keys=tuple(admin_keys),
         list_jobs=bool(args.list_jobs),
         limits=limits,
         umask=umask,

@@ -10,6 +10,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from entrypoints.confine import PathRefused
+from entrypoints.server.disk import DISK_FULL_MESSAGE, is_disk_full
 from entrypoints.server.error_table import BUSY_ANSWERS, user_answer
 from entrypoints.server.messages import short_message
 from k6vsr_core.errors import UserFacingError
@@ -42,6 +43,7 @@ _KIND = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    507: "server_error",
     415: "invalid_request_error",
     422: "invalid_request_error",
     408: "invalid_request_error",
@@ -75,6 +77,19 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def disk_full_response(request: Request) -> JSONResponse:
+    """507: the request's files did not fit on the server's disk (and were removed); `/health` says so too."""
+    videos = getattr(request.app.state, "videos", None)
+    if videos is not None:
+        videos.store.disk.hit()
+    return error_response(
+        507,
+        f"{DISK_FULL_MESSAGE}: this request's files did not fit and were removed; retry later",
+        code="disk_full",
+        headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},  # the rest of the body is never read
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     retry = {"Retry-After": str(RETRY_AFTER_S)}
 
@@ -83,7 +98,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(err.status, err.message, err.kind, err.param, err.code, err.headers)
 
     @app.exception_handler(UserFacingError)
-    async def user_error_handler(_: Request, err: UserFacingError) -> JSONResponse:
+    async def user_error_handler(request: Request, err: UserFacingError) -> JSONResponse:
+        if is_disk_full(err):  # e.g. the run store could not be written
+            return disk_full_response(request)
         answer = api_error(err)
         return error_response(answer.status, answer.message, param=answer.param, code=answer.code)
 
@@ -107,6 +124,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             400, "the client disconnected before the request body was complete", code="client_disconnected"
         )
+
+    @app.exception_handler(OSError)
+    async def os_error(request: Request, err: OSError) -> JSONResponse:
+        if is_disk_full(err):
+            log.warning("a request failed: %s (%s)", DISK_FULL_MESSAGE, err)
+            return disk_full_response(request)
+        return await internal_error(request, err)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:

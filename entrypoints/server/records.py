@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from entrypoints.server.disk import DiskState, is_disk_full
+
 log = logging.getLogger("k6vsr.server")
 
 JOBS = "jobs"
@@ -106,10 +108,15 @@ class JobRecord(_Part):
         return self.model_dump(mode="json", exclude_unset=True)
 
 
-def _write_record(path: Path, job: JobRecord) -> None:
+def _write_json(path: Path, payload: Any) -> None:
+    """Every file the job store writes (records, the disk probe): atomically."""
     from storage.records import atomic_write_json
 
-    atomic_write_json(path, job.to_json())
+    atomic_write_json(path, payload)
+
+
+# A record's write, repeated on the disk that was full: what tells the store the disk has room again.
+DISK_PROBE = ".disk-probe"
 
 
 def new_job_id() -> str:
@@ -239,7 +246,10 @@ class JobStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.lock = threading.RLock()
         self.quota = InputQuota(input_quota_bytes)
+        self.disk = DiskState()
         self._index: dict[str, JobEntry] = {}
+        # Records of known jobs whose write found the disk full: served from here, written once there is room.
+        self._unsaved: dict[str, JobRecord] = {}
         for path in self.root.glob(f"{ID_PREFIX}*.json"):
             job = self.get(path.stem)
             if job is not None:
@@ -260,6 +270,9 @@ class JobStore:
     def get(self, job_id: str) -> JobRecord | None:
         if not valid_job_id(job_id):
             return None
+        unsaved = self._unsaved.get(job_id)
+        if unsaved is not None:
+            return unsaved
         try:
             return JobRecord.model_validate_json(self.record_path(job_id).read_bytes())
         except OSError:
@@ -269,10 +282,40 @@ class JobStore:
             return None
 
     def put(self, job: JobRecord) -> JobRecord:
+        """Write `job`'s record. On a full disk a new job's write raises (its request fails, `disk_full`); a known
+        job's record is kept in memory, answered from there and written by `flush_unsaved` once there is room, so
+        that a job worker recording how a job ended never fails for want of space."""
         with self.lock:
-            _write_record(self.record_path(job.id), job)
+            try:
+                _write_json(self.record_path(job.id), job.to_json())
+            except OSError as err:
+                if not is_disk_full(err):
+                    raise
+                self.disk.hit()
+                if job.id not in self._index:
+                    raise
+                log.warning("job %s: its record could not be written (the disk is full); kept in memory", job.id)
+                self._unsaved[job.id] = job
+            else:
+                self.disk.ok()
+                self._unsaved.pop(job.id, None)
             self._index[job.id] = JobEntry.of(job)
         return job
+
+    def flush_unsaved(self) -> None:
+        """Write the records kept in memory; with none, and the disk found full, try a small write to see whether
+        it has room again (what `/health` reports)."""
+        with self.lock:
+            for job in list(self._unsaved.values()):
+                self.put(job)
+            if self.disk.full and not self._unsaved:
+                try:
+                    _write_json(self.root / DISK_PROBE, {"probe": True})
+                except OSError as err:
+                    if not is_disk_full(err):
+                        raise
+                else:
+                    self.disk.ok()
 
     def update(self, job_id: str, only_if: tuple[str, ...] | None = None, **changes: Any) -> JobRecord | None:
         """Apply `changes`, fields of `JobRecord` (when the status is in `only_if`, if given); returns the job as it
@@ -302,6 +345,7 @@ class JobStore:
             self.discard_dir(job_id)
             self.record_path(job_id).unlink(missing_ok=True)
             self._index.pop(job_id, None)
+            self._unsaved.pop(job_id, None)
 
     def open_input(self, job_id: str, cap: int, too_large: Callable[[], Exception]) -> InputFile:
         return InputFile(self.input_path(job_id), job_id, self.quota, cap, too_large)

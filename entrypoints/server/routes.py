@@ -215,8 +215,9 @@ class Videos:
         try:
             return prepare_run(self.store.input_path(job_id), params, self.spec, self.config.runs, received.latent_fps)
         except ParameterError as err:
-            if received.latent_fps is None:
-                raise
+            if received.latent_fps is None:  # e.g. an `exact` target above the result: named after the input
+                message = scrub_paths(str(err), {**known, f"{self.store.input_path(job_id)}: ": ""})
+                raise ApiError(400, message, param=getattr(err, "param", None), code="invalid_value") from None
             # The latent's own checks (file, shape, dtype, channels, frames, values): the rate and scale were
             # checked with their fields.
             raise ApiError(400, scrub_paths(str(err), known), param=LATENT_FIELD, code="invalid_latent") from None
@@ -240,7 +241,18 @@ router = APIRouter()
 
 @router.get("/health")
 def health(request: Request) -> dict[str, Any]:
-    return {"status": "ok", "model": videos_of(request).config.model_name}
+    """`ok`, or `degraded` while the store's disk is full or a job worker is gone: the server answers, but new jobs
+    would fail (still 200, so that a client reads why)."""
+    videos = videos_of(request)
+    workers = sum(slot.thread.is_alive() for slot in videos.runner.slots)
+    disk = "full" if videos.store.disk.full else "ok"
+    healthy = disk == "ok" and workers == len(videos.runner.slots)
+    return {
+        "status": "ok" if healthy else "degraded",
+        "model": videos.config.model_name,
+        "disk": disk,
+        "workers": {"alive": workers, "total": len(videos.runner.slots)},
+    }
 
 
 @router.post("/v1/videos")

@@ -60,6 +60,8 @@ log = logging.getLogger("k6vsr.server")
 
 # How often the memory watch measures the server and its worker processes.
 MEMORY_WATCH_S = 0.25
+# How often the janitor tries the disk again while it is full.
+DISK_RETRY_S = 1.0
 
 
 class JobRunner:
@@ -292,11 +294,18 @@ class JobRunner:
 
     def _janitor_loop(self) -> None:
         interval = min(60.0, max(0.5, self.retention_s / 4))
-        while not self.stopping.wait(interval):
+        next_expiry = time.monotonic() + interval
+        # Every second it looks at the disk: while it is full, the records kept in memory are written, and /health
+        # stops saying so, soon after there is room again.
+        while not self.stopping.wait(min(interval, DISK_RETRY_S)):
             try:
-                self.expire()
+                if self.store.disk.full:
+                    self.store.flush_unsaved()
+                if time.monotonic() >= next_expiry:
+                    next_expiry = time.monotonic() + interval
+                    self.expire()
             except Exception:  # noqa: BLE001 - the next round tries again
-                log.exception("could not delete the expired jobs")
+                log.exception("could not delete the expired jobs, or write the records kept in memory")
 
     def scrub(self, job_id: str, message: str) -> str:
         """A job's error message without the server's paths."""

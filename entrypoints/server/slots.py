@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from entrypoints.server.disk import DISK_FULL_MESSAGE, is_disk_full
 from entrypoints.server.messages import short_message
 from entrypoints.server.records import (
     ACTIVE,
@@ -95,17 +96,26 @@ class WorkerSlot:
                 return
             try:
                 self._run(job_id)
-            except Exception:  # noqa: BLE001 - one bad job must not take the worker down
-                log.exception("job %s: unexpected error in the worker", job_id)
-                self.context.store.update(
-                    job_id,
-                    only_if=ACTIVE,
-                    status=FAILED,
-                    completed_at=int(time.time()),
-                    error=JobError(message="internal error in the job worker", type="server_error", code="job_failed"),
-                )
+            except Exception as err:  # noqa: BLE001 - one bad job must not take the worker down
+                self._fail(job_id, err)
             finally:
                 self.current = None
+
+    def _fail(self, job_id: str, err: Exception) -> None:
+        """Record that the worker itself failed under a job; whatever that costs, the worker takes the next one."""
+        if is_disk_full(err):
+            self.context.store.disk.hit()
+            log.error("job %s failed: %s (%s)", job_id, DISK_FULL_MESSAGE, err)
+            error = disk_full_error()
+        else:
+            log.exception("job %s: unexpected error in the worker", job_id, exc_info=err)
+            error = JobError(message="internal error in the job worker", type="server_error", code="job_failed")
+        try:
+            self.context.store.update(job_id, only_if=ACTIVE, status=FAILED, completed_at=int(time.time()), error=error)
+            self.current = None
+            self.context.settle(job_id)
+        except Exception:  # noqa: BLE001 - the record stays as it was: a restart resumes the job
+            log.exception("job %s: its failure could not be recorded", job_id)
 
     def _run(self, job_id: str) -> None:
         store = self.context.store
@@ -187,6 +197,8 @@ class WorkerSlot:
                 disk_bytes=(written or 0) + _run_bytes(store.run_root, summary["run_key"]),
             )
         else:  # failed, or the child could not start (fatal)
+            if reply["error"].get("code") == DISK_FULL_CODE:
+                store.disk.hit()
             error = JobError.model_validate(
                 {**reply["error"], "message": short_message(self.context.scrub(job_id, reply["error"]["message"]))}
             )
@@ -231,6 +243,19 @@ class WorkerSlot:
                     self._signal(signal.SIGKILL)
 
         threading.Thread(target=kill_later, daemon=True).start()
+
+
+DISK_FULL_CODE = "disk_full"
+
+
+def disk_full_error() -> JobError:
+    """How a job that found the server's disk full fails; the child's `_error_of` says the same."""
+    return JobError(
+        message=f"{DISK_FULL_MESSAGE}: the job could not write its files; resubmit the same request once there is "
+        "room, to resume from its finished tiles",
+        type="server_error",
+        code=DISK_FULL_CODE,
+    )
 
 
 def job_message(store: JobStore, job: JobRecord) -> dict[str, Any]:
