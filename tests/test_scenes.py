@@ -11,6 +11,7 @@ import procs
 import pytest
 import scene_set
 
+from entrypoints.console import plan_lines
 from k6vsr_core import UpscaleParams, media, upscale
 from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.encoding import VideoEncoding
@@ -23,6 +24,7 @@ from k6vsr_core.scenes import LAG, find_cuts, source_cuts
 from k6vsr_core.windows import (
     WINDOW_FRAMES,
     plan_scene_windows,
+    plan_shots,
     plan_windows,
     segment_frames,
     segment_range,
@@ -78,6 +80,17 @@ def test_no_scene_window_spans_a_cut(frames: int, cuts: tuple[int, ...], overlap
     assert ranges[0][0] == 0 and ranges[-1][1] == frames
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(ranges, ranges[1:], strict=False))
     assert all(not shares_frames(windows, i) for i, w in enumerate(windows) if w.start in cuts)
+
+
+def test_each_shot_holds_its_own_windows_and_a_short_one_is_padded() -> None:
+    windows = plan_scene_windows(300, 16, (20, 21, 29, 189))
+    shots = plan_shots(windows, (20, 21, 29, 189))
+    assert [(s.start, s.stop, s.windows) for s in shots] == [
+        (0, 20, (0,)), (20, 21, (1,)), (21, 29, (2,)), (29, 189, (3, 4)), (189, 300, (5,))
+    ]  # fmt: skip
+    assert [windows[s.windows[0]].padded for s in shots if s.frames < WINDOW_FRAMES] == [25, 1, 9, 113]
+    with pytest.raises(ValueError, match="do not cover shot"):
+        plan_shots(plan_windows(300, 16), (40,))
 
 
 def test_no_cut_gives_the_even_windows() -> None:
@@ -205,6 +218,17 @@ def test_the_issues_clip_is_planned_with_both_cuts(tmp_path: Path, tiny_bundle_p
     plan = json.loads(planned.stdout)
     assert plan["cuts"] == [90, 160]
     assert all(not start < cut < stop for start, stop in (w["frames"] for w in plan["windows"]) for cut in (90, 160))
+    # Each shot is shorter than a window: one window of its own, padded as a short clip is, hard cuts between.
+    assert [(s["frames"], s["windows"], s["short"], s["computed_as"], s["joined_by"]) for s in plan["shots"]] == [
+        ([0, 90], [0], True, 97, None),
+        ([90, 160], [1], True, 73, "hard cut"),
+        ([160, 250], [2], True, 97, "hard cut"),
+    ]
+    lines = plan_lines({**plan, "source": "issue.mp4"})
+    assert any(
+        line.startswith("shots     3, hard cuts between them") and "160-249 (90 frames, as 97)" in line
+        for line in lines
+    )
 
 
 # --------------------------------------------------------------------------------------------- the plan and the key
@@ -262,6 +286,25 @@ def test_each_shot_is_upscaled_as_if_alone(tiny_bundle: ModelBundle, two_shots: 
     assert [(w.start, w.stop, w.padded) for w in whole.plan.windows] == [(0, 15, 17), (15, 24, 9)]
     assert alone.plan.cuts == () and whole.frames.shape[0] == 24
     assert np.array_equal(whole.frames[15:], alone.frames)
+
+
+def test_no_output_frame_mixes_two_shots_however_short(tiny_bundle: ModelBundle, tmp_path: Path) -> None:
+    """Shots of 9, 1 and 8 frames, each shorter than a window: every shot's output frames are exactly those of the
+    shot upscaled on its own, the one-frame shot included, so a hard cut in the source is one in the output."""
+    lengths = [9, 1, 8]
+    frames, cuts = clip_frames(lengths)
+    lossless = VideoEncoding(codec="ffv1")
+    whole_path = tmp_path / "three.mkv"
+    media.write_video(whole_path, frames, 24, None, encoding=lossless)
+    whole = upscale(whole_path, None, tiny_bundle, SCENES, return_frames=True)
+    assert whole.plan.cuts == cuts == (9, 10)
+    assert [(w.start, w.stop, w.padded) for w in whole.plan.windows] == [(0, 9, 9), (9, 10, 1), (10, 18, 9)]
+    for start, stop in shot_ranges(len(frames), cuts):
+        alone_path = tmp_path / f"shot-{start}.mkv"
+        media.write_video(alone_path, frames[start:stop], 24, None, encoding=lossless)
+        alone = upscale(alone_path, None, tiny_bundle, SCENES, return_frames=True)
+        assert alone.plan.cuts == ()
+        assert np.array_equal(whole.frames[start:stop], alone.frames)
 
 
 def summary_ref(summary, store: Path) -> RunRef:
