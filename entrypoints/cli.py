@@ -403,6 +403,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "window_mode": plan.params.windows,
         "cuts": list(plan.cuts),
         "windows": _windows_of(plan),
+        "shots": _shots_of(plan),
         "tiles_per_window": plan.num_tiles,
         "items": progress_of(prepared),
         "store_estimate": store_estimate(plan).model_dump(),
@@ -433,6 +434,27 @@ def _windows_of(plan: Any) -> list[dict[str, Any]]:
         }
         for w in plan.windows
     ]
+
+
+def _shots_of(plan: Any) -> list[dict[str, Any]]:
+    """What happens to each shot: a shot shorter than a window is one window of its own, padded as a short clip is
+    (`computed_as` frames, cropped back); every shot meets the next at a hard cut, never a cross-fade."""
+    from k6vsr_core.windows import WINDOW_FRAMES, plan_shots
+
+    shots = []
+    for shot in plan_shots(plan.windows, plan.cuts):
+        short = shot.frames < WINDOW_FRAMES
+        shots.append(
+            {
+                "shot": shot.index,
+                "frames": [shot.start, shot.stop],
+                "windows": list(shot.windows),
+                "short": short,
+                "computed_as": plan.windows[shot.windows[0]].padded if short else None,
+                "joined_by": None if shot.index == 0 else "hard cut",
+            }
+        )
+    return shots
 
 
 def _run_estimate(prepared: Any) -> dict[str, Any] | None:

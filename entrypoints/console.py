@@ -176,6 +176,25 @@ def _cuts(plan: dict[str, Any]) -> str:
     return f", within shots: {plural(len(cuts), 'scene cut')}, before frame{'s' if len(cuts) > 1 else ''} {shown}"
 
 
+def _shots(plan: dict[str, Any]) -> list[str]:
+    """With scene windows, the shots and what happens to those shorter than a window (`plan --json` has each)."""
+    if plan.get("window_mode") != "scenes" or "shots" not in plan:
+        return []
+    shots = plan["shots"]
+    short = [shot for shot in shots if shot["short"]]
+    line = f"shots     {len(shots)}, hard cuts between them (never a cross-fade)"
+    if not short:
+        return [line]
+    shown = ", ".join(
+        f"{_span(*shot['frames'])} ({plural(shot['frames'][1] - shot['frames'][0], 'frame')}, as {shot['computed_as']})"
+        for shot in short[:CUTS_SHOWN]
+    ) + (f" and {len(short) - CUTS_SHOWN} more" if len(short) > CUTS_SHOWN else "")
+    return [
+        line + f"; {len(short)} shorter than a window, each one window of its own padded as a short clip is "
+        f"(computed as 1 + 8k frames, cropped back): {shown}"
+    ]
+
+
 def _cost(estimate: dict[str, Any] | None) -> str:
     """The whole run's time and disk as a preview measured them on this machine, or how to get them."""
     if estimate is None:
@@ -230,6 +249,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
             f"            {window['window']:<6}  {_span(*window['frames']):<12}  {window['computed_as']:<11}  "
             f"{window['overlap_before']:<7}  {_span(*window['segment'])}"
         )
+    lines += _shots(plan)
     peak, window_bytes = size_text(estimate["peak_bytes"]), size_text(estimate["window_bytes"])
     lines += [
         f"store     at most about {peak} while it runs ({window_bytes} a window in flight), "

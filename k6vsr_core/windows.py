@@ -98,6 +98,34 @@ def plan_scene_windows(
     return tuple(windows)
 
 
+class Shot(BaseModel):
+    """Frames `start` to `stop` of the kept frames between two cuts (or the clip's ends), and the windows that hold
+    them. A shot shorter than a window is one window of its own, computed as `padded` frames (its last frame
+    repeated, cropped back) as a short clip is, and joined to its neighbours by a hard cut, never a cross-fade."""
+
+    model_config = ConfigDict(frozen=True)
+
+    index: int
+    start: int
+    stop: int
+    windows: tuple[int, ...]
+
+    @property
+    def frames(self) -> int:
+        return self.stop - self.start
+
+
+def plan_shots(windows: tuple[Window, ...], cuts: tuple[int, ...]) -> tuple[Shot, ...]:
+    """The shots of a plan's windows cut before each of `cuts`, each with the windows inside it."""
+    shots = []
+    for index, (start, stop) in enumerate(shot_ranges(windows[-1].stop, cuts)):
+        inside = tuple(w.index for w in windows if start <= w.start and w.stop <= stop)
+        if not inside or windows[inside[0]].start != start or windows[inside[-1]].stop != stop:
+            raise ValueError(f"the windows do not cover shot {index} (frames {start} to {stop}) on their own")
+        shots.append(Shot(index=index, start=start, stop=stop, windows=inside))
+    return tuple(shots)
+
+
 def shares_frames(windows: tuple[Window, ...], index: int) -> bool:
     """Window `index` shares frames with the one before it: its segment begins with their cross-fade."""
     return index > 0 and windows[index - 1].stop > windows[index].start
