@@ -56,6 +56,11 @@ class VideoEncoding(BaseModel):
         return _ENCODERS[self.codec]
 
     @property
+    def codec_name(self) -> str:
+        """The codec's name as FFmpeg's decoders report it, reading the file back."""
+        return self.codec
+
+    @property
     def container(self) -> str:
         """The FFmpeg muxer: Matroska for FFV1 (MP4 cannot hold it), MP4 otherwise."""
         return "matroska" if self.codec == "ffv1" else "mp4"

@@ -34,16 +34,30 @@ def join_segments(
     source: str | None = None,
 ) -> None:
     """The output from the segments in window order, by stream copy, with the audio (or, with `--audio original`,
-    the streams of `source`)."""
-    if _segment_is_output(plan):
-        shutil.copyfile(segments[0], path)
-        return
+    the streams of `source`), then decoded once and checked against the plan (`media.check_output`): a file that
+    does not hold what was planned is removed and an `OutputMismatch` says why, so nothing is published."""
     original = source if plan.params.audio == "original" else None
     if plan.params.audio == "original" and source is None:
         raise ValueError("audio='original' needs the source file to carry its streams from")
-    media.concat_segments(
-        segments, path, plan.frame_rate, audio, plan.num_frames, rotation, plan.params.encoding, original
+    if _segment_is_output(plan):
+        shutil.copyfile(segments[0], path)
+    else:
+        media.concat_segments(
+            segments, path, plan.frame_rate, audio, plan.num_frames, rotation, plan.params.encoding, original
+        )
+    planned = media.planned_output(
+        plan.params.encoding,
+        plan.num_frames,
+        plan.frame_rate,
+        plan.delivery_size,
+        0 if audio is None else len(audio),
+        original,
     )
+    try:
+        media.check_output(path, planned)
+    except media.OutputMismatch:
+        Path(path).unlink(missing_ok=True)
+        raise
 
 
 def _segment_is_output(plan: ClipPlan) -> bool:

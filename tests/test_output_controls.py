@@ -467,3 +467,72 @@ def test_hevc_refuses_frames_too_small_for_x265(tmp_path: Path) -> None:
             tmp_path / "x.mp4", np.zeros((2, 64, 64, 3), np.uint8), 24, None, 0, VideoEncoding(codec="hevc")
         )
     assert not (tmp_path / "x.mp4").exists()
+
+
+# ------------------------------------------------------------------------------------------------ health check
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, media.PlannedOutput]:
+    """9 frames of 64x48 at 24 fps with half a second of audio, and the plan they were written to."""
+    path = tmp_path_factory.mktemp("checked") / "out.mp4"
+    frames = np.random.default_rng(3).integers(0, 256, (9, 48, 64, 3), dtype=np.uint8)
+    media.write_video(path, frames, 24, np.zeros(22050, np.float32))
+    return path, media.planned_output(VideoEncoding(), 9, 24, (48, 64), 22050)
+
+
+def test_the_health_check_passes_what_was_written_as_planned(written: tuple[Path, media.PlannedOutput]) -> None:
+    path, planned = written
+    assert planned.streams == ("audio:aac",) and planned.colour == media.ColourTags.of_codes(1, 1, 1, 1)
+    media.check_output(path, planned)
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"frames": 10}, "9 frame(s) decode, 10 planned; duration 0.375 s (frames span), 0.417 s planned"),
+        ({"frame_rate": "30"}, "duration 0.375 s (frames span), 0.300 s planned; duration 0.375 s (header says)"),
+        ({"width": 66}, "size 64x48, 66x48 planned"),
+        ({"codec": "hevc"}, "codec h264, hevc planned"),
+        ({"pix_fmt": "yuv444p"}, "pixel format yuv420p, yuv444p planned"),
+        ({"colour": media.ColourTags.of_codes(9, 16, 9, 1)}, "colour tags bt709/bt709/bt709/tv, bt2020/smpte2084"),
+        ({"streams": ()}, "other streams audio:aac, none planned"),
+    ],
+)
+def test_the_health_check_names_what_differs_from_the_plan(
+    written: tuple[Path, media.PlannedOutput], change: dict, words: str
+) -> None:
+    path, planned = written
+    with pytest.raises(media.OutputMismatch) as err:
+        media.check_output(path, planned.model_copy(update=change))
+    assert words in str(err.value) and "not published" in str(err.value), str(err.value)
+    assert len(err.value.problems) == (3 if "frames" in change else 2 if "frame_rate" in change else 1)
+    assert path.exists()
+
+
+def test_an_output_that_does_not_decode_fails_the_health_check(tmp_path: Path) -> None:
+    junk = tmp_path / "junk.mp4"
+    junk.write_bytes(b"\x00" * 2048)
+    with pytest.raises(media.OutputMismatch, match="does not decode"):
+        media.check_output(junk, media.planned_output(VideoEncoding(), 1, 24, (48, 64)))
+
+
+def test_a_mistagged_output_fails_the_run_and_publishes_nothing(
+    tiny_bundle: ModelBundle, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """The injected fault: the writer tags BT.601 (smpte170m) where the plan says BT.709."""
+    from k6vsr_core.media import writing
+
+    monkeypatch.setattr(writing, "_BT709", 6)
+    out = tmp_path / "runner" / "o.mp4"
+    out.parent.mkdir()
+    with pytest.raises(media.OutputMismatch, match="colour tags smpte170m/smpte170m/smpte170m/tv, bt709/bt709"):
+        upscale(clip_1f, out, tiny_bundle, UpscaleParams(scale=2))
+    assert list(out.parent.iterdir()) == []
+
+    store, folder = tmp_path / "store", tmp_path / "cli"
+    argv = ["upscale", str(clip_1f), "-o", str(folder), "--model", str(tiny_bundle_path), "--store", str(store)]
+    assert main([*argv, "--device", "cpu", "--scale", "2"]) == 1
+    assert "colour tags smpte170m/smpte170m/smpte170m/tv, bt709/bt709/bt709/tv planned" in capsys.readouterr().err
+    assert not folder.exists() or list(folder.iterdir()) == []
+    assert list(store.rglob("output*")) == []

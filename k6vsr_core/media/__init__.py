@@ -6,6 +6,7 @@
     audio       a file's audio as the contract's mono 44.1 kHz track
     writing     frames encoded as a reproducible file, segments joined, the audio added
     streams     the source's own audio and subtitle streams carried into the output (`--audio original`)
+    checking    the health check before publish: the written output decoded once and compared with its plan
 
 Real inputs come at any rate, length, size and pixel format, sometimes with lying or missing metadata; these modules
 are the one place that turns such files into RGB arrays the model can take, and upscaled arrays (plus the audio)
@@ -16,6 +17,7 @@ would shadow a function or module imported by name.
 """
 
 from k6vsr_core.media.audio import AUDIO_SAMPLE_RATE, check_audio_file, decode_audio, trim_audio, write_audio_track
+from k6vsr_core.media.checking import ColourTags, OutputMismatch, PlannedOutput, check_output
 from k6vsr_core.media.probing import MAX_SOURCE_PIXELS, MAX_SOURCE_SIDE, VideoProbe, probe
 from k6vsr_core.media.reading import iter_frames, read_frames, scan_frames
 from k6vsr_core.media.selection import (
@@ -26,7 +28,7 @@ from k6vsr_core.media.selection import (
     select_all_frames,
     select_frames,
 )
-from k6vsr_core.media.writing import HEVC_MIN_SIDE, concat_segments, write_segment, write_video
+from k6vsr_core.media.writing import HEVC_MIN_SIDE, concat_segments, planned_output, write_segment, write_video
 
 __all__ = [
     "AUDIO_SAMPLE_RATE",
@@ -36,12 +38,17 @@ __all__ = [
     "MAX_SOURCE_SIDE",
     "RESAMPLE_FPS_TOLERANCE",
     "TARGET_FPS",
+    "ColourTags",
+    "OutputMismatch",
+    "PlannedOutput",
     "VideoProbe",
     "aligned_frame_count",
     "iter_frames",
     "check_audio_file",
+    "check_output",
     "concat_segments",
     "decode_audio",
+    "planned_output",
     "probe",
     "read_frames",
     "scan_frames",

@@ -27,6 +27,34 @@ _CONVERT_SUBTITLES = {"mp4": "mov_text", "matroska": "ass"}
 _KEPT_METADATA = ("title", "language", "creation_time", "comment", "description", "artist", "date", "copyright")
 
 
+def _codec_name(stream: av.stream.Stream) -> str:
+    return stream.codec_context.name if stream.codec_context is not None else ""
+
+
+def carry(stream: av.stream.Stream, container_format: str) -> tuple[str, str] | None:
+    """How one source stream goes into an output of `container_format` (FFmpeg's muxer name): copied or encoded,
+    and the codec it then has; None: it is left out (video, data, a picture subtitle the container cannot hold)."""
+    name = _codec_name(stream)
+    if stream.type == "audio":
+        return ("copy", name) if name in _COPY_AUDIO.get(container_format, set()) else ("encode", AUDIO_CODEC)
+    if stream.type == "subtitle":
+        if name in _COPY_SUBTITLES.get(container_format, set()):
+            return ("copy", name)
+        if name in _TEXT_SUBTITLES and container_format in _CONVERT_SUBTITLES:
+            return ("encode", _CONVERT_SUBTITLES[container_format])
+    return None
+
+
+def carried_streams(source: str, container_format: str) -> tuple[str, ...]:
+    """The streams `--audio original` writes from `source` after the video, in order, as `kind:codec`."""
+    with open_input(source) as container:
+        return tuple(
+            f"{stream.type}:{carried[1]}"
+            for stream in container.streams
+            if (carried := carry(stream, container_format)) is not None
+        )
+
+
 class SourceStreams:
     """Every audio and subtitle stream of a source, carried into an output being written, trimmed to `span`.
 
@@ -41,8 +69,6 @@ class SourceStreams:
         self._span = span
         self._done = False
         container_format = out.format.name.split(",")[0]
-        copyable = _COPY_AUDIO.get(container_format, set())
-        subtitles = _COPY_SUBTITLES.get(container_format, set())
         for key, value in self._input.metadata.items():
             if key.lower() in _KEPT_METADATA:
                 out.metadata[key] = value
@@ -52,28 +78,26 @@ class SourceStreams:
         self._out = out
         self._plans: dict[int, tuple[str, Any]] = {}  # input stream index -> (how, output stream or re-encoder)
         for stream in self._input.streams:
-            name = stream.codec_context.name if stream.codec_context is not None else ""
-            if stream.type == "audio" and name in copyable:
-                target = out.add_stream_from_template(stream)
-                self._plans[stream.index] = ("copy", target)
-            elif stream.type == "audio":
-                layout = stream.codec_context.layout.name
-                target = out.add_stream(AUDIO_CODEC, rate=stream.codec_context.sample_rate, layout=layout)
-                target.bit_rate = AUDIO_BIT_RATE * max(1, stream.codec_context.channels)
-                self._plans[stream.index] = ("encode", _Reencoder(stream, target, self._origin, span))
-            elif stream.type == "subtitle" and name in subtitles:
-                self._plans[stream.index] = ("copy", out.add_stream_from_template(stream))
-            elif stream.type == "subtitle" and name in _TEXT_SUBTITLES and container_format in _CONVERT_SUBTITLES:
-                converter = _SubtitleConverter(stream, out, _CONVERT_SUBTITLES[container_format], self._origin, span)
-                self._plans[stream.index] = ("encode", converter)
-            else:
+            carried = carry(stream, container_format)
+            if carried is None:
                 if stream.type == "subtitle":
                     warnings.warn(
-                        f"{source}: subtitle stream {stream.index} ({name}) is a picture format that "
+                        f"{source}: subtitle stream {stream.index} ({_codec_name(stream)}) is a picture format that "
                         f"{container_format} cannot hold; it is left out (Matroska keeps it: --codec ffv1)",
                         stacklevel=3,
                     )
                 continue
+            how, codec = carried
+            if how == "copy":
+                self._plans[stream.index] = ("copy", out.add_stream_from_template(stream))
+            elif stream.type == "audio":
+                layout = stream.codec_context.layout.name
+                target = out.add_stream(codec, rate=stream.codec_context.sample_rate, layout=layout)
+                target.bit_rate = AUDIO_BIT_RATE * max(1, stream.codec_context.channels)
+                self._plans[stream.index] = ("encode", _Reencoder(stream, target, self._origin, span))
+            else:
+                converter = _SubtitleConverter(stream, out, codec, self._origin, span)
+                self._plans[stream.index] = ("encode", converter)
             language = stream.metadata.get("language")
             if language:
                 self._output_stream(stream.index).metadata["language"] = language

@@ -16,8 +16,9 @@ from av.video.reformatter import ColorRange, Colorspace
 from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import MediaError
 from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC, AUDIO_SAMPLE_RATE, trim_audio
+from k6vsr_core.media.checking import BT709_TV, UNTAGGED, PlannedOutput
 from k6vsr_core.media.probing import PathLike
-from k6vsr_core.media.streams import SourceStreams
+from k6vsr_core.media.streams import SourceStreams, carried_streams
 
 # FFmpeg's BT.709 code is 1 for the colorspace, primaries and transfer enums alike.
 _BT709 = 1
@@ -301,3 +302,34 @@ def _encode_audio(
     samples.pts = start
     out.mux(sound.encode(samples))
     return stop
+
+
+def planned_output(
+    encoding: VideoEncoding,
+    num_frames: int,
+    fps: FrameRate,
+    size: tuple[int, int],
+    audio_samples: int = 0,
+    original: str | None = None,
+) -> PlannedOutput:
+    """What :func:`write_video` or :func:`concat_segments` writes for `num_frames` frames of `size` (H, W) at
+    `fps`, with `audio_samples` of mono audio (trimmed to the frames) or the streams of `original`: for
+    :func:`k6vsr_core.media.checking.check_output` before the file is published."""
+    fps = _check_rate(fps)
+    height, width = size
+    even = encoding.needs_even_size
+    if original is not None:
+        streams = carried_streams(original, encoding.container)
+    else:
+        limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
+        streams = (f"audio:{AUDIO_CODEC}",) if min(limit, audio_samples) > 0 else ()
+    return PlannedOutput(
+        frames=num_frames,
+        frame_rate=str(Fraction(fps)),
+        width=width + (width % 2 if even else 0),
+        height=height + (height % 2 if even else 0),
+        codec=encoding.codec_name,
+        pix_fmt=encoding.stream_pix_fmt,
+        colour=UNTAGGED if encoding.is_rgb else BT709_TV,
+        streams=streams,
+    )

@@ -1,0 +1,181 @@
+"""The health check before publish: a written output decoded once and compared with what was planned (its frame
+count, duration, streams and colour tags), so a file that does not hold what the plan said is never published."""
+
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+
+import av
+from pydantic import BaseModel, ConfigDict
+
+from k6vsr_core.errors import PipelineError
+from k6vsr_core.media.probing import PathLike
+
+# FFmpeg's names for the codes of its colour enums (libavutil/pixfmt.h), for messages and plans alike.
+PRIMARIES = {1: "bt709", 2: "unspecified", 4: "bt470m", 5: "bt470bg", 6: "smpte170m", 7: "smpte240m", 9: "bt2020"}
+TRANSFERS = {
+    1: "bt709",
+    2: "unspecified",
+    4: "gamma22",
+    5: "gamma28",
+    6: "smpte170m",
+    7: "smpte240m",
+    8: "linear",
+    13: "iec61966-2-1",
+    14: "bt2020-10",
+    15: "bt2020-12",
+    16: "smpte2084",
+    18: "arib-std-b67",
+}
+MATRICES = {0: "gbr", 1: "bt709", 2: "unspecified", 5: "bt470bg", 6: "smpte170m", 7: "smpte240m", 9: "bt2020nc"}
+RANGES = {0: "unspecified", 1: "tv", 2: "pc"}
+
+
+def _name(table: dict[int, str], code: int) -> str:
+    return table.get(code, str(code))
+
+
+class ColourTags(BaseModel):
+    """A video stream's colour description, in FFmpeg's names (`bt709`, `smpte2084`, `tv`, ...)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    primaries: str
+    transfer: str
+    matrix: str
+    range: str
+
+    @classmethod
+    def of_codes(cls, primaries: int, transfer: int, matrix: int, range_: int) -> ColourTags:
+        return cls(
+            primaries=_name(PRIMARIES, primaries),
+            transfer=_name(TRANSFERS, transfer),
+            matrix=_name(MATRICES, matrix),
+            range=_name(RANGES, range_),
+        )
+
+    def describe(self) -> str:
+        return f"{self.primaries}/{self.transfer}/{self.matrix}/{self.range}"
+
+
+# What k6vsr writes: BT.709 limited range for YUV; RGB (lossless FFV1) carries no tags.
+BT709_TV = ColourTags(primaries="bt709", transfer="bt709", matrix="bt709", range="tv")
+UNTAGGED = ColourTags(primaries="unspecified", transfer="unspecified", matrix="unspecified", range="unspecified")
+
+
+class PlannedOutput(BaseModel):
+    """What an output file must hold: the video stream as the plan and the encoding say, then the other streams in
+    order, each as `kind:codec` in FFmpeg's decoder names (`audio:aac`, `subtitle:mov_text`)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    frames: int
+    frame_rate: str  # exact, as a fraction ("30000/1001")
+    width: int
+    height: int
+    codec: str
+    pix_fmt: str
+    colour: ColourTags
+    streams: tuple[str, ...] = ()
+
+    @property
+    def duration_s(self) -> Fraction:
+        return self.frames / Fraction(self.frame_rate)
+
+
+class OutputMismatch(PipelineError):
+    """A written output that does not hold what was planned; it is removed, never published."""
+
+    def __init__(self, path: str, problems: list[str]) -> None:
+        self.path, self.problems = path, problems
+        super().__init__(f"{path}: the output does not match its plan, so it is not published: {'; '.join(problems)}")
+
+    def __reduce__(self) -> tuple[type[OutputMismatch], tuple[str, list[str]]]:
+        return (type(self), (self.path, self.problems))
+
+
+class _Seen(BaseModel):
+    frames: int
+    duration_s: Fraction | None
+    header_duration_s: Fraction | None
+    width: int
+    height: int
+    codec: str
+    pix_fmt: str
+    colour: ColourTags
+    streams: tuple[str, ...]
+
+
+def _kind(stream: av.stream.Stream) -> str:
+    name = stream.codec_context.name if stream.codec_context is not None else "unknown"
+    return f"{stream.type}:{name}"
+
+
+def _decode(path: str) -> _Seen:
+    with av.open(path) as container:
+        if not container.streams.video:
+            raise OutputMismatch(path, ["it holds no video stream"])
+        video = container.streams.video[0]
+        codec = video.codec_context
+        frames, first, last = 0, None, None
+        for frame in container.decode(video):
+            frames += 1
+            if frame.pts is not None:
+                first = frame.pts if first is None else min(first, frame.pts)
+                last = frame.pts if last is None else max(last, frame.pts)
+        base = Fraction(video.time_base) if video.time_base else None
+        # The frames' span plus one frame (at the stream's own average rate): what a player shows.
+        rate = Fraction(video.average_rate) if video.average_rate else None
+        span = None
+        if base is not None and first is not None and last is not None and rate:
+            span = (last - first) * base + 1 / rate
+        header = video.duration * base if video.duration and base is not None else None
+        return _Seen(
+            frames=frames,
+            duration_s=span,
+            header_duration_s=header,
+            width=codec.width,
+            height=codec.height,
+            codec=codec.name,
+            pix_fmt=codec.pix_fmt or "",
+            colour=ColourTags.of_codes(codec.color_primaries, codec.color_trc, codec.colorspace, codec.color_range),
+            streams=tuple(_kind(s) for s in container.streams if s.index != video.index),
+        )
+
+
+def _differences(seen: _Seen, planned: PlannedOutput) -> list[str]:
+    problems = []
+    if seen.frames != planned.frames:
+        problems.append(f"{seen.frames} frame(s) decode, {planned.frames} planned")
+    # Half a frame: Matroska keeps milliseconds, so a frame's time may be off by less than that.
+    half_frame = 1 / (2 * Fraction(planned.frame_rate))
+    for what, duration in (("frames span", seen.duration_s), ("header says", seen.header_duration_s)):
+        if duration is not None and abs(duration - planned.duration_s) > half_frame:
+            problems.append(f"duration {float(duration):.3f} s ({what}), {float(planned.duration_s):.3f} s planned")
+    if (seen.width, seen.height) != (planned.width, planned.height):
+        problems.append(f"size {seen.width}x{seen.height}, {planned.width}x{planned.height} planned")
+    if seen.codec != planned.codec:
+        problems.append(f"codec {seen.codec}, {planned.codec} planned")
+    if seen.pix_fmt != planned.pix_fmt:
+        problems.append(f"pixel format {seen.pix_fmt}, {planned.pix_fmt} planned")
+    if seen.colour != planned.colour:
+        problems.append(f"colour tags {seen.colour.describe()}, {planned.colour.describe()} planned")
+    if seen.streams != planned.streams:
+        shown = ", ".join(seen.streams) or "none"
+        problems.append(f"other streams {shown}, {', '.join(planned.streams) or 'none'} planned")
+    return problems
+
+
+def check_output(path: PathLike, planned: PlannedOutput) -> None:
+    """Decode `path` once and raise :class:`OutputMismatch`, naming every difference, unless it holds `planned`:
+    the frame count, the duration (within half a frame), the video's size, codec, pixel format and colour tags,
+    and the other streams in order."""
+    path = os.fspath(path)
+    try:
+        seen = _decode(path)
+    except av.error.FFmpegError as exc:
+        raise OutputMismatch(path, [f"it does not decode ({exc})"]) from exc
+    problems = _differences(seen, planned)
+    if problems:
+        raise OutputMismatch(path, problems)
