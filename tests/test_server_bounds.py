@@ -797,4 +797,3 @@ def test_a_request_framed_twice_closes_its_connection(served: int) -> None:
         for _ in range(2):  # the same connection answers twice
             sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n\r\n".encode())
             assert answer_of(sock)[0] == 200
-
