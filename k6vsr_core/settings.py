@@ -50,7 +50,9 @@ class Server(_Group):
 
     state_home: Path | None = Field(None, description="root of k6vsr's state folders (default `$XDG_STATE_HOME/k6vsr`)")
     server_home: Path | None = Field(None, description="the local Prefect server's state folder")
-    server_port: int | None = Field(None, ge=1, le=65535, description="the local Prefect server's port")
+    server_port: int | None = Field(
+        None, ge=0, le=65535, description="the local Prefect server's port (0: any free port)"
+    )
     server_start_timeout: float = Field(180.0, gt=0, description="seconds to wait for the local Prefect server")
     home: Path | None = Field(None, description="the checkout the deployments' flow runs start in")
     api_key: str | None = Field(None, description="a client key of `k6vsr serve` (as `--api-key`)")
