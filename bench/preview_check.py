@@ -103,6 +103,7 @@ def run_preview(check: Check) -> None:
     summary = preview_summary(stdout) if row["rc"] == 0 else None
     estimate = (summary or {}).get("estimate")
     row["estimate"] = estimate
+    row["rates"] = (summary or {}).get("rates")  # what the estimate is made of: head, ingest, pace, segments
     if row["rc"] == 0 and estimate is None:
         row["rc"], row["error"] = 1, ["the preview printed no estimate"]  # nothing to judge the run against
     elif estimate is not None:
@@ -148,7 +149,7 @@ def verdicts(rows: list[dict[str, Any]], targets: dict[str, float]) -> list[dict
         run = judged.runs[RUN]
         ratio = run["estimate_vs_run"]["seconds"]
         measured = f"{run['estimate']['seconds_left']} s / {run['actual']['seconds']} s = {ratio}x"
-        return measured, ratio is not None and abs(ratio - 1) <= error
+        return measured, ratio is not None and round(abs(ratio - 1), 3) <= error
 
     def disk() -> tuple[str, None]:
         run = judged.runs[RUN]

@@ -72,10 +72,14 @@ def _flow_run_name() -> str:
     validate_parameters=True,
     task_runner=WarmOrThreadsTaskRunner(),
 )
-def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: str) -> PreviewSummary:
+def preview_clip(
+    prepared: PreparedRun, model: ModelSpec, count: int, out_dir: str, command_started: float | None = None
+) -> PreviewSummary:
     """Upscale `count` representative windows of the planned clip into its run store, write the side-by-side MP4
     and the contact sheet into `out_dir`, and estimate the whole run from the rates measured (or kept by an earlier
-    preview, when every window chosen was already computed)."""
+    preview, when every window chosen was already computed). `command_started` (wall clock) is when the command
+    that asked began: the head before this flow's work, which the run's own command pays too."""
+    head_s = max(0.0, time.time() - command_started) if command_started is not None else 0.0
     run = prepared.run
     store = run.open()
     attempt = uuid.uuid4().hex
@@ -96,6 +100,7 @@ def preview_clip(prepared: PreparedRun, model: ModelSpec, count: int, out_dir: s
         rates = read_rates(store)
         if measured:
             rates = StageRates(
+                command_head_s=round(head_s, 2),
                 ingest_s=ingested.seconds if ingested.computed else (rates.ingest_s if rates else 0.0),
                 model_s_per_frame=model_rate(measured),
                 segment_s_per_frame=segment_s_per_frame,
@@ -121,9 +126,10 @@ def model_rate(measured: list[tuple[float, int]]) -> float:
     computed as a run computes them, so work a run overlaps (two windows' decodes at once) is counted once.
 
     Not a rate from the windows after the first: two windows whose model work ran side by side end together, and
-    the second's few seconds say nothing of a run's pace, which is two windows at a time at most. A process's
-    one-time costs (the model's load, first calls) are spread over the frames measured; with one window there is no
-    overlap to see, and the rate is an upper bound."""
+    the second's few seconds say nothing of a run's pace, which is two windows at a time at most. The seconds in
+    which every model task was compiling kernels are already left out (`compile_stall`): a cold compile took half of
+    a one-window preview's window on an H100 (2026-12-06, bench/RESULTS.md), and the run after it compiles nothing.
+    With one window there is no overlap to see, and the rate is an upper bound."""
     return sum(seconds for seconds, _ in measured) / sum(frames for _, frames in measured)
 
 
@@ -148,12 +154,14 @@ def _windows(
 ) -> list[tuple[float, int]]:
     """The chosen windows' model work and blends, through the run's own scheduler and lanes (the same model slots,
     so as many tasks at once as the run computes); for each window this preview computed whole, in order, the
-    seconds from the previous one's end (or the start) to its own, and the frames it computed (`model_rate`)."""
+    seconds from the previous one's end (or the start) to its own, less the seconds its model work stood compiling
+    (`compile_stall`), and the frames it computed (`model_rate`)."""
     from prefect.context import FlowRunContext
 
     context = FlowRunContext.get()
     computed: dict[int, bool] = {window: True for window in chosen}
     ends: dict[int, float] = {}
+    work: list[ModelWork] = []
     error: Exception | None = None
     with lanes_for(context.task_runner if context else None) as lanes:
         model_slots, cpu_slots, rank = shared_queues(lanes)
@@ -163,7 +171,7 @@ def _windows(
 
         graph = preview_graph(plan, chosen, lanes.stream_blend, lanes.fuses(plan))
         scheduler = Scheduler(graph, start(lanes.model), start(lanes.cpu), model_slots, rank, cpu_slots)
-        started = time.perf_counter()
+        started = time.time()  # the wall clock: the model stages' spans come from other processes of this host
         for item, future in scheduler.run():
             try:
                 outcome: StageResult | list[StageResult] = future.result()
@@ -175,16 +183,46 @@ def _windows(
                 continue
             results = outcome if isinstance(outcome, list) else [outcome]
             computed[item.window] = computed[item.window] and all(result.computed for result in results)
+            work += [
+                ModelWork(start=r.started_at, end=r.started_at + r.seconds, compiling=r.compile_spans)
+                for r in results
+                if r.computed and r.started_at and item.stage != "blend"
+            ]
             if item.stage == "blend":
-                ends[item.window] = time.perf_counter() - started
+                ends[item.window] = time.time() - started
     if error is not None:
         raise error
     measured, previous = [], 0.0
     for window in sorted(ends, key=ends.__getitem__):
         if computed[window]:
-            measured.append((ends[window] - previous, plan.windows[window].padded))
+            stalled = compile_stall(work, started + previous, started + ends[window])
+            measured.append((ends[window] - previous - stalled, plan.windows[window].padded))
         previous = ends[window]
     return measured
+
+
+class ModelWork(BaseModel):
+    """One model stage's work as the preview saw it: its wall-clock span and the spans inside it that compiled."""
+
+    start: float
+    end: float
+    compiling: list[tuple[float, float]] = []
+
+
+def compile_stall(work: list[ModelWork], start: float, end: float) -> float:
+    """Seconds of [start, end) in which model work ran and all of it was compiling kernels (or waiting for another
+    thread's compile): what a run on this machine, its compile cache now warm, does not pay again. While one task
+    compiles and another computes, the compile costs the run nothing: the GPU is busy either way."""
+    points = sorted({start, end, *(t for w in work for t in (w.start, w.end, *(x for c in w.compiling for x in c)))})
+    stalled = 0.0
+    for a, b in zip(points, points[1:], strict=False):
+        if b <= start or a >= end:
+            continue
+        middle = (a + b) / 2
+        running = [w for w in work if w.start <= middle < w.end]
+        if running and all(any(c0 <= middle < c1 for c0, c1 in w.compiling) for w in running):
+            stalled += min(b, end) - max(a, start)
+    return stalled
 
 
 def _window_frames(store: RunStore, plan: ClipPlan, window: int) -> np.ndarray:

@@ -149,6 +149,8 @@ class CompileWatch:
         # beside another's first call would count that one's compiles as its own.
         self._compiling = 0
         self._begun = 0
+        # Whether each shape's first call here built kernels: a call that waited for it waited for a compile.
+        self._built: dict[str, bool] = {}
 
     def compiles(self, component: str, detail: str) -> bool:
         return (component, None) in self.watched or (component, detail) in self.watched
@@ -160,8 +162,11 @@ class CompileWatch:
             return
         key = shape_key(component, shape, detail)
         first_here, ended = self._first_call(key)
-        if not first_here:
+        if not first_here and not ended.is_set():
+            waited_from = time.time()
             ended.wait()
+            if self._built.get(key):
+                _note_compile_span(waited_from, time.time())
         with self._lock:
             busy, begun = self._compiling > first_here, self._begun
         announced = first_here and not _marker(self.root, key).exists()
@@ -174,13 +179,16 @@ class CompileWatch:
                 stacklevel=3,
             )
         before = CompileCounts.now()
-        started = time.perf_counter()
+        started, started_at = time.perf_counter(), time.time()
         try:
             yield
         finally:
+            done = CompileCounts.now() - before
             if first_here:
+                self._built[key] = done.built > 0
                 self._first_call_ended(ended)
-        done = CompileCounts.now() - before
+        if first_here and done.built:
+            _note_compile_span(started_at, time.time())
         with self._lock:
             alone = not busy and self._compiling == 0 and self._begun == begun
         if done.graphs:
@@ -224,6 +232,29 @@ class CompileWatch:
         with self._lock:
             self._compiling -= 1
         ended.set()  # a first call that failed frees the others too: the next one compiles
+
+
+_spans = threading.local()
+
+
+@contextmanager
+def compile_spans() -> Iterator[list[tuple[float, float]]]:
+    """The wall-clock spans (`time.time()`) in which this thread, inside the block, compiled kernels for a shape's
+    first call or waited for another thread's: one-time costs that a later process with a warm cache does not pay,
+    and that a measure of a stage's pace leaves out (`flows.preview`)."""
+    spans: list[tuple[float, float]] = []
+    outer = getattr(_spans, "into", None)
+    _spans.into = spans
+    try:
+        yield spans
+    finally:
+        _spans.into = outer
+
+
+def _note_compile_span(start: float, end: float) -> None:
+    into = getattr(_spans, "into", None)
+    if into is not None:
+        into.append((start, end))
 
 
 class CompileCounts(BaseModel):

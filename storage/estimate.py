@@ -58,6 +58,9 @@ RATES = "preview.json"  # in a run's folder: the rates its last preview measured
 class StageRates(BaseModel):
     """What a preview measured on this machine, per unit of work: what a run's time and disk are estimated from."""
 
+    # The command's head before its flow's work (imports, the Prefect server, the workers' start, the flow run):
+    # every command that runs the clip pays it again. 0 where no command's start was known (an HTTP job).
+    command_head_s: float = 0.0
     ingest_s: float  # the whole ingest (a scan of the source: about the same for any part of it)
     # A window's encode, denoise, decode and blend, per frame it computes (padded): wall seconds from the end of the
     # window before it, computed as a run schedules them (flows.preview), so work a run overlaps counts once.
@@ -79,17 +82,17 @@ class RunEstimate(BaseModel):
 
 
 def estimate_run(plan: ClipPlan, rates: StageRates, done: Mapping[str, Collection[str]] | None = None) -> RunEstimate:
-    """A run's time and disk from measured rates: its stages, one after another (a worker's CPU or GPU does them in
-    turn), so an upper bound where stages overlap on separate devices, plus what a process's first window costs
-    once; the mux copies streams and costs little. What is left leaves out the work `done` (the items recorded
-    done, by stage: `done_items`) holds: the ingest, each window's model work (whole once it is blended, else by
-    its tiles decoded) and the segments written."""
+    """A run's time and disk from measured rates: the command's head, then its stages, one after another (a worker's
+    CPU or GPU does them in turn), so an upper bound where stages overlap on separate devices, plus what a process's
+    first window costs once; the mux copies streams and costs little. What is left leaves out the work `done` (the
+    items recorded done, by stage: `done_items`) holds: the ingest, each window's model work (whole once it is
+    blended, else by its tiles decoded) and the segments written."""
     done = {stage: set(items) for stage, items in (done or {}).items()}
     computed = [window.padded for window in plan.windows]
     model = rates.model_s_per_frame * sum(computed)
     segments = rates.segment_s_per_frame * plan.num_frames
-    total = rates.ingest_s + rates.first_window_extra_s + model + segments
-    # What is done is not computed again; a new process still pays for its first window.
+    total = rates.command_head_s + rates.ingest_s + rates.first_window_extra_s + model + segments
+    # What is done is not computed again; a new command still pays its head, a new process its first window.
     saved = rates.ingest_s if "all" in done.get("ingest", ()) else 0.0
     for window in plan.windows:
         if {str(window.index)} & (done.get("blend", set()) | done.get("segment", set())):

@@ -17,6 +17,10 @@ class StageResult(BaseModel):
     window: int = 0
     # Seconds before its task returned that this stage's work ended: a task that runs several stages reports each.
     ends_before: float = 0.0
+    # A model stage's work: when it began (wall clock, `time.time()`, comparable across a host's processes), and the
+    # spans inside it that compiled kernels or waited for another thread's compile (`flows.preview` leaves them out).
+    started_at: float = 0.0
+    compile_spans: list[tuple[float, float]] = []
 
 
 class IngestResult(StageResult):

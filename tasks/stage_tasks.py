@@ -148,16 +148,19 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
         _array(plan, "latent", window), (window,), stage="encode"
     ):
         return StageResult(stage="encode", item=str(window), computed=False, window=window)
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     manifest = store.read_manifest()
-    if manifest.latent_fps is not None:
-        latent = _given_latent(_bundle(model, plan), manifest, store.source_file(manifest))
-    else:
-        pts = _require(store.get("frame_pts", stage="ingest"), run, "the source's frame index")
-        span = plan.windows[window]
-        # From the store's copy in an object store: a worker on another host cannot see the client's disk.
-        frames = media.read_frames(store.source_file(manifest), plan.source_indices(span), pts if len(pts) else None)
-        latent = _networks().encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
+    with _compile_spans() as compiling:
+        if manifest.latent_fps is not None:
+            latent = _given_latent(_bundle(model, plan), manifest, store.source_file(manifest))
+        else:
+            pts = _require(store.get("frame_pts", stage="ingest"), run, "the source's frame index")
+            span = plan.windows[window]
+            # From the store's copy in an object store: a worker on another host cannot see the client's disk.
+            frames = media.read_frames(
+                store.source_file(manifest), plan.source_indices(span), pts if len(pts) else None
+            )
+            latent = _networks().encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started
     store.put_tile(
         _array(plan, "latent", window),
@@ -168,7 +171,25 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
         seconds=seconds,
         attempt=attempt,
     )
-    return StageResult(stage="encode", item=str(window), computed=True, seconds=seconds, window=window)
+    return StageResult(
+        stage="encode",
+        item=str(window),
+        computed=True,
+        seconds=seconds,
+        window=window,
+        started_at=started_at,
+        compile_spans=compiling,
+    )
+
+
+@contextmanager
+def _compile_spans() -> Iterator[list[tuple[float, float]]]:
+    """The spans in which the block compiled kernels (`k6vsr_core.compile_cache.compile_spans`), imported where a
+    model stage computes."""
+    from k6vsr_core.compile_cache import compile_spans
+
+    with compile_spans() as spans:
+        yield spans
 
 
 def _given_latent(bundle: ModelBundle, manifest: RunManifest, path: Path) -> torch.Tensor:
@@ -200,7 +221,7 @@ def denoise(
     )
     if done:
         return StageResult(stage="denoise", item=str(chunk_index), computed=False, tiles=chunk.tiles, window=window)
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     latent = _require(
         store.get_tile(_array(plan, "latent", window), (window,), stage="encode"), run, f"the latent of window {window}"
     )
@@ -211,7 +232,8 @@ def denoise(
         calls += 1
 
     lr_tiles = stages.cut_tiles(torch.from_numpy(latent), plan, chunk.tiles)
-    denoised = _networks().denoise_chunk(_bundle(model, plan), lr_tiles, chunk, plan, count)
+    with _compile_spans() as compiling:
+        denoised = _networks().denoise_chunk(_bundle(model, plan), lr_tiles, chunk, plan, count)
     seconds = time.perf_counter() - started
     for index, tile in zip(chunk.tiles, denoised, strict=True):
         store.put_tile(
@@ -231,6 +253,8 @@ def denoise(
         dit_calls=calls,
         tiles=chunk.tiles,
         window=window,
+        started_at=started_at,
+        compile_spans=compiling,
     )
 
 
@@ -244,19 +268,29 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
     key = (window, tile)
     if window_blended(store, plan, window) or store.tile_done(_array(plan, "tiles", window), key, stage="decode"):
         return StageResult(stage="decode", item=str(tile), computed=False, tiles=(tile,), window=window)
-    started = time.perf_counter()
+    started, started_at = time.perf_counter(), time.time()
     latent = _require(
         store.get_tile(_array(plan, "tile_latents", window), key, stage="denoise"),
         run,
         f"the denoised latent of window {window} tile {tile}",
     )
-    pixels = _networks().decode_tile(_bundle(model, plan), torch.from_numpy(latent))
+    with _compile_spans() as compiling:
+        pixels = _networks().decode_tile(_bundle(model, plan), torch.from_numpy(latent))
     seconds = time.perf_counter() - started
     counts = (plan.num_windows, plan.num_tiles)
     store.put_tile(
         _array(plan, "tiles", window), key, counts, pixels.numpy(), stage="decode", seconds=seconds, attempt=attempt
     )
-    return StageResult(stage="decode", item=str(tile), computed=True, seconds=seconds, tiles=(tile,), window=window)
+    return StageResult(
+        stage="decode",
+        item=str(tile),
+        computed=True,
+        seconds=seconds,
+        tiles=(tile,),
+        window=window,
+        started_at=started_at,
+        compile_spans=compiling,
+    )
 
 
 @task(name="denoise-decode", task_run_name="denoise-decode-window-{window}-tiles-{tiles_label}", **STAGE_TASK)

@@ -178,3 +178,56 @@ def test_a_shape_called_while_another_thread_compiles_it_compiles_once(tmp_path:
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"frames": 1, "unforeseen": []}
+
+
+def test_a_first_call_that_built_kernels_and_the_waits_for_it_are_compile_spans(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What `flows.preview` leaves out of a pace: a first call that built kernels, and another thread's wait for
+    it; not a later call, nor a first call whose kernels all came from the cache."""
+    import threading
+
+    built = {"n": 0}
+    monkeypatch.setattr(
+        compile_cache.CompileCounts, "now", classmethod(lambda cls: cls(graphs=built["n"], built=built["n"], loaded=0))
+    )
+    monkeypatch.setattr(compile_cache, "save_process_artifacts", lambda root: None)
+    compiling, waiting = threading.Event(), threading.Event()
+    watch = compile_cache.CompileWatch(tmp_path, {("DiT", None)}, "about 3 minutes")
+    spans: dict[str, list[tuple[float, float]]] = {}
+
+    def first() -> None:
+        with compile_cache.compile_spans() as mine, watch("DiT", (8,), "dense"):
+            compiling.set()
+            assert waiting.wait(30)
+            built["n"] += 1
+        spans["first"] = mine
+
+    def second() -> None:
+        assert compiling.wait(30)
+        (ended,) = watch._first_ended.values()
+        plain_wait = ended.wait
+
+        def wait(timeout: float | None = None) -> bool:
+            waiting.set()  # this call waits for the first one: that one may end now
+            return plain_wait(timeout)
+
+        ended.wait = wait  # type: ignore[method-assign]
+        with compile_cache.compile_spans() as mine, watch("DiT", (8,), "dense"):
+            pass
+        spans["second"] = mine
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", compile_cache.CompileNotice)
+        threads = [threading.Thread(target=first), threading.Thread(target=second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        with compile_cache.compile_spans() as later, watch("DiT", (8,), "dense"):
+            pass
+        with compile_cache.compile_spans() as cached, watch("DiT", (16,), "dense"):
+            pass  # graphs traced, none built: the cache held them
+    assert len(spans["first"]) == 1 and spans["first"][0][0] <= spans["first"][0][1]
+    assert len(spans["second"]) == 1 and spans["second"][0][1] >= spans["first"][0][1] - 1e-3
+    assert later == [] and cached == []

@@ -3,6 +3,7 @@ writes and the estimate it makes."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import av
@@ -21,6 +22,7 @@ from storage import RunStore
 from storage.estimate import StageRates, estimate_run, read_rates
 
 SCENES = UpscaleParams(scale=2, windows="scenes")
+IMPORTED_AT = time.time()
 
 
 def test_representative_windows_spread_over_the_clip_or_one_per_shot() -> None:
@@ -56,6 +58,10 @@ def test_the_estimate_adds_the_stages_up_by_their_units() -> None:
     first = estimate_run(plan, rates.model_copy(update={"first_window_extra_s": 30.0}), {"blend": ["0"]})
     assert first.seconds == pytest.approx(estimate.seconds + 30, abs=0.05)
     assert first.seconds_left == pytest.approx(first.seconds - 0.1 * 121, abs=0.1)
+    # The command's head (imports, the server, the workers) is paid by every command that runs the clip.
+    head = estimate_run(plan, rates.model_copy(update={"command_head_s": 20.0}), done)
+    assert head.seconds == pytest.approx(estimate.seconds + 20, abs=0.05)
+    assert head.seconds_left == pytest.approx(estimate_run(plan, rates, done).seconds_left + 20, abs=0.05)
 
 
 def test_the_preview_runs_the_chosen_windows_as_a_run_schedules_them() -> None:
@@ -104,6 +110,33 @@ def test_the_rate_is_the_previews_wall_clock_over_the_frames_it_computed() -> No
     assert model_rate([(150.0, 121), (60.5, 121), (30.0, 57)]) == pytest.approx(240.5 / 299)
 
 
+def test_the_pace_leaves_out_the_seconds_every_model_task_stood_compiling() -> None:
+    """A cold compile took half of a one-window preview's window on an H100 (2026-12-06): the run after it, its
+    cache warm, compiles nothing. Compiling while another task computes costs the run nothing (the GPU is busy)."""
+    from flows.preview import ModelWork, compile_stall
+
+    work = [
+        ModelWork(start=0, end=10),  # the encode, no compile
+        ModelWork(start=10, end=50, compiling=[(10, 45)]),  # the first denoise compiles the DiT
+        ModelWork(start=12, end=46, compiling=[(12, 45)]),  # a second one waits for that compile
+        ModelWork(start=50, end=60),
+        ModelWork(start=55, end=100, compiling=[(55, 90)]),  # the first decode compiles beside a denoise
+    ]
+    # 10-45: both running tasks compile (35 s); 55-60: a denoise computes beside the compile; 60-90: only the
+    # compile runs (30 s); 100-110 nothing runs (the blend's tail): kept.
+    assert compile_stall(work, 0, 110) == pytest.approx(65)
+    assert compile_stall(work, 20, 70) == pytest.approx(25 + 10)
+    assert compile_stall(work[:1] + work[3:4], 0, 110) == 0
+    assert compile_stall([], 0, 10) == 0
+
+
+def test_the_commands_head_counts_from_its_process_start() -> None:
+    """`k6vsr preview` hands its flow the process's start: the imports before any of its code ran count too."""
+    from entrypoints.cli import _command_started
+
+    assert _command_started() < IMPORTED_AT <= time.time()
+
+
 def test_the_preview_count_and_the_window_mode_are_two_flags() -> None:
     args = build_parser().parse_args(["preview", "in.mp4", "--windows", "2", "--window-mode", "scenes"])
     assert (args.preview_windows, args.windows) == (2, "scenes")
@@ -130,7 +163,10 @@ def test_a_preview_is_reused_by_the_whole_run(
     prepared = prepare_run(three_shots, SCENES, model, store)
     assert prepared.plan.cuts == (15, 30) and prepared.plan.num_windows == 3
     with prefect_api():
-        state = preview_clip(prepared=prepared, model=model, count=2, out_dir=str(tmp_path), return_state=True)
+        asked = time.time() - 7.0  # as if the command had begun 7 s before: its imports, the server
+        state = preview_clip(
+            prepared=prepared, model=model, count=2, out_dir=str(tmp_path), command_started=asked, return_state=True
+        )
         preview = state.result()
         from prefect.client.orchestration import get_client
 
@@ -144,6 +180,7 @@ def test_a_preview_is_reused_by_the_whole_run(
     assert np.asarray(Image.open(preview.contact_sheet)).shape == (256, 256, 3)
     # Measured rates, kept in the store, and an estimate from them.
     assert preview.rates is not None and preview.rates.windows_measured == 2 and preview.rates.model_s_per_frame > 0
+    assert preview.rates.command_head_s >= 7.0  # paid again by the run's own command: in the estimate
     assert read_rates(RunStore(store, prepared.run.run_key)) == preview.rates
     estimate = preview.estimate
     assert estimate is not None and 0 < estimate.seconds_left < estimate.seconds
