@@ -2,7 +2,8 @@
 the places of the queue and the upload slots are shared, each key's share shrinking as more keys wait.
 
 The rule on its own (`entrypoints.server.fair`), then the runner's admission, then the app in this process without
-its job runner (jobs are queued, never run; a test takes them off the queue as a worker does).
+its job runner (jobs are queued, never run; a test takes them off the queue as a worker does), and last a real
+`k6vsr serve` whose worker runs them.
 """
 
 from __future__ import annotations
@@ -297,3 +298,37 @@ def test_a_cancelled_job_gives_back_its_place_and_its_turn(app_and_clip) -> None
     again = post(client, clip, KEY_A, seed=9)
     assert again.status_code == 200, again.text
     assert drain(runner.queue) == [ids[0], *ids[2:], again.json()["id"]]
+
+
+# ---------------------------------------------------------------------------------------- a real server
+
+
+def test_a_served_key_with_one_job_runs_second(tmp_path: Path, tiny_bundle_path: Path, prefect_server: str) -> None:
+    """`k6vsr serve` with one worker: key A queues four jobs, key B one; the worker starts B's second (the order
+    the server's log records the starts in)."""
+    import re
+
+    from http_harness import Server
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    clip = make_sample_clip(allowed / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
+    args = ["--allow-path", str(allowed), "--api-key", KEY_A, "--api-key", KEY_B]
+    server = Server(tmp_path, tmp_path / "store", tiny_bundle_path, "fair", args, KEY_A).start()
+    try:
+        a = []
+        for seed in range(4):
+            response = server.post_json(video_path=str(clip), sr_resolution_scale=2, seed=seed)
+            assert response.status_code == 200, response.text
+            a.append(response.json()["id"])
+        with server.as_key(KEY_B) as b_client:
+            response = b_client.post("/v1/videos", json={"video_path": str(clip), "sr_resolution_scale": 2, "seed": 9})
+            assert response.status_code == 200, response.text
+            b = response.json()["id"]
+            for job_id in a:
+                assert server.wait(job_id)["status"] == "completed", server.log()
+            assert b_client.get(f"/v1/videos/{b}").json()["status"] == "completed"
+        started = re.findall(r"job (video_[\w-]+) started on worker 0", server.log_path.read_text())
+        assert started == [a[0], b, *a[1:]], server.log()
+    finally:
+        server.stop()

@@ -127,6 +127,7 @@ class WorkerSlot:
             if found is None:  # a job resumed after a restart keeps the count of its first start
                 found = _tiles_decoded(store.run_root, job.run_key)
             store.update(job_id, status=IN_PROGRESS, started_at=int(time.time()), tiles_found=found)
+        log.info("job %s started on worker %d", job_id, self.index)
         if not self._alive():
             self._spawn()
         assert self.process is not None and self.process.stdin is not None and self.process.stdout is not None
