@@ -95,7 +95,6 @@ class JobRunner:
         self.max_queued = max_queued
         self.retention_s = retention_s
         self.uploads_per_key = uploads_per_key or max(1, max_queued // 2)
-        self.queued_per_key = queued_per_key
         self.places = FairShare(max_queued, cap=queued_per_key)
         self.upload_slots = FairShare(max_queued, cap=self.uploads_per_key)
         self.finished_quota_bytes = finished_quota_bytes
