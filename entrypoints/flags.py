@@ -161,13 +161,14 @@ SERVE_LIMITS: tuple[tuple[str, type, float | None, str], ...] = (
         int,
         4,
         "request bodies one key (without keys: one client address) may send at once, at most half of --max-queued "
-        "(a larger value is lowered to it), then 429",
+        "(a larger value is lowered to it) and less while other keys send (their share of it), then 429",
     ),
     (
         "--max-queued-per-key",
         int,
-        8,
-        "queue places one key may hold, its waiting jobs and its requests being read together, then 429",
+        None,
+        "queue places one key may hold, its waiting jobs and its requests being read together, whatever its share "
+        "(default: none; a key's share is --max-queued divided by the keys waiting, all of it when alone), then 429",
     ),
     ("--retention-hours", float, 24, "finished jobs, their files and runs are deleted this long after they finished"),
     (

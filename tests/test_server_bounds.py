@@ -562,35 +562,6 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
             prefect_server.stop_server(home)
 
 
-def test_one_key_holds_at_most_its_share_of_the_queue(tmp_path: Path) -> None:
-    """A key submitting many quick jobs fills its share, not the queue: the next of its requests gets 429
-    `key_queue_full` while another key is still admitted; a job taken by a worker frees its place."""
-    from entrypoints.cli import build_parser
-    from entrypoints.http_api import config_from
-    from entrypoints.server.records import JobStore, KeyQueueFull, QueueFull, UploadsBusy
-    from entrypoints.server.runner import JobRunner
-
-    store = JobStore(tmp_path, input_quota_bytes=1 << 20)
-    runner = JobRunner(store, ModelSpec(model="unused"), workers=1, max_queued=5, retention_s=60, queued_per_key=3)
-    for job_id in ("a1", "a2"):
-        runner.submit(job_id, "key-a")
-    with runner.admission("key-a"):  # its third place: a request being read
-        with pytest.raises(KeyQueueFull), runner.admission("key-a"):
-            pass
-        with runner.admission("key-b"):
-            # Two keys send: a third must find a slot, so key-b's share is 5 // 3 = 1.
-            with pytest.raises(UploadsBusy), runner.admission("key-b"):
-                pass
-            with runner.admission("key-c"):
-                with pytest.raises(QueueFull), runner.admission("key-d"):  # 2 waiting + 3 being read: full
-                    pass
-    runner.waiting.pop("a1")  # what a worker does when it takes the job
-    with runner.admission("key-a"):
-        pass
-    flags = ["serve", "--max-queued-per-key", "2"]
-    assert config_from(build_parser().parse_args(flags), tmp_path, "m").limits.queued_per_key == 2
-
-
 # ---------------------------------------------------------------------------------------- memory, pages, fairness
 
 

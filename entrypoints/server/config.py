@@ -30,7 +30,7 @@ class Limits:
     min_upload_bytes_per_s: float = 8 << 10
     upload_rate_window_s: float = 30.0
     uploads_per_key: int | None = None  # --max-uploads-per-key: request bodies one key sends at once (None: any)
-    queued_per_key: int | None = None  # --max-queued-per-key: queue places one key holds (None: all)
+    queued_per_key: int | None = None  # --max-queued-per-key: queue places one key holds (None: its share only)
     finished_quota_bytes: int | None = None  # --finished-quota-mb: disk finished jobs may keep (None: no budget)
     finished_per_key: int | None = None  # --max-finished-per-key: finished job records one key keeps (None: any)
     memory_budget_bytes: int | None = None  # --memory-budget-mb: host memory of the server and its jobs (None: any)
@@ -156,7 +156,9 @@ def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Pa
         min_upload_bytes_per_s=_at_least(args.min_upload_kb_s, 0, "--min-upload-kb-s") * 1024,
         upload_rate_window_s=_at_least(args.upload_rate_window_s, 0.1, "--upload-rate-window-s"),
         uploads_per_key=uploads_per_key,
-        queued_per_key=int(_at_least(args.max_queued_per_key, 1, "--max-queued-per-key")),
+        queued_per_key=None
+        if args.max_queued_per_key is None
+        else int(_at_least(args.max_queued_per_key, 1, "--max-queued-per-key")),
         finished_quota_bytes=int(_at_least(args.finished_quota_mb, 0, "--finished-quota-mb")) << 20,
         finished_per_key=int(_at_least(args.max_finished_per_key, 1, "--max-finished-per-key")),
         memory_budget_bytes=memory_budget(args.memory_budget_mb),

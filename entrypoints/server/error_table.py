@@ -23,16 +23,20 @@ def user_answer(err: UserFacingError) -> tuple[int, str]:
     return next((status, code) for kind, status, code in USER_ERROR_STATUS if isinstance(err, kind))
 
 
-# A limit the server is at, answered 429 with Retry-After: the message (`{limit}` filled in) and the code of each.
+# A limit the server is at, answered 429 with Retry-After: the message (`{limit}`, and `{why}` for a key's share,
+# filled in) and the code of each.
 BUSY_ANSWERS: dict[type[Exception], tuple[str, str]] = {
-    QueueFull: ("the queue is full ({limit} jobs waiting, --max-queued); retry later", "queue_full"),
+    QueueFull: (
+        "the queue is full ({limit} places, --max-queued, each taken within its key's share); retry later",
+        "queue_full",
+    ),
     KeyQueueFull: (
-        "this key already has {limit} jobs queued or being sent (--max-queued-per-key); retry once one runs",
+        "this key (or client address) already holds {limit} places of the queue, jobs queued or being sent: {why}; "
+        "retry once one of its jobs runs",
         "key_queue_full",
     ),
     UploadsBusy: (
-        "this key (or client address) is already sending {limit} request(s), its share of the upload slots "
-        "(--max-uploads-per-key, less while other keys send); retry once one is done",
+        "this key (or client address) is already sending {limit} request(s): {why}; retry once one is done",
         "too_many_uploads",
     ),
     InputQuotaFull: (

@@ -110,7 +110,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def busy(_: Request, err: Exception) -> JSONResponse:
         template, code = next(answer for kind, answer in BUSY_ANSWERS.items() if isinstance(err, kind))
-        return error_response(429, template.format(limit=getattr(err, "limit", "?")), code=code, headers=retry)
+        message = template.format(limit=getattr(err, "limit", "?"), why=getattr(err, "why", ""))
+        return error_response(429, message, code=code, headers=retry)
 
     for kind in BUSY_ANSWERS:
         app.add_exception_handler(kind, busy)

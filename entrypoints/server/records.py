@@ -141,19 +141,32 @@ class InputQuotaFull(Exception):
 
 
 class KeyQueueFull(Exception):
-    """One key already holds its share of the queue: jobs of its waiting plus its requests being read."""
+    """One key already holds its share of the queue: jobs of its waiting plus its requests being read. `holders`:
+    the keys holding places, this one counted; `capped`: its share is --max-queued-per-key's."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, holders: int = 1, capped: bool = True) -> None:
         super().__init__(f"this key already has {limit} jobs queued or being sent")
-        self.limit = limit
+        self.limit, self.holders, self.capped = limit, holders, capped
+
+    @property
+    def why(self) -> str:
+        if self.capped:
+            return "its limit (--max-queued-per-key)"
+        return f"its share of the queue (--max-queued) while {self.holders} keys or client addresses wait"
 
 
 class UploadsBusy(Exception):
-    """One key already sends as many request bodies as its share of the admission slots."""
+    """One key already sends as many request bodies as its share of the upload slots (see `KeyQueueFull`)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, holders: int = 1, capped: bool = True) -> None:
         super().__init__(f"this key already sends {limit} requests")
-        self.limit = limit
+        self.limit, self.holders, self.capped = limit, holders, capped
+
+    @property
+    def why(self) -> str:
+        if self.capped:
+            return "its limit (--max-uploads-per-key)"
+        return f"its share of the upload slots (--max-queued) while {self.holders} keys or client addresses send"
 
 
 class InputQuota:

@@ -12,7 +12,8 @@ first, so Prefect marks the flow run as crashed, then SIGKILL after a grace peri
 stays recorded in the run store. The slot then starts a fresh child. The child dies with its parent (Linux
 `PR_SET_PDEATHSIG`, and EOF on its pipe elsewhere), so a killed server leaves no orphan computing on its own.
 
-What jobs may hold is bounded: at most `max_queued` jobs wait; the inputs on disk (uploads, and the copies of path
+What jobs may hold is bounded: at most `max_queued` jobs wait (up to twice that while keys share them, see
+`entrypoints.server.fair`); the inputs on disk (uploads, and the copies of path
 sources) are charged to a quota as they are written and freed as soon as a job no longer needs them (once it ran,
 or at once when it is cancelled); a cancelled or deleted job's run is reclaimed from the run store unless another
 job still refers to it; and finished jobs are deleted `retention_s` after they finished, or sooner, oldest first,
@@ -21,7 +22,7 @@ plans the job's own input again, once), so records, and what the child is handed
 
 Why not a deployment of the clip flow, run with `run_deployment` on a work pool whose concurrency is the slots: a
 Prefect process worker starts a new process per flow run, which would load the model for every job, where a slot's
-child loads it once; and the per-key queue share, the upload slots, the input quota and the retention of finished
+child loads it once; the per-key queue share, the upload slots, the input quota and the retention of finished
 jobs are the HTTP API's own bounds, which a work pool does not have. Cancelling still ends in Prefect's terms: the
 SIGTERM lets the flow run be marked crashed.
 """
@@ -29,7 +30,6 @@ SIGTERM lets the flow run be marked crashed.
 from __future__ import annotations
 
 import logging
-import queue
 import signal
 import threading
 import time
@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from entrypoints.confine import scrub_paths
+from entrypoints.server.fair import FairQueue, FairShare, OverShare, PoolFull
 from entrypoints.server.memory import MemoryLedger, own_rss, tree_rss
 from entrypoints.server.records import (
     ACTIVE,
@@ -65,15 +66,16 @@ DISK_RETRY_S = 1.0
 
 
 class JobRunner:
-    """The queue and its worker slots (`workers` jobs run at once; default 1, so jobs run in order), and the janitor
-    that deletes finished jobs `retention_s` after they finished, or sooner, oldest first, while finished jobs keep
-    more than `finished_quota_bytes` on disk.
+    """The queue and its worker slots (`workers` jobs run at once; default 1), and the janitor that deletes finished
+    jobs `retention_s` after they finished, or sooner, oldest first, while finished jobs keep more than
+    `finished_quota_bytes` on disk.
 
-    A request being read holds one of the `max_queued` admission slots; one key holds at most `uploads_per_key` of
-    them at once, and less while other keys send (`admission`), so keys whose uploads stall (until their deadline)
-    never leave another key without a slot. And
-    one key holds at most `queued_per_key` places of the queue, its waiting jobs and its requests being read
-    together, so a key that submits many quick jobs never fills the queue for the others."""
+    Keys (without keys: client addresses) share what they wait for (`entrypoints.server.fair`): the workers take
+    jobs in turns across keys, so one key's backlog never holds back another key's job; the `max_queued` places of
+    the queue (waiting jobs and requests being read) and the upload slots among them are shared by the keys that
+    hold any, each key's share shrinking as more keys wait (`admission`), so a key that submits many quick jobs or
+    whose uploads stall never leaves another key without its share. One key holds at most `uploads_per_key`
+    uploads, and `queued_per_key` places, whatever its share."""
 
     def __init__(
         self,
@@ -93,17 +95,17 @@ class JobRunner:
         self.max_queued = max_queued
         self.retention_s = retention_s
         self.uploads_per_key = uploads_per_key or max(1, max_queued // 2)
-        self.queued_per_key = queued_per_key or max_queued
+        self.places = FairShare(max_queued, cap=queued_per_key)
+        self.upload_slots = FairShare(max_queued, cap=self.uploads_per_key)
         self.finished_quota_bytes = finished_quota_bytes
         self.finished_per_key = finished_per_key
-        self.queue: queue.Queue[str | None] = queue.Queue()
-        self.waiting: dict[str, str | None] = {}  # queued jobs no worker has taken yet, and their owners (store.lock)
+        self.queue = FairQueue()  # queued jobs no worker has taken yet, by owner
         self._admitting: dict[str | None, int] = {}  # requests being read that will queue a job, by key
         # Deletions (a client's DELETE, the janitor's expiry) one at a time: two at once would race to remove the
         # same run's files, and the second must find the job gone (404), not half-removed.
         self._deleting = threading.RLock()
         self.stopping = threading.Event()
-        context = SlotContext(spec, store, self.queue, self.waiting, self.stopping, self.scrub, self.settle)
+        context = SlotContext(spec, store, self.queue, self.stopping, self.scrub, self.settle)
         self.slots = [WorkerSlot(context, i) for i in range(max(1, workers))]
         self.janitor = threading.Thread(target=self._janitor_loop, name="k6vsr-job-janitor", daemon=True)
         self.memory = MemoryLedger(memory_budget, server_bytes=own_rss()) if memory_budget is not None else None
@@ -131,24 +133,32 @@ class JobRunner:
 
     @contextmanager
     def admission(self, owner: str | None = None) -> Iterator[None]:
-        """Hold a place in the queue while a request of `owner` (a key's id, or a client address's; None: anyone)
-        is read: `QueueFull` when `max_queued` jobs already wait, `UploadsBusy` or `KeyQueueFull` when the key
-        already holds its share of the requests being read or of the queue.
+        """Hold a place in the queue and an upload slot while a request of `owner` (a key's id, or a client
+        address's) is read: `KeyQueueFull` or `UploadsBusy` when the key already holds its share of the queue
+        (its waiting jobs and its requests being read) or of the upload slots, `QueueFull` when every place is
+        taken within its holder's share.
 
-        Its share of the requests being read is `uploads_per_key` at most, and less while other keys send: at most
-        `max_queued // (senders + 1)`, the senders counting it, so that one more key always finds a slot free. Keys
-        whose uploads stall (until their deadline) thus never take every slot, however many of them there are
-        (short of more keys than slots)."""
+        A share is `max_queued` divided by the keys that hold any (this one counted), and at most
+        `queued_per_key` places or `uploads_per_key` uploads: a lone key may fill the queue, and a key arriving
+        at a queue the others fill still gets its share (`FairShare`), the others taking no more until theirs
+        are below theirs. Keys whose uploads stall are cut off by the body deadlines (`bodies`)."""
         with self.store.lock:
-            if len(self.waiting) + sum(self._admitting.values()) >= self.max_queued:
-                raise QueueFull(self.max_queued)
-            senders = len(self._admitting.keys() - {owner}) + 1
-            share = min(self.uploads_per_key, max(1, self.max_queued // (senders + 1)))
-            if owner is not None and self._admitting.get(owner, 0) >= share:
-                raise UploadsBusy(share)
-            held = self._admitting.get(owner, 0) + sum(1 for who in self.waiting.values() if who == owner)
-            if owner is not None and held >= self.queued_per_key:
-                raise KeyQueueFull(self.queued_per_key)
+            places = self.queue.counts()
+            for who, count in self._admitting.items():
+                places[who] = places.get(who, 0) + count
+            # Uploads first: a key whose places are all uploads still being sent is told so.
+            try:
+                self.upload_slots.check(self._admitting, owner)
+            except OverShare as over:
+                raise UploadsBusy(over.share, over.holders, over.capped) from None
+            except PoolFull:
+                raise QueueFull(self.max_queued) from None
+            try:
+                self.places.check(places, owner)
+            except OverShare as over:
+                raise KeyQueueFull(over.share, over.holders, over.capped) from None
+            except PoolFull:
+                raise QueueFull(self.max_queued) from None
             self._admitting[owner] = self._admitting.get(owner, 0) + 1
         try:
             yield
@@ -159,9 +169,8 @@ class JobRunner:
                     del self._admitting[owner]
 
     def submit(self, job_id: str, owner: str | None) -> None:
-        with self.store.lock:
-            self.waiting[job_id] = owner
-        self.queue.put(job_id)
+        """Queue a job of `owner`; the workers take it in its owner's turn (`FairQueue`)."""
+        self.queue.put(job_id, owner)
 
     def cancel(self, job_id: str) -> JobRecord | None:
         """Mark a queued or running job cancelled; a running one's child process is terminated (and its slot
@@ -171,7 +180,7 @@ class JobRunner:
             if job is None or job.status not in ACTIVE:
                 return job
             job = self.store.update(job_id, status=CANCELLED, completed_at=int(time.time()))
-            self.waiting.pop(job_id, None)
+            self.queue.remove(job_id)
             slot = next((slot for slot in self.slots if slot.current == job_id), None)
         if slot is not None:
             slot.terminate()
@@ -321,8 +330,7 @@ class JobRunner:
     def stop(self) -> None:
         """Stop taking jobs and stop the children; running jobs stay `in_progress` and resume on the next start."""
         self.stopping.set()
-        for _ in self.slots:
-            self.queue.put(None)
+        self.queue.close()
         for slot in self.slots:
             slot.terminate()
         for slot in self.slots:

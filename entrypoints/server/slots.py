@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from entrypoints.server.disk import DISK_FULL_MESSAGE, is_disk_full
+from entrypoints.server.fair import FairQueue
 from entrypoints.server.messages import short_message
 from entrypoints.server.records import (
     ACTIVE,
@@ -44,13 +44,12 @@ TERMINATE_GRACE_S = 3.0
 @dataclass(frozen=True)
 class SlotContext:
     """What a worker slot works with, handed over by its runner: the model its child loads, the job records, the
-    queue it takes jobs from and the jobs no slot has taken yet, the server's stop, and how a finished job's
-    message is scrubbed and its input and run settled."""
+    queue it takes jobs from (in turns across keys), the server's stop, and how a finished job's message is
+    scrubbed and its input and run settled."""
 
     spec: ModelSpec
     store: JobStore
-    queue: queue.Queue[str | None]
-    waiting: dict[str, str | None]
+    queue: FairQueue
     stopping: threading.Event
     scrub: Callable[[str, str], str]
     settle: Callable[[str], None]
@@ -120,7 +119,6 @@ class WorkerSlot:
     def _run(self, job_id: str) -> None:
         store = self.context.store
         with store.lock:
-            self.context.waiting.pop(job_id, None)
             job = store.get(job_id)
             if job is None or job.status != QUEUED:
                 return  # cancelled or deleted while it waited
@@ -129,6 +127,7 @@ class WorkerSlot:
             if found is None:  # a job resumed after a restart keeps the count of its first start
                 found = _tiles_decoded(store.run_root, job.run_key)
             store.update(job_id, status=IN_PROGRESS, started_at=int(time.time()), tiles_found=found)
+        log.info("job %s started on worker %d", job_id, self.index)
         if not self._alive():
             self._spawn()
         assert self.process is not None and self.process.stdin is not None and self.process.stdout is not None
