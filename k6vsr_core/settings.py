@@ -13,9 +13,10 @@ names and readers.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from pydantic import Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from k6vsr_core.errors import ParameterError
@@ -122,8 +123,16 @@ def read(group: type[Group]) -> Group:
         problems = []
         for error in err.errors():
             field = str(error["loc"][0]) if error["loc"] else "?"
-            problems.append(f"{env_name(field)}={error.get('input')!r}: {error['msg']}")
+            problems.append(f"{env_name(field)}={error.get('input')!r}{_problem(group, field, error)}")
         raise SettingsError("; ".join(problems)) from None
+
+
+def _problem(group: type[_Group], field: str, error: ErrorDetails) -> str:
+    """The words after the value: a choice lists its words as the command's flags do."""
+    info = group.model_fields.get(field)
+    if error["type"] == "literal_error" and info is not None and get_origin(info.annotation) is Literal:
+        return " must be one of " + ", ".join(str(word) for word in get_args(info.annotation))
+    return ": " + error["msg"]
 
 
 def child_env(**values: Any) -> dict[str, str]:

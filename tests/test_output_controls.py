@@ -194,6 +194,27 @@ def test_ffv1_segments_join_losslessly(frames: np.ndarray, tmp_path: Path) -> No
     assert np.array_equal(_decode(tmp_path / "out.mkv"), frames)
 
 
+@pytest.mark.parametrize("lengths", [(1, 14), (14, 1), (1, 13, 2)])
+def test_h264_segments_of_different_b_frame_delays_join_with_every_frame_on_time(
+    lengths: tuple[int, ...], tmp_path: Path
+) -> None:
+    """A one-frame segment has no B-frame delay and a long one has two frames of it: joined as they come, the long
+    one's first dts would step back and the muxer would rewrite the timing (the header said 5.000 s for 5.083 s)."""
+    frames = np.random.default_rng(5).integers(0, 256, (sum(lengths), 32, 32, 3), dtype=np.uint8)
+    segments, start = [], 0
+    for index, length in enumerate(lengths):
+        segments.append(str(tmp_path / f"{index}.mp4"))
+        media.write_segment(segments[-1], frames[start : start + length], 24, VideoEncoding())
+        start += length
+    out = tmp_path / "out.mp4"
+    media.concat_segments(segments, out, 24, None, len(frames), 0, VideoEncoding())
+    media.check_output(out, media.planned_output(VideoEncoding(), len(frames), 24, (32, 32), 0))
+    with av.open(str(out)) as container:
+        video = container.streams.video[0]
+        times = sorted(float(frame.pts * video.time_base) for frame in container.decode(video))
+    assert times == pytest.approx([i / 24 for i in range(len(frames))])
+
+
 def test_flow_and_runner_agree_on_ffv1_with_original_audio_and_it_holds_the_blended_frames_exactly(
     tiny_bundle: ModelBundle, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path
 ) -> None:

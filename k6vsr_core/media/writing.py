@@ -252,8 +252,9 @@ def concat_segments(
             carried = SourceStreams(original, out, num_frames * frame_base) if original is not None else None
             offset = 0
             sent = 0
+            delay = max(_decode_delay(segment, frame_base) for segment in segments)
             for segment in segments:
-                offset += _copy_segment(out, video, segment, offset, frame_base)
+                offset += _copy_segment(out, video, segment, offset, frame_base, delay)
                 if sound is not None and audio is not None:
                     upto = min(limit, len(audio), round(offset / fps * AUDIO_SAMPLE_RATE))
                     sent = _encode_audio(out, sound, audio, sent, upto)
@@ -268,19 +269,43 @@ def concat_segments(
         raise MediaError(path, f"the segments hold {offset} frames, expected {num_frames}")
 
 
-def _copy_segment(
-    out: av.container.OutputContainer, video: av.VideoStream, segment: str, offset: int, frame_base: Fraction
-) -> int:
-    """Mux one segment's packets, shifted by `offset` frames; returns its frame count."""
-    frames = 0
+def _decode_delay(segment: str, frame_base: Fraction) -> int:
+    """How many frames a segment's first dts stands before its first pts (its B-frame delay: 0 for a one-frame
+    segment, 2 for a long x264 one)."""
     with av.open(segment) as source:
         stream = source.streams.video[0]
         for packet in source.demux(stream):
+            if packet.size and packet.dts is not None:
+                return max(0, -round(packet.dts * stream.time_base / frame_base))
+    return 0
+
+
+def _copy_segment(
+    out: av.container.OutputContainer,
+    video: av.VideoStream,
+    segment: str,
+    offset: int,
+    frame_base: Fraction,
+    delay: int,
+) -> int:
+    """Mux one segment's packets, shifted by `offset` frames; returns its frame count.
+
+    Each segment's frames start at pts 0 and its dts at minus its own B-frame delay. Segments' delays differ (a
+    one-frame segment has none), so every dts is moved back to the largest delay of the join: a segment's dts then
+    run on from the last one's, never back, and the muxer has no out-of-order dts to "fix" by breaking the timing.
+    """
+    frames = 0
+    with av.open(segment) as source:
+        stream = source.streams.video[0]
+        own_delay = None
+        for packet in source.demux(stream):
             if packet.size == 0 or packet.pts is None or packet.dts is None:
                 continue
-            # In frames: each segment starts at 0 (its B-frame delay makes the first dts negative).
+            dts = round(packet.dts * stream.time_base / frame_base)
+            if own_delay is None:
+                own_delay = max(0, -dts)
             packet.pts = round(packet.pts * stream.time_base / frame_base) + offset
-            packet.dts = round(packet.dts * stream.time_base / frame_base) + offset
+            packet.dts = dts + offset - (delay - own_delay)
             packet.duration = 1
             packet.time_base = frame_base
             packet.stream = video
