@@ -313,7 +313,8 @@ def plan_clips(
                 quick = _unchanged(source, relative.as_posix(), output_of(relative), key_of, previous)
                 if quick is not None:
                     return quick
-            prepared = prepare_run(source, params, model, store_root)
+            # Scene cuts are found as the clip is ingested, beside an earlier clip's model work, not before any.
+            prepared = prepare_run(source, params, model, store_root, find_cuts=False)
             return prepared, _stamp(source)
         except Exception as err:  # noqa: BLE001 - a bad file is reported in its row, the others go on
             return err

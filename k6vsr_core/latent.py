@@ -99,10 +99,10 @@ def read_latent(
 
 
 def latent_params(params: UpscaleParams) -> UpscaleParams:
-    """The request as a latent run computes it: every frame kept at the latent's rate, and silent unless an audio
-    file is given (a latent has no streams of its own to carry)."""
+    """The request as a latent run computes it: every frame kept at the latent's rate, silent unless an audio file is
+    given (a latent has no streams of its own to carry), and in even windows (it has no frames to find cuts in)."""
     audio = params.audio if params.audio_file is not None else "none"
-    return params.model_copy(update={"fps_mode": "source", "audio": audio})
+    return params.model_copy(update={"fps_mode": "source", "audio": audio, "windows": "even"})
 
 
 def latent_clip(latent: torch.Tensor | Sequence[int]) -> tuple[int, tuple[int, int]]:
@@ -116,8 +116,6 @@ def plan_latent(
 ) -> ClipPlan:
     """The plan of a latent's clip (the tensor, or its `[T, C, H, W]` shape): `1 + 4(T - 1)` frames of `16H x 16W`
     pixels at `rate`, every one kept, for the request as a latent run computes it (`latent_params`)."""
-    if params.windows == "scenes":
-        raise ParameterError("windows='scenes' needs a video to find its scene cuts in; a latent run has no frames")
     frames, size = latent_clip(latent)
     with warnings.catch_warnings():
         # The rate is the caller's: no frame is dropped or added, whatever it is.

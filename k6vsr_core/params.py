@@ -55,9 +55,9 @@ class UpscaleParams(BaseModel):
     window_overlap: int = Field(16, description="frames shared by neighbouring windows, at least")
     # `even`: windows spread evenly over the clip; `scenes`: within each shot, none across a scene cut.
     windows: Literal["even", "scenes"] = Field(
-        "even",
-        description="even (windows spread over the clip) or scenes (windows within each shot, none across a scene "
-        "cut; the source is decoded once more to find them)",
+        "scenes",
+        description="scenes (windows within each shot, none across a scene cut; the source is decoded once more to "
+        "find them) or even (windows spread over the clip, cuts or not)",
     )
     # Output controls (k6vsr_core.encoding): the defaults write the contract's file, byte for byte.
     codec: str = Field("h264", description="h264, hevc or ffv1 (lossless, in .mkv)")

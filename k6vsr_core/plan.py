@@ -61,6 +61,9 @@ class ClipPlan(BaseModel):
     windows: tuple[Window, ...]
     # With `windows='scenes'`: the kept frames that start a shot (k6vsr_core.scenes); no window spans one.
     cuts: tuple[int, ...] = ()
+    # Scene windows planned before the cuts were looked for (an archive's plan: the cuts are found as its clip is
+    # ingested, beside an earlier clip's model work); ingest plans the clip again with them.
+    cuts_pending: bool = False
     # Frames the longest window computes (1 + 8k; the one window of a short clip, or a short shot's, is padded to it)
     window_frames: int
     latent_frames: int  # latent frames of the longest window
@@ -168,10 +171,11 @@ def make_plan(
     params: UpscaleParams,
     traits: ModelTraits | None = None,
     source_rate: Fraction | str | None = None,
-    cuts: tuple[int, ...] = (),
+    cuts: tuple[int, ...] | None = (),
 ) -> ClipPlan:
     """Plan a source of `source_frames` frames of `source_size` at `source_fps`; with `windows='scenes'`, its kept
-    frames cut into shots before each of `cuts` (positions among the kept frames, `scene_cuts`).
+    frames cut into shots before each of `cuts` (positions among the kept frames, `scene_cuts`); `cuts=None` when
+    they are not looked for yet (the plan is then `cuts_pending`, its windows as if there were none).
 
     Raises ValueError when the selection keeps no frame, ParameterError when the request does not fit this clip.
     """
@@ -186,6 +190,8 @@ def make_plan(
             "output may differ in quality from the official pipeline's",
             stacklevel=2,
         )
+    pending = params.windows == "scenes" and cuts is None
+    cuts = cuts or ()
     if params.windows == "scenes":
         windows = plan_scene_windows(len(indices), params.window_overlap, cuts)
     else:
@@ -222,6 +228,7 @@ def make_plan(
         source_rate=None if exact is None else str(exact),
         windows=windows,
         cuts=tuple(cuts),
+        cuts_pending=pending,
         window_frames=longest,
         latent_frames=1 + (longest - 1) // TEMPORAL_FACTOR,
         params=params,

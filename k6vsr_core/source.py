@@ -34,8 +34,8 @@ def read_source(
 ) -> SourceClip:
     """Probe and scan a source, and plan it on the frames that can actually be decoded.
 
-    `planned`, the plan made from the probe's frame count, is kept when every frame it counted decodes: the scan is
-    the only input of the plan that the probe may have got wrong.
+    `planned`, the plan made from the probe's frame count, is kept when every frame it counted decodes (the scan is
+    the only input of the plan that the probe may have got wrong) and its scene cuts are not still to be found.
     """
     probe = media.probe(path)
     count, frame_pts = media.scan_frames(path)
@@ -44,7 +44,7 @@ def read_source(
             f"{path}: only {count} of {probe.num_frames} frame(s) could be decoded (truncated or damaged file?)",
             stacklevel=2,
         )
-    if planned is not None and planned.source_frames == count:
+    if planned is not None and planned.source_frames == count and not planned.cuts_pending:
         return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=planned)
     try:
         cuts = scene_cuts(str(path), count, probe.fps, params)

@@ -70,8 +70,12 @@ def prepare_run(
     latent_fps: str | float | Fraction | None = None,
     weights: bool = True,
     tensors: bool = True,
+    find_cuts: bool = True,
 ) -> PreparedRun:
     """Everything `k6vsr plan` prints, and the run key: no model is loaded and nothing is written.
+
+    Without `find_cuts`, scene windows' cuts are left to the clip's ingest (`ClipPlan.cuts_pending`): an archive
+    plans every clip before the first computes, and looking for cuts decodes each source once more.
 
     With `latent_fps` (a number or `a/b`), `source` is a safetensors file holding one unscaled KVAE latent
     `[T, C, H, W]` (`k6vsr_core.latent`) played at that rate, instead of a video. Without `weights`, the model's
@@ -88,7 +92,7 @@ def prepare_run(
         raise MediaError(source, str(err)) from None
     info = model_info(spec, weights, tensors)
     try:
-        cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params)
+        cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params) if find_cuts else None
         plan = make_plan(
             (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate, cuts
         )

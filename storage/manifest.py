@@ -66,15 +66,18 @@ def _sha256(path: str, size: int, mtime_ns: int, inode: int, block: int = 1 << 2
     return digest.hexdigest()
 
 
-# Output controls added after runs were first keyed: left out of the key while at their default, so the runs of
-# the contract's file keep their keys.
+# Output controls added after runs were first keyed: left out of the key while at the value runs were keyed
+# without (their default then), so the runs of the contract's file keep their keys.
 _LATER_FIELDS = ("codec", "crf", "preset", "pix_fmt", "audio", "fps_mode", "windows", "precision")
+# Where that value is no longer the default: scene windows became the default after runs of even windows were keyed
+# without the field, so even windows keep those keys and scene windows keep theirs (`"windows": "scenes"`).
+_KEYED_WITHOUT = {"windows": "even"}
 
 
 def output_params(params: UpscaleParams) -> dict[str, Any]:
     """The request fields that change the output bytes (all of them), and the content of a separate audio file."""
     values = params.model_dump(mode="json")
-    defaults = UpscaleParams().model_dump(mode="json")
+    defaults = {**UpscaleParams().model_dump(mode="json"), **_KEYED_WITHOUT}
     for name in _LATER_FIELDS:
         if values[name] == defaults[name]:
             del values[name]

@@ -33,7 +33,7 @@ from k6vsr_core.windows import (
 )
 from service.runs import ModelSpec, RunRef, prepare_run
 from storage import RunStore
-from storage.manifest import output_params
+from storage.manifest import output_params, run_key
 from tasks import quality as quality_tasks
 
 SCENES = UpscaleParams(scale=2, windows="scenes")
@@ -234,25 +234,41 @@ def test_the_issues_clip_is_planned_with_both_cuts(tmp_path: Path, tiny_bundle_p
 # --------------------------------------------------------------------------------------------- the plan and the key
 
 
-def test_the_plan_lays_scene_windows_only_when_asked() -> None:
-    scenes = make_plan((64, 64), 300, 24.0, SCENES, ModelTraits(), cuts=(40, 200))
+def test_the_plan_lays_scene_windows_by_default_and_even_ones_when_asked() -> None:
+    scenes = make_plan((64, 64), 300, 24.0, UpscaleParams(scale=2), ModelTraits(), cuts=(40, 200))
+    assert scenes.params.windows == "scenes" and scenes == make_plan((64, 64), 300, 24.0, SCENES, cuts=(40, 200))
     assert scenes.cuts == (40, 200) and [(w.start, w.stop) for w in scenes.windows][:2] == [(0, 40), (40, 161)]
-    assert scenes.window_frames == WINDOW_FRAMES and scenes.windows[0].padded == 41
-    even = make_plan((64, 64), 300, 24.0, UpscaleParams(scale=2), ModelTraits(), cuts=(40, 200))
+    assert scenes.window_frames == WINDOW_FRAMES and scenes.windows[0].padded == 41 and not scenes.cuts_pending
+    even = make_plan((64, 64), 300, 24.0, UpscaleParams(scale=2, windows="even"), ModelTraits(), cuts=(40, 200))
     assert even.cuts == () and even.windows == plan_windows(300, 16)
+    # Without cuts, scene windows are the even ones.
+    assert make_plan((64, 64), 300, 24.0, SCENES).windows == even.windows
     # The longest window sets the plan's window length: the memory budget plans for it.
     short = make_plan((64, 64), 60, 24.0, SCENES, ModelTraits(), cuts=(20,))
     assert short.window_frames == 41 and short.latent_frames == 11
 
 
-def test_default_run_keys_do_not_change_and_scenes_has_its_own() -> None:
-    assert "windows" not in output_params(UpscaleParams())
-    assert output_params(SCENES)["windows"] == "scenes"
+def test_a_plan_whose_cuts_are_not_looked_for_yet_says_so() -> None:
+    pending = make_plan((64, 64), 300, 24.0, SCENES, cuts=None)
+    assert pending.cuts_pending and pending.cuts == () and pending.windows == plan_windows(300, 16)
+    assert not make_plan((64, 64), 300, 24.0, UpscaleParams(scale=2, windows="even"), cuts=None).cuts_pending
 
 
-def test_a_latent_has_no_scenes() -> None:
-    with pytest.raises(ParameterError, match="windows='scenes'"):
-        plan_latent((31, 16, 8, 8), 24, SCENES, ModelTraits())
+def test_run_keys_of_both_modes_are_those_they_had_before_scenes_became_the_default() -> None:
+    """Even windows (the default until 2026-12-06) were keyed without the field, scene windows with it: both keep
+    their keys, so a store of either resumes."""
+    even, scenes = UpscaleParams(windows="even"), UpscaleParams(windows="scenes")
+    assert "windows" not in output_params(even) and output_params(scenes)["windows"] == "scenes"
+    assert run_key("0" * 64, even, "model-x") == "20fbd7a9ee979e0540351398"
+    assert run_key("0" * 64, scenes, "model-x") == "917d2aab85fbe1850db05788"
+    assert run_key("0" * 64, UpscaleParams(), "model-x") == run_key("0" * 64, scenes, "model-x")
+
+
+def test_a_latent_is_planned_in_even_windows_whatever_was_asked() -> None:
+    """A latent has no frames to look for cuts in."""
+    for params in (SCENES, UpscaleParams(scale=2, windows="even")):
+        plan = plan_latent((31, 16, 8, 8), 24, params, ModelTraits())
+        assert plan.params.windows == "even" and plan.windows == plan_windows(121, 16)
 
 
 # --------------------------------------------------------------------------------------------- runs
@@ -364,3 +380,45 @@ def test_the_request_field_and_the_plan_lines_name_the_mode() -> None:
     assert _cuts({"window_mode": "scenes", "cuts": []}) == ", within shots: no scene cut found"
     assert _cuts({"window_mode": "scenes", "cuts": [40, 75]}) == ", within shots: 2 scene cuts, before frames 40, 75"
     assert _cuts({"window_mode": "scenes", "cuts": list(range(1, 21))}).endswith("11, 12 and 8 more")
+
+
+def test_an_archive_finds_each_clips_cuts_as_it_ingests_it_not_while_planning_them_all(
+    prefect_server: str,
+    tiny_bundle_path: Path,
+    two_shots: tuple[Path, Path],
+    scene_run,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Scene windows are the default, and an archive plans every clip before the first computes: looking for cuts
+    there would decode every source once more before the GPU starts. The clip's ingest looks for them instead, and
+    its output is the scene-window output."""
+    import traceback
+
+    from flows.upscale_archive import upscale_archive
+    from k6vsr_core import plan as plan_module
+
+    callers: list[list[str]] = []
+    found = plan_module.source_cuts
+
+    def counted(*args, **kwargs):
+        callers.append([frame.name for frame in traceback.extract_stack()])
+        return found(*args, **kwargs)
+
+    monkeypatch.setattr(plan_module, "source_cuts", counted)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "both.mkv").write_bytes(two_shots[0].read_bytes())
+    store = tmp_path / "store"
+    summary = upscale_archive(
+        input_dir=str(folder),
+        output_dir=str(tmp_path / "out"),
+        params=UpscaleParams(scale=2),
+        model=ModelSpec(model=str(tiny_bundle_path), device="cpu"),
+        store_root=str(store),
+    )
+    (row,) = summary.rows
+    assert row.status == "done", row.reason
+    assert Path(row.output).read_bytes() == scene_run[0].read_bytes()
+    assert RunStore(store, row.run_key).read_manifest().plan.cuts == (15,)
+    assert len(callers) == 1 and "read_source" in callers[0] and "plan_clips" not in callers[0]
