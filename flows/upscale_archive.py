@@ -47,7 +47,6 @@ from pydantic import BaseModel
 from flows import artifacts
 from flows.upscale_clip import ClipSummary, upscale_clip
 from k6vsr_core.errors import UserFacingError, describe_error
-from k6vsr_core.fake_model import identity_suffix
 from k6vsr_core.params import UpscaleParams, output_name
 from runtime.flow_leases import leased
 from runtime.lanes import ARCHIVE_QUEUE, SharedQueue
@@ -290,7 +289,7 @@ def plan_clips(
     every source planned or found unchanged, for the manifest (the next run's quick check, `_unchanged`)."""
     # Once, first, in this thread: a broken model fails the archive rather than every clip, and diffusers' lazy
     # imports are done before the planning threads use them (concurrent first imports can fail).
-    identity = model_info(model).identity + identity_suffix()
+    identity = model_info(model).identity
     previous = _previous(output_dir / f"{MANIFEST_NAME}.json")
     stamps = {} if stamps is None else stamps
 

@@ -15,7 +15,6 @@ from pydantic import BaseModel, ConfigDict
 from k6vsr_core import media
 from k6vsr_core.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
 from k6vsr_core.errors import BundleError, MediaError
-from k6vsr_core.fake_model import identity_suffix
 from k6vsr_core.latent import plan_latent, read_latent
 from k6vsr_core.memory_modes import MemoryMode
 from k6vsr_core.params import ParameterError, UpscaleParams
@@ -100,7 +99,7 @@ def prepare_run(
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file
         raise ParameterError(f"{source}: {err}") from None
-    key = run_key(source_info(source).sha256, params, info.identity + identity_suffix())
+    key = run_key(source_info(source).sha256, params, info.identity)
     run = RunRef(store_root=str(store_root), run_key=key)
     return PreparedRun(
         run=run,
@@ -134,7 +133,7 @@ def prepare_latent_run(
     info = model_info(spec, weights, tensors)
     latent, rate = read_latent(source, latent_channels(info), params, fps)
     plan = plan_latent(latent.shape, rate, params, model_traits(info))
-    key = run_key(source_info(source).sha256, plan.params, info.identity + identity_suffix(), str(rate))
+    key = run_key(source_info(source).sha256, plan.params, info.identity, str(rate))
     run = RunRef(store_root=str(store_root), run_key=key)
     return PreparedRun(
         run=run,

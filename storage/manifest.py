@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from k6vsr_core.bundle import BundleInfo
 from k6vsr_core.compute import ComputeProfile
+from k6vsr_core.fake_model import identity_suffix
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 
@@ -87,12 +88,14 @@ def output_params(params: UpscaleParams) -> dict[str, Any]:
 
 
 def run_key(source_sha256: str, params: UpscaleParams, model_identity: str, latent_fps: str | None = None) -> str:
-    """The run's name. `latent_fps` (a latent source's frame rate) is keyed only when given, so the runs of videos
-    keep their keys."""
+    """The run's name, the one recipe of it: the source's content, the request's output fields, the model's identity
+    (with the bench stand-in's mark while it is selected, so a stand-in's run never shares a store's items with a
+    real one) and the store's format. `latent_fps` (a latent source's frame rate) is keyed only when given, so the
+    runs of videos keep their keys."""
     fields: dict[str, Any] = {
         "source": source_sha256,
         "params": output_params(params),
-        "model": model_identity,
+        "model": model_identity + identity_suffix(),
         "format": STAGE_FORMAT_VERSION,
     }
     if latent_fps is not None:
