@@ -3,11 +3,17 @@
 The plan knows every item; the records say which are done and, for those computed, when each ran. The model's items
 (encode, denoise, decode) hold the run back: they share the model lane, a few at once, in the order its scheduler
 grants them (`runtime.schedule`: an encode first once ready, then the earliest window's decodes, then its denoises).
-What is left is that lane replayed forward: its slots taken by the items not done, each at its stage's pace over
-its latest window (the machine's pace now: another process's load changes it within a run), a slot freeing when
-the item on it ends; an item in flight started when its slot last freed. Then the last window's tail, which nothing
-overlaps: its blend from its last decode (the blend's own record spans its wait for the decodes, and says nothing
-of its work), its segment and the mux. CPU items of earlier windows run beside the model lane and add nothing.
+What is left is that lane replayed forward: its slots taken by the items not done, a slot freeing when the item on
+it ends; an item in flight started when its slot last freed. Then the last window's tail, which nothing overlaps:
+its blend from its last decode (the blend's own record spans its wait for the decodes, and says nothing of its
+work), its segment and the mux. CPU items of earlier windows run beside the model lane and add nothing.
+
+The items in flight on the lane share one device (a CPU's cores; on a GPU, model calls take turns), so an item timed
+while k ran took k times what it would alone. A model item's pace is counted in device-seconds (each second of its
+span divided by the items in flight then, those still running without a record included), and the lane is
+replayed as processor sharing: the items in flight split the device, so a lone last item goes as fast as the device
+allows rather than at the pace its pair was timed at. Each stage's pace is over its latest window (the machine's
+pace now: another process's load changes it within a run).
 
 A pace is this run's: an item found done when the run started says nothing of this run's pace (it took no time
 here), and its record's seconds were of another process. Until this run has timed a stage, the timings earlier
@@ -77,16 +83,51 @@ def _frames(plan: ClipPlan, span: Span) -> int:
     return plan.windows[window].padded if window is not None and window < plan.num_windows else 1
 
 
-def _paces(plan: ClipPlan, spans: list[Span], recent: Mapping[str, int]) -> dict[str, float]:
-    """Each stage's seconds per computed frame over its `recent[stage]` latest items; the blend's from its window's
-    last decode to its end (what it adds once the decodes are done)."""
+@dataclass(frozen=True)
+class _Sharing:
+    """The model items in flight at each instant, which share the device (a CPU's cores; a GPU's model calls take
+    turns): over a stretch with k of them, each got a k-th of it. An item's device-seconds are its wall seconds
+    each divided by the items in flight then: what it would take alone, and, k at once, k times as long."""
+
+    times: list[float]  # where the count changes
+    counts: list[int]  # the items in flight from each time to the next
+    before: list[float]  # device-seconds of one item from the first time to each
+
+    @classmethod
+    def of(cls, tasks: Iterable[tuple[float, float]]) -> _Sharing:
+        changes: dict[float, int] = {}
+        for start, end in tasks:
+            changes[start] = changes.get(start, 0) + 1
+            changes[end] = changes.get(end, 0) - 1
+        times, counts, before, count = sorted(changes), [], [], 0
+        for index, time in enumerate(times):
+            before.append(before[-1] + (time - times[index - 1]) / max(1, counts[-1]) if index else 0.0)
+            count += changes[time]
+            counts.append(count)
+        return cls(times, counts, before)
+
+    def _at(self, time: float) -> float:
+        index = bisect.bisect_right(self.times, time) - 1
+        if index < 0:
+            return time - (self.times[0] if self.times else 0.0)
+        return self.before[index] + (time - self.times[index]) / max(1, self.counts[index])
+
+    def seconds(self, start: float, end: float) -> float:
+        """An item's device-seconds over [start, end]."""
+        return self._at(end) - self._at(start)
+
+
+def _paces(plan: ClipPlan, spans: list[Span], recent: Mapping[str, int], device: _Sharing) -> dict[str, float]:
+    """Each stage's seconds per computed frame over its `recent[stage]` latest items: a model item's in device-seconds
+    (`device`: its share of the device over its span), the blend's from its window's last decode to its end (what it
+    adds once the decodes are done)."""
     per_frame: dict[str, list[float]] = {}
     decoded: dict[int, list[float]] = {}
     for span in sorted(spans, key=lambda span: span.end):
         if span.stage == Stage.DECODE and span.window is not None:
             decoded.setdefault(span.window, []).append(span.end)
     for span in sorted(spans, key=lambda span: span.end):
-        seconds = span.end - span.start
+        seconds = device.seconds(span.start, span.end) if span.stage in MODEL_STAGES else span.end - span.start
         if span.stage == Stage.BLEND:
             ends = decoded.get(span.window, []) if span.window is not None else []
             if len(ends) < plan.num_tiles:  # its decodes ran before these spans: its wait cannot be told apart
@@ -166,6 +207,9 @@ def _lane_items(
     return items
 
 
+_EPSILON = 1e-6
+
+
 def _urgency(item: _Item, position: int) -> tuple[int, int, int]:
     """The order the lane is replayed in among ready items: the earliest window first, its decodes before its
     denoises. The scheduler takes a ready encode before either; guessing instead that a decode took the slot
@@ -174,22 +218,27 @@ def _urgency(item: _Item, position: int) -> tuple[int, int, int]:
     return (item.window, item.stage != Stage.DECODE, position)
 
 
-def _lane_end(items: list[_Item], free: list[float], now: float) -> float:
-    """When the last of `items` ends, the items not done taken in the scheduler's order by the lane's slots, each
-    slot free from its time in `free`; an item that would have ended by `now` is still running (it has no record)."""
-    dependents: dict[int, list[int]] = {}
+def _lane_end(items: list[_Item], free: list[float], now: float) -> tuple[float, list[float]]:
+    """When the last of `items` ends, and when each item in flight at `now` started: the items not done taken in the
+    scheduler's order by the lane's slots, each slot free from its time in `free`, those in flight splitting the
+    device (each item's `seconds` are device-seconds: k in flight each go at a k-th of its pace). An item that would
+    have ended by `now` is still running (it has no record): it ends at `now`, holding its share until then."""
+    on_start: dict[int, list[int]] = {}  # the items that may start once an item has started
+    on_end: dict[int, list[int]] = {}  # those that need it ended
     blocked: dict[int, int] = {}
     starts: dict[int, float] = {}
     last = max((item.end for item in items if item.end is not None), default=float("-inf"))
-    pending: list[tuple[float, int]] = []  # (ready at, item): every need scheduled
     for position, item in enumerate(items):
         if item.end is not None:
             starts[position] = item.end
             continue
-        waits = [need for need in (*item.needs, *item.after_start) if items[need].end is None]
-        blocked[position] = len(waits)
-        for need in waits:
-            dependents.setdefault(need, []).append(position)
+        needs = [need for need in item.needs if items[need].end is None]
+        after = [need for need in item.after_start if items[need].end is None]
+        blocked[position] = len(needs) + len(after)
+        for need in needs:
+            on_end.setdefault(need, []).append(position)
+        for need in after:
+            on_start.setdefault(need, []).append(position)
 
     def ready_at(position: int) -> float:
         item = items[position]
@@ -199,29 +248,60 @@ def _lane_end(items: list[_Item], free: list[float], now: float) -> float:
             + [starts[need] for need in item.after_start]
         )
 
-    for position, count in blocked.items():
-        if not count:
-            heapq.heappush(pending, (ready_at(position), position))
-    slots = sorted(free)
+    pending: list[tuple[float, int]] = []  # (ready at, item): every need met
     ready: list[tuple[tuple[int, int, int], int]] = []
-    while pending or ready:
-        at = heapq.heappop(slots)
-        if not ready and pending[0][0] > at:
-            at = pending[0][0]
-        while pending and pending[0][0] <= at:
-            _, position = heapq.heappop(pending)
-            heapq.heappush(ready, (_urgency(items[position], position), position))
-        _, position = heapq.heappop(ready)
-        item = items[position]
-        starts[position] = at
-        item.end = max(now, at + item.seconds)
-        last = max(last, item.end)
-        heapq.heappush(slots, item.end)
-        for dependent in dependents.get(position, []):
+
+    def release(dependents: list[int]) -> None:
+        for dependent in dependents:
             blocked[dependent] -= 1
             if not blocked[dependent]:
                 heapq.heappush(pending, (ready_at(dependent), dependent))
-    return last
+
+    for position, count in blocked.items():
+        if not count:
+            heapq.heappush(pending, (ready_at(position), position))
+    closed, idle = sorted(free), 0  # slots not free yet, each from its time; slots free now
+    running: dict[int, float] = {}  # item -> its device-seconds left
+    at = closed[0] if closed else now
+    while True:
+        for position in [position for position, left in running.items() if not left] if at >= now else []:
+            del running[position]
+            items[position].end = at
+            last = max(last, at)
+            idle += 1
+            release(on_end.get(position, []))
+        while closed and closed[0] <= at:
+            heapq.heappop(closed)
+            idle += 1
+        while pending and pending[0][0] <= at or idle and ready:
+            while pending and pending[0][0] <= at:
+                _, position = heapq.heappop(pending)
+                heapq.heappush(ready, (_urgency(items[position], position), position))
+            if idle and ready:
+                _, position = heapq.heappop(ready)
+                running[position], starts[position] = items[position].seconds, at
+                idle -= 1
+                release(on_start.get(position, []))
+        if not running:
+            upcoming = [closed[0]] if closed else []
+            upcoming += [pending[0][0]] if pending else []
+            if not upcoming:
+                break
+            at = min(upcoming)
+            continue
+        if at >= now and not all(running.values()):
+            continue  # an item of no seconds ends as it starts
+        share = len(running)
+        working = [left for left in running.values() if left > 0.0]
+        upcoming = [at + min(working) * share] if working else []
+        upcoming += [now] if at < now and len(working) < share else []  # an item overdue ends at `now`
+        upcoming += [closed[0]] if closed else []
+        upcoming += [pending[0][0]] if pending else []
+        step, at = min(upcoming) - at, min(upcoming)
+        for position, left in running.items():
+            # Within a micro-second of done is done: instants since the epoch carry a few tenths of one.
+            running[position] = left - step / share if left - step / share > _EPSILON else 0.0
+    return last, [starts[position] for position in blocked if starts.get(position, now) < now]
 
 
 def seconds_left(
@@ -239,18 +319,26 @@ def seconds_left(
     None while a model stage with items left has no timing."""
     recent = window_items(plan)
     left = items_left(plan, done)
-    paces = _paces(plan, [*(earlier or []), *spans], recent)
+    timed = [*(earlier or []), *spans]
+    tasks, earlier_tasks = _tasks(plan, spans), _tasks(plan, earlier or [])
+    paces = _paces(plan, timed, recent, _Sharing.of([*earlier_tasks, *tasks]))
     if any(left.get(stage, 0) and stage not in paces for stage in MODEL_STAGES):
         return None
     tail = (Stage.BLEND, Stage.SEGMENT, Stage.MUX)
     if not any(left.get(stage, 0) for stage in (*MODEL_STAGES, *tail)):
         return 0.0
     ends = {(span.stage, span.item): span.end for span in spans}
-    tasks = _tasks(plan, spans)
-    width = max(_width(tasks), _width(_tasks(plan, earlier or [])))
+    width = max(_width(tasks), _width(earlier_tasks))
     # Each slot last freed at one of the latest task ends (then took the item now in flight), else at the start.
     free = ([end for _, end in sorted(tasks, key=lambda task: task[1])][-width:] + [started] * width)[:width]
-    at = _lane_end(_lane_items(plan, done, ends, paces), free, now)
+    at, in_flight = _lane_end(_lane_items(plan, done, ends, paces), free, now)
+    if in_flight:
+        # The items in flight, which have no records yet, shared the device with the latest recorded ones: counted
+        # in, those took less of it than they seemed to (a decode that ran beside one still running is not a lone
+        # decode). The lane replayed again at those paces.
+        open_tasks = [(start, now) for start in in_flight]
+        paces = _paces(plan, timed, recent, _Sharing.of([*earlier_tasks, *tasks, *open_tasks]))
+        at, _ = _lane_end(_lane_items(plan, done, ends, paces), free, now)
     last = plan.windows[-1]
     for stage in tail:
         item = "all" if stage == Stage.MUX else str(last.index)

@@ -171,12 +171,12 @@ def test_the_terminal_bar_says_the_artifact_words_and_the_time_left(tmp_path: Pa
     bar.show()
     shown = out.getvalue().split("\r")[-1]
     assert shown.startswith("decode · window 2 of 3 · 10 of 18 tiles |"), shown
-    # Items of 10 s on a lane seen running two at once: window 2's decodes two by two, then window 3's denoises
-    # beside its decodes, its last decode alone: 7 steps (blend, segment, mux unmeasured).
-    assert shown.endswith("| 00:30 elapsed, 01:10 left"), shown
+    # Items of 10 s, each beside another: window 2's decodes two by two, then window 3's denoises beside its
+    # decodes, 6 steps of 10 s; its last decode alone, with the device to itself, 5 s (blend, segment, mux unmeasured).
+    assert shown.endswith("| 00:30 elapsed, 01:05 left"), shown
     clock.now = 1040.0  # no item ended: the estimate counts down, redrawn with the elapsed time
     bar.show()
-    assert out.getvalue().split("\r")[-1].endswith("| 00:40 elapsed, 01:00 left")
+    assert out.getvalue().split("\r")[-1].endswith("| 00:40 elapsed, 00:55 left")
     bar.close()
 
 
@@ -400,3 +400,42 @@ def test_time_left_after_a_resume_shows_at_once_and_keeps_its_bounds(killed_at: 
     assert replayed[0][2] is not None
     since = 212.0 - min(line["start"] for line in _lines(CLIP250) if line["end"] > killed_at) if killed_at < 212 else 0
     assert _misses(replayed, since=since) == []
+
+
+# A 97-frame 64x448 clip: one window of the tiny model's 5 tiles, each its own chunk.
+FIVE = make_plan((64, 448), 97, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
+
+
+def _shared_lines() -> list[dict]:
+    """A run of `FIVE` on a device its items share: an item takes twice as long beside another as alone (a denoise 10
+    s alone, a decode 44 s). Its lane of two takes the tiles two by two, as the scheduler grants them (decodes
+    first), so tiles 0 to 3 go in pairs (20 s denoises, 88 s decodes) and tile 4 alone, its denoise and decode
+    twice as fast as their pairs were."""
+    spans = [("encode", "0", 0.0, 10.0)]
+    for pair, at in ((0, 10.0), (2, 118.0)):
+        for tile in (pair, pair + 1):
+            spans += [("denoise", f"0-{tile}", at, at + 20.0), ("decode", f"0-{tile}", at + 20.0, at + 108.0)]
+    spans += [("denoise", "0-4", 226.0, 236.0), ("decode", "0-4", 236.0, 280.0)]
+    spans += [("blend", "0", 280.0, 282.0), ("segment", "0", 282.0, 285.0), ("mux", "all", 285.0, 286.0)]
+    return [{"stage": stage, "item": item, "start": start, "end": end} for stage, item, start, end in spans]
+
+
+def test_a_lone_last_item_counts_at_the_pace_of_the_device_to_itself() -> None:
+    """The items in flight share the device: a pace timed while two ran is two items' share, so the last tile, alone
+    on the lane, is counted at twice that pace (taken at its pair's, the estimate was 54 s high at 118 s, with 168
+    s left, and 44 s high in the last minute). From the first decodes' end on, every estimate within the bounds."""
+    assert (FIVE.num_windows, FIVE.num_tiles, len(FIVE.chunks)) == (1, 5, 5)
+    replayed = timelines.replay(FIVE, timelines.streamed(_shared_lines()), 0.0)
+    assert next(at for at, _, estimate in replayed if estimate is not None) == 118.0
+    assert _misses(replayed) == [(at, 286 - at, None) for at in range(118)]
+
+
+@pytest.mark.parametrize("killed_at", [150.0, 240.0])
+def test_a_resumed_runs_lone_last_item_counts_at_the_pace_of_the_device_to_itself(killed_at: float) -> None:
+    """Killed with the third pair's decodes in flight (150 s) or the last decode (240 s), started again 100 s later:
+    from its first second, the estimate counts the earlier attempt's paired decodes as pairs' shares, and the last
+    tile alone at twice their pace."""
+    first, second = timelines.resumed(_shared_lines(), killed_at, killed_at + 100.0)
+    restart = killed_at + 100.0
+    replayed = timelines.replay(FIVE, timelines.streamed(second, restart), restart, first)
+    assert _misses(replayed) == []
