@@ -218,90 +218,101 @@ def _urgency(item: _Item, position: int) -> tuple[int, int, int]:
     return (item.window, item.stage != Stage.DECODE, position)
 
 
-def _lane_end(items: list[_Item], free: list[float], now: float) -> tuple[float, list[float]]:
-    """When the last of `items` ends, and when each item in flight at `now` started: the items not done taken in the
-    scheduler's order by the lane's slots, each slot free from its time in `free`, those in flight splitting the
-    device (each item's `seconds` are device-seconds: k in flight each go at a k-th of its pace). An item that would
-    have ended by `now` is still running (it has no record): it ends at `now`, holding its share until then."""
-    on_start: dict[int, list[int]] = {}  # the items that may start once an item has started
-    on_end: dict[int, list[int]] = {}  # those that need it ended
-    blocked: dict[int, int] = {}
-    starts: dict[int, float] = {}
-    last = max((item.end for item in items if item.end is not None), default=float("-inf"))
-    for position, item in enumerate(items):
-        if item.end is not None:
-            starts[position] = item.end
-            continue
-        needs = [need for need in item.needs if items[need].end is None]
-        after = [need for need in item.after_start if items[need].end is None]
-        blocked[position] = len(needs) + len(after)
-        for need in needs:
-            on_end.setdefault(need, []).append(position)
-        for need in after:
-            on_start.setdefault(need, []).append(position)
+class _Lane:
+    """The model lane replayed from `now`'s view: the items not done taken in the scheduler's order by its slots,
+    each slot free from its time in `free`, the items in flight splitting the device (an item's `seconds` are
+    device-seconds: k in flight each go at a k-th of their pace). An item that would have ended by `now` is still
+    running (it has no record): it ends at `now`, holding its share until then."""
 
-    def ready_at(position: int) -> float:
-        item = items[position]
+    def __init__(self, items: list[_Item], free: list[float], now: float) -> None:
+        self.items, self.now = items, now
+        self.on_start: dict[int, list[int]] = {}  # the items that may start once an item has started
+        self.on_end: dict[int, list[int]] = {}  # those that need it ended
+        self.blocked: dict[int, int] = {}  # each item not done: its needs not met
+        self.starts = {position: item.end for position, item in enumerate(items) if item.end is not None}
+        for position, item in enumerate(items):
+            if item.end is None:
+                needs = [need for need in item.needs if items[need].end is None]
+                after = [need for need in item.after_start if items[need].end is None]
+                self.blocked[position] = len(needs) + len(after)
+                for need in needs:
+                    self.on_end.setdefault(need, []).append(position)
+                for need in after:
+                    self.on_start.setdefault(need, []).append(position)
+        self.pending: list[tuple[float, int]] = []  # (ready at, item): every need met
+        self.ready: list[tuple[tuple[int, int, int], int]] = []
+        self.closed, self.idle = sorted(free), 0  # slots free from a time to come; slots free now
+        self.running: dict[int, float] = {}  # item -> its device-seconds left
+        self.at = self.closed[0] if self.closed else now
+        self.last = max((item.end for item in items if item.end is not None), default=float("-inf"))
+        self._release([position for position, count in self.blocked.items() if not count])
+
+    def _ready_at(self, position: int) -> float:
+        item = self.items[position]
         return max(
             [float("-inf")]
-            + [items[need].end for need in item.needs]  # type: ignore[misc]
-            + [starts[need] for need in item.after_start]
+            + [self.items[need].end for need in item.needs]  # type: ignore[misc]
+            + [self.starts[need] for need in item.after_start]
         )
 
-    pending: list[tuple[float, int]] = []  # (ready at, item): every need met
-    ready: list[tuple[tuple[int, int, int], int]] = []
-
-    def release(dependents: list[int]) -> None:
+    def _release(self, dependents: list[int]) -> None:
         for dependent in dependents:
-            blocked[dependent] -= 1
-            if not blocked[dependent]:
-                heapq.heappush(pending, (ready_at(dependent), dependent))
+            self.blocked[dependent] -= 1
+            if self.blocked[dependent] <= 0:
+                heapq.heappush(self.pending, (self._ready_at(dependent), dependent))
 
-    for position, count in blocked.items():
-        if not count:
-            heapq.heappush(pending, (ready_at(position), position))
-    closed, idle = sorted(free), 0  # slots not free yet, each from its time; slots free now
-    running: dict[int, float] = {}  # item -> its device-seconds left
-    at = closed[0] if closed else now
-    while True:
-        for position in [position for position, left in running.items() if not left] if at >= now else []:
-            del running[position]
-            items[position].end = at
-            last = max(last, at)
-            idle += 1
-            release(on_end.get(position, []))
-        while closed and closed[0] <= at:
-            heapq.heappop(closed)
-            idle += 1
-        while pending and pending[0][0] <= at or idle and ready:
-            while pending and pending[0][0] <= at:
-                _, position = heapq.heappop(pending)
-                heapq.heappush(ready, (_urgency(items[position], position), position))
-            if idle and ready:
-                _, position = heapq.heappop(ready)
-                running[position], starts[position] = items[position].seconds, at
-                idle -= 1
-                release(on_start.get(position, []))
-        if not running:
-            upcoming = [closed[0]] if closed else []
-            upcoming += [pending[0][0]] if pending else []
-            if not upcoming:
-                break
-            at = min(upcoming)
-            continue
-        if at >= now and not all(running.values()):
-            continue  # an item of no seconds ends as it starts
-        share = len(running)
-        working = [left for left in running.values() if left > 0.0]
-        upcoming = [at + min(working) * share] if working else []
-        upcoming += [now] if at < now and len(working) < share else []  # an item overdue ends at `now`
-        upcoming += [closed[0]] if closed else []
-        upcoming += [pending[0][0]] if pending else []
-        step, at = min(upcoming) - at, min(upcoming)
-        for position, left in running.items():
+    def _end_finished(self) -> None:
+        for position in [position for position, left in self.running.items() if not left]:
+            del self.running[position]
+            self.items[position].end, self.last = self.at, max(self.last, self.at)
+            self.idle += 1
+            self._release(self.on_end.get(position, []))
+
+    def _start_ready(self) -> None:
+        while self.closed and self.closed[0] <= self.at:
+            heapq.heappop(self.closed)
+            self.idle += 1
+        while self.pending and self.pending[0][0] <= self.at or self.idle and self.ready:
+            while self.pending and self.pending[0][0] <= self.at:
+                _, position = heapq.heappop(self.pending)
+                heapq.heappush(self.ready, (_urgency(self.items[position], position), position))
+            if self.idle and self.ready:
+                _, position = heapq.heappop(self.ready)
+                self.running[position], self.starts[position] = self.items[position].seconds, self.at
+                self.idle -= 1
+                self._release(self.on_start.get(position, []))
+
+    def _next_event(self) -> float | None:
+        """The next instant anything changes: an item ends, a slot frees, an item becomes ready."""
+        share, working = len(self.running), [left for left in self.running.values() if left]
+        upcoming = [self.at + min(working) * share] if working else []
+        upcoming += [self.now] if self.at < self.now and len(working) < share else []  # the overdue end at `now`
+        upcoming += [self.closed[0]] if self.closed else []
+        upcoming += [self.pending[0][0]] if self.pending else []
+        return min(upcoming, default=None)
+
+    def _advance(self, to: float) -> None:
+        share = len(self.running)
+        for position, left in self.running.items():
+            left -= (to - self.at) / share
             # Within a micro-second of done is done: instants since the epoch carry a few tenths of one.
-            running[position] = left - step / share if left - step / share > _EPSILON else 0.0
-    return last, [starts[position] for position in blocked if starts.get(position, now) < now]
+            self.running[position] = left if left > _EPSILON else 0.0
+        self.at = to
+
+    def replay(self) -> tuple[float, list[float]]:
+        """When the last item ends, and when each item in flight at `now` started."""
+        while True:
+            if self.at >= self.now:
+                self._end_finished()
+            self._start_ready()
+            if self.at >= self.now and not all(self.running.values()):
+                continue  # an item of no seconds ends as it starts
+            to = self._next_event()
+            if to is None:
+                break
+            self._advance(to)
+        in_flight = [self.starts.get(position, self.now) for position in self.blocked]
+        return self.last, [start for start in in_flight if start < self.now]
 
 
 def seconds_left(
@@ -331,14 +342,14 @@ def seconds_left(
     width = max(_width(tasks), _width(earlier_tasks))
     # Each slot last freed at one of the latest task ends (then took the item now in flight), else at the start.
     free = ([end for _, end in sorted(tasks, key=lambda task: task[1])][-width:] + [started] * width)[:width]
-    at, in_flight = _lane_end(_lane_items(plan, done, ends, paces), free, now)
+    at, in_flight = _Lane(_lane_items(plan, done, ends, paces), free, now).replay()
     if in_flight:
         # The items in flight, which have no records yet, shared the device with the latest recorded ones: counted
         # in, those took less of it than they seemed to (a decode that ran beside one still running is not a lone
         # decode). The lane replayed again at those paces.
         open_tasks = [(start, now) for start in in_flight]
         paces = _paces(plan, timed, recent, _Sharing.of([*earlier_tasks, *tasks, *open_tasks]))
-        at, _ = _lane_end(_lane_items(plan, done, ends, paces), free, now)
+        at, _ = _Lane(_lane_items(plan, done, ends, paces), free, now).replay()
     last = plan.windows[-1]
     for stage in tail:
         item = "all" if stage == Stage.MUX else str(last.index)
