@@ -77,6 +77,9 @@ def items_left(plan: ClipPlan, done: Mapping[str, Iterable[str]]) -> dict[str, i
     return {stage: len(set(items) - set(done.get(stage, ()))) for stage, items in stage_items(plan).items()}
 
 
+_Paces = Mapping[str, float]  # a stage's seconds per computed frame
+
+
 def _frames(plan: ClipPlan, span: Span) -> int:
     """What an item's time grows with: its window's computed frames (scene windows differ in length)."""
     window = span.window
@@ -116,6 +119,15 @@ class _Sharing:
         """An item's device-seconds over [start, end]."""
         return self._at(end) - self._at(start)
 
+    def count(self, time: float) -> int:
+        """The items in flight just after `time`."""
+        index = bisect.bisect_right(self.times, time) - 1
+        return self.counts[index] if index >= 0 else 0
+
+    def next_change(self, time: float) -> float | None:
+        index = bisect.bisect_right(self.times, time)
+        return self.times[index] if index < len(self.times) else None
+
 
 def _paces(plan: ClipPlan, spans: list[Span], recent: Mapping[str, int], device: _Sharing) -> dict[str, float]:
     """Each stage's seconds per computed frame over its `recent[stage]` latest items: a model item's in device-seconds
@@ -132,7 +144,8 @@ def _paces(plan: ClipPlan, spans: list[Span], recent: Mapping[str, int], device:
             ends = decoded.get(span.window, []) if span.window is not None else []
             if len(ends) < plan.num_tiles:  # its decodes ran before these spans: its wait cannot be told apart
                 continue
-            seconds = max(0.0, span.end - max(ends))
+            # From its last decode, or from its own start where that came later (a resumed run's first blend).
+            seconds = max(0.0, span.end - max(span.start, *ends))
         per_frame.setdefault(span.stage, []).append(seconds / _frames(plan, span))
     kept = {stage: values[-recent.get(stage, len(values)) :] for stage, values in per_frame.items()}
     return {stage: sum(values) / len(values) for stage, values in kept.items()}
@@ -221,11 +234,12 @@ def _urgency(item: _Item, position: int) -> tuple[int, int, int]:
 class _Lane:
     """The model lane replayed from `now`'s view: the items not done taken in the scheduler's order by its slots,
     each slot free from its time in `free`, the items in flight splitting the device (an item's `seconds` are
-    device-seconds: k in flight each go at a k-th of their pace). An item that would have ended by `now` is still
+    device-seconds: k in flight each go at a k-th of their pace) with the items `recorded` that ran then (a slot
+    that freed before `now` took its item while others still ran). An item that would have ended by `now` is still
     running (it has no record): it ends at `now`, holding its share until then."""
 
-    def __init__(self, items: list[_Item], free: list[float], now: float) -> None:
-        self.items, self.now = items, now
+    def __init__(self, items: list[_Item], free: list[float], now: float, recorded: _Sharing) -> None:
+        self.items, self.now, self.recorded = items, now, recorded
         self.on_start: dict[int, list[int]] = {}  # the items that may start once an item has started
         self.on_end: dict[int, list[int]] = {}  # those that need it ended
         self.blocked: dict[int, int] = {}  # each item not done: its needs not met
@@ -282,17 +296,24 @@ class _Lane:
                 self.idle -= 1
                 self._release(self.on_start.get(position, []))
 
+    def _share(self) -> int:
+        """The items the device is split among from now to the next event."""
+        return len(self.running) + (self.recorded.count(self.at) if self.at < self.now else 0)
+
     def _next_event(self) -> float | None:
-        """The next instant anything changes: an item ends, a slot frees, an item becomes ready."""
-        share, working = len(self.running), [left for left in self.running.values() if left]
+        """The next instant anything changes: an item ends, a slot frees, an item becomes ready, the recorded items
+        in flight change."""
+        share, working = self._share(), [left for left in self.running.values() if left]
         upcoming = [self.at + min(working) * share] if working else []
-        upcoming += [self.now] if self.at < self.now and len(working) < share else []  # the overdue end at `now`
+        upcoming += [self.now] if self.at < self.now and len(working) < len(self.running) else []  # overdue: `now`
         upcoming += [self.closed[0]] if self.closed else []
         upcoming += [self.pending[0][0]] if self.pending else []
+        change = self.recorded.next_change(self.at) if self.at < self.now else None
+        upcoming += [min(change, self.now)] if change is not None else []
         return min(upcoming, default=None)
 
     def _advance(self, to: float) -> None:
-        share = len(self.running)
+        share = self._share()
         for position, left in self.running.items():
             left -= (to - self.at) / share
             # Within a micro-second of done is done: instants since the epoch carry a few tenths of one.
@@ -315,6 +336,37 @@ class _Lane:
         return self.last, [start for start in in_flight if start < self.now]
 
 
+def _slots_free(tasks: list[tuple[float, float]], width: int, started: float) -> list[float]:
+    """When each of the lane's `width` slots last freed (and took the item in flight on it, if any): all free at
+    `started`, each task taking, as it started, the slot that freed latest by then (a slot's freeing is what
+    grants the next item), else the earliest. A slot that never freed since holds an item since the start."""
+    free = [started] * width
+    for start, end in sorted(tasks):
+        taken = [at for at in free if at <= start]
+        free.remove(max(taken) if taken else min(free))
+        free.append(end)
+    return sorted(free)
+
+
+def _stopped_in_flight(
+    plan: ClipPlan, done: Mapping[str, Iterable[str]], spans: list[Span], earlier: list[Span], paces: _Paces
+) -> list[tuple[float, float]]:
+    """The tasks the earlier attempts had in flight when the last of them stopped, each from when its slot last freed
+    to that attempt's last record. Killed, they left no record, but the items recorded beside them shared the device
+    with them: without them, a decode that ran beside one lost would count as having had the device alone. Which
+    items they were is the lane replayed as that attempt saw it: what this run found done, done."""
+    tasks = _tasks(plan, earlier)
+    if not tasks:
+        return []
+    computed = {(span.stage, span.item) for span in spans}
+    found = {stage: [item for item in items if (stage, item) not in computed] for stage, items in done.items()}
+    stopped = max(end for _, end in tasks)
+    free = _slots_free(tasks, _width(tasks), min(start for start, _ in tasks))
+    ends = {(span.stage, span.item): span.end for span in earlier}
+    _, starts = _Lane(_lane_items(plan, found, ends, paces), free, stopped, _Sharing.of(tasks)).replay()
+    return [(start, stopped) for start in starts]
+
+
 def seconds_left(
     plan: ClipPlan,
     done: Mapping[str, Iterable[str]],
@@ -331,25 +383,28 @@ def seconds_left(
     recent = window_items(plan)
     left = items_left(plan, done)
     timed = [*(earlier or []), *spans]
-    tasks, earlier_tasks = _tasks(plan, spans), _tasks(plan, earlier or [])
-    paces = _paces(plan, timed, recent, _Sharing.of([*earlier_tasks, *tasks]))
+    tasks = _tasks(plan, spans)
+    recorded = [*_tasks(plan, earlier or []), *tasks]
+    paces = _paces(plan, timed, recent, _Sharing.of(recorded))
     if any(left.get(stage, 0) and stage not in paces for stage in MODEL_STAGES):
         return None
     tail = (Stage.BLEND, Stage.SEGMENT, Stage.MUX)
     if not any(left.get(stage, 0) for stage in (*MODEL_STAGES, *tail)):
         return 0.0
     ends = {(span.stage, span.item): span.end for span in spans}
-    width = max(_width(tasks), _width(earlier_tasks))
-    # Each slot last freed at one of the latest task ends (then took the item now in flight), else at the start.
-    free = ([end for _, end in sorted(tasks, key=lambda task: task[1])][-width:] + [started] * width)[:width]
-    at, in_flight = _Lane(_lane_items(plan, done, ends, paces), free, now).replay()
+    width = max(_width(tasks), _width(_tasks(plan, earlier or [])))
+    free = _slots_free(tasks, width, started)
+    if earlier:
+        recorded += _stopped_in_flight(plan, done, spans, earlier, paces)
+        paces = _paces(plan, timed, recent, _Sharing.of(recorded))
+    device = _Sharing.of(recorded)
+    at, in_flight = _Lane(_lane_items(plan, done, ends, paces), free, now, device).replay()
     if in_flight:
         # The items in flight, which have no records yet, shared the device with the latest recorded ones: counted
         # in, those took less of it than they seemed to (a decode that ran beside one still running is not a lone
         # decode). The lane replayed again at those paces.
-        open_tasks = [(start, now) for start in in_flight]
-        paces = _paces(plan, timed, recent, _Sharing.of([*earlier_tasks, *tasks, *open_tasks]))
-        at, _ = _Lane(_lane_items(plan, done, ends, paces), free, now).replay()
+        paces = _paces(plan, timed, recent, _Sharing.of([*recorded, *((start, now) for start in in_flight)]))
+        at, _ = _Lane(_lane_items(plan, done, ends, paces), free, now, device).replay()
     last = plan.windows[-1]
     for stage in tail:
         item = "all" if stage == Stage.MUX else str(last.index)

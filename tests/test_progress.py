@@ -439,3 +439,25 @@ def test_a_resumed_runs_lone_last_item_counts_at_the_pace_of_the_device_to_itsel
     restart = killed_at + 100.0
     replayed = timelines.replay(FIVE, timelines.streamed(second, restart), restart, first)
     assert _misses(replayed) == []
+
+
+# Recorded 2026-12-06: the tiny model on a 250-frame 64x64 clip (three windows of one tile) on the shared two-core
+# host (load average 8 to 14), killed as window 0's decode ended and started again; `attempt` says which.
+CLIP64 = Path(__file__).parent / "data" / "clip64-resumed-timeline.jsonl"
+PLAN64 = make_plan((64, 64), 250, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
+
+
+def test_a_recorded_resumed_run_counts_what_its_killed_attempt_had_in_flight() -> None:
+    """The killed attempt recorded one decode (132 s), which ran beside window 1's decode, lost at the kill and
+    recorded by no line: counted as having had the device alone, it made the resumed estimate 135 s high. Replayed
+    from the resumed attempt's first line: a figure at once, within 30 s or a quarter (the more) throughout (its
+    decodes ran slower than the killed attempt's: the host's load rose, which its first records cannot show), and
+    within the issue's bounds from its own first decode on."""
+    lines = _lines(CLIP64)
+    first, second = [line for line in lines if line["attempt"] == 0], [line for line in lines if line["attempt"] == 1]
+    start = min(line["start"] for line in second)
+    replayed = timelines.replay(PLAN64, second, start, first)
+    assert replayed[0][2] is not None
+    assert [(at, actual, left) for at, actual, left in replayed if abs(left - actual) > max(30.0, actual / 4)] == []
+    own = min(line["end"] for line in second if line["stage"] == "decode") - start
+    assert _misses(replayed, since=own) == []
