@@ -449,10 +449,10 @@ PLAN64 = make_plan((64, 64), 250, 24.0, parse_params(scale="2"), ModelTraits(til
 
 def test_a_recorded_resumed_run_counts_what_its_killed_attempt_had_in_flight() -> None:
     """The killed attempt recorded one decode (132 s), which ran beside window 1's decode, lost at the kill and
-    recorded by no line: counted as having had the device alone, it made the resumed estimate 135 s high. Replayed
-    from the resumed attempt's first line: a figure at once, within 30 s or a quarter (the more) throughout (its
-    decodes ran slower than the killed attempt's: the host's load rose, which its first records cannot show), and
-    within the issue's bounds from its own first decode on."""
+    recorded by no line: counted as having had the device alone, it made the estimate 93 s high at the resumed
+    run's start. Replayed from the resumed attempt's first line: a figure at once, within 30 s or a quarter (the
+    more) throughout (its decodes ran slower than the killed attempt's: the host's load rose, which its first
+    records cannot show), and within the issue's bounds from its own first decode on."""
     lines = _lines(CLIP64)
     first, second = [line for line in lines if line["attempt"] == 0], [line for line in lines if line["attempt"] == 1]
     start = min(line["start"] for line in second)
