@@ -19,7 +19,7 @@ from k6vsr_core.plan import ModelTraits, make_plan
 from storage import RunStore
 from storage.progress import ProgressCounter, RunProgress, read_progress, run_finished, stage_counts
 from storage.records import CompletionRecord
-from storage.time_left import Span, seconds_left, window_items
+from storage.time_left import Span, _slots_free, seconds_left, window_items
 
 # 250 frames at 24 fps: three windows of the tiny model's 6 tiles each (128x96 at x2).
 PLAN = make_plan((96, 128), 250, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
@@ -461,3 +461,12 @@ def test_a_recorded_resumed_run_counts_what_its_killed_attempt_had_in_flight() -
     assert [(at, actual, left) for at, actual, left in replayed if abs(left - actual) > max(30.0, actual / 4)] == []
     own = min(line["end"] for line in second if line["stage"] == "decode") - start
     assert _misses(replayed, since=own) == []
+
+
+def test_a_slot_that_never_freed_holds_its_item_since_the_run_began() -> None:
+    """Two slots from 0 s: a decode took one then and still runs (no record); the other slot's encode (0-8 s) and
+    denoise (8-31 s) freed it for the decode in flight since 31 s. The latest two ends (8 and 31 s) would say the
+    first decode started at 8 s, as the recorded resumed run's did (its first line is that pair, at 206 s)."""
+    assert _slots_free([(0.0, 8.0), (8.0, 31.0)], 2, 0.0) == [0.0, 31.0]
+    assert _slots_free([(0.0, 10.0), (0.0, 12.0), (10.0, 20.0)], 2, 0.0) == [12.0, 20.0]  # each freed since
+    assert _slots_free([], 2, 5.0) == [5.0, 5.0]
