@@ -90,30 +90,33 @@ def _frames(plan: ClipPlan, span: Span) -> int:
 class _Sharing:
     """The model items in flight at each instant, which share the device (a CPU's cores; a GPU's model calls take
     turns): over a stretch with k of them, each got a k-th of it. An item's device-seconds are its wall seconds
-    each divided by the items in flight then: what it would take alone, and, k at once, k times as long."""
+    each divided by the items in flight then: what it would take alone, and, k at once, k times as long. No fewer
+    than `floor` share it: items of other clips the records do not show fill the device (`seconds_left`'s
+    `shared`)."""
 
     times: list[float]  # where the count changes
     counts: list[int]  # the items in flight from each time to the next
     before: list[float]  # device-seconds of one item from the first time to each
+    floor: int = 1
 
     @classmethod
-    def of(cls, tasks: Iterable[tuple[float, float]]) -> _Sharing:
+    def of(cls, tasks: Iterable[tuple[float, float]], floor: int = 1) -> _Sharing:
         changes: dict[float, int] = {}
         for start, end in tasks:
             changes[start] = changes.get(start, 0) + 1
             changes[end] = changes.get(end, 0) - 1
         times, counts, before, count = sorted(changes), [], [], 0
         for index, time in enumerate(times):
-            before.append(before[-1] + (time - times[index - 1]) / max(1, counts[-1]) if index else 0.0)
+            before.append(before[-1] + (time - times[index - 1]) / max(floor, counts[-1]) if index else 0.0)
             count += changes[time]
             counts.append(count)
-        return cls(times, counts, before)
+        return cls(times, counts, before, floor)
 
     def _at(self, time: float) -> float:
         index = bisect.bisect_right(self.times, time) - 1
         if index < 0:
-            return time - (self.times[0] if self.times else 0.0)
-        return self.before[index] + (time - self.times[index]) / max(1, self.counts[index])
+            return (time - (self.times[0] if self.times else 0.0)) / self.floor
+        return self.before[index] + (time - self.times[index]) / max(self.floor, self.counts[index])
 
     def seconds(self, start: float, end: float) -> float:
         """An item's device-seconds over [start, end]."""
@@ -298,7 +301,7 @@ class _Lane:
 
     def _share(self) -> int:
         """The items the device is split among from now to the next event."""
-        return len(self.running) + (self.recorded.count(self.at) if self.at < self.now else 0)
+        return max(self.recorded.floor, len(self.running) + (self.recorded.count(self.at) if self.at < self.now else 0))
 
     def _next_event(self) -> float | None:
         """The next instant anything changes: an item ends, a slot frees, an item becomes ready, the recorded items
@@ -374,10 +377,13 @@ def seconds_left(
     now: float,
     started: float,
     earlier: list[Span] | None = None,
+    shared: bool = False,
 ) -> float | None:
     """Seconds until the run of `plan` ends: `done` is each stage's items recorded done, `spans` the items this run
     computed (it started at `started`), `earlier` those earlier attempts of the run computed (their paces stand in
-    for a stage this run has not timed yet).
+    for a stage this run has not timed yet). `shared`: other clips' items, which these records do not show, take the
+    lane's slots this run leaves (an archive's clips in flight together share one model queue), so the device is
+    counted full throughout, each item at the pace it was timed at, alone or not.
 
     None while a model stage with items left has no timing."""
     recent = window_items(plan)
@@ -385,25 +391,26 @@ def seconds_left(
     timed = [*(earlier or []), *spans]
     tasks = _tasks(plan, spans)
     recorded = [*_tasks(plan, earlier or []), *tasks]
-    paces = _paces(plan, timed, recent, _Sharing.of(recorded))
+    width = max(_width(tasks), _width(_tasks(plan, earlier or [])))
+    floor = width if shared else 1
+    paces = _paces(plan, timed, recent, _Sharing.of(recorded, floor))
     if any(left.get(stage, 0) and stage not in paces for stage in MODEL_STAGES):
         return None
     tail = (Stage.BLEND, Stage.SEGMENT, Stage.MUX)
     if not any(left.get(stage, 0) for stage in (*MODEL_STAGES, *tail)):
         return 0.0
     ends = {(span.stage, span.item): span.end for span in spans}
-    width = max(_width(tasks), _width(_tasks(plan, earlier or [])))
     free = _slots_free(tasks, width, started)
     if earlier:
         recorded += _stopped_in_flight(plan, done, spans, earlier, paces)
-        paces = _paces(plan, timed, recent, _Sharing.of(recorded))
-    device = _Sharing.of(recorded)
+        paces = _paces(plan, timed, recent, _Sharing.of(recorded, floor))
+    device = _Sharing.of(recorded, floor)
     at, in_flight = _Lane(_lane_items(plan, done, ends, paces), free, now, device).replay()
     if in_flight:
         # The items in flight, which have no records yet, shared the device with the latest recorded ones: counted
         # in, those took less of it than they seemed to (a decode that ran beside one still running is not a lone
         # decode). The lane replayed again at those paces.
-        paces = _paces(plan, timed, recent, _Sharing.of([*recorded, *((start, now) for start in in_flight)]))
+        paces = _paces(plan, timed, recent, _Sharing.of([*recorded, *((start, now) for start in in_flight)], floor))
         at, _ = _Lane(_lane_items(plan, done, ends, paces), free, now, device).replay()
     last = plan.windows[-1]
     for stage in tail:

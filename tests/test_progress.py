@@ -299,6 +299,7 @@ def test_an_archive_shows_its_clips_and_the_current_clips_bar(tmp_path: Path, mo
     bars.show()
     assert bars.clips.desc == "clips: 1 done, 1 failed, 2 left"
     assert bars.bars["clip2.mp4"].bar.desc == "clip2.mp4: denoise · window 1 of 3 · 0 of 18 tiles"
+    assert not bars.bars["clip2.mp4"].shared  # one clip at a time: its records show all the device does
     assert (bars.clips.n, bars.clips.total) == (2, 4)
 
     _manifest(manifest, root, ["done", "failed", "done", "planned", "skipped", "reused"])
@@ -318,6 +319,7 @@ def test_an_archive_shows_a_bar_for_each_clip_it_runs_at_once(tmp_path: Path, mo
     _manifest(manifest, root, ["done", "planned", "planned", "planned"])
     bars.show()
     assert {path: bar.position for path, bar in bars.bars.items()} == {"clip1.mp4": 1, "clip2.mp4": 2}
+    assert all(bar.shared for bar in bars.bars.values())  # each clip's items share the queue with the other's
     assert bars.clips.desc == "clips: 1 done, 0 failed, 3 left"
     lines = out.getvalue()
     assert "clip1.mp4: encode · window 1 of 3 · 0 of 18 tiles |" in lines and "clip2.mp4: encode" in lines
@@ -470,3 +472,15 @@ def test_a_slot_that_never_freed_holds_its_item_since_the_run_began() -> None:
     assert _slots_free([(0.0, 8.0), (8.0, 31.0)], 2, 0.0) == [0.0, 31.0]
     assert _slots_free([(0.0, 10.0), (0.0, 12.0), (10.0, 20.0)], 2, 0.0) == [12.0, 20.0]  # each freed since
     assert _slots_free([], 2, 5.0) == [5.0, 5.0]
+
+
+def test_beside_other_clips_every_item_counts_at_the_pace_it_was_timed_at() -> None:
+    """An archive's clips in flight together share one model queue, and a clip's records show none of the others'
+    items: a slot its own items leave, another clip's takes. The device counted full, the last tile of `FIVE` (its
+    denoise and decode alone on its own lane) counts at its pair's pace, 108 s, not the 54 s it takes alone."""
+    lines = _shared_lines()
+    now = 226.0
+    spans = [Span.of_line(line) for line in lines if line["end"] <= now]
+    done = _done(*spans)
+    assert seconds_left(FIVE, done, spans, now, 0.0) == pytest.approx(10.0 + 44.0)
+    assert seconds_left(FIVE, done, spans, now, 0.0, shared=True) == pytest.approx(20.0 + 88.0)
