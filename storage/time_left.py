@@ -13,7 +13,10 @@ while k ran took k times what it would alone. A model item's pace is counted in 
 span divided by the items in flight then, those still running without a record included), and the lane is
 replayed as processor sharing: the items in flight split the device, so a lone last item goes as fast as the device
 allows rather than at the pace its pair was timed at. Each stage's pace is over its latest window (the machine's
-pace now: another process's load changes it within a run).
+pace now: another process's load changes it within a run). An attempt killed left no record of the items it had in
+flight; they are found as its lane replayed to its last record, and counted as sharing the device with the items
+recorded beside them. An archive's clips in flight together share one model queue, and a clip's records show none
+of the others' items: there the device is counted full throughout (`seconds_left`'s `shared`).
 
 A pace is this run's: an item found done when the run started says nothing of this run's pace (it took no time
 here), and its record's seconds were of another process. Until this run has timed a stage, the timings earlier
@@ -262,7 +265,8 @@ class _Lane:
         self.running: dict[int, float] = {}  # item -> its device-seconds left
         self.at = self.closed[0] if self.closed else now
         self.last = max((item.end for item in items if item.end is not None), default=float("-inf"))
-        self._release([position for position, count in self.blocked.items() if not count])
+        for position in [position for position, count in self.blocked.items() if not count]:
+            heapq.heappush(self.pending, (self._ready_at(position), position))
 
     def _ready_at(self, position: int) -> float:
         item = self.items[position]
@@ -275,7 +279,7 @@ class _Lane:
     def _release(self, dependents: list[int]) -> None:
         for dependent in dependents:
             self.blocked[dependent] -= 1
-            if self.blocked[dependent] <= 0:
+            if not self.blocked[dependent]:
                 heapq.heappush(self.pending, (self._ready_at(dependent), dependent))
 
     def _end_finished(self) -> None:
@@ -300,7 +304,7 @@ class _Lane:
                 self._release(self.on_start.get(position, []))
 
     def _share(self) -> int:
-        """The items the device is split among from now to the next event."""
+        """The items the device is split among from `at` to the next event."""
         return max(self.recorded.floor, len(self.running) + (self.recorded.count(self.at) if self.at < self.now else 0))
 
     def _next_event(self) -> float | None:
@@ -352,7 +356,12 @@ def _slots_free(tasks: list[tuple[float, float]], width: int, started: float) ->
 
 
 def _stopped_in_flight(
-    plan: ClipPlan, done: Mapping[str, Iterable[str]], spans: list[Span], earlier: list[Span], paces: _Paces
+    plan: ClipPlan,
+    done: Mapping[str, Iterable[str]],
+    spans: list[Span],
+    earlier: list[Span],
+    paces: _Paces,
+    floor: int,
 ) -> list[tuple[float, float]]:
     """The tasks the earlier attempts had in flight when the last of them stopped, each from when its slot last freed
     to that attempt's last record. Killed, they left no record, but the items recorded beside them shared the device
@@ -366,7 +375,7 @@ def _stopped_in_flight(
     stopped = max(end for _, end in tasks)
     free = _slots_free(tasks, _width(tasks), min(start for start, _ in tasks))
     ends = {(span.stage, span.item): span.end for span in earlier}
-    _, starts = _Lane(_lane_items(plan, found, ends, paces), free, stopped, _Sharing.of(tasks)).replay()
+    _, starts = _Lane(_lane_items(plan, found, ends, paces), free, stopped, _Sharing.of(tasks, floor)).replay()
     return [(start, stopped) for start in starts]
 
 
@@ -402,7 +411,7 @@ def seconds_left(
     ends = {(span.stage, span.item): span.end for span in spans}
     free = _slots_free(tasks, width, started)
     if earlier:
-        recorded += _stopped_in_flight(plan, done, spans, earlier, paces)
+        recorded += _stopped_in_flight(plan, done, spans, earlier, paces, floor)
         paces = _paces(plan, timed, recent, _Sharing.of(recorded, floor))
     device = _Sharing.of(recorded, floor)
     at, in_flight = _Lane(_lane_items(plan, done, ends, paces), free, now, device).replay()
