@@ -48,11 +48,14 @@ class RunBar:
         position: int = 0,
         clock: Callable[[], float] = time.time,
         time_left: bool = True,
+        shared: bool = False,
     ) -> None:
         """`name`: the clip's, shown first (an archive's clip bar). Items recorded before the bar began were found
         done: they say nothing of this run's pace, but the timeline's lines of them stand in for it until this run
-        has timed each stage (`storage.time_left`)."""
+        has timed each stage (`storage.time_left`). `shared`: other clips compute beside it on the same model queue
+        (an archive's, several clips at once)."""
         self.store, self.plan, self.name, self.clock, self.position = store, plan, name, clock, position
+        self.shared = shared
         self.time_left = time_left  # off for a preview: it computes a few windows, not the plan's items left
         self.since = clock()
         self.seen: set[tuple[str, str]] = set()  # (stage, item) records read already
@@ -86,7 +89,7 @@ class RunBar:
                 record = records.read(stage, item)
                 if record is not None and record.seconds > 0 and record.written_at >= self.since:
                     self.spans.append(Span.of(record))
-        left = seconds_left(self.plan, done, self.spans, self.clock(), self.since, self.earlier)
+        left = seconds_left(self.plan, done, self.spans, self.clock(), self.since, self.earlier, self.shared)
         return f"{'?' if left is None else tqdm.format_interval(left)} left"
 
     def show(self) -> None:
@@ -159,7 +162,9 @@ class ArchiveBars:
                 continue
             used = {bar.position for bar in self.bars.values()}
             position = next(line for line in range(1, len(self.bars) + 2) if line not in used)
-            self.bars[path] = RunBar(store, plan, self.file, name=path, position=position)
+            # Clips in flight together share the model queue: each clip's items beside others' it cannot see.
+            shared = self.parallel > 1
+            self.bars[path] = RunBar(store, plan, self.file, name=path, position=position, shared=shared)
         self.clips.total = done + failed + left
         self.clips.set_description_str(text, refresh=False)
         self.clips.update(done + failed - self.clips.n)

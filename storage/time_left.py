@@ -3,11 +3,20 @@
 The plan knows every item; the records say which are done and, for those computed, when each ran. The model's items
 (encode, denoise, decode) hold the run back: they share the model lane, a few at once, in the order its scheduler
 grants them (`runtime.schedule`: an encode first once ready, then the earliest window's decodes, then its denoises).
-What is left is that lane replayed forward: its slots taken by the items not done, each at its stage's pace over
-its latest window (the machine's pace now: another process's load changes it within a run), a slot freeing when
-the item on it ends; an item in flight started when its slot last freed. Then the last window's tail, which nothing
-overlaps: its blend from its last decode (the blend's own record spans its wait for the decodes, and says nothing
-of its work), its segment and the mux. CPU items of earlier windows run beside the model lane and add nothing.
+What is left is that lane replayed forward: its slots taken by the items not done, a slot freeing when the item on
+it ends; an item in flight started when its slot last freed. Then the last window's tail, which nothing overlaps:
+its blend from its last decode (the blend's own record spans its wait for the decodes, and says nothing of its
+work), its segment and the mux. CPU items of earlier windows run beside the model lane and add nothing.
+
+The items in flight on the lane share one device (a CPU's cores; on a GPU, model calls take turns), so an item timed
+while k ran took k times what it would alone. A model item's pace is counted in device-seconds (each second of its
+span divided by the items in flight then, those still running without a record included), and the lane is
+replayed as processor sharing: the items in flight split the device, so a lone last item goes as fast as the device
+allows rather than at the pace its pair was timed at. Each stage's pace is over its latest window (the machine's
+pace now: another process's load changes it within a run). An attempt killed left no record of the items it had in
+flight; they are found as its lane replayed to its last record, and counted as sharing the device with the items
+recorded beside them. An archive's clips in flight together share one model queue, and a clip's records show none
+of the others' items: there the device is counted full throughout (`seconds_left`'s `shared`).
 
 A pace is this run's: an item found done when the run started says nothing of this run's pace (it took no time
 here), and its record's seconds were of another process. Until this run has timed a stage, the timings earlier
@@ -71,27 +80,78 @@ def items_left(plan: ClipPlan, done: Mapping[str, Iterable[str]]) -> dict[str, i
     return {stage: len(set(items) - set(done.get(stage, ()))) for stage, items in stage_items(plan).items()}
 
 
+_Paces = Mapping[str, float]  # a stage's seconds per computed frame
+
+
 def _frames(plan: ClipPlan, span: Span) -> int:
     """What an item's time grows with: its window's computed frames (scene windows differ in length)."""
     window = span.window
     return plan.windows[window].padded if window is not None and window < plan.num_windows else 1
 
 
-def _paces(plan: ClipPlan, spans: list[Span], recent: Mapping[str, int]) -> dict[str, float]:
-    """Each stage's seconds per computed frame over its `recent[stage]` latest items; the blend's from its window's
-    last decode to its end (what it adds once the decodes are done)."""
+@dataclass(frozen=True)
+class _Sharing:
+    """The model items in flight at each instant, which share the device (a CPU's cores; a GPU's model calls take
+    turns): over a stretch with k of them, each got a k-th of it. An item's device-seconds are its wall seconds
+    each divided by the items in flight then: what it would take alone, and, k at once, k times as long. No fewer
+    than `floor` share it: items of other clips the records do not show fill the device (`seconds_left`'s
+    `shared`)."""
+
+    times: list[float]  # where the count changes
+    counts: list[int]  # the items in flight from each time to the next
+    before: list[float]  # device-seconds of one item from the first time to each
+    floor: int = 1
+
+    @classmethod
+    def of(cls, tasks: Iterable[tuple[float, float]], floor: int = 1) -> _Sharing:
+        changes: dict[float, int] = {}
+        for start, end in tasks:
+            changes[start] = changes.get(start, 0) + 1
+            changes[end] = changes.get(end, 0) - 1
+        times, counts, before, count = sorted(changes), [], [], 0
+        for index, time in enumerate(times):
+            before.append(before[-1] + (time - times[index - 1]) / max(floor, counts[-1]) if index else 0.0)
+            count += changes[time]
+            counts.append(count)
+        return cls(times, counts, before, floor)
+
+    def _at(self, time: float) -> float:
+        index = bisect.bisect_right(self.times, time) - 1
+        if index < 0:
+            return (time - (self.times[0] if self.times else 0.0)) / self.floor
+        return self.before[index] + (time - self.times[index]) / max(self.floor, self.counts[index])
+
+    def seconds(self, start: float, end: float) -> float:
+        """An item's device-seconds over [start, end]."""
+        return self._at(end) - self._at(start)
+
+    def count(self, time: float) -> int:
+        """The items in flight just after `time`."""
+        index = bisect.bisect_right(self.times, time) - 1
+        return self.counts[index] if index >= 0 else 0
+
+    def next_change(self, time: float) -> float | None:
+        index = bisect.bisect_right(self.times, time)
+        return self.times[index] if index < len(self.times) else None
+
+
+def _paces(plan: ClipPlan, spans: list[Span], recent: Mapping[str, int], device: _Sharing) -> dict[str, float]:
+    """Each stage's seconds per computed frame over its `recent[stage]` latest items: a model item's in device-seconds
+    (`device`: its share of the device over its span), the blend's from its window's last decode to its end (what it
+    adds once the decodes are done)."""
     per_frame: dict[str, list[float]] = {}
     decoded: dict[int, list[float]] = {}
     for span in sorted(spans, key=lambda span: span.end):
         if span.stage == Stage.DECODE and span.window is not None:
             decoded.setdefault(span.window, []).append(span.end)
     for span in sorted(spans, key=lambda span: span.end):
-        seconds = span.end - span.start
+        seconds = device.seconds(span.start, span.end) if span.stage in MODEL_STAGES else span.end - span.start
         if span.stage == Stage.BLEND:
             ends = decoded.get(span.window, []) if span.window is not None else []
             if len(ends) < plan.num_tiles:  # its decodes ran before these spans: its wait cannot be told apart
                 continue
-            seconds = max(0.0, span.end - max(ends))
+            # From its last decode, or from its own start where that came later (a resumed run's first blend).
+            seconds = max(0.0, span.end - max(span.start, *ends))
         per_frame.setdefault(span.stage, []).append(seconds / _frames(plan, span))
     kept = {stage: values[-recent.get(stage, len(values)) :] for stage, values in per_frame.items()}
     return {stage: sum(values) / len(values) for stage, values in kept.items()}
@@ -166,6 +226,9 @@ def _lane_items(
     return items
 
 
+_EPSILON = 1e-6
+
+
 def _urgency(item: _Item, position: int) -> tuple[int, int, int]:
     """The order the lane is replayed in among ready items: the earliest window first, its decodes before its
     denoises. The scheduler takes a ready encode before either; guessing instead that a decode took the slot
@@ -174,54 +237,146 @@ def _urgency(item: _Item, position: int) -> tuple[int, int, int]:
     return (item.window, item.stage != Stage.DECODE, position)
 
 
-def _lane_end(items: list[_Item], free: list[float], now: float) -> float:
-    """When the last of `items` ends, the items not done taken in the scheduler's order by the lane's slots, each
-    slot free from its time in `free`; an item that would have ended by `now` is still running (it has no record)."""
-    dependents: dict[int, list[int]] = {}
-    blocked: dict[int, int] = {}
-    starts: dict[int, float] = {}
-    last = max((item.end for item in items if item.end is not None), default=float("-inf"))
-    pending: list[tuple[float, int]] = []  # (ready at, item): every need scheduled
-    for position, item in enumerate(items):
-        if item.end is not None:
-            starts[position] = item.end
-            continue
-        waits = [need for need in (*item.needs, *item.after_start) if items[need].end is None]
-        blocked[position] = len(waits)
-        for need in waits:
-            dependents.setdefault(need, []).append(position)
+class _Lane:
+    """The model lane replayed from `now`'s view: the items not done taken in the scheduler's order by its slots,
+    each slot free from its time in `free`, the items in flight splitting the device (an item's `seconds` are
+    device-seconds: k in flight each go at a k-th of their pace) with the items `recorded` that ran then (a slot
+    that freed before `now` took its item while others still ran). An item that would have ended by `now` is still
+    running (it has no record): it ends at `now`, holding its share until then."""
 
-    def ready_at(position: int) -> float:
-        item = items[position]
+    def __init__(self, items: list[_Item], free: list[float], now: float, recorded: _Sharing) -> None:
+        self.items, self.now, self.recorded = items, now, recorded
+        self.on_start: dict[int, list[int]] = {}  # the items that may start once an item has started
+        self.on_end: dict[int, list[int]] = {}  # those that need it ended
+        self.blocked: dict[int, int] = {}  # each item not done: its needs not met
+        self.starts = {position: item.end for position, item in enumerate(items) if item.end is not None}
+        for position, item in enumerate(items):
+            if item.end is None:
+                needs = [need for need in item.needs if items[need].end is None]
+                after = [need for need in item.after_start if items[need].end is None]
+                self.blocked[position] = len(needs) + len(after)
+                for need in needs:
+                    self.on_end.setdefault(need, []).append(position)
+                for need in after:
+                    self.on_start.setdefault(need, []).append(position)
+        self.pending: list[tuple[float, int]] = []  # (ready at, item): every need met
+        self.ready: list[tuple[tuple[int, int, int], int]] = []
+        self.closed, self.idle = sorted(free), 0  # slots free from a time to come; slots free now
+        self.running: dict[int, float] = {}  # item -> its device-seconds left
+        self.at = self.closed[0] if self.closed else now
+        self.last = max((item.end for item in items if item.end is not None), default=float("-inf"))
+        for position in [position for position, count in self.blocked.items() if not count]:
+            heapq.heappush(self.pending, (self._ready_at(position), position))
+
+    def _ready_at(self, position: int) -> float:
+        item = self.items[position]
         return max(
             [float("-inf")]
-            + [items[need].end for need in item.needs]  # type: ignore[misc]
-            + [starts[need] for need in item.after_start]
+            + [self.items[need].end for need in item.needs]  # type: ignore[misc]
+            + [self.starts[need] for need in item.after_start]
         )
 
-    for position, count in blocked.items():
-        if not count:
-            heapq.heappush(pending, (ready_at(position), position))
-    slots = sorted(free)
-    ready: list[tuple[tuple[int, int, int], int]] = []
-    while pending or ready:
-        at = heapq.heappop(slots)
-        if not ready and pending[0][0] > at:
-            at = pending[0][0]
-        while pending and pending[0][0] <= at:
-            _, position = heapq.heappop(pending)
-            heapq.heappush(ready, (_urgency(items[position], position), position))
-        _, position = heapq.heappop(ready)
-        item = items[position]
-        starts[position] = at
-        item.end = max(now, at + item.seconds)
-        last = max(last, item.end)
-        heapq.heappush(slots, item.end)
-        for dependent in dependents.get(position, []):
-            blocked[dependent] -= 1
-            if not blocked[dependent]:
-                heapq.heappush(pending, (ready_at(dependent), dependent))
-    return last
+    def _release(self, dependents: list[int]) -> None:
+        for dependent in dependents:
+            self.blocked[dependent] -= 1
+            if not self.blocked[dependent]:
+                heapq.heappush(self.pending, (self._ready_at(dependent), dependent))
+
+    def _end_finished(self) -> None:
+        for position in [position for position, left in self.running.items() if not left]:
+            del self.running[position]
+            self.items[position].end, self.last = self.at, max(self.last, self.at)
+            self.idle += 1
+            self._release(self.on_end.get(position, []))
+
+    def _start_ready(self) -> None:
+        while self.closed and self.closed[0] <= self.at:
+            heapq.heappop(self.closed)
+            self.idle += 1
+        while self.pending and self.pending[0][0] <= self.at or self.idle and self.ready:
+            while self.pending and self.pending[0][0] <= self.at:
+                _, position = heapq.heappop(self.pending)
+                heapq.heappush(self.ready, (_urgency(self.items[position], position), position))
+            if self.idle and self.ready:
+                _, position = heapq.heappop(self.ready)
+                self.running[position], self.starts[position] = self.items[position].seconds, self.at
+                self.idle -= 1
+                self._release(self.on_start.get(position, []))
+
+    def _share(self) -> int:
+        """The items the device is split among from `at` to the next event."""
+        return max(self.recorded.floor, len(self.running) + (self.recorded.count(self.at) if self.at < self.now else 0))
+
+    def _next_event(self) -> float | None:
+        """The next instant anything changes: an item ends, a slot frees, an item becomes ready, the recorded items
+        in flight change."""
+        share, working = self._share(), [left for left in self.running.values() if left]
+        upcoming = [self.at + min(working) * share] if working else []
+        upcoming += [self.now] if self.at < self.now and len(working) < len(self.running) else []  # overdue: `now`
+        upcoming += [self.closed[0]] if self.closed else []
+        upcoming += [self.pending[0][0]] if self.pending else []
+        change = self.recorded.next_change(self.at) if self.at < self.now else None
+        upcoming += [min(change, self.now)] if change is not None else []
+        return min(upcoming, default=None)
+
+    def _advance(self, to: float) -> None:
+        share = self._share()
+        for position, left in self.running.items():
+            left -= (to - self.at) / share
+            # Within a micro-second of done is done: instants since the epoch carry a few tenths of one.
+            self.running[position] = left if left > _EPSILON else 0.0
+        self.at = to
+
+    def replay(self) -> tuple[float, list[float]]:
+        """When the last item ends, and when each item in flight at `now` started."""
+        while True:
+            if self.at >= self.now:
+                self._end_finished()
+            self._start_ready()
+            if self.at >= self.now and not all(self.running.values()):
+                continue  # an item of no seconds ends as it starts
+            to = self._next_event()
+            if to is None:
+                break
+            self._advance(to)
+        in_flight = [self.starts.get(position, self.now) for position in self.blocked]
+        return self.last, [start for start in in_flight if start < self.now]
+
+
+def _slots_free(tasks: list[tuple[float, float]], width: int, started: float) -> list[float]:
+    """When each of the lane's `width` slots last freed (and took the item in flight on it, if any): all free at
+    `started`, each task taking, as it started, the slot that freed latest by then (a slot's freeing is what
+    grants the next item), else the earliest. A slot that never freed since holds an item since the start."""
+    free = [started] * width
+    for start, end in sorted(tasks):
+        taken = [at for at in free if at <= start]
+        free.remove(max(taken) if taken else min(free))
+        free.append(end)
+    return sorted(free)
+
+
+def _stopped_in_flight(
+    plan: ClipPlan,
+    done: Mapping[str, Iterable[str]],
+    spans: list[Span],
+    earlier: list[Span],
+    paces: _Paces,
+    floor: int,
+) -> list[tuple[float, float]]:
+    """The tasks the earlier attempts had in flight when the last of them stopped, each from when its slot last freed
+    to that attempt's last record. Killed, they left no record, but the items recorded beside them shared the device
+    with them: without them, a decode that ran beside one lost would count as having had the device alone. Which
+    items they were is the lane replayed as that attempt saw it: what this run found done, done."""
+    tasks = _tasks(plan, earlier)
+    if not tasks:
+        return []
+    computed = {(span.stage, span.item) for span in spans}
+    found = {stage: [item for item in items if (stage, item) not in computed] for stage, items in done.items()}
+    stopped = max(end for _, end in tasks)
+    free = _slots_free(tasks, _width(tasks), min(start for start, _ in tasks))
+    ends = {(span.stage, span.item): span.end for span in earlier}
+    _, starts = _Lane(_lane_items(plan, found, ends, paces), free, stopped, _Sharing.of(tasks, floor)).replay()
+    return [(start, stopped) for start in starts]
 
 
 def seconds_left(
@@ -231,26 +386,41 @@ def seconds_left(
     now: float,
     started: float,
     earlier: list[Span] | None = None,
+    shared: bool = False,
 ) -> float | None:
     """Seconds until the run of `plan` ends: `done` is each stage's items recorded done, `spans` the items this run
     computed (it started at `started`), `earlier` those earlier attempts of the run computed (their paces stand in
-    for a stage this run has not timed yet).
+    for a stage this run has not timed yet). `shared`: other clips' items, which these records do not show, take the
+    lane's slots this run leaves (an archive's clips in flight together share one model queue), so the device is
+    counted full throughout, each item at the pace it was timed at, alone or not.
 
     None while a model stage with items left has no timing."""
     recent = window_items(plan)
     left = items_left(plan, done)
-    paces = _paces(plan, [*(earlier or []), *spans], recent)
+    timed = [*(earlier or []), *spans]
+    tasks = _tasks(plan, spans)
+    recorded = [*_tasks(plan, earlier or []), *tasks]
+    width = max(_width(tasks), _width(_tasks(plan, earlier or [])))
+    floor = width if shared else 1
+    paces = _paces(plan, timed, recent, _Sharing.of(recorded, floor))
     if any(left.get(stage, 0) and stage not in paces for stage in MODEL_STAGES):
         return None
     tail = (Stage.BLEND, Stage.SEGMENT, Stage.MUX)
     if not any(left.get(stage, 0) for stage in (*MODEL_STAGES, *tail)):
         return 0.0
     ends = {(span.stage, span.item): span.end for span in spans}
-    tasks = _tasks(plan, spans)
-    width = max(_width(tasks), _width(_tasks(plan, earlier or [])))
-    # Each slot last freed at one of the latest task ends (then took the item now in flight), else at the start.
-    free = ([end for _, end in sorted(tasks, key=lambda task: task[1])][-width:] + [started] * width)[:width]
-    at = _lane_end(_lane_items(plan, done, ends, paces), free, now)
+    free = _slots_free(tasks, width, started)
+    if earlier:
+        recorded += _stopped_in_flight(plan, done, spans, earlier, paces, floor)
+        paces = _paces(plan, timed, recent, _Sharing.of(recorded, floor))
+    device = _Sharing.of(recorded, floor)
+    at, in_flight = _Lane(_lane_items(plan, done, ends, paces), free, now, device).replay()
+    if in_flight:
+        # The items in flight, which have no records yet, shared the device with the latest recorded ones: counted
+        # in, those took less of it than they seemed to (a decode that ran beside one still running is not a lone
+        # decode). The lane replayed again at those paces.
+        paces = _paces(plan, timed, recent, _Sharing.of([*recorded, *((start, now) for start in in_flight)], floor))
+        at, _ = _Lane(_lane_items(plan, done, ends, paces), free, now, device).replay()
     last = plan.windows[-1]
     for stage in tail:
         item = "all" if stage == Stage.MUX else str(last.index)

@@ -19,7 +19,7 @@ from k6vsr_core.plan import ModelTraits, make_plan
 from storage import RunStore
 from storage.progress import ProgressCounter, RunProgress, read_progress, run_finished, stage_counts
 from storage.records import CompletionRecord
-from storage.time_left import Span, seconds_left, window_items
+from storage.time_left import Span, _slots_free, seconds_left, window_items
 
 # 250 frames at 24 fps: three windows of the tiny model's 6 tiles each (128x96 at x2).
 PLAN = make_plan((96, 128), 250, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
@@ -171,12 +171,12 @@ def test_the_terminal_bar_says_the_artifact_words_and_the_time_left(tmp_path: Pa
     bar.show()
     shown = out.getvalue().split("\r")[-1]
     assert shown.startswith("decode · window 2 of 3 · 10 of 18 tiles |"), shown
-    # Items of 10 s on a lane seen running two at once: window 2's decodes two by two, then window 3's denoises
-    # beside its decodes, its last decode alone: 7 steps (blend, segment, mux unmeasured).
-    assert shown.endswith("| 00:30 elapsed, 01:10 left"), shown
+    # Items of 10 s, each beside another: window 2's decodes two by two, then window 3's denoises beside its
+    # decodes, 6 steps of 10 s; its last decode alone, with the device to itself, 5 s (blend, segment, mux unmeasured).
+    assert shown.endswith("| 00:30 elapsed, 01:05 left"), shown
     clock.now = 1040.0  # no item ended: the estimate counts down, redrawn with the elapsed time
     bar.show()
-    assert out.getvalue().split("\r")[-1].endswith("| 00:40 elapsed, 01:00 left")
+    assert out.getvalue().split("\r")[-1].endswith("| 00:40 elapsed, 00:55 left")
     bar.close()
 
 
@@ -299,6 +299,7 @@ def test_an_archive_shows_its_clips_and_the_current_clips_bar(tmp_path: Path, mo
     bars.show()
     assert bars.clips.desc == "clips: 1 done, 1 failed, 2 left"
     assert bars.bars["clip2.mp4"].bar.desc == "clip2.mp4: denoise · window 1 of 3 · 0 of 18 tiles"
+    assert not bars.bars["clip2.mp4"].shared  # one clip at a time: its records show all the device does
     assert (bars.clips.n, bars.clips.total) == (2, 4)
 
     _manifest(manifest, root, ["done", "failed", "done", "planned", "skipped", "reused"])
@@ -318,6 +319,7 @@ def test_an_archive_shows_a_bar_for_each_clip_it_runs_at_once(tmp_path: Path, mo
     _manifest(manifest, root, ["done", "planned", "planned", "planned"])
     bars.show()
     assert {path: bar.position for path, bar in bars.bars.items()} == {"clip1.mp4": 1, "clip2.mp4": 2}
+    assert all(bar.shared for bar in bars.bars.values())  # each clip's items share the queue with the other's
     assert bars.clips.desc == "clips: 1 done, 0 failed, 3 left"
     lines = out.getvalue()
     assert "clip1.mp4: encode · window 1 of 3 · 0 of 18 tiles |" in lines and "clip2.mp4: encode" in lines
@@ -400,3 +402,85 @@ def test_time_left_after_a_resume_shows_at_once_and_keeps_its_bounds(killed_at: 
     assert replayed[0][2] is not None
     since = 212.0 - min(line["start"] for line in _lines(CLIP250) if line["end"] > killed_at) if killed_at < 212 else 0
     assert _misses(replayed, since=since) == []
+
+
+# A 97-frame 64x448 clip: one window of the tiny model's 5 tiles, each its own chunk.
+FIVE = make_plan((64, 448), 97, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
+
+
+def _shared_lines() -> list[dict]:
+    """A run of `FIVE` on a device its items share: an item takes twice as long beside another as alone (a denoise 10
+    s alone, a decode 44 s). Its lane of two takes the tiles two by two, as the scheduler grants them (decodes
+    first), so tiles 0 to 3 go in pairs (20 s denoises, 88 s decodes) and tile 4 alone, its denoise and decode
+    twice as fast as their pairs were."""
+    spans = [("encode", "0", 0.0, 10.0)]
+    for pair, at in ((0, 10.0), (2, 118.0)):
+        for tile in (pair, pair + 1):
+            spans += [("denoise", f"0-{tile}", at, at + 20.0), ("decode", f"0-{tile}", at + 20.0, at + 108.0)]
+    spans += [("denoise", "0-4", 226.0, 236.0), ("decode", "0-4", 236.0, 280.0)]
+    spans += [("blend", "0", 280.0, 282.0), ("segment", "0", 282.0, 285.0), ("mux", "all", 285.0, 286.0)]
+    return [{"stage": stage, "item": item, "start": start, "end": end} for stage, item, start, end in spans]
+
+
+def test_a_lone_last_item_counts_at_the_pace_of_the_device_to_itself() -> None:
+    """The items in flight share the device: a pace timed while two ran is two items' share, so the last tile, alone
+    on the lane, is counted at twice that pace (taken at its pair's, the estimate was 48 s high throughout: 216 s
+    for the last 168, 108 s for the last 60). From the first decodes' end on, every estimate within the bounds."""
+    assert (FIVE.num_windows, FIVE.num_tiles, len(FIVE.chunks)) == (1, 5, 5)
+    replayed = timelines.replay(FIVE, timelines.streamed(_shared_lines()), 0.0)
+    assert next(at for at, _, estimate in replayed if estimate is not None) == 118.0
+    assert _misses(replayed) == [(at, 286 - at, None) for at in range(118)]
+
+
+@pytest.mark.parametrize("killed_at", [150.0, 240.0])
+def test_a_resumed_runs_lone_last_item_counts_at_the_pace_of_the_device_to_itself(killed_at: float) -> None:
+    """Killed with the third pair's decodes in flight (150 s) or the last decode (240 s), started again 100 s later:
+    from its first second, the estimate counts the earlier attempt's paired decodes as pairs' shares, and the last
+    tile alone at twice their pace."""
+    first, second = timelines.resumed(_shared_lines(), killed_at, killed_at + 100.0)
+    restart = killed_at + 100.0
+    replayed = timelines.replay(FIVE, timelines.streamed(second, restart), restart, first)
+    assert _misses(replayed) == []
+
+
+# Recorded 2026-12-06: the tiny model on a 250-frame 64x64 clip (three windows of one tile) on the shared two-core
+# host (load average 8 to 14), killed as window 0's decode ended and started again; `attempt` says which.
+CLIP64 = Path(__file__).parent / "data" / "clip64-resumed-timeline.jsonl"
+PLAN64 = make_plan((64, 64), 250, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
+
+
+def test_a_recorded_resumed_run_counts_what_its_killed_attempt_had_in_flight() -> None:
+    """The killed attempt recorded one decode (132 s), which ran beside window 1's decode, lost at the kill and
+    recorded by no line: counted as having had the device alone, it made the estimate 93 s high at the resumed
+    run's start. Replayed from the resumed attempt's first line: a figure at once, within 30 s or a quarter (the
+    more) throughout (its decodes ran slower than the killed attempt's: the host's load rose, which its first
+    records cannot show), and within the issue's bounds from its own first decode on."""
+    lines = _lines(CLIP64)
+    first, second = [line for line in lines if line["attempt"] == 0], [line for line in lines if line["attempt"] == 1]
+    start = min(line["start"] for line in second)
+    replayed = timelines.replay(PLAN64, second, start, first)
+    assert replayed[0][2] is not None
+    assert [(at, actual, left) for at, actual, left in replayed if abs(left - actual) > max(30.0, actual / 4)] == []
+    own = min(line["end"] for line in second if line["stage"] == "decode") - start
+    assert _misses(replayed, since=own) == []
+
+
+def test_a_slot_that_never_freed_holds_its_item_since_the_run_began() -> None:
+    """Two slots from 0 s: a decode took one then and still runs (no record); the other slot's encode (0-8 s) and
+    denoise (8-31 s) freed it for the decode in flight since 31 s. The latest two ends (8 and 31 s) would say the
+    first decode started at 8 s, as the recorded resumed run's did (its first line is that pair, at 206 s)."""
+    assert _slots_free([(0.0, 8.0), (8.0, 31.0)], 2, 0.0) == [0.0, 31.0]
+    assert _slots_free([(0.0, 10.0), (0.0, 12.0), (10.0, 20.0)], 2, 0.0) == [12.0, 20.0]  # each freed since
+    assert _slots_free([], 2, 5.0) == [5.0, 5.0]
+
+
+def test_beside_other_clips_every_item_counts_at_the_pace_it_was_timed_at() -> None:
+    """An archive's clips in flight together share one model queue, and a clip's records show none of the others'
+    items: a slot its own items leave, another clip's takes. The device counted full, the last tile of `FIVE` (its
+    denoise and decode alone on its own lane) counts at its pair's pace, 108 s, not the 54 s it takes alone."""
+    lines = _shared_lines()
+    now = 226.0
+    spans = [Span.of_line(line) for line in lines if line["end"] <= now]
+    done = _done(*spans)
+    assert seconds_left(FIVE, done, spans, now, 0.0) == pytest.approx(10.0 + 44.0)
+    assert seconds_left(FIVE, done, spans, now, 0.0, shared=True) == pytest.approx(20.0 + 88.0)
