@@ -494,6 +494,7 @@ def _source_facts(prepared: Any) -> dict[str, Any]:
         "source_size": {"width": probe.width, "height": probe.height},
         "source_frames": probe.num_frames,
         "source_fps": probe.fps,
+        "source_colour": f"{probe.colour.describe()}, {probe.bit_depth}-bit",
     }
 
 

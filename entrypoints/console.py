@@ -233,10 +233,13 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     estimate = plan["store_estimate"]
     items = plan["items"]
     source_frames, kept = plural(plan["source_frames"], "frame"), plural(plan["frames_kept"], "frame")
+    source_colour = f", colour {plan['source_colour']}" if plan.get("source_colour") else ""
+    colour = f", colour {output['colour']}" if output.get("colour") else ""
     lines = [
-        f"source    {plan['source']}: {size['width']}x{size['height']}, {source_frames} at {rate}",
+        f"source    {plan['source']}: {size['width']}x{size['height']}, {source_frames} at {rate}{source_colour}",
         f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
-        f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}, audio {output['audio']}",
+        f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}{colour}, "
+        f"audio {output['audio']}",
         f"model     {plan['model']}{_weights_note(plan)}",
         f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
         f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "

@@ -275,7 +275,7 @@ def _encoding_rate(folder: Path, plan: ClipPlan, frames: np.ndarray) -> tuple[fl
 
 def _write_side_by_side(path: Path, plan: ClipPlan, halves: list[np.ndarray]) -> None:
     tmp = path.with_name(f".{path.name}.part.mp4")
-    media.write_video(tmp, np.concatenate(halves), plan.frame_rate, None)
+    media.write_video(tmp, np.concatenate(halves), plan.frame_rate, None, colour=plan.colour)
     tmp.replace(path)
 
 

@@ -41,6 +41,11 @@ class MediaError(UserFacingError, ValueError):
         return (type(self), (self.path, self.cause))
 
 
+class UnsupportedColour(MediaError):
+    """A source whose colour the output cannot carry faithfully (HDR, wide gamut, an unknown matrix): refused with
+    the reason before any work, never written under other tags."""
+
+
 class BundleError(UserFacingError, RuntimeError):
     """A model bundle that cannot be used; the message names the component and the cause."""
 

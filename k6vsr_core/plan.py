@@ -73,6 +73,8 @@ class ClipPlan(BaseModel):
     chunks: tuple[TileChunk, ...]
     sr_size: Size  # (H, W) after blending and cropping
     delivery_size: Size  # (H, W) of the written video
+    # The tags the output is written with: the source's where the path carries them faithfully (media.output_colour)
+    colour: media.ColourTags = media.BT709_TV
 
     @property
     def frame_rate(self) -> int | Fraction:
@@ -89,6 +91,7 @@ class ClipPlan(BaseModel):
             "audio": self.params.audio,
             "fps_mode": self.params.fps_mode,
             "frame_rate": str(self.frame_rate),
+            "colour": (media.UNTAGGED if self.params.encoding.is_rgb else self.colour).describe(),
         }
 
     @property
@@ -172,6 +175,7 @@ def make_plan(
     traits: ModelTraits | None = None,
     source_rate: Fraction | str | None = None,
     cuts: tuple[int, ...] | None = (),
+    colour: media.ColourTags = media.BT709_TV,
 ) -> ClipPlan:
     """Plan a source of `source_frames` frames of `source_size` at `source_fps`; with `windows='scenes'`, its kept
     frames cut into shots before each of `cuts` (positions among the kept frames, `scene_cuts`); `cuts=None` when
@@ -237,4 +241,5 @@ def make_plan(
         chunks=chunks,
         sr_size=sr_size,
         delivery_size=delivery,
+        colour=colour,
     )

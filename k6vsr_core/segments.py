@@ -20,9 +20,9 @@ def write_segment(
     `join_segments`."""
     encoding = plan.params.encoding
     if _segment_is_output(plan):
-        media.write_video(path, frames, plan.frame_rate, audio, rotation, encoding)
+        media.write_video(path, frames, plan.frame_rate, audio, rotation, encoding, plan.colour)
     else:
-        media.write_segment(path, frames, plan.frame_rate, encoding)
+        media.write_segment(path, frames, plan.frame_rate, encoding, plan.colour)
 
 
 def join_segments(
@@ -52,6 +52,7 @@ def join_segments(
         plan.delivery_size,
         0 if audio is None else len(audio),
         original,
+        plan.colour,
     )
     try:
         media.check_output(path, planned)

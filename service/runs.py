@@ -83,6 +83,7 @@ def prepare_run(
     if latent_fps is not None:
         return prepare_latent_run(source, params, spec, store_root, latent_fps, weights, tensors)
     probe = media.probe(source)
+    colour = media.output_colour(str(source), probe.colour, probe.hdr)
     if params.audio_file is not None:
         media.check_audio_file(params.audio_file)
     try:
@@ -93,7 +94,14 @@ def prepare_run(
     try:
         cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params) if find_cuts else None
         plan = make_plan(
-            (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate, cuts
+            (probe.height, probe.width),
+            probe.num_frames,
+            probe.fps,
+            params,
+            model_traits(info),
+            probe.rate,
+            cuts,
+            colour,
         )
     except ParameterError:
         raise

@@ -150,6 +150,7 @@ def test_plan_reports_the_output_format(tiny_bundle_path: Path, clip_1f: Path, t
         "audio": "contract",
         "fps_mode": "contract",
         "frame_rate": "24",
+        "colour": "bt709/bt709/bt709/tv",
     }
 
 
@@ -544,7 +545,8 @@ def test_a_mistagged_output_fails_the_run_and_publishes_nothing(
     """The injected fault: the writer tags BT.601 (smpte170m) where the plan says BT.709."""
     from k6vsr_core.media import writing
 
-    monkeypatch.setattr(writing, "_BT709", 6)
+    for table in ("PRIMARY_CODES", "TRANSFER_CODES", "MATRIX_CODES"):
+        monkeypatch.setattr(writing, table, {**getattr(writing, table), "bt709": 6})
     out = tmp_path / "runner" / "o.mp4"
     out.parent.mkdir()
     with pytest.raises(media.OutputMismatch, match="colour tags smpte170m/smpte170m/smpte170m/tv, bt709/bt709"):

@@ -201,7 +201,7 @@ def test_a_failed_jobs_error_and_the_apis_answer_come_from_one_table() -> None:
     from entrypoints.server.errors import api_error
 
     for kind, status, code in USER_ERROR_STATUS:
-        err = kind("the clip", "no video stream") if kind is MediaError else kind("refused")
+        err = kind("the clip", "no video stream") if issubclass(kind, MediaError) else kind("refused")
         answer = api_error(err)
         assert (answer.status, answer.code) == (status, code)
         assert _error_of(err) == {"message": str(err), "type": "invalid_request_error", "code": code}

@@ -6,10 +6,11 @@ from the same table the routes answer with (`entrypoints.server.errors`).
 from __future__ import annotations
 
 from entrypoints.server.records import InputQuotaFull, KeyQueueFull, QueueFull, UploadsBusy
-from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UserFacingError
+from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UnsupportedColour, UserFacingError
 
 # The errors a user can fix (k6vsr_core.errors) as HTTP answers: the first class that matches gives status and code.
 USER_ERROR_STATUS: tuple[tuple[type[UserFacingError], int, str], ...] = (
+    (UnsupportedColour, 400, "unsupported_colour"),
     (MediaError, 400, "invalid_video"),
     (ParameterError, 400, "invalid_value"),
     (BundleError, 503, "model_unavailable"),

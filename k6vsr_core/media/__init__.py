@@ -2,6 +2,7 @@
 
     selection   which source frames a clip keeps and the rate they play at (24-fps rule, 1 + 8k frames)
     probing     what a source file is, before any frame is decoded
+    colour      a source's colour tags and HDR metadata, and the tags its output keeps (or why it is refused)
     reading     a source's frames decoded as RGB
     audio       a file's audio as the contract's mono 44.1 kHz track
     writing     frames encoded as a reproducible file, segments joined, the audio added
@@ -17,7 +18,8 @@ would shadow a function or module imported by name.
 """
 
 from k6vsr_core.media.audio import AUDIO_SAMPLE_RATE, check_audio_file, decode_audio, trim_audio, write_audio_track
-from k6vsr_core.media.checking import ColourTags, OutputMismatch, PlannedOutput, check_output
+from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, OutputMismatch, PlannedOutput, check_output
+from k6vsr_core.media.colour import HdrMetadata, output_colour
 from k6vsr_core.media.probing import MAX_SOURCE_PIXELS, MAX_SOURCE_SIDE, VideoProbe, probe
 from k6vsr_core.media.reading import iter_frames, read_frames, scan_frames
 from k6vsr_core.media.selection import (
@@ -32,6 +34,10 @@ from k6vsr_core.media.writing import HEVC_MIN_SIDE, concat_segments, planned_out
 
 __all__ = [
     "AUDIO_SAMPLE_RATE",
+    "BT709_TV",
+    "UNTAGGED",
+    "HdrMetadata",
+    "output_colour",
     "HEVC_MIN_SIDE",
     "MAX_NUM_FRAMES",
     "MAX_SOURCE_PIXELS",

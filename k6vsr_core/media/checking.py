@@ -10,7 +10,9 @@ import av
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import PipelineError
-from k6vsr_core.media.probing import PathLike
+
+# As probing's, not imported from it: probing describes a source's colour with this module's tags.
+PathLike = str | os.PathLike[str]
 
 # FFmpeg's names for the codes of its colour enums (libavutil/pixfmt.h), for messages and plans alike.
 PRIMARIES = {1: "bt709", 2: "unspecified", 4: "bt470m", 5: "bt470bg", 6: "smpte170m", 7: "smpte240m", 9: "bt2020"}

@@ -12,6 +12,8 @@ import av.container
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import MediaError
+from k6vsr_core.media.checking import ColourTags
+from k6vsr_core.media.colour import HdrMetadata, frame_colour, frame_hdr
 
 PathLike = str | os.PathLike[str]
 
@@ -30,7 +32,9 @@ class VideoProbe(BaseModel):
     ``width``, ``height`` and ``pix_fmt`` describe the first decoded frame, i.e.
     what :func:`read_frames` returns.  ``rotation`` is the display-matrix
     angle in degrees counter-clockwise (PyAV's convention, range -180..180), 0
-    when the file carries none; decoded frames are *not* rotated.
+    when the file carries none; decoded frames are *not* rotated. ``colour`` is the first frame's colour tags
+    (``unspecified`` where the stream gives none), ``bit_depth`` its luma depth and ``hdr`` its mastering-display and
+    content-light metadata, if any.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -46,6 +50,9 @@ class VideoProbe(BaseModel):
     rotation: int
     duration_s: float | None
     rate: str | None = None  # the exact rate as a fraction ("30000/1001"), for `--fps source`
+    colour: ColourTags = ColourTags(primaries="unspecified", transfer="unspecified", matrix="unspecified", range="tv")
+    bit_depth: int = 8
+    hdr: HdrMetadata | None = None
 
 
 def open_input(path: str) -> av.container.InputContainer:
@@ -181,6 +188,9 @@ def _probe_file(path: str) -> VideoProbe:
             rotation=int(first.rotation),
             duration_s=_duration_s(container, stream),
             rate=str(Fraction(stream.average_rate or stream.base_rate)),
+            colour=frame_colour(first),
+            bit_depth=first.format.components[0].bits,
+            hdr=frame_hdr(first),
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterator
+from typing import Literal
 
 import av
 import av.container
@@ -13,8 +14,13 @@ import numpy as np
 from k6vsr_core.errors import MediaError
 from k6vsr_core.media.probing import PathLike, open_input, video_stream
 
+# RGB bits a channel: 8 (`rgb24`, what the model path takes) or 16 (`rgb48le`: a 10-bit source's code values
+# scaled to 16 bits, never through 8).
+Depth = Literal[8, 16]
+_RGB_FORMATS = {8: "rgb24", 16: "rgb48le"}
 
-def _decode_indices(path: str, wanted: list[int]) -> tuple[dict[int, np.ndarray], int]:
+
+def _decode_indices(path: str, wanted: list[int], depth: Depth = 8) -> tuple[dict[int, np.ndarray], int]:
     """Decode frames up to ``max(wanted)``, keeping only the wanted ones as RGB.
 
     Returns the kept frames by source index and how many frames were decoded,
@@ -33,7 +39,7 @@ def _decode_indices(path: str, wanted: list[int]) -> tuple[dict[int, np.ndarray]
                 if index in wanted_set:
                     # rgb24 conversion copes with any source pix_fmt: 10-bit,
                     # alpha (dropped), paletted, full or limited range.
-                    kept[index] = frame.to_ndarray(format="rgb24")
+                    kept[index] = frame.to_ndarray(format=_RGB_FORMATS[depth])
                 if index >= last:
                     break
         except av.error.FFmpegError as exc:
@@ -43,7 +49,7 @@ def _decode_indices(path: str, wanted: list[int]) -> tuple[dict[int, np.ndarray]
 
 def _stack_frames(path: str, indices: list[int], kept: dict[int, np.ndarray]) -> np.ndarray:
     height, width = kept[indices[0]].shape[:2]
-    out = np.empty((len(indices), height, width, 3), dtype=np.uint8)
+    out = np.empty((len(indices), height, width, 3), dtype=kept[indices[0]].dtype)
     for position, index in enumerate(indices):
         # Popping as we copy keeps peak memory near one clip instead of two.
         frame = kept.pop(index)
@@ -88,8 +94,11 @@ def scan_frames(path: PathLike) -> tuple[int, np.ndarray | None]:
     return len(stamps), pts
 
 
-def read_frames(path: PathLike, indices: list[int], frame_pts: np.ndarray | None = None) -> np.ndarray:
-    """Decode the source frames at ``indices`` (ascending) as ``(T, H, W, 3)`` RGB.
+def read_frames(
+    path: PathLike, indices: list[int], frame_pts: np.ndarray | None = None, depth: Depth = 8
+) -> np.ndarray:
+    """Decode the source frames at ``indices`` (ascending) as ``(T, H, W, 3)`` RGB: uint8, or uint16 with
+    ``depth=16`` (for 10-bit sources), each with the source's own matrix and range.
 
     With the timestamps of :func:`scan_frames`, decoding starts at the key frame before the first wanted frame;
     without them, at the start of the stream.
@@ -98,16 +107,18 @@ def read_frames(path: PathLike, indices: list[int], frame_pts: np.ndarray | None
     if not indices:
         raise ValueError("no frames asked for")
     if frame_pts is not None and indices[-1] < len(frame_pts):
-        kept = _decode_by_pts(path, indices, frame_pts)
+        kept = _decode_by_pts(path, indices, frame_pts, depth)
         if kept is not None:
             return _stack_frames(path, indices, kept)
-    kept, decoded = _decode_indices(path, indices)
+    kept, decoded = _decode_indices(path, indices, depth)
     if len(kept) < len(indices):
         raise MediaError(path, f"only {decoded} frame(s) could be decoded, frame {indices[-1]} was asked for")
     return _stack_frames(path, indices, kept)
 
 
-def _decode_by_pts(path: str, indices: list[int], frame_pts: np.ndarray) -> dict[int, np.ndarray] | None:
+def _decode_by_pts(
+    path: str, indices: list[int], frame_pts: np.ndarray, depth: Depth = 8
+) -> dict[int, np.ndarray] | None:
     """Frames at ``indices`` found by timestamp after one seek; None when the stream does not match the scan."""
     wanted = {int(frame_pts[index]): index for index in indices}
     last = int(frame_pts[indices[-1]])
@@ -122,7 +133,7 @@ def _decode_by_pts(path: str, indices: list[int], frame_pts: np.ndarray) -> dict
                     return None
                 index = wanted.get(int(frame.pts))
                 if index is not None:
-                    kept[index] = frame.to_ndarray(format="rgb24")
+                    kept[index] = frame.to_ndarray(format=_RGB_FORMATS[depth])
                 if frame.pts >= last:
                     break
         except av.error.FFmpegError:

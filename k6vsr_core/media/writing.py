@@ -16,26 +16,38 @@ from av.video.reformatter import ColorRange, Colorspace
 from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import MediaError
 from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC, AUDIO_SAMPLE_RATE, trim_audio
-from k6vsr_core.media.checking import BT709_TV, UNTAGGED, PlannedOutput
+from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, PlannedOutput
+from k6vsr_core.media.colour import MATRIX_CODES, PRIMARY_CODES, TRANSFER_CODES, HdrMetadata, x265_hdr_params
 from k6vsr_core.media.probing import PathLike
 from k6vsr_core.media.streams import SourceStreams, carried_streams
-
-# FFmpeg's BT.709 code is 1 for the colorspace, primaries and transfer enums alike.
-_BT709 = 1
 
 # The contract's rates are whole numbers; `--fps source` keeps the source's exact rational rate (30000/1001).
 FrameRate = int | Fraction
 _CONTRACT = VideoEncoding()
 HEVC_MIN_SIDE = 128
+# swscale's matrix for each YUV matrix the output can be written with (media.colour: the two BT.601 ones are one).
+_SWS_MATRICES = {
+    "bt709": Colorspace.ITU709,
+    "smpte170m": Colorspace.SMPTE170M,
+    "bt470bg": Colorspace.ITU601,
+    "bt2020nc": Colorspace.BT2020,
+}
+_TEN_BIT = ("yuv420p10le",)
 
 
-def _check_frames(frames: np.ndarray) -> None:
+def _check_frames(frames: np.ndarray, encoding: VideoEncoding = _CONTRACT) -> None:
     if not isinstance(frames, np.ndarray):
         raise ValueError(f"frames must be a numpy array, got {type(frames).__name__}")
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"frames must have shape (T, H, W, 3), got {frames.shape}")
-    if frames.dtype != np.uint8:
-        raise ValueError(f"frames must be uint8 RGB, got dtype {frames.dtype}")
+    if frames.dtype == np.uint16:
+        if encoding.stream_pix_fmt not in _TEN_BIT:
+            # Writing them as 8 bits would silently drop the precision they were decoded with.
+            raise ValueError(
+                f"16-bit frames need a 10-bit pixel format ({', '.join(_TEN_BIT)}), not {encoding.stream_pix_fmt}"
+            )
+    elif frames.dtype != np.uint8:
+        raise ValueError(f"frames must be uint8 or uint16 RGB, got dtype {frames.dtype}")
     if frames.shape[0] < 1 or frames.shape[1] < 1 or frames.shape[2] < 1:
         raise ValueError(f"frames must hold at least one non-empty frame, got shape {frames.shape}")
 
@@ -48,23 +60,30 @@ def _prepare_audio(audio: np.ndarray, num_frames: int, fps: int | Fraction) -> n
     return audio if audio.size else None
 
 
-def _encoder_frames(frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding = _CONTRACT) -> Iterator[av.VideoFrame]:
-    """Yield frames in the stream's pixel format (BT.709 for YUV), padded to even size for 4:2:0, pts = index."""
+def _encoder_frames(
+    frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding = _CONTRACT, colour: ColourTags = BT709_TV
+) -> Iterator[av.VideoFrame]:
+    """Yield frames in the stream's pixel format (`colour`'s matrix for YUV), padded to even size for 4:2:0,
+    pts = index."""
     pad = encoding.needs_even_size
     pad_h, pad_w = (frames.shape[1] % 2, frames.shape[2] % 2) if pad else (0, 0)
     time_base = 1 / Fraction(fps)
     for index, rgb in enumerate(frames):
         if pad_h or pad_w:
             rgb = np.pad(rgb, ((0, pad_h), (0, pad_w), (0, 0)), mode="edge")
-        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+        frame = av.VideoFrame.from_ndarray(
+            np.ascontiguousarray(rgb), format="rgb24" if rgb.dtype == np.uint8 else "rgb48le"
+        )
         if encoding.is_rgb:
             frame = frame.reformat(format=encoding.stream_pix_fmt)
         else:
-            # Convert explicitly so the matrix used matches the BT.709 tags on the
-            # stream; left implicit, swscale would use BT.601 and tag nothing, and
-            # players would guess (usually BT.709 for HD) and shift the colours.
+            # Convert explicitly so the matrix used matches the tags on the stream;
+            # left implicit, swscale would use BT.601 and tag nothing, and players
+            # would guess (usually BT.709 for HD) and shift the colours.
             frame = frame.reformat(
-                format=encoding.stream_pix_fmt, dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
+                format=encoding.stream_pix_fmt,
+                dst_colorspace=_SWS_MATRICES[colour.matrix],
+                dst_color_range=ColorRange.MPEG,
             )
         frame.pts = index
         frame.time_base = time_base
@@ -78,8 +97,10 @@ def _add_video_stream(
     fps: FrameRate,
     rotation: int,
     encoding: VideoEncoding = _CONTRACT,
+    colour: ColourTags = BT709_TV,
+    hdr: HdrMetadata | None = None,
 ) -> av.VideoStream:
-    video = container.add_stream(encoding.encoder, rate=fps, options=encoding.options())
+    video = container.add_stream(encoding.encoder, rate=fps, options=_encoder_options(encoding, hdr))
     if rotation:
         # Pixels stay as stored (the model never sees rotation); players turn them as they did the source.
         video.set_display_rotation(rotation)
@@ -89,14 +110,22 @@ def _add_video_stream(
     video.pix_fmt = encoding.stream_pix_fmt
     video.codec_context.time_base = 1 / Fraction(fps)
     if not encoding.is_rgb:
-        video.codec_context.colorspace = _BT709
-        video.codec_context.color_primaries = _BT709
-        video.codec_context.color_trc = _BT709
+        video.codec_context.colorspace = MATRIX_CODES[colour.matrix]
+        video.codec_context.color_primaries = PRIMARY_CODES[colour.primaries]
+        video.codec_context.color_trc = TRANSFER_CODES[colour.transfer]
         video.codec_context.color_range = ColorRange.MPEG
     if encoding.codec == "ffv1":
         # FFV1's slice layout follows the thread count: one thread keeps the bytes the same on every host.
         video.codec_context.thread_count = 1
     return video
+
+
+def _encoder_options(encoding: VideoEncoding, hdr: HdrMetadata | None) -> dict[str, str]:
+    options = encoding.options()
+    if hdr is not None:
+        # PyAV cannot hand the encoder HDR side data; x265 writes the SEI messages from its own parameters.
+        options["x265-params"] = f"{options['x265-params']}:{x265_hdr_params(hdr)}"
+    return options
 
 
 def _mux(
@@ -106,15 +135,17 @@ def _mux(
     audio: np.ndarray | None,
     rotation: int,
     encoding: VideoEncoding = _CONTRACT,
+    colour: ColourTags = BT709_TV,
+    hdr: HdrMetadata | None = None,
 ) -> None:
-    video = _add_video_stream(container, frames.shape[2], frames.shape[1], fps, rotation, encoding)
+    video = _add_video_stream(container, frames.shape[2], frames.shape[1], fps, rotation, encoding, colour, hdr)
 
     sound = None
     if audio is not None:
         sound = container.add_stream(AUDIO_CODEC, rate=AUDIO_SAMPLE_RATE, layout="mono")
         sound.bit_rate = AUDIO_BIT_RATE
 
-    for frame in _encoder_frames(frames, fps, encoding):
+    for frame in _encoder_frames(frames, fps, encoding, colour):
         container.mux(video.encode(frame))
     container.mux(video.encode(None))
 
@@ -169,13 +200,18 @@ def write_video(
     audio: np.ndarray | None,
     rotation: int = 0,
     encoding: VideoEncoding | None = None,
+    colour: ColourTags = BT709_TV,
+    hdr: HdrMetadata | None = None,
 ) -> None:
     """Encode RGB frames (and optional mono audio) as a video file at ``path``.
 
-    - ``frames``: ``(T, H, W, 3)`` uint8 RGB; frame ``i`` gets pts ``i`` in a
+    - ``frames``: ``(T, H, W, 3)`` uint8 RGB (uint16 for a 10-bit pixel format,
+      as ``read_frames(..., depth=16)`` gives); frame ``i`` gets pts ``i`` in a
       ``1/fps`` time base.  By default video is libx264, yuv420p, CRF 18, tagged
       BT.709, in MP4 (the contract's file); ``encoding`` picks another codec,
-      quality, preset or pixel format (FFV1 goes in Matroska).
+      quality, preset or pixel format (FFV1 goes in Matroska); ``colour`` the
+      YUV matrix and tags (a source's own, :func:`output_colour`); ``hdr`` the
+      mastering-display and content-light metadata HEVC carries in SEI.
     - Odd sizes: yuv420p needs even width and height, so an odd dimension is
       padded by repeating the last row/column (the output is then one pixel
       larger) rather than cropped, which would lose upscaled content, or
@@ -192,9 +228,13 @@ def write_video(
     - The file is written in place; if encoding fails it is removed and a
       :class:`MediaError` naming ``path`` is raised.
     """
-    _check_frames(frames)
     fps = _check_rate(fps)
     encoding = encoding or _CONTRACT
+    _check_frames(frames, encoding)
+    if colour.matrix not in _SWS_MATRICES and not encoding.is_rgb:
+        raise ValueError(f"matrix {colour.matrix} cannot be written; allowed: {', '.join(_SWS_MATRICES)}")
+    if hdr is not None and encoding.codec != "hevc":
+        raise ValueError(f"HDR metadata is written by x265 only (codec=hevc), not by codec={encoding.codec}")
     if encoding.codec == "hevc" and min(frames.shape[1:3]) < HEVC_MIN_SIDE:
         # x265 gives run-to-run different output below this, and corrupts its heap on smaller frames still.
         raise ValueError(f"codec=hevc needs frames of at least {HEVC_MIN_SIDE} pixels a side, got {frames.shape[1:3]}")
@@ -203,12 +243,19 @@ def write_video(
 
     path = os.fspath(path)
     with _whole_or_removed(path, "write video"), _open_output(path, encoding) as container:
-        _mux(container, frames, fps, audio, int(rotation), encoding)
+        _mux(container, frames, fps, audio, int(rotation), encoding, colour, hdr)
 
 
-def write_segment(path: PathLike, frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding | None = None) -> None:
-    """One window's frames as a video-only file that starts on a key frame, for :func:`concat_segments`."""
-    write_video(path, frames, fps, None, encoding=encoding)
+def write_segment(
+    path: PathLike,
+    frames: np.ndarray,
+    fps: FrameRate,
+    encoding: VideoEncoding | None = None,
+    colour: ColourTags = BT709_TV,
+) -> None:
+    """One window's frames as a video-only file that starts on a key frame, for :func:`concat_segments` (which
+    copies its colour tags with its packets)."""
+    write_video(path, frames, fps, None, encoding=encoding, colour=colour)
 
 
 def concat_segments(
@@ -336,10 +383,11 @@ def planned_output(
     size: tuple[int, int],
     audio_samples: int = 0,
     original: str | None = None,
+    colour: ColourTags = BT709_TV,
 ) -> PlannedOutput:
     """What :func:`write_video` or :func:`concat_segments` writes for `num_frames` frames of `size` (H, W) at
     `fps`, with `audio_samples` of mono audio (trimmed to the frames) or the streams of `original`: for
-    :func:`k6vsr_core.media.checking.check_output` before the file is published."""
+    :func:`k6vsr_core.media.checking.check_output` before the file is published. YUV outputs carry `colour`."""
     fps = _check_rate(fps)
     height, width = size
     even = encoding.needs_even_size
@@ -355,6 +403,6 @@ def planned_output(
         height=height + (height % 2 if even else 0),
         codec=encoding.codec_name,
         pix_fmt=encoding.stream_pix_fmt,
-        colour=UNTAGGED if encoding.is_rgb else BT709_TV,
+        colour=UNTAGGED if encoding.is_rgb else colour,
         streams=streams,
     )
