@@ -212,6 +212,13 @@ SERVE_CONNECTIONS: tuple[tuple[str, type, float | None, str], ...] = (
         30,
         "seconds a client may leave an answer's bytes unread (each time they wait for it), then it is dropped",
     ),
+    (
+        "--send-buffer-kb",
+        int,
+        None,
+        "the kernel's send buffer of each connection (default: the kernel's own, which grows to a few MB): what a "
+        "client that never reads makes the server send before its connection stops progressing",
+    ),
 )
 
 

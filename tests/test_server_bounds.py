@@ -91,11 +91,12 @@ def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
     assert (defaults.finished_per_key, defaults.memory_budget_bytes > 1 << 30) == (1000, True)
     connections = config_from(build_parser().parse_args(["serve"]), tmp_path, "m").connections
     assert (connections.max_connections, connections.header_timeout_s, connections.keep_alive_s) == (1000, 10, 5)
-    assert connections.send_timeout_s == 30
+    assert (connections.send_timeout_s, connections.send_buffer_bytes) == (30, None)
     flags = "--max-connections 50 --header-timeout-s 2 --keep-alive-s 3 --max-finished-per-key 7 --memory-budget-mb 512"
-    config = config_from(build_parser().parse_args(["serve", *flags.split(), "--send-timeout-s", "4"]), tmp_path, "m")
+    more = ["--send-timeout-s", "4", "--send-buffer-kb", "64"]
+    config = config_from(build_parser().parse_args(["serve", *flags.split(), *more]), tmp_path, "m")
     assert (config.connections.max_connections, config.connections.header_timeout_s) == (50, 2)
-    assert config.connections.send_timeout_s == 4
+    assert (config.connections.send_timeout_s, config.connections.send_buffer_bytes) == (4, 64 << 10)
     assert (config.connections.keep_alive_s, config.limits.finished_per_key) == (3, 7)
     assert config.limits.memory_budget_bytes == 512 << 20
     assert (defaults.min_upload_bytes_per_s, defaults.upload_rate_window_s) == (8 << 10, 30)

@@ -3,7 +3,8 @@ never takes. Each is dropped at the send deadline, the connection cap closes the
 progresses, and the server's descriptors stay under its limit while another key is served.
 
 The first test serves a bare ASGI app (2 KB answers) with the server's protocol in this process; the second runs
-`k6vsr serve` with two keys, 16 connection places, a 3 s send deadline and an open-file limit of 1024.
+`k6vsr serve` with two keys, 16 connection places, a 3 s send deadline, 64 KB send buffers (so that a connection
+that never reads stops progressing after a few downloads) and an open-file limit of 1024.
 """
 
 from __future__ import annotations
@@ -192,14 +193,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_path: Path, pref
     root = tmp_path_factory.mktemp("stalls")
     allowed = root / "allowed"
     allowed.mkdir()
-    make_sample_clip(allowed / "square.mp4", width=64, height=64, num_frames=3, audio=False)
+    make_sample_clip(allowed / "square.mp4", width=64, height=64, num_frames=1, audio=False)
     return {"root": root, "allowed": allowed, "store": root / "store", "bundle": tiny_bundle_path}
 
 
 @pytest.fixture(scope="module")
 def server(stack: dict[str, Path]) -> Iterator[Server]:
     args = ["--allow-path", str(stack["allowed"]), "--api-key", KEY_A, "--api-key", KEY_B]
-    args += ["--max-connections", str(PLACES), "--send-timeout-s", "3"]
+    args += ["--max-connections", str(PLACES), "--send-timeout-s", "3", "--send-buffer-kb", "64"]
     args += ["--header-timeout-s", "1", "--keep-alive-s", "1"]
     running = Server(stack["root"], stack["store"], stack["bundle"], "stalls", args, KEY_A, nofile=NOFILE).start()
     yield running

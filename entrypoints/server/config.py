@@ -48,6 +48,7 @@ class Connections:
     header_timeout_s: float = 10.0  # --header-timeout-s: a request's head (line and headers) must arrive within this
     keep_alive_s: float = 5.0  # --keep-alive-s: an idle keep-alive connection is closed after this
     send_timeout_s: float = 30.0  # --send-timeout-s: bytes of an answer waiting for the client must be taken in this
+    send_buffer_bytes: int | None = None  # --send-buffer-kb: the kernel's send buffer of a connection (None: its own)
     max_header_bytes: int = 16 << 10  # a request head larger than this is refused (400) by h11
 
 
@@ -169,6 +170,9 @@ def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Pa
         header_timeout_s=_at_least(args.header_timeout_s, 0.1, "--header-timeout-s"),
         keep_alive_s=_at_least(args.keep_alive_s, 0.1, "--keep-alive-s"),
         send_timeout_s=_at_least(args.send_timeout_s, 0.1, "--send-timeout-s"),
+        send_buffer_bytes=None
+        if args.send_buffer_kb is None
+        else int(_at_least(args.send_buffer_kb, 16, "--send-buffer-kb")) << 10,
     )
     try:
         umask = int(args.umask, 8)

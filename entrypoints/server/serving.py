@@ -82,7 +82,7 @@ class BoundedH11Protocol(H11Protocol):
         # Writing pauses as soon as a byte waits for the client (asyncio's default waits for 64 KB): a pause is
         # then exactly "the client is not taking the answer", and each one gets the send deadline.
         transport.set_write_buffer_limits(high=0)
-        bound_unacknowledged(transport, self.bounds.send_timeout_s)
+        bound_unacknowledged(transport, self.bounds.send_timeout_s, self.bounds.send_buffer_bytes)
         if len(self.connections) > self.bounds.max_connections:
             if self.waiting:
                 next(iter(self.waiting))._close()
@@ -156,18 +156,22 @@ class BoundedH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def bound_unacknowledged(transport: asyncio.BaseTransport, seconds: float) -> None:
+def bound_unacknowledged(transport: asyncio.BaseTransport, seconds: float, send_buffer: int | None) -> None:
     """The kernel drops the connection when bytes it sent stay unacknowledged, or its client's receive window stays
     shut, for `seconds` (`TCP_USER_TIMEOUT`; Linux). It bounds what asyncio's buffer no longer holds: the bytes
-    already in the socket's send buffer. `SO_SNDTIMEO` is no use here: it bounds blocking sends only."""
+    already in the socket's send buffer, which `send_buffer` caps (`SO_SNDBUF`) where given. `SO_SNDTIMEO` is no use
+    here: it bounds blocking sends only."""
     sock = transport.get_extra_info("socket")
-    option = getattr(socket, "TCP_USER_TIMEOUT", None)
-    if sock is None or option is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
         return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, option, max(1, int(seconds * 1000)))
-    except OSError:  # a kernel without it: the send deadline above still holds
-        pass
+    options = [(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)] if send_buffer else []
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        options.append((socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000))))
+    for level, option, value in options:
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError:  # a kernel without it: the send deadline above still holds
+            pass
 
 
 def protocol_for(bounds: Connections) -> type[BoundedH11Protocol]:
