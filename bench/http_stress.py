@@ -288,7 +288,14 @@ def timed_job(client: httpx.Client, clip: Path, seed: int, statuses: Statuses, d
     """Submit, poll, download: the client's whole round trip, with its time."""
     started = time.monotonic()
     files = {"video_reference": ("clip.mp4", clip.read_bytes(), "video/mp4")}
-    response = client.post("/v1/videos", files=files, data={"sr_resolution_scale": "4", "seed": str(seed)})
+    for attempt in range(2):
+        try:
+            response = client.post("/v1/videos", files=files, data={"sr_resolution_scale": "4", "seed": str(seed)})
+            break
+        except httpx.TransportError as err:  # its keep-alive connection closed at the cap as the longest idle
+            statuses.add(f"transport_{type(err).__name__}")
+            if attempt:
+                raise
     statuses.add(response.status_code)
     response.raise_for_status()
     job_id = response.json()["id"]
