@@ -315,7 +315,14 @@ def timed_job(client: httpx.Client, clip: Path, seed: int, statuses: Statuses, d
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} still {status} at the deadline")
         time.sleep(0.25)
-    content = client.get(f"/v1/videos/{job_id}/content")
+    for attempt in range(2):
+        try:
+            content = client.get(f"/v1/videos/{job_id}/content")
+            break
+        except httpx.TransportError as err:  # as for the submit
+            statuses.add(f"transport_{type(err).__name__}")
+            if attempt:
+                raise
     statuses.add(content.status_code)
     return {
         "id": job_id,

@@ -9,6 +9,7 @@ that never reads stops progressing after a few downloads) and an open-file limit
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import select
@@ -119,11 +120,14 @@ def attacking(port: int, request: bytes, most: int) -> Iterator[Attack]:
 
 
 async def two_kb(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """2 KB for any request; a path of `/slow` takes 50 ms to answer."""
     if scope["type"] == "lifespan":
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(0.05)
     body = b"x" * 2048
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2048")]})
     await send({"type": "http.response.body", "body": body})
@@ -161,6 +165,23 @@ def test_the_cap_closes_never_reading_connections_first() -> None:
             deadline = time.monotonic() + 30  # until the server has sent all it can, on a busy machine
             while len(waiting) < len(server.server_state.connections) and time.monotonic() < deadline:
                 time.sleep(0.1)
+            for _ in range(5):
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                    assert client.get("/").status_code == 200
+        finally:
+            for sock in flood:
+                sock.close()
+
+
+def test_pipelining_clients_give_their_places_up_when_every_connection_progresses() -> None:
+    """More connections than places pipeline slow requests: none stops progressing (their answers are small, and
+    slow to come), so the cap closes the one answered most often for each new client, whose request is answered."""
+    bounds = Connections(max_connections=PLACES, header_timeout_s=1, keep_alive_s=60, send_timeout_s=600)
+    with bare_server(bounds) as (port, server):
+        flood = [stalled_connection(port, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n", 1000) for _ in range(ATTACKERS)]
+        try:
+            time.sleep(0.5)  # each open connection answered a few times
+            assert len(server.server_state.connections) <= PLACES
             for _ in range(5):
                 with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
                     assert client.get("/").status_code == 200
