@@ -175,16 +175,17 @@ def test_the_cap_closes_never_reading_connections_first() -> None:
 
 def test_pipelining_clients_give_their_places_up_when_every_connection_progresses() -> None:
     """More connections than places pipeline slow requests: none stops progressing (their answers are small, and
-    slow to come), so the cap closes the one answered most often for each new client, whose request is answered."""
+    slow to come), so the cap closes the one answered most often in a row for each new client, whose request is
+    answered, and a client that asks again on its keep-alive connection keeps it."""
     bounds = Connections(max_connections=PLACES, header_timeout_s=1, keep_alive_s=60, send_timeout_s=600)
     with bare_server(bounds) as (port, server):
         flood = [stalled_connection(port, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n", 1000) for _ in range(ATTACKERS)]
         try:
             time.sleep(0.5)  # each open connection answered a few times
             assert len(server.server_state.connections) <= PLACES
-            for _ in range(5):
-                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-                    assert client.get("/").status_code == 200
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                for _ in range(5):  # one keep-alive connection that asks, waits for the answer and asks again
+                    assert client.get("/slow").status_code == 200
         finally:
             for sock in flood:
                 sock.close()

@@ -17,11 +17,11 @@ such idle connections too and answers 503 to every real request once they fill i
   (`TCP_USER_TIMEOUT`);
 - at most `max_connections` are open; a new one past that closes the connection that has been waiting the longest,
   for a request head or for its client to take its answer. When every other connection is progressing (reading a
-  request, computing or sending an answer), it closes the one answered most often instead (a client pipelining
-  requests, which progresses as long as the server has time for it), and is itself closed at once only when each
-  of the others is serving its first request. So a flood of idle, half-open, pipelining or never-reading
-  connections costs a busy client nothing but its turn, and the number of file descriptors the connections take
-  stays under the process's limit (`fit_connections`).
+  request, computing or sending an answer), it closes the one answered most often in a row without waiting for a
+  request head instead (a client pipelining requests, which progresses as long as the server has time for it),
+  and is itself closed at once only when each of the others is serving a single request. So a flood of idle,
+  half-open, pipelining or never-reading connections costs a busy client nothing but its turn, and the number of
+  file descriptors the connections take stays under the process's limit (`fit_connections`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class BoundedH11Protocol(H11Protocol):
         self._idle_cycle: object = None  # the request cycle current when this connection last became idle
         self._idle = False  # waiting for a request head
         self._stalled = False  # bytes of its answer wait for the client to read
-        self._answered = 0  # requests answered on this connection
+        self._in_a_row = 0  # requests answered since it last waited for a request head: pipelined ones
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -89,9 +89,9 @@ class BoundedH11Protocol(H11Protocol):
         if len(self.connections) > self.bounds.max_connections:
             if self.waiting:
                 next(iter(self.waiting))._close()
-            elif (pipelining := self._most_answered()) is not None:
+            elif (pipelining := self._most_pipelined()) is not None:
                 pipelining._close()
-            else:  # every other connection is serving its first request: this one waits for none of them
+            else:  # every other connection is serving a single request: this one waits for none of them
                 self.transport.close()
                 return
         self._wait_for_head(self.bounds.header_timeout_s)
@@ -102,7 +102,7 @@ class BoundedH11Protocol(H11Protocol):
             self._stop_waiting_for_head()
 
     def on_response_complete(self) -> None:
-        self._answered += 1
+        self._in_a_row += 1
         super().on_response_complete()
         if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             # Idle again: uvicorn closes it after the keep-alive time unless data comes; a head begun then must
@@ -129,6 +129,7 @@ class BoundedH11Protocol(H11Protocol):
         self._stop_waiting_for_head()
         self._idle_cycle = self.cycle
         self._idle = True
+        self._in_a_row = 0
         self._head_deadline = self.loop.call_later(within_s, self._close)
         self._note_progress()
 
@@ -152,11 +153,13 @@ class BoundedH11Protocol(H11Protocol):
         elif self not in self.waiting:  # it stopped progressing now: last in line to be closed
             self.waiting[self] = None
 
-    def _most_answered(self) -> BoundedH11Protocol | None:
-        """The connection answered most often, if more than once: a client that pipelines requests keeps its
-        connection progressing for as long as the server has time for it, and gives its place up first."""
-        busiest = max(self.connections, key=lambda other: getattr(other, "_answered", 0))
-        return busiest if getattr(busiest, "_answered", 0) > 1 else None
+    def _most_pipelined(self) -> BoundedH11Protocol | None:
+        """The connection answered most often in a row without waiting for a request head, if more than once: a
+        client that pipelines requests keeps its connection progressing for as long as the server has time for it,
+        and gives its place up first (one that asks, waits for the answer and asks again never has more than one)."""
+        open_ = [other for other in self.connections if not other.transport.is_closing()]  # closed: gone already
+        busiest = max(open_, key=lambda other: getattr(other, "_in_a_row", 0), default=None)
+        return busiest if getattr(busiest, "_in_a_row", 0) > 1 else None
 
     def _close(self) -> None:
         self._stop_waiting_for_head()
