@@ -16,12 +16,13 @@ such idle connections too and answers 503 to every real request once they fill i
   connection and one that never reads loses it. The kernel holds the same bound on unacknowledged bytes
   (`TCP_USER_TIMEOUT`);
 - at most `max_connections` are open; a new one past that closes the connection that has been waiting the longest,
-  for a request head or for its client to take its answer. When every other connection is progressing (reading a
-  request, computing or sending an answer), it closes the one answered most often in a row without waiting for a
-  request head instead (a client pipelining requests, which progresses as long as the server has time for it),
-  and is itself closed at once only when each of the others is serving a single request. So a flood of idle,
-  half-open, pipelining or never-reading connections costs a busy client nothing but its turn, and the number of
-  file descriptors the connections take stays under the process's limit (`fit_connections`).
+  for a request head or for its client to take its answer (for a second at least). When none has waited so long
+  (all are reading a request, computing or sending an answer), it closes the one answered most often in a row
+  without waiting for a request head (a client pipelining requests, which progresses as long as the server has time
+  for it), else one waiting for less, and is itself closed at once only when each of the others is serving a
+  single request. So a flood of idle, half-open, pipelining or never-reading connections costs a busy client
+  nothing but its turn, and the number of file descriptors the connections take stays under the process's limit
+  (`fit_connections`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ RESERVED_FDS = 4 * ACCEPT_BATCH + 128
 # could not be read without descriptors either.
 ACCEPT_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_ERROR_LOG_S = 10.0
+# Seconds a connection has been waiting (for a request head, or for its client to take its answer) before the cap
+# takes its place ahead of a pipelining connection's.
+SETTLED_S = 1.0
 
 
 class BoundedH11Protocol(H11Protocol):
@@ -68,8 +72,8 @@ class BoundedH11Protocol(H11Protocol):
 
     bounds: Connections
     # Connections that are not progressing: waiting for a request head, or their answer's bytes waiting for their
-    # client; the one that stopped progressing first comes first.
-    waiting: OrderedDict[BoundedH11Protocol, None]
+    # client; the one that stopped progressing first comes first, with the loop's time it stopped.
+    waiting: OrderedDict[BoundedH11Protocol, float]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -87,10 +91,8 @@ class BoundedH11Protocol(H11Protocol):
         transport.set_write_buffer_limits(high=0)
         bound_unacknowledged(transport, self.bounds.send_timeout_s, self.bounds.send_buffer_bytes)
         if len(self.connections) > self.bounds.max_connections:
-            if self.waiting:
-                next(iter(self.waiting))._close()
-            elif (pipelining := self._most_pipelined()) is not None:
-                pipelining._close()
+            if (given_up := self._place_to_take()) is not None:
+                given_up._close()
             else:  # every other connection is serving a single request: this one waits for none of them
                 self.transport.close()
                 return
@@ -151,7 +153,17 @@ class BoundedH11Protocol(H11Protocol):
         if not (self._idle or self._stalled):
             self.waiting.pop(self, None)
         elif self not in self.waiting:  # it stopped progressing now: last in line to be closed
-            self.waiting[self] = None
+            self.waiting[self] = self.loop.time()
+
+    def _place_to_take(self) -> BoundedH11Protocol | None:
+        """The connection a new one past the cap closes: the one waiting longest, if for `SETTLED_S` at least (a
+        download whose client reads pauses too, each time for a moment); else the most pipelining one; else one
+        waiting for less."""
+        oldest = next(iter(self.waiting.items()), None)
+        if oldest is not None and self.loop.time() - oldest[1] >= SETTLED_S:
+            return oldest[0]
+        pipelining = self._most_pipelined()
+        return pipelining if pipelining is not None else (oldest[0] if oldest is not None else None)
 
     def _most_pipelined(self) -> BoundedH11Protocol | None:
         """The connection answered most often in a row without waiting for a request head, if more than once: a
