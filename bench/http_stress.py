@@ -1,7 +1,8 @@
 """A hostile-client stress of `k6vsr serve` on loopback, bounded in connections and time; rerun it to check the
 server's bounds.
 
-    python bench/http_stress.py [--half-open 2000] [--idle 2000] [--budget-mb 4096] [--deadline 900] [--out FILE]
+    python bench/http_stress.py [--half-open 2000] [--idle 2000] [--pipelined 1000] [--downloads 1000]
+                                [--budget-mb 4096] [--deadline 900] [--out FILE]
 
 It starts `k6vsr serve` on 127.0.0.1 (a free port, a store in a temporary folder, the tiny random bundle on the CPU,
 two keys, `--memory-budget-mb`, and an open-file limit of 1024, as `ulimit -n 1024`), then:
@@ -11,15 +12,19 @@ two keys, `--memory-budget-mb`, and an open-file limit of 1024, as `ulimit -n 10
    that never finish their request head and `--idle` keep-alive connections (key A, one answered request each, then
    nothing), reopening whatever the server closes; it starts once every one of them was opened, and must finish
    within 2x the reference;
-3. probes: an upload of a few KB whose plan would not fit the memory budget (must be refused, 4xx), a larger job
+3. never read: the same request again while this process holds `--pipelined` connections (key A) that pipeline
+   `GET /health` and never read an answer, then again beside `--downloads` connections (key A) that pipeline
+   downloads of a finished job and never read them; each reopened a moment after the server drops it. Each job
+   must finish within 3x the reference, and `/health`, asked every half second meanwhile, must answer within 2 s;
+4. probes: an upload of a few KB whose plan would not fit the memory budget (must be refused, 4xx), a larger job
    (49 tiles) that fits, 20 DELETEs of a finished job at once beside 10 downloads of it (no 500; every 200
    download complete).
 
-All along, the resident memory of the server process and of its job processes is sampled (psutil, every 0.1 s); its
-peak must stay under the budget. Every HTTP status answered is counted; none may be a 500. Nothing but 127.0.0.1 is
-ever connected to. At the end the server, its Prefect server and (without `--keep`) its temporary folder are
-removed. Exits 0 when every check holds, 1 otherwise; the figures are printed as JSON (and written to
-`--out`).
+All along, the resident memory of the server process and of its job processes, and the server's open descriptors,
+are sampled (psutil, every 0.1 s); their peaks must stay under the budget and the open-file limit. Every HTTP status
+answered is counted; none may be a 500. Nothing but 127.0.0.1 is ever connected to. At the end the server, its
+Prefect server and (without `--keep`) its temporary folder are removed. Exits 0 when every check holds, 1 otherwise;
+the figures are printed as JSON (and written to `--out`).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ import argparse
 import concurrent.futures
 import json
 import os
+import random
 import resource
+import select
 import selectors
 import shutil
 import socket
@@ -81,12 +88,14 @@ class Memory(threading.Thread):
         self.server = psutil.Process(pid)
         self.peak = 0
         self.peak_jobs = 0
+        self.peak_fds = 0
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.1):
             try:
                 total = self.server.memory_info().rss
+                self.peak_fds = max(self.peak_fds, self.server.num_fds())
                 jobs = 0
                 for child in self.server.children(recursive=True):
                     try:
@@ -157,11 +166,136 @@ class Flood(threading.Thread):
             selector.close()
 
 
+class NeverRead(threading.Thread):
+    """Holds `count` connections that pipeline `request` (at most `most` times each, as fast as the server reads
+    them) and never read an answer; one the server drops (a reset, or its end of file) is reopened 0.2-1 s later,
+    and each is replaced after 5-20 s, since a close whose end of file waits behind unread answers is not seen."""
+
+    def __init__(self, port: int, count: int, request: bytes, most: int, statuses: Statuses) -> None:
+        super().__init__(daemon=True)
+        self.port, self.count, self.request, self.most, self.statuses = port, count, request, most, statuses
+        self.stop = threading.Event()
+        self.opened = 0
+        self.dropped_by_server = 0
+        self.replaced = 0
+
+    def _open(self) -> tuple[socket.socket, bytes] | None:
+        sock = socket.socket()
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(5)
+            sock.connect((HOST, self.port))
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            self.statuses.add("never_read_connect_failed")
+            return None
+        self.opened += 1
+        return sock, self.request * self.most
+
+    def run(self) -> None:
+        rng = random.Random(7)
+        held: dict[socket.socket, tuple[bytes, float]] = {}  # each socket's unsent requests, and when to replace it
+        wanted_at: list[float] = []
+        try:
+            while not self.stop.is_set():
+                now = time.monotonic()
+                wanted_at.sort()
+                while len(held) + len(wanted_at) < self.count:  # first turn, or one that failed to open
+                    wanted_at.append(now)
+                while wanted_at and wanted_at[0] <= now:
+                    wanted_at.pop(0)
+                    opened = self._open()
+                    if opened is None:
+                        wanted_at.append(now + 0.5)
+                        break
+                    held[opened[0]] = (opened[1], now + rng.uniform(5, 20))
+                poller = select.poll()
+                for sock in held:
+                    poller.register(sock, select.POLLRDHUP | select.POLLERR | select.POLLHUP | select.POLLOUT)
+                events = dict(poller.poll(100))
+                for sock, (pending, replace_at) in list(held.items()):
+                    event = events.get(sock.fileno(), 0)
+                    gone = event & (select.POLLRDHUP | select.POLLERR | select.POLLHUP)
+                    if gone or now >= replace_at:
+                        del held[sock]
+                        sock.close()
+                        if gone:
+                            self.dropped_by_server += 1
+                        else:
+                            self.replaced += 1
+                        wanted_at.append(now + rng.uniform(0.2, 1.0))
+                    elif pending and event & select.POLLOUT:
+                        try:
+                            held[sock] = (pending[sock.send(pending[: 1 << 16]) :], replace_at)
+                        except (BlockingIOError, InterruptedError):
+                            pass
+                        except OSError:
+                            held[sock] = (b"", replace_at)  # dropped: seen on a later turn
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def health_during(client: httpx.Client, until: threading.Event, statuses: Statuses) -> list[float]:
+    """`/health` asked every half second, each time on a new connection, until `until`: the seconds each took
+    (None: no answer)."""
+    times: list[Any] = []
+    while not until.wait(0.5):
+        started = time.monotonic()
+        try:
+            with httpx.Client(base_url=client.base_url, headers=client.headers, timeout=10) as probe:
+                statuses.add(probe.get("/health").status_code)
+            times.append(round(time.monotonic() - started, 3))
+        except httpx.TransportError as err:
+            statuses.add(f"health_transport_{type(err).__name__}")
+            times.append(None)
+    return times
+
+
+def job_beside(
+    attack: NeverRead, client: httpx.Client, clip: Path, seed: int, statuses: Statuses, deadline: float
+) -> dict[str, Any]:
+    """Key B's timed job and `/health` while `attack` runs, once all its connections were opened."""
+    attack.start()
+    while attack.opened < attack.count:
+        assert time.monotonic() < deadline and attack.is_alive(), "the attack did not open its connections"
+        time.sleep(0.2)
+    done = threading.Event()
+    health: list[Any] = []
+    poller = threading.Thread(target=lambda: health.extend(health_during(client, done, statuses)), daemon=True)
+    poller.start()
+    try:
+        job = timed_job(client, clip, seed, statuses, deadline)
+    finally:
+        done.set()
+        poller.join(30)
+        attack.stop.set()
+        attack.join(60)
+    answered = [seconds for seconds in health if seconds is not None]
+    return {
+        "job": job,
+        "opened": attack.opened,
+        "dropped_by_server": attack.dropped_by_server,
+        "replaced_by_client": attack.replaced,
+        "health_polls": len(health),
+        "health_unanswered": len(health) - len(answered),
+        "health_max_s": max(answered, default=None),
+    }
+
+
 def timed_job(client: httpx.Client, clip: Path, seed: int, statuses: Statuses, deadline: float) -> dict[str, Any]:
     """Submit, poll, download: the client's whole round trip, with its time."""
     started = time.monotonic()
     files = {"video_reference": ("clip.mp4", clip.read_bytes(), "video/mp4")}
-    response = client.post("/v1/videos", files=files, data={"sr_resolution_scale": "4", "seed": str(seed)})
+    for attempt in range(2):
+        try:
+            response = client.post("/v1/videos", files=files, data={"sr_resolution_scale": "4", "seed": str(seed)})
+            break
+        except httpx.TransportError as err:  # its keep-alive connection closed at the cap as the longest idle
+            statuses.add(f"transport_{type(err).__name__}")
+            if attempt:
+                raise
     statuses.add(response.status_code)
     response.raise_for_status()
     job_id = response.json()["id"]
@@ -181,7 +315,14 @@ def timed_job(client: httpx.Client, clip: Path, seed: int, statuses: Statuses, d
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job_id} still {status} at the deadline")
         time.sleep(0.25)
-    content = client.get(f"/v1/videos/{job_id}/content")
+    for attempt in range(2):
+        try:
+            content = client.get(f"/v1/videos/{job_id}/content")
+            break
+        except httpx.TransportError as err:  # as for the submit
+            statuses.add(f"transport_{type(err).__name__}")
+            if attempt:
+                raise
     statuses.add(content.status_code)
     return {
         "id": job_id,
@@ -222,16 +363,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--half-open", type=int, default=2000)
     parser.add_argument("--idle", type=int, default=2000)
+    parser.add_argument("--pipelined", type=int, default=1000, help="never-read connections pipelining /health")
+    parser.add_argument("--downloads", type=int, default=1000, help="never-read connections pipelining downloads")
+    parser.add_argument("--send-timeout-s", type=float, default=None, help="the server's --send-timeout-s")
+    parser.add_argument("--send-buffer-kb", type=int, default=None, help="the server's --send-buffer-kb")
     parser.add_argument("--budget-mb", type=int, default=2048, help="the server's --memory-budget-mb")
     parser.add_argument("--deadline", type=float, default=900, help="seconds the whole run may take")
     parser.add_argument("--out", default=None)
     parser.add_argument("--keep", action="store_true", help="keep the temporary store, bundle and server log")
     args = parser.parse_args()
-    if not (0 <= args.half_open <= 5000 and 0 <= args.idle <= 5000 and args.deadline <= 1800):
+    kinds = (args.half_open, args.idle, args.pipelined, args.downloads)
+    if not (all(0 <= count <= 5000 for count in kinds) and args.deadline <= 1800):
         parser.error("bounded: at most 5000 connections of each kind and 1800 s")
     deadline = time.monotonic() + args.deadline
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = args.half_open + args.idle + 512  # this process's own sockets: the flood and the probes
+    wanted = max(args.half_open + args.idle, args.pipelined, args.downloads) + 512  # the flood and the probes
     if soft != resource.RLIM_INFINITY and soft < wanted:
         if hard != resource.RLIM_INFINITY and hard < wanted:
             parser.error(f"the hard open-file limit ({hard}) is under the {wanted} this run needs")
@@ -265,6 +411,10 @@ def main() -> int:
         "--memory-budget-mb",
         str(args.budget_mb),
     ]
+    if args.send_timeout_s is not None:
+        command += ["--send-timeout-s", str(args.send_timeout_s)]
+    if args.send_buffer_kb is not None:
+        command += ["--send-buffer-kb", str(args.send_buffer_kb)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "K6VSR_STATE_HOME": str(work / "home")}
     env.pop("PREFECT_API_URL", None)  # serve's own Prefect server, in the store, as deployed
 
@@ -274,7 +424,15 @@ def main() -> int:
     log = (work / "serve.log").open("wb")
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit_files)
     statuses = Statuses()
-    result: dict[str, Any] = {"half_open": args.half_open, "idle": args.idle, "budget_mb": args.budget_mb}
+    result: dict[str, Any] = {
+        "half_open": args.half_open,
+        "idle": args.idle,
+        "pipelined": args.pipelined,
+        "downloads": args.downloads,
+        "budget_mb": args.budget_mb,
+        "send_timeout_s": args.send_timeout_s,
+        "send_buffer_kb": args.send_buffer_kb,
+    }
     checks: dict[str, bool] = {}
     base = f"http://{HOST}:{port}"
     memory = Memory(server.pid)
@@ -327,6 +485,31 @@ def main() -> int:
         )
         checks["job downloaded whole"] = loaded["whole"] and unloaded["whole"]
 
+        # Never read: pipelined requests, then pipelined downloads of key A's finished job.
+        key_a = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60)
+        target = timed_job(key_a, clip, 6, statuses, deadline)
+        key_a.close()
+        auth = f"Authorization: Bearer {KEY_A}\r\n"
+        cases = {
+            "pipelined": (args.pipelined, f"GET /health HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode(), 20_000),
+            "downloads": (
+                args.downloads,
+                f"GET /v1/videos/{target['id']}/content HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode(),
+                2_000,
+            ),
+        }
+        for seed, (name, (count, request, most)) in enumerate(cases.items(), start=7):
+            if not count:
+                continue
+            case = job_beside(NeverRead(port, count, request, most, statuses), client, clip, seed, statuses, deadline)
+            result[f"never_read_{name}"] = case
+            checks[f"{name}: job within 3x unloaded"] = (
+                case["job"]["status"] == "completed" and case["job"]["seconds"] <= 3 * unloaded["seconds"]
+            )
+            checks[f"{name}: /health answered within 2 s"] = (
+                case["health_unanswered"] == 0 and (case["health_max_s"] or 0) <= 2
+            )
+
         files = {"video_reference": ("huge.mp4", huge.read_bytes(), "video/mp4")}
         refused = client.post("/v1/videos", files=files, data={"sr_resolution_scale": "4"})
         statuses.add(refused.status_code)
@@ -359,6 +542,8 @@ def main() -> int:
         subprocess.run(stop, cwd=ROOT, env=stop_env, timeout=120, check=False, capture_output=True)
     result["peak_rss_mb"] = memory.peak >> 20
     result["peak_job_processes_rss_mb"] = memory.peak_jobs >> 20
+    result["peak_server_fds"] = memory.peak_fds
+    checks["descriptors under the open-file limit"] = memory.peak_fds < SERVER_NOFILE
     result["statuses"] = dict(statuses.counts)
     checks["memory under the budget"] = 0 < memory.peak < args.budget_mb << 20
     checks["no 500"] = not any(code.startswith("5") for code in statuses.counts)

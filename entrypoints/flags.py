@@ -196,7 +196,8 @@ SERVE_CONNECTIONS: tuple[tuple[str, type, float | None, str], ...] = (
         "--max-connections",
         int,
         1000,
-        "connections open at once (lowered to fit the open-file limit); past it the longest idle is closed",
+        "connections open at once (lowered to fit the open-file limit); past it the one waiting longest (for a "
+        "request, or for its client to read) is closed",
     ),
     (
         "--header-timeout-s",
@@ -205,6 +206,19 @@ SERVE_CONNECTIONS: tuple[tuple[str, type, float | None, str], ...] = (
         "seconds a connection may take to send a request's line and headers, then it is closed",
     ),
     ("--keep-alive-s", float, 5, "seconds an idle keep-alive connection stays open"),
+    (
+        "--send-timeout-s",
+        float,
+        30,
+        "seconds a client may leave an answer's bytes unread (each time they wait for it), then it is dropped",
+    ),
+    (
+        "--send-buffer-kb",
+        int,
+        None,
+        "the kernel's send buffer of each connection (default: the kernel's own, which grows to a few MB): what a "
+        "client that never reads makes the server send before its connection stops progressing",
+    ),
 )
 
 

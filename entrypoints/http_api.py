@@ -134,9 +134,7 @@ def prefect_ui_lines(api_url: str, home: Path | None, shown_by: str) -> list[str
 def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | None = None) -> None:
     """Run the server until interrupted, its jobs' files in `store_root` and their runs in `run_root` (default: the
     same folder). The model is checked before the port opens."""
-    import uvicorn
-
-    from entrypoints.server.serving import fit_connections, uvicorn_config
+    from entrypoints.server.serving import BoundedServer, fit_connections, uvicorn_config
     from flows.orchestrate import prefect_api
     from runtime import prefect_server
     from runtime.prefect_api import configured_api_url
@@ -167,6 +165,6 @@ def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | N
         for line in prefect_ui_lines(api_url, home if own_server else None, shown_by):
             log.info("%s", line)
         app = create_app(config, spec)
-        uvicorn.Server(
+        BoundedServer(
             uvicorn_config(app, bounds, args.host, args.port, log_level="debug" if args.debug else "info")
         ).run()

@@ -91,9 +91,12 @@ def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
     assert (defaults.finished_per_key, defaults.memory_budget_bytes > 1 << 30) == (1000, True)
     connections = config_from(build_parser().parse_args(["serve"]), tmp_path, "m").connections
     assert (connections.max_connections, connections.header_timeout_s, connections.keep_alive_s) == (1000, 10, 5)
+    assert (connections.send_timeout_s, connections.send_buffer_bytes) == (30, None)
     flags = "--max-connections 50 --header-timeout-s 2 --keep-alive-s 3 --max-finished-per-key 7 --memory-budget-mb 512"
-    config = config_from(build_parser().parse_args(["serve", *flags.split()]), tmp_path, "m")
+    more = ["--send-timeout-s", "4", "--send-buffer-kb", "64"]
+    config = config_from(build_parser().parse_args(["serve", *flags.split(), *more]), tmp_path, "m")
     assert (config.connections.max_connections, config.connections.header_timeout_s) == (50, 2)
+    assert (config.connections.send_timeout_s, config.connections.send_buffer_bytes) == (4, 64 << 10)
     assert (config.connections.keep_alive_s, config.limits.finished_per_key) == (3, 7)
     assert config.limits.memory_budget_bytes == 512 << 20
     assert (defaults.min_upload_bytes_per_s, defaults.upload_rate_window_s) == (8 << 10, 30)
@@ -106,7 +109,8 @@ def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
 
 def test_connections_fit_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under `ulimit -n 1024` (soft and hard) the connections are lowered so that the accept batches in flight and
-    the files the server opens always have descriptors; a soft limit below the hard one is raised instead."""
+    the files the server opens always have descriptors, each connection counted with the file it may hold open (an
+    upload's or a download's); a soft limit below the hard one is raised instead."""
     import resource
 
     from entrypoints.server import serving
@@ -121,12 +125,14 @@ def test_connections_fit_the_open_file_limit(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 1024))
     monkeypatch.setattr(resource, "setrlimit", refuse)
     fitted = serving.fit_connections(Connections(max_connections=1000, header_timeout_s=2.0))
-    assert fitted.max_connections == 1024 - serving.RESERVED_FDS and fitted.header_timeout_s == 2.0
+    assert fitted.max_connections == (1024 - serving.RESERVED_FDS) // 2 and fitted.header_timeout_s == 2.0
     assert raised == [(1024, 1024)]
+    # Every connection a stalled download (its socket and the output it sends): the reserve is still there.
+    assert fitted.max_connections * 2 + serving.RESERVED_FDS <= 1024
     monkeypatch.setattr(resource, "getrlimit", lambda _: (1024, 65536))
     monkeypatch.setattr(resource, "setrlimit", lambda _, limits: raised.append(limits))
     assert serving.fit_connections(Connections(max_connections=1000)).max_connections == 1000
-    assert raised[-1] == (1000 + serving.RESERVED_FDS, 65536)
+    assert raised[-1] == (2 * 1000 + serving.RESERVED_FDS, 65536)
 
 
 # ------------------------------------------------------------------------------------------- refused at submit
@@ -768,3 +774,29 @@ def test_a_request_framed_twice_closes_its_connection(served: int) -> None:
         for _ in range(2):  # the same connection answers twice
             sock.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n\r\n".encode())
             assert answer_of(sock)[0] == 200
+
+
+def test_accept_errors_log_one_line_without_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """Out of descriptors, asyncio reports every failed accept; the server logs one line for many, with no
+    traceback (formatting one reads source files, which fails too), and passes any other error on."""
+    import asyncio
+    import errno
+    import logging
+
+    from entrypoints.server.serving import AcceptErrorLog
+
+    handler = AcceptErrorLog()
+    loop = asyncio.new_event_loop()
+    passed_on: list[dict[str, Any]] = []
+    loop.default_exception_handler = passed_on.append  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.WARNING, logger="k6vsr.server"):
+            for _ in range(50):
+                exc = OSError(errno.EMFILE, "Too many open files")
+                handler(loop, {"message": "socket.accept() out of system resource", "exception": exc})
+            handler(loop, {"message": "something else", "exception": ValueError("x")})
+    finally:
+        loop.close()
+    lines = [record for record in caplog.records if record.name == "k6vsr.server"]
+    assert len(lines) == 1 and lines[0].exc_info is None and "EMFILE" in lines[0].getMessage(), lines
+    assert [context["message"] for context in passed_on] == ["something else"]

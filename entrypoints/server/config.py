@@ -44,9 +44,11 @@ class Limits:
 class Connections:
     """What open connections may cost: their number, and how long one may sit without a request (see `serving`)."""
 
-    max_connections: int = 1000  # --max-connections: open at once; past it the longest idle one is closed
+    max_connections: int = 1000  # --max-connections: open at once; past it the longest waiting one is closed
     header_timeout_s: float = 10.0  # --header-timeout-s: a request's head (line and headers) must arrive within this
     keep_alive_s: float = 5.0  # --keep-alive-s: an idle keep-alive connection is closed after this
+    send_timeout_s: float = 30.0  # --send-timeout-s: bytes of an answer waiting for the client must be taken in this
+    send_buffer_bytes: int | None = None  # --send-buffer-kb: the kernel's send buffer of a connection (None: its own)
     max_header_bytes: int = 16 << 10  # a request head larger than this is refused (400) by h11
 
 
@@ -167,6 +169,10 @@ def config_from(args: Any, store_root: Path, model_name: str, run_root: str | Pa
         max_connections=int(_at_least(args.max_connections, 16, "--max-connections")),
         header_timeout_s=_at_least(args.header_timeout_s, 0.1, "--header-timeout-s"),
         keep_alive_s=_at_least(args.keep_alive_s, 0.1, "--keep-alive-s"),
+        send_timeout_s=_at_least(args.send_timeout_s, 0.1, "--send-timeout-s"),
+        send_buffer_bytes=None
+        if args.send_buffer_kb is None
+        else int(_at_least(args.send_buffer_kb, 16, "--send-buffer-kb")) << 10,
     )
     try:
         umask = int(args.umask, 8)

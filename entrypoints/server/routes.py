@@ -3,6 +3,7 @@ shown to their callers."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from entrypoints.server.auth import Caller, caller_of
 from entrypoints.server.bodies import UploadTooLarge, copy_path_source, read_form, read_json
 from entrypoints.server.config import Limits, ServerConfig
 from entrypoints.server.download import OpenedFileResponse
-from entrypoints.server.errors import ApiError
+from entrypoints.server.errors import RETRY_AFTER_S, ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
 from entrypoints.server.memory import computes_on_cpu, job_bytes
 from entrypoints.server.records import (
@@ -366,7 +367,14 @@ def get_content(request: Request, video_id: str) -> OpenedFileResponse:
     try:
         # Opened here, before the answer starts: a job deleted while it downloads keeps its bytes for this answer.
         output = videos.store.output_path(video_id).open("rb")
-    except OSError:
+    except OSError as err:
+        if err.errno in (errno.EMFILE, errno.ENFILE):  # the output is there: this server has no descriptor for it
+            raise ApiError(
+                503,
+                "the server has no file descriptor free to send the output; retry shortly",
+                code="server_busy",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
         raise ApiError(404, f"the output of video job {video_id} is gone from the store", code="output_gone") from None
     mkv = job.request.get("codec") == "ffv1"
     media_type, suffix = ("video/x-matroska", ".mkv") if mkv else ("video/mp4", ".mp4")

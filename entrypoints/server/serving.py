@@ -1,27 +1,40 @@
-"""Serving the app with uvicorn, within bounds on connections: how many are open, how long one may take to send a
-request's head, how long an idle one stays.
+"""Serving the app with uvicorn, within bounds on connections: how many are open, and how long one may take to send
+a request's head, stay idle, or leave its answer untaken.
 
 uvicorn bounds an idle keep-alive connection (`timeout_keep_alive`) and the size of a request head (h11's
-`max_incomplete_event_size`), and both are used. It has no deadline for a request head and no cap on open
-connections: a connection that never finishes its headers stays open for good, and enough of them exhaust the
-process's file descriptors (then every accept fails, and so does every file the server opens, job records
-included). Its `limit_concurrency` counts such idle connections too and answers 503 to every real request once they
-fill it, so it is not used. `BoundedH11Protocol` adds the two missing bounds to uvicorn's own h11 protocol:
+`max_incomplete_event_size`), and both are used. It has no deadline for a request head, none for a client to take
+its answer, and no cap on open connections: a connection that never finishes its headers, or that pipelines requests
+(or downloads) and never reads, stays open for good, and enough of them exhaust the process's file descriptors (then
+every accept fails, and so does every file the server opens, job records included). Its `limit_concurrency` counts
+such idle connections too and answers 503 to every real request once they fill it, so it is not used.
+`BoundedH11Protocol` adds the missing bounds to uvicorn's own h11 protocol:
 
 - a request head must arrive within `header_timeout_s` of the connection opening (or of the previous answer, after
   the keep-alive time), else the connection is closed;
-- at most `max_connections` are open; a new one past that closes the connection that has been idle (waiting for a
-  request head) the longest, and is itself closed at once only when every other connection is busy with a request.
-  So a flood of idle or half-open connections costs a busy client nothing but its turn, and the number of file
-  descriptors the connections take stays under the process's limit (`fit_connections`).
+- an answer's bytes that wait for the client (asyncio pauses the protocol's writing) must all be taken within
+  `send_timeout_s`, else the connection is dropped: each pause is a deadline, so a client that reads keeps its
+  connection and one that never reads loses it. The kernel holds the same bound on unacknowledged bytes
+  (`TCP_USER_TIMEOUT`);
+- at most `max_connections` are open; a new one past that closes the connection that has been waiting the longest,
+  for a request head or for its client to take its answer (for a second at least). When none has waited so long
+  (all are reading a request, computing or sending an answer), it closes the one answered most often in a row
+  without waiting for a request head (a client pipelining requests, which progresses as long as the server has time
+  for it), else one waiting for less, and is itself closed at once only when each of the others is serving a
+  single request. So a flood of idle, half-open, pipelining or never-reading connections costs a busy client
+  nothing but its turn, and the number of file descriptors the connections take stays under the process's limit
+  (`fit_connections`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import resource
+import socket
+import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 import uvicorn
@@ -37,30 +50,50 @@ log = logging.getLogger("k6vsr.server")
 ACCEPT_BATCH = 128
 # Seconds a stop waits for the requests in flight.
 GRACEFUL_SHUTDOWN_S = 10
-# File descriptors kept for everything but connections: the accept batches in flight, and job records, uploads,
-# outputs, pipes and the Prefect client.
+# File descriptors one connection may hold: its socket, and the file its request streams into (an upload) or its
+# answer is read from (a download); h11 serves one request of a connection at a time.
+FDS_PER_CONNECTION = 2
+# File descriptors kept for everything but connections: the accept batches in flight, and job records, the copies
+# of `video_path` files (a worker thread each), pipes and the Prefect client.
 RESERVED_FDS = 4 * ACCEPT_BATCH + 128
+# Accept errors (the process or the system out of descriptors or memory): asyncio retries the accept a second later
+# and reports each failure; they are logged one line at most this often, without a traceback, whose source lines
+# could not be read without descriptors either.
+ACCEPT_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+ACCEPT_ERROR_LOG_S = 10.0
+# Seconds a connection has been waiting (for a request head, or for its client to take its answer) before the cap
+# takes its place ahead of a pipelining connection's.
+SETTLED_S = 1.0
 
 
 class BoundedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with a deadline for each request head and a cap on open connections. `bounds` and
-    `idle` are set per server by `protocol_for`."""
+    """uvicorn's h11 protocol with a deadline for each request head and for each answer's bytes to be taken, and a
+    cap on open connections. `bounds` and `waiting` are set per server by `protocol_for`."""
 
     bounds: Connections
-    idle: OrderedDict[BoundedH11Protocol, None]  # connections waiting for a request head, longest waiting first
+    # Connections that are not progressing: waiting for a request head, or their answer's bytes waiting for their
+    # client; the one that stopped progressing first comes first, with the loop's time it stopped.
+    waiting: OrderedDict[BoundedH11Protocol, float]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._head_deadline: asyncio.TimerHandle | None = None
+        self._send_deadline: asyncio.TimerHandle | None = None
         self._idle_cycle: object = None  # the request cycle current when this connection last became idle
+        self._idle = False  # waiting for a request head
+        self._stalled = False  # bytes of its answer wait for the client to read
+        self._in_a_row = 0  # requests answered since it last waited for a request head: pipelined ones
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Writing pauses as soon as a byte waits for the client (asyncio's default waits for 64 KB): a pause is
+        # then exactly "the client is not taking the answer", and each one gets the send deadline.
+        transport.set_write_buffer_limits(high=0)
+        bound_unacknowledged(transport, self.bounds.send_timeout_s, self.bounds.send_buffer_bytes)
         if len(self.connections) > self.bounds.max_connections:
-            if self.idle:
-                oldest = next(iter(self.idle))
-                oldest._close()
-            else:  # every other connection is serving a request: this one waits for none of them
+            if (given_up := self._place_to_take()) is not None:
+                given_up._close()
+            else:  # every other connection is serving a single request: this one waits for none of them
                 self.transport.close()
                 return
         self._wait_for_head(self.bounds.header_timeout_s)
@@ -68,47 +101,149 @@ class BoundedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.cycle is not self._idle_cycle:  # a request head arrived: the connection is busy
-            self._busy()
+            self._stop_waiting_for_head()
 
     def on_response_complete(self) -> None:
+        self._in_a_row += 1
         super().on_response_complete()
         if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             # Idle again: uvicorn closes it after the keep-alive time unless data comes; a head begun then must
             # still be complete within the header timeout.
             self._wait_for_head(self.bounds.keep_alive_s + self.bounds.header_timeout_s)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if not self._stalled:
+            self._stalled = True
+            self._send_deadline = self.loop.call_later(self.bounds.send_timeout_s, self._close)
+            self._note_progress()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_stalling()
+
     def connection_lost(self, exc: Exception | None) -> None:
-        self._busy()
+        self._stop_waiting_for_head()
+        self._stop_stalling()
         super().connection_lost(exc)
 
     def _wait_for_head(self, within_s: float) -> None:
-        self._busy()
+        self._stop_waiting_for_head()
         self._idle_cycle = self.cycle
-        self.idle[self] = None
+        self._idle = True
+        self._in_a_row = 0
         self._head_deadline = self.loop.call_later(within_s, self._close)
+        self._note_progress()
 
-    def _busy(self) -> None:
-        self.idle.pop(self, None)
+    def _stop_waiting_for_head(self) -> None:
+        self._idle = False
         if self._head_deadline is not None:
             self._head_deadline.cancel()
             self._head_deadline = None
+        self._note_progress()
+
+    def _stop_stalling(self) -> None:
+        self._stalled = False
+        if self._send_deadline is not None:
+            self._send_deadline.cancel()
+            self._send_deadline = None
+        self._note_progress()
+
+    def _note_progress(self) -> None:
+        if not (self._idle or self._stalled):
+            self.waiting.pop(self, None)
+        elif self not in self.waiting:  # it stopped progressing now: last in line to be closed
+            self.waiting[self] = self.loop.time()
+
+    def _place_to_take(self) -> BoundedH11Protocol | None:
+        """The connection a new one past the cap closes: the one waiting longest, if for `SETTLED_S` at least (a
+        download whose client reads pauses too, each time for a moment); else the most pipelining one; else one
+        waiting for less."""
+        oldest = next(iter(self.waiting.items()), None)
+        if oldest is not None and self.loop.time() - oldest[1] >= SETTLED_S:
+            return oldest[0]
+        pipelining = self._most_pipelined()
+        return pipelining if pipelining is not None else (oldest[0] if oldest is not None else None)
+
+    def _most_pipelined(self) -> BoundedH11Protocol | None:
+        """The connection answered most often in a row without waiting for a request head, if more than once: a
+        client that pipelines requests keeps its connection progressing for as long as the server has time for it,
+        and gives its place up first (one that asks, waits for the answer and asks again never has more than one)."""
+        open_ = [other for other in self.connections if not other.transport.is_closing()]  # closed: gone already
+        busiest = max(open_, key=lambda other: getattr(other, "_in_a_row", 0), default=None)
+        return busiest if getattr(busiest, "_in_a_row", 0) > 1 else None
 
     def _close(self) -> None:
-        self._busy()
-        if not self.transport.is_closing():
+        self._stop_waiting_for_head()
+        self._stop_stalling()
+        if self.transport.get_write_buffer_size():
+            # Bytes its client never took: `close` would wait for them for good, holding the socket.
+            self.transport.abort()
+        elif not self.transport.is_closing():
             self.transport.close()
 
 
+def bound_unacknowledged(transport: asyncio.BaseTransport, seconds: float, send_buffer: int | None) -> None:
+    """The kernel drops the connection when bytes it sent stay unacknowledged, or its client's receive window stays
+    shut, for `seconds` (`TCP_USER_TIMEOUT`; Linux). It bounds what asyncio's buffer no longer holds: the bytes
+    already in the socket's send buffer, which `send_buffer` caps (`SO_SNDBUF`) where given. `SO_SNDTIMEO` is no use
+    here: it bounds blocking sends only."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    options = [(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)] if send_buffer else []
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        options.append((socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(seconds * 1000))))
+    for level, option, value in options:
+        try:
+            sock.setsockopt(level, option, value)
+        except OSError:  # a kernel without it: the send deadline above still holds
+            pass
+
+
 def protocol_for(bounds: Connections) -> type[BoundedH11Protocol]:
-    """The protocol class of one server: its bounds, and its own table of idle connections."""
-    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"bounds": bounds, "idle": OrderedDict()})
+    """The protocol class of one server: its bounds, and its own table of waiting connections."""
+    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"bounds": bounds, "waiting": OrderedDict()})
+
+
+class AcceptErrorLog:
+    """The event loop's exception handler: accept errors as one line each `ACCEPT_ERROR_LOG_S` with their count,
+    everything else as asyncio logs it."""
+
+    def __init__(self) -> None:
+        self.unlogged = 0
+        self.logged_at = -ACCEPT_ERROR_LOG_S
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        if not (isinstance(exc, OSError) and exc.errno in ACCEPT_ERRORS and "accept" in context.get("message", "")):
+            loop.default_exception_handler(context)
+            return
+        self.unlogged += 1
+        now = time.monotonic()
+        if now - self.logged_at >= ACCEPT_ERROR_LOG_S:
+            log.warning(
+                "accepting connections failed %d time(s) (%s): retried each second",
+                self.unlogged,
+                errno.errorcode.get(exc.errno or 0, exc.errno),
+            )
+            self.unlogged, self.logged_at = 0, now
+
+
+class BoundedServer(uvicorn.Server):
+    """uvicorn's server with `AcceptErrorLog` as its event loop's exception handler."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
+        await super().startup(sockets)
 
 
 def fit_connections(bounds: Connections) -> Connections:
-    """`bounds` with `max_connections` lowered to what the open-file limit leaves after `RESERVED_FDS`. The soft
-    limit is raised to the hard one first, as far as the connections need."""
+    """`bounds` with `max_connections` lowered to what the open-file limit leaves after `RESERVED_FDS`, each
+    connection counted with `FDS_PER_CONNECTION`. The soft limit is raised to the hard one first, as far as the
+    connections need."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = bounds.max_connections + RESERVED_FDS
+    wanted = bounds.max_connections * FDS_PER_CONNECTION + RESERVED_FDS
     if soft != resource.RLIM_INFINITY and soft < wanted:
         raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
         try:
@@ -118,20 +253,17 @@ def fit_connections(bounds: Connections) -> Connections:
             pass
     if soft == resource.RLIM_INFINITY or soft >= wanted:
         return bounds
-    fitted = max(16, int(soft) - RESERVED_FDS)
+    fitted = max(16, (int(soft) - RESERVED_FDS) // FDS_PER_CONNECTION)
     log.warning(
-        "--max-connections %d lowered to %d: the open-file limit is %d (ulimit -n), and %d are kept for files",
+        "--max-connections %d lowered to %d: the open-file limit is %d (ulimit -n), a connection takes up to %d "
+        "and %d are kept for files",
         bounds.max_connections,
         fitted,
         soft,
+        FDS_PER_CONNECTION,
         RESERVED_FDS,
     )
-    return Connections(
-        max_connections=fitted,
-        header_timeout_s=bounds.header_timeout_s,
-        keep_alive_s=bounds.keep_alive_s,
-        max_header_bytes=bounds.max_header_bytes,
-    )
+    return replace(bounds, max_connections=fitted)
 
 
 def uvicorn_config(app: Any, bounds: Connections, host: str, port: int, **options: Any) -> uvicorn.Config:

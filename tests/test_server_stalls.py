@@ -1,0 +1,268 @@
+"""Connections that never read their answers, on loopback: pipelined requests and downloads whose bytes the client
+never takes. Each is dropped at the send deadline, the connection cap closes them before any connection that
+progresses, and the server's descriptors stay under its limit while another key is served.
+
+The first test serves a bare ASGI app (2 KB answers) with the server's protocol in this process; the second runs
+`k6vsr serve` with two keys, 16 connection places, a 3 s send deadline, 64 KB send buffers (so that a connection
+that never reads stops progressing after a few downloads) and an open-file limit of 1024.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from http_harness import Server, completed, free_port
+
+from entrypoints.server.config import Connections
+from entrypoints.server.serving import BoundedServer, uvicorn_config
+from k6vsr_core.sample import make_sample_clip
+
+KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
+PLACES = 16  # --max-connections of both servers
+ATTACKERS = 24  # never-reading connections kept open: more than the places
+NOFILE = 1024
+
+
+# ------------------------------------------------------------------------------------------ the attack
+
+
+def stalled_connection(port: int, request: bytes, most: int) -> socket.socket:
+    """A connection that pipelines `request` until the server stops reading it (its answers fill every buffer
+    between them), at most `most` times, and never reads an answer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    pending = b""
+    for _ in range(most):
+        pending += request
+        while pending:
+            if not select.select([], [sock], [], 0.5)[1]:
+                return sock  # the server has stopped reading: its answers wait for this client
+            try:
+                pending = pending[sock.send(pending) :]
+            except BlockingIOError:
+                continue
+            except OSError:  # dropped already
+                return sock
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed or reset `sock`, without reading what it answered."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+class Attack(threading.Thread):
+    """`ATTACKERS` never-reading connections pipelining `request`, each reopened a moment after the server drops
+    it, until `stop` (or `limit_s`)."""
+
+    def __init__(self, port: int, request: bytes, most: int, limit_s: float = 120) -> None:
+        super().__init__(daemon=True)
+        self.port, self.request, self.most, self.limit_s = port, request, most, limit_s
+        self.stop = threading.Event()
+        self.opened = 0
+        self.dropped = 0
+        self.first_round = threading.Event()  # every attacker has stalled (or been dropped) once
+
+    def run(self) -> None:
+        rng = random.Random(7)
+        sockets: list[socket.socket | None] = [None] * ATTACKERS
+        reopen_at = [0.0] * ATTACKERS
+        deadline = time.monotonic() + self.limit_s
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                for index, sock in enumerate(sockets):
+                    if sock is not None and closed_by_server(sock):
+                        sock.close()
+                        sockets[index], self.dropped = None, self.dropped + 1
+                        reopen_at[index] = time.monotonic() + rng.uniform(0.2, 1.0)
+                    if sockets[index] is None and time.monotonic() >= reopen_at[index]:
+                        sockets[index] = stalled_connection(self.port, self.request, self.most)
+                        self.opened += 1
+                if self.opened >= ATTACKERS:
+                    self.first_round.set()
+                self.stop.wait(0.1)
+        finally:
+            self.first_round.set()
+            for sock in sockets:
+                if sock is not None:
+                    sock.close()
+
+
+@contextmanager
+def attacking(port: int, request: bytes, most: int) -> Iterator[Attack]:
+    attack = Attack(port, request, most)
+    attack.start()
+    try:
+        assert attack.first_round.wait(60)
+        yield attack
+    finally:
+        attack.stop.set()
+        attack.join(30)
+
+
+# ------------------------------------------------------------------------------------------ the protocol
+
+
+async def two_kb(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """2 KB for any request; a path of `/slow` takes 50 ms to answer."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    if scope["path"] == "/slow":
+        await asyncio.sleep(0.05)
+    body = b"x" * 2048
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2048")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextmanager
+def bare_server(bounds: Connections) -> Iterator[tuple[int, BoundedServer]]:
+    port = free_port()
+    server = BoundedServer(uvicorn_config(two_kb, bounds, "127.0.0.1", port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.05)
+    try:
+        yield port, server
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+PIPELINED = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def test_the_cap_closes_never_reading_connections_first() -> None:
+    """More connections than places pipeline requests and never read the answers: once their answers stop draining
+    the cap closes the oldest of them for each new client, whose requests are answered."""
+    bounds = Connections(max_connections=PLACES, header_timeout_s=1, keep_alive_s=60, send_timeout_s=600)
+    with bare_server(bounds) as (port, server):
+        flood = [stalled_connection(port, PIPELINED, 20_000) for _ in range(ATTACKERS)]
+        try:
+            assert len(server.server_state.connections) <= PLACES
+            waiting = server.config.http_protocol_class.waiting  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 30  # until the server has sent all it can, on a busy machine
+            while len(waiting) < len(server.server_state.connections) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for _ in range(5):
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                    assert client.get("/").status_code == 200
+        finally:
+            for sock in flood:
+                sock.close()
+
+
+def test_pipelining_clients_give_their_places_up_when_every_connection_progresses() -> None:
+    """More connections than places pipeline slow requests: none stops progressing (their answers are small, and
+    slow to come), so the cap closes the one answered most often in a row for each new client, whose request is
+    answered, and a client that asks again on its keep-alive connection keeps it."""
+    bounds = Connections(max_connections=PLACES, header_timeout_s=1, keep_alive_s=60, send_timeout_s=600)
+    with bare_server(bounds) as (port, server):
+        flood = [stalled_connection(port, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n", 1000) for _ in range(ATTACKERS)]
+        try:
+            time.sleep(0.5)  # each open connection answered a few times
+            assert len(server.server_state.connections) <= PLACES
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                for _ in range(5):  # one keep-alive connection that asks, waits for the answer and asks again
+                    assert client.get("/slow").status_code == 200
+        finally:
+            for sock in flood:
+                sock.close()
+
+
+def test_the_send_deadline_drops_never_reading_connections() -> None:
+    """Connections whose answers stop draining are dropped at the send deadline: the server holds none of them."""
+    bounds = Connections(max_connections=PLACES, header_timeout_s=1, keep_alive_s=60, send_timeout_s=1)
+    with bare_server(bounds) as (port, server):
+        flood = [stalled_connection(port, PIPELINED, 20_000) for _ in range(4)]
+        try:
+            deadline = time.monotonic() + 30  # the 1 s send deadline, on a busy machine
+            while server.server_state.connections and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not server.server_state.connections
+            assert any(closed_by_server(sock) for sock in flood)  # reset: the answers were never taken
+        finally:
+            for sock in flood:
+                sock.close()
+
+
+# ------------------------------------------------------------------------------------------ the server
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_path: Path, prefect_server: str) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("stalls")
+    allowed = root / "allowed"
+    allowed.mkdir()
+    make_sample_clip(allowed / "square.mp4", width=64, height=64, num_frames=1, audio=False)
+    return {"root": root, "allowed": allowed, "store": root / "store", "bundle": tiny_bundle_path}
+
+
+@pytest.fixture(scope="module")
+def server(stack: dict[str, Path]) -> Iterator[Server]:
+    args = ["--allow-path", str(stack["allowed"]), "--api-key", KEY_A, "--api-key", KEY_B]
+    args += ["--max-connections", str(PLACES), "--send-timeout-s", "3", "--send-buffer-kb", "64"]
+    args += ["--header-timeout-s", "1", "--keep-alive-s", "1"]
+    running = Server(stack["root"], stack["store"], stack["bundle"], "stalls", args, KEY_A, nofile=NOFILE).start()
+    yield running
+    running.stop()
+
+
+def descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_never_read_downloads_leave_places_and_descriptors(server: Server, stack: dict[str, Path]) -> None:
+    """Key A's connections pipeline downloads of its output and never read them, more of them than the server has
+    places, reopened as they are dropped. Meanwhile `/health` answers every time, key B's job is taken, computed and
+    downloaded, nothing is answered 5xx, and the server's descriptors stay under its open-file limit."""
+    clip = str(stack["allowed"] / "square.mp4")
+    done = completed(server, server.post_json(video_path=clip, sr_resolution_scale=2, seed=21))
+    auth = f"Authorization: Bearer {KEY_A}\r\n"
+    download = f"GET /v1/videos/{done['id']}/content HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode()
+    assert server.process is not None
+    pid = server.process.pid
+    with attacking(server.port, download, 2000) as attack:
+        peak = descriptors(pid)
+        with server.as_key(KEY_B) as other:
+            posted = other.post("/v1/videos", json={"video_path": clip, "sr_resolution_scale": 2, "seed": 22})
+            assert posted.status_code == 200, posted.text
+            job = posted.json()
+            while job["status"] not in ("completed", "failed", "cancelled"):
+                with httpx.Client(base_url=server.client.base_url, timeout=10) as probe:
+                    assert probe.get("/health", headers={"Authorization": f"Bearer {KEY_B}"}).status_code == 200
+                with server.as_key(KEY_B) as poll:
+                    job = poll.get(f"/v1/videos/{job['id']}").json()
+                peak = max(peak, descriptors(pid))
+                time.sleep(0.3)
+            assert job["status"] == "completed", job
+            with server.as_key(KEY_B) as fetch:
+                content = fetch.get(f"/v1/videos/{job['id']}/content")
+            assert content.status_code == 200 and len(content.content) == job["output"]["bytes"]
+        assert attack.dropped > 0  # the send deadline or the cap dropped never-reading connections
+    assert peak < NOFILE
+    log = server.log_path.read_text(errors="replace")
+    for sign in ("Too many open files", "Exception in ASGI", '" 500', '" 503'):
+        assert sign not in log, server.log()
+    assert server.client.get("/health").status_code == 200
