@@ -208,11 +208,8 @@ def make_plan(
         )
     sr_size = grid.output_size
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
-    if params.codec == "hevc" and min(delivery) < media.HEVC_MIN_SIDE:
-        raise ParameterError(
-            f"codec=hevc needs an output of at least {media.HEVC_MIN_SIDE} pixels a side; this one is "
-            f"{delivery[1]}x{delivery[0]}: use h264 or ffv1"
-        )
+    if (problem := params.encoding.size_problem(*delivery, what="an output")) is not None:
+        raise ParameterError(f"{problem}: use h264 or ffv1")
     return ClipPlan(
         source_size=source_size,
         source_frames=source_frames,

@@ -590,7 +590,7 @@ def test_output_controls_as_request_fields(server: Server, stack: dict[str, Path
     before = sorted(p.name for p in jobs.iterdir())
     for fields, param in (
         ({"codec": "ffv1", "crf": 20}, "crf"),
-        ({"codec": "av1"}, "codec"),
+        ({"codec": "vp9"}, "codec"),
         ({"pix_fmt": "rgb48"}, "pix_fmt"),
         ({"audio": "/etc/passwd"}, "audio"),
         ({"fps_mode": "double"}, "fps_mode"),

@@ -37,6 +37,7 @@ from entrypoints.server.records import (
     new_job_id,
 )
 from entrypoints.server.runner import JobRunner
+from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale
 from k6vsr_core.params import UpscaleParams
@@ -368,9 +369,8 @@ def get_content(request: Request, video_id: str) -> OpenedFileResponse:
         output = videos.store.output_path(video_id).open("rb")
     except OSError:
         raise ApiError(404, f"the output of video job {video_id} is gone from the store", code="output_gone") from None
-    mkv = job.request.get("codec") == "ffv1"
-    media_type, suffix = ("video/x-matroska", ".mkv") if mkv else ("video/mp4", ".mp4")
-    return OpenedFileResponse(output, media_type=media_type, filename=f"{video_id}{suffix}")
+    encoding = VideoEncoding(codec=job.request.get("codec") or "h264")
+    return OpenedFileResponse(output, media_type=encoding.media_type, filename=f"{video_id}{encoding.suffix}")
 
 
 @router.delete("/v1/videos/{video_id}")

@@ -13,7 +13,7 @@ import av.container
 import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
-from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core.encoding import MIN_SIZES, VideoEncoding
 from k6vsr_core.errors import MediaError
 from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC, AUDIO_SAMPLE_RATE, trim_audio
 from k6vsr_core.media.checking import BT709_TV, UNTAGGED, PlannedOutput
@@ -26,7 +26,7 @@ _BT709 = 1
 # The contract's rates are whole numbers; `--fps source` keeps the source's exact rational rate (30000/1001).
 FrameRate = int | Fraction
 _CONTRACT = VideoEncoding()
-HEVC_MIN_SIDE = 128
+HEVC_MIN_SIDE = MIN_SIZES["hevc"][0]
 
 
 def _check_frames(frames: np.ndarray) -> None:
@@ -49,9 +49,10 @@ def _prepare_audio(audio: np.ndarray, num_frames: int, fps: int | Fraction) -> n
 
 
 def _encoder_frames(frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding = _CONTRACT) -> Iterator[av.VideoFrame]:
-    """Yield frames in the stream's pixel format (BT.709 for YUV), padded to even size for 4:2:0, pts = index."""
-    pad = encoding.needs_even_size
-    pad_h, pad_w = (frames.shape[1] % 2, frames.shape[2] % 2) if pad else (0, 0)
+    """Yield frames in the stream's pixel format (BT.709 for YUV), padded to even sides where the chroma is
+    subsampled, pts = index."""
+    height, width = encoding.stored_size(frames.shape[1], frames.shape[2])
+    pad_h, pad_w = height - frames.shape[1], width - frames.shape[2]
     time_base = 1 / Fraction(fps)
     for index, rgb in enumerate(frames):
         if pad_h or pad_w:
@@ -66,6 +67,10 @@ def _encoder_frames(frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding 
             frame = frame.reformat(
                 format=encoding.stream_pix_fmt, dst_colorspace=Colorspace.ITU709, dst_color_range=ColorRange.MPEG
             )
+            if encoding.tags_frames:
+                # ProRes writes each frame's own primaries and transfer into its header; the stream's are not used.
+                frame.color_primaries = _BT709
+                frame.color_trc = _BT709
         frame.pts = index
         frame.time_base = time_base
         yield frame
@@ -83,9 +88,7 @@ def _add_video_stream(
     if rotation:
         # Pixels stay as stored (the model never sees rotation); players turn them as they did the source.
         video.set_display_rotation(rotation)
-    even = encoding.needs_even_size
-    video.width = width + (width % 2 if even else 0)
-    video.height = height + (height % 2 if even else 0)
+    video.height, video.width = encoding.stored_size(height, width)
     video.pix_fmt = encoding.stream_pix_fmt
     video.codec_context.time_base = 1 / Fraction(fps)
     if not encoding.is_rgb:
@@ -195,9 +198,9 @@ def write_video(
     _check_frames(frames)
     fps = _check_rate(fps)
     encoding = encoding or _CONTRACT
-    if encoding.codec == "hevc" and min(frames.shape[1:3]) < HEVC_MIN_SIDE:
-        # x265 gives run-to-run different output below this, and corrupts its heap on smaller frames still.
-        raise ValueError(f"codec=hevc needs frames of at least {HEVC_MIN_SIDE} pixels a side, got {frames.shape[1:3]}")
+    # x265 gives run-to-run different output below its minimum, and corrupts its heap on smaller frames still.
+    if (problem := encoding.size_problem(frames.shape[1], frames.shape[2])) is not None:
+        raise ValueError(problem)
     if audio is not None:
         audio = _prepare_audio(audio, frames.shape[0], fps)
 
@@ -241,7 +244,7 @@ def concat_segments(
     with _whole_or_removed(path, "join the segments"):
         with _open_output(path, encoding) as out:
             with av.open(segments[0]) as first:
-                video = out.add_stream_from_template(first.streams.video[0])
+                video = _video_like(out, first.streams.video[0])
             video.codec_context.bit_rate = 0
             if rotation:
                 video.set_display_rotation(int(rotation))
@@ -267,6 +270,25 @@ def concat_segments(
     if offset != num_frames:
         _remove_quietly(path)
         raise MediaError(path, f"the segments hold {offset} frames, expected {num_frames}")
+
+
+def _video_like(out: av.container.OutputContainer, template: av.VideoStream) -> av.VideoStream:
+    """A stream for `template`'s packets: the codec taken from the template itself where its decoder has no
+    encoder of the same name (libdav1d reads AV1), and QuickTime's sample tag kept, which names a ProRes profile
+    (apch is 422 HQ, ap4h 4444) that a plain remux would lose."""
+    name = template.codec_context.codec.name
+    video = out.add_stream_from_template(template, opaque=not _encodes(name))
+    if out.format.name == "mov":
+        video.codec_context.codec_tag = template.codec_context.codec_tag
+    return video
+
+
+def _encodes(name: str) -> bool:
+    try:
+        av.Codec(name, "w")
+    except av.codec.codec.UnknownCodecError:
+        return False
+    return True
 
 
 def _decode_delay(segment: str, frame_base: Fraction) -> int:
@@ -341,8 +363,7 @@ def planned_output(
     `fps`, with `audio_samples` of mono audio (trimmed to the frames) or the streams of `original`: for
     :func:`k6vsr_core.media.checking.check_output` before the file is published."""
     fps = _check_rate(fps)
-    height, width = size
-    even = encoding.needs_even_size
+    height, width = encoding.stored_size(*size)
     if original is not None:
         streams = carried_streams(original, encoding.container)
     else:
@@ -351,8 +372,8 @@ def planned_output(
     return PlannedOutput(
         frames=num_frames,
         frame_rate=str(Fraction(fps)),
-        width=width + (width % 2 if even else 0),
-        height=height + (height % 2 if even else 0),
+        width=width,
+        height=height,
         codec=encoding.codec_name,
         pix_fmt=encoding.stream_pix_fmt,
         colour=UNTAGGED if encoding.is_rgb else BT709_TV,

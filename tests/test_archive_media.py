@@ -1,0 +1,161 @@
+"""Archive-grade outputs and sources (issue 46): mezzanine and delivery codecs, each in its container, through
+`k6vsr upscale` on the tiny model; every source is made here and every output read back through PyAV."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+from entrypoints.cli import main
+from k6vsr_core import media
+from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core.errors import ParameterError
+from k6vsr_core.params import parse_params
+from k6vsr_core.sample import make_sample_clip
+
+# (encoding, container suffix, codec read back, pixel format read back, profile read back)
+MEZZANINE = [
+    (VideoEncoding(codec="prores"), ".mov", "prores", "yuv422p10le", "HQ"),
+    (VideoEncoding(codec="prores", pix_fmt="yuv444p10le"), ".mov", "prores", "yuv444p10le", "4444"),
+    (VideoEncoding(codec="prores", pix_fmt="yuva444p10le"), ".mov", "prores", "yuva444p10le", "4444"),
+    (VideoEncoding(codec="dnxhr"), ".mov", "dnxhd", "yuv422p10le", "DNXHR HQX"),
+    (VideoEncoding(codec="av1"), ".mp4", "av1", "yuv420p10le", "Main"),
+]
+IDS = ["prores-422hq", "prores-4444", "prores-4444-alpha", "dnxhr-hqx", "av1-10bit"]
+
+
+def _video(path: Path) -> dict[str, object]:
+    """What ffprobe would say of the video stream, through PyAV, and its frames decoded as RGB."""
+    with av.open(str(path)) as container:
+        video = container.streams.video[0]
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video)]
+        codec = video.codec_context
+        return {
+            "format": container.format.name,
+            "codec": codec.codec.canonical_name,
+            # The ProRes decoder gives 4444 as 12-bit from some files (k6vsr_core.media.checking).
+            "pix_fmt": codec.pix_fmt.replace("12le", "10le"),
+            "profile": codec.profile,
+            "tag": codec.codec_tag,
+            "colour": (codec.color_primaries, codec.color_trc, codec.colorspace, codec.color_range),
+            "frames": np.stack(frames),
+            "others": [s.type for s in container.streams if s.index != video.index],
+        }
+
+
+def _smooth(frames: int, height: int, width: int) -> np.ndarray:
+    """Gradients moving a pixel a frame: lossy codecs keep them within a few levels, as they keep the model's
+    output; noise would measure only the codec's rate control."""
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    out = [
+        np.stack([x * 200 / width + t, y * 200 / height + 20, (x + y) * 100 / (width + height) + 60 + t], -1)
+        for t in range(frames)
+    ]
+    return np.clip(np.stack(out), 0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize(("encoding", "suffix", "codec", "pix_fmt", "profile"), MEZZANINE, ids=IDS)
+def test_segments_of_each_codec_join_by_stream_copy_in_its_container_and_profile(
+    tmp_path: Path, encoding: VideoEncoding, suffix: str, codec: str, pix_fmt: str, profile: str
+) -> None:
+    """A one-frame segment then a longer one, joined as a run joins its windows, with audio; the health check
+    passes and the frames are the written ones within the codec's loss."""
+    frames = _smooth(5, 120, 256)  # DNxHR takes 256x120 at the least
+    segments = []
+    for index, part in enumerate((frames[:1], frames[1:])):
+        segments.append(str(tmp_path / f"{index}{encoding.suffix}"))
+        media.write_segment(segments[-1], part, 24, encoding)
+    out = tmp_path / f"out{encoding.suffix}"
+    media.concat_segments(segments, out, 24, np.zeros(20000, np.float32), len(frames), 0, encoding)
+    media.check_output(out, media.planned_output(encoding, len(frames), 24, (120, 256), 20000))
+    seen = _video(out)
+    assert encoding.suffix == suffix and seen["others"] == ["audio"]
+    assert (seen["codec"], seen["pix_fmt"], seen["profile"]) == (codec, pix_fmt, profile)
+    assert seen["colour"] == (1, 1, 1, 1)  # BT.709, limited range
+    error = np.abs(seen["frames"].astype(int) - frames)  # type: ignore[union-attr]
+    # swscale's own RGB to YUV and back costs about 1.5 levels on average (the default H.264 file too).
+    assert error.mean() < 2.5 and np.percentile(error, 99) <= 6, (error.mean(), np.percentile(error, 99))
+
+
+def test_prores_4444_keeps_its_profile_tag_through_the_join(tmp_path: Path) -> None:
+    """QuickTime names a ProRes profile by the sample's tag: a plain remux would write 4444 pictures as apch (HQ)."""
+    encoding = VideoEncoding(codec="prores", pix_fmt="yuv444p10le")
+    segment = str(tmp_path / "0.mov")
+    media.write_segment(segment, _smooth(2, 32, 32), 24, encoding)
+    media.concat_segments([segment], tmp_path / "out.mov", 24, None, 2, 0, encoding)
+    assert _video(tmp_path / "out.mov")["tag"] == "ap4h"
+
+
+@pytest.mark.parametrize(
+    ("values", "flag"),
+    [
+        ({"codec": "prores", "pix_fmt": "yuv420p"}, "pix_fmt"),
+        ({"codec": "dnxhr", "pix_fmt": "yuv444p10le"}, "pix_fmt"),
+        ({"codec": "av1", "pix_fmt": "yuv420p"}, "pix_fmt"),
+        ({"codec": "h264", "pix_fmt": "yuv422p10le"}, "pix_fmt"),
+        ({"codec": "prores", "crf": 10}, "crf"),
+        ({"codec": "dnxhr", "preset": "fast"}, "preset"),
+        ({"codec": "av1", "crf": 64}, "crf"),
+        ({"codec": "av1", "preset": "slow"}, "preset"),
+    ],
+)
+def test_choices_a_codec_does_not_take_are_refused_naming_the_field(values: dict, flag: str) -> None:
+    with pytest.raises(ParameterError) as err:
+        parse_params(**values)
+    message = str(err.value)
+    assert message.startswith(flag) and values["codec"] in message and "\n" not in message, message
+
+
+@pytest.fixture(scope="module")
+def source_128x64(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One frame of 128x64 with stereo audio: 256x128 at x2, DNxHR's least size and a second of CPU decoding."""
+    return make_sample_clip(tmp_path_factory.mktemp("mezzanine") / "clip.mp4", width=128, height=64, num_frames=1)
+
+
+@pytest.mark.parametrize(("encoding", "suffix", "codec", "pix_fmt", "profile"), MEZZANINE, ids=IDS)
+def test_upscale_writes_each_codec_in_its_container_with_the_source_streams(
+    tiny_bundle_path: Path,
+    source_128x64: Path,
+    tmp_path: Path,
+    encoding: VideoEncoding,
+    suffix: str,
+    codec: str,
+    pix_fmt: str,
+    profile: str,
+) -> None:
+    """`--audio original` joins the one window's segment by stream copy with the source's audio, as a long clip's
+    windows are joined, and the health check reads the file back before it is published."""
+    out = tmp_path / "out"
+    argv = ["upscale", str(source_128x64), "-o", str(out), "--model", str(tiny_bundle_path)]
+    argv += ["--store", str(tmp_path / "store"), "--device", "cpu", "--scale", "2", "--audio", "original"]
+    argv += ["--codec", encoding.codec] + (["--pix-fmt", encoding.pix_fmt] if encoding.pix_fmt else [])
+    assert main(argv) == 0
+    (written,) = out.iterdir()
+    assert written.name.startswith("clip_sr2x") and written.suffix == suffix
+    seen = _video(written)
+    assert (seen["codec"], seen["pix_fmt"], seen["profile"]) == (codec, pix_fmt, profile)
+    assert seen["frames"].shape == (1, 128, 256, 3) and seen["others"] == ["audio"]  # type: ignore[union-attr]
+    assert seen["colour"] == (1, 1, 1, 1)
+
+
+def test_plan_shows_the_profile_and_refuses_an_output_too_small_for_dnxhr(
+    tiny_bundle_path: Path, source_128x64: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", str(source_128x64), "--model", str(tiny_bundle_path), "--store", str(tmp_path), "--json"]
+    assert main([*argv, "--scale", "2", "--codec", "prores", "--pix-fmt", "yuv444p10le"]) == 0
+    shown = json.loads(capsys.readouterr().out)["output_format"]
+    assert {k: shown[k] for k in ("codec", "encoder", "crf", "pix_fmt", "container", "profile")} == {
+        "codec": "prores",
+        "encoder": "prores_ks",
+        "crf": None,
+        "pix_fmt": "yuv444p10le",
+        "container": "mov",
+        "profile": "4444",
+    }
+    assert main([*argv, "--scale", "2", "--codec", "dnxhr", "--target-resolution", "128x64"]) == 2
+    err = capsys.readouterr().err
+    assert "codec=dnxhr needs an output of at least 256x120 pixels, got 128x64" in err, err
