@@ -428,6 +428,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "dit_steps_per_tile": plan.steps,
         "sr_size": {"width": plan.sr_size[1], "height": plan.sr_size[0]},
         "output_size": {"width": plan.delivery_size[1], "height": plan.delivery_size[0]},
+        "aspect": plan.aspect(),
         "model": prepared.model_info.identity,
         "model_weights_present": weights_present(Path(prepared.model_info.path)),
         "run_key": prepared.run.run_key,

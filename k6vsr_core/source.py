@@ -48,7 +48,9 @@ def read_source(
         return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=planned)
     try:
         cuts = scene_cuts(str(path), count, probe.fps, params)
-        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate, cuts)
+        plan = make_plan(
+            (probe.height, probe.width), count, probe.fps, params, traits, probe.rate, cuts, probe.sample_aspect
+        )
     except ValueError as err:
         raise MediaError(str(path), str(err)) from None
     return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)

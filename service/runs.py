@@ -90,7 +90,14 @@ def prepare_run(
     try:
         cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params)
         plan = make_plan(
-            (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate, cuts
+            (probe.height, probe.width),
+            probe.num_frames,
+            probe.fps,
+            params,
+            model_traits(info),
+            probe.rate,
+            cuts,
+            probe.sample_aspect,
         )
     except ParameterError:
         raise

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -159,3 +160,109 @@ def test_plan_shows_the_profile_and_refuses_an_output_too_small_for_dnxhr(
     assert main([*argv, "--scale", "2", "--codec", "dnxhr", "--target-resolution", "128x64"]) == 2
     err = capsys.readouterr().err
     assert "codec=dnxhr needs an output of at least 256x120 pixels, got 128x64" in err, err
+
+
+# ------------------------------------------------------------------------------------------------ geometry
+
+
+def _anamorphic(path: Path, width: int, height: int, sar: Fraction, frames: int = 1) -> Path:
+    """A clip whose pixels are not square: the SAR in the H.264 stream and in the container, as a DV or DVD
+    transfer has it. The picture has a black border (letterbox bars), which must come back uncropped."""
+    image = _smooth(frames, height, width)
+    image[:, : height // 8] = 0
+    image[:, height - height // 8 :] = 0
+    with av.open(str(path), "w") as out:
+        video = out.add_stream("libx264", rate=25)
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
+        video.codec_context.sample_aspect_ratio = sar
+        for index, picture in enumerate(image):
+            frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
+            frame.pts, frame.time_base = index, Fraction(1, 25)
+            out.mux(video.encode(frame))
+        out.mux(video.encode(None))
+    return path
+
+
+def _aspect(path: Path) -> tuple[Fraction, Fraction, Fraction | None, tuple[int, int]]:
+    """The pixels' shape as ffprobe reports it (the container's, else the stream's), the display aspect ratio it
+    gives, the shape in the video stream itself (H.264's header has one, AV1's and ProRes's none), and the size."""
+    with av.open(str(path)) as container:
+        video = container.streams.video[0]
+        next(container.decode(video))
+        codec = video.codec_context
+        sar = video.sample_aspect_ratio or Fraction(1)
+        return sar, sar * codec.width / codec.height, codec.sample_aspect_ratio, (codec.width, codec.height)
+
+
+# A PAL 4:3 frame (720x576, pixels 16:15) and an NTSC one (720x480, pixels 8:9), each at an eighth of its size.
+PAL_4_3 = (90, 72, Fraction(16, 15))
+NTSC_4_3 = (90, 60, Fraction(8, 9))
+
+
+def _upscale(source: Path, tmp_path: Path, bundle: Path, *extra: str) -> Path:
+    out = tmp_path / "out"
+    argv = ["upscale", str(source), "-o", str(out), "--model", str(bundle), "--store", str(tmp_path / "store")]
+    assert main([*argv, "--device", "cpu", "--scale", "2", *extra]) == 0
+    (written,) = out.iterdir()
+    return written
+
+
+@pytest.mark.parametrize(
+    ("geometry", "flags"),
+    [
+        (PAL_4_3, ()),
+        (NTSC_4_3, ()),
+        (PAL_4_3, ("--codec", "prores", "--audio", "original")),
+        (NTSC_4_3, ("--codec", "av1", "--audio", "original")),
+    ],
+    ids=["pal-h264", "ntsc-h264", "pal-prores-joined", "ntsc-av1-joined"],
+)
+def test_a_4_3_source_of_non_square_pixels_comes_back_4_3_uncropped(
+    tiny_bundle_path: Path, tmp_path: Path, geometry: tuple[int, int, Fraction], flags: tuple[str, ...]
+) -> None:
+    width, height, sar = geometry
+    source = _anamorphic(tmp_path / "tape.mp4", width, height, sar)
+    assert _aspect(source)[:2] == (sar, Fraction(4, 3))
+    written = _upscale(source, tmp_path, tiny_bundle_path, *flags)
+    container_sar, dar, stream_sar, size = _aspect(written)
+    assert size == (2 * width, 2 * height)  # nothing cropped, nothing resampled to square
+    assert (container_sar, dar) == (sar, Fraction(4, 3))
+    if not flags:
+        assert stream_sar == sar  # in H.264's own header too
+
+
+def test_ffv1_of_non_square_pixels_is_refused_before_any_work(tiny_bundle_path: Path, tmp_path: Path, capsys) -> None:
+    """Matroska would need its display size set, which PyAV cannot: the picture would play stretched."""
+    source = _anamorphic(tmp_path / "tape.mp4", *PAL_4_3)
+    argv = ["upscale", str(source), "-o", str(tmp_path / "out"), "--model", str(tiny_bundle_path)]
+    assert main([*argv, "--store", str(tmp_path / "store"), "--scale", "2", "--codec", "ffv1"]) == 2
+    err = capsys.readouterr().err
+    assert "codec=ffv1 writes Matroska, which cannot be given this output's pixel shape (16/15, for a 4/3" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_exact_target_of_the_display_shape_gives_square_pixels(tiny_bundle_path: Path, tmp_path: Path) -> None:
+    """Resized to 4:3 on the whole picture, the same 4:3 needs square pixels: no ratio is written."""
+    source = _anamorphic(tmp_path / "tape.mp4", *PAL_4_3)
+    written = _upscale(
+        source, tmp_path, tiny_bundle_path, "--target-resolution", "160x120", "--target-resize-mode", "exact"
+    )
+    container_sar, _, stream_sar, size = _aspect(written)
+    assert size == (160, 120) and container_sar == 1 and stream_sar in (None, 1)
+
+
+def test_plan_states_the_aspect_kept(
+    tiny_bundle_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _anamorphic(tmp_path / "tape.mp4", *PAL_4_3)
+    argv = ["plan", str(source), "--model", str(tiny_bundle_path), "--store", str(tmp_path), "--scale", "2"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["aspect"] == {
+        "source_sample_aspect": "16/15",
+        "source_display_aspect": "4/3",
+        "sample_aspect": "16/15",
+        "display_aspect": "4/3",
+        "pixels": "non-square, as the source's: the ratio is written, not resampled",
+    }
+    assert main(argv) == 0
+    assert "aspect    4/3 on screen from pixels of 16/15 (non-square" in capsys.readouterr().out

@@ -78,6 +78,7 @@ class PlannedOutput(BaseModel):
     pix_fmt: str
     colour: ColourTags
     streams: tuple[str, ...] = ()
+    sample_aspect: str = "1"  # the pixels' shape (SAR) as a fraction; "1": square (or untagged)
 
     @property
     def duration_s(self) -> Fraction:
@@ -105,6 +106,7 @@ class _Seen(BaseModel):
     pix_fmt: str
     colour: ColourTags
     streams: tuple[str, ...]
+    sample_aspect: str
 
 
 def _kind(stream: av.stream.Stream) -> str:
@@ -142,6 +144,7 @@ def _decode(path: str) -> _Seen:
             pix_fmt=codec.pix_fmt or "",
             colour=ColourTags.of_codes(codec.color_primaries, codec.color_trc, codec.colorspace, codec.color_range),
             streams=tuple(_kind(s) for s in container.streams if s.index != video.index),
+            sample_aspect=str(video.sample_aspect_ratio or 1),
         )
 
 
@@ -168,6 +171,8 @@ def _differences(seen: _Seen, planned: PlannedOutput) -> list[str]:
         problems.append(f"codec {seen.codec}, {planned.codec} planned")
     if not _same_pix_fmt(seen.pix_fmt, planned.pix_fmt, seen.codec):
         problems.append(f"pixel format {seen.pix_fmt}, {planned.pix_fmt} planned")
+    if Fraction(seen.sample_aspect) != Fraction(planned.sample_aspect):
+        problems.append(f"sample aspect ratio {seen.sample_aspect}, {planned.sample_aspect} planned")
     if seen.colour != planned.colour:
         problems.append(f"colour tags {seen.colour.describe()}, {planned.colour.describe()} planned")
     if seen.streams != planned.streams:

@@ -46,6 +46,8 @@ class VideoProbe(BaseModel):
     rotation: int
     duration_s: float | None
     rate: str | None = None  # the exact rate as a fraction ("30000/1001"), for `--fps source`
+    # The pixels' shape (sample aspect ratio) as a fraction ("16/15" for PAL 4:3); None where they are square.
+    sample_aspect: str | None = None
 
 
 def open_input(path: str) -> av.container.InputContainer:
@@ -158,6 +160,12 @@ def _duration_s(container: av.container.InputContainer, stream: av.VideoStream) 
     return seconds if seconds > 0 else None
 
 
+def _sample_aspect(stream: av.VideoStream) -> str | None:
+    """The container's sample aspect ratio, else the stream's (FFmpeg's own guess); None for square or untold."""
+    sar = stream.sample_aspect_ratio
+    return None if not sar or sar == 1 else str(sar)
+
+
 def _probe_file(path: str) -> VideoProbe:
     with open_input(path) as container:
         stream = video_stream(container, path)
@@ -181,6 +189,7 @@ def _probe_file(path: str) -> VideoProbe:
             rotation=int(first.rotation),
             duration_s=_duration_s(container, stream),
             rate=str(Fraction(stream.average_rate or stream.base_rate)),
+            sample_aspect=_sample_aspect(stream),
         )
 
 

@@ -83,8 +83,11 @@ def _add_video_stream(
     fps: FrameRate,
     rotation: int,
     encoding: VideoEncoding = _CONTRACT,
+    sample_aspect: Fraction | None = None,
 ) -> av.VideoStream:
     video = container.add_stream(encoding.encoder, rate=fps, options=encoding.options())
+    if sample_aspect is not None:
+        video.codec_context.sample_aspect_ratio = sample_aspect
     if rotation:
         # Pixels stay as stored (the model never sees rotation); players turn them as they did the source.
         video.set_display_rotation(rotation)
@@ -109,8 +112,9 @@ def _mux(
     audio: np.ndarray | None,
     rotation: int,
     encoding: VideoEncoding = _CONTRACT,
+    sample_aspect: Fraction | None = None,
 ) -> None:
-    video = _add_video_stream(container, frames.shape[2], frames.shape[1], fps, rotation, encoding)
+    video = _add_video_stream(container, frames.shape[2], frames.shape[1], fps, rotation, encoding, sample_aspect)
 
     sound = None
     if audio is not None:
@@ -172,6 +176,7 @@ def write_video(
     audio: np.ndarray | None,
     rotation: int = 0,
     encoding: VideoEncoding | None = None,
+    sample_aspect: Fraction | None = None,
 ) -> None:
     """Encode RGB frames (and optional mono audio) as a video file at ``path``.
 
@@ -189,6 +194,8 @@ def write_video(
       video-only file.
     - ``rotation``: the source's display rotation (degrees, as :func:`probe`
       reports it), written as the stream's display matrix.
+    - ``sample_aspect``: the pixels' shape (SAR) to write, for non-square
+      pixels; None writes none (square).
     - The container follows ``encoding``, whatever the file name, so callers can
       write to a temporary name and rename it.  The output is byte-identical for
       identical inputs (no timestamps or library versions are embedded).
@@ -206,12 +213,18 @@ def write_video(
 
     path = os.fspath(path)
     with _whole_or_removed(path, "write video"), _open_output(path, encoding) as container:
-        _mux(container, frames, fps, audio, int(rotation), encoding)
+        _mux(container, frames, fps, audio, int(rotation), encoding, sample_aspect)
 
 
-def write_segment(path: PathLike, frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding | None = None) -> None:
+def write_segment(
+    path: PathLike,
+    frames: np.ndarray,
+    fps: FrameRate,
+    encoding: VideoEncoding | None = None,
+    sample_aspect: Fraction | None = None,
+) -> None:
     """One window's frames as a video-only file that starts on a key frame, for :func:`concat_segments`."""
-    write_video(path, frames, fps, None, encoding=encoding)
+    write_video(path, frames, fps, None, encoding=encoding, sample_aspect=sample_aspect)
 
 
 def concat_segments(
@@ -223,6 +236,7 @@ def concat_segments(
     rotation: int = 0,
     encoding: VideoEncoding | None = None,
     original: str | None = None,
+    sample_aspect: Fraction | None = None,
 ) -> None:
     """Join video-only segments by stream copy and add the audio, as :func:`write_video` would have written them.
 
@@ -233,6 +247,7 @@ def concat_segments(
 
     ``original``: a source file whose every audio and subtitle stream (and container metadata) is carried over
     instead, trimmed to the output's span (:class:`SourceStreams`); ``audio`` is then ignored.
+    ``sample_aspect``: the pixels' shape written in the container, as the segments hold it in their streams.
     """
     if not segments:
         raise ValueError("no segments to join")
@@ -246,6 +261,8 @@ def concat_segments(
             with av.open(segments[0]) as first:
                 video = _video_like(out, first.streams.video[0])
             video.codec_context.bit_rate = 0
+            if sample_aspect is not None:
+                video.codec_context.sample_aspect_ratio = sample_aspect
             if rotation:
                 video.set_display_rotation(int(rotation))
             sound = None
@@ -358,6 +375,7 @@ def planned_output(
     size: tuple[int, int],
     audio_samples: int = 0,
     original: str | None = None,
+    sample_aspect: Fraction | None = None,
 ) -> PlannedOutput:
     """What :func:`write_video` or :func:`concat_segments` writes for `num_frames` frames of `size` (H, W) at
     `fps`, with `audio_samples` of mono audio (trimmed to the frames) or the streams of `original`: for
@@ -378,4 +396,5 @@ def planned_output(
         pix_fmt=encoding.stream_pix_fmt,
         colour=UNTAGGED if encoding.is_rgb else BT709_TV,
         streams=streams,
+        sample_aspect=str(sample_aspect or 1),
     )
