@@ -266,3 +266,88 @@ def test_plan_states_the_aspect_kept(
     }
     assert main(argv) == 0
     assert "aspect    4/3 on screen from pixels of 16/15 (non-square" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------ chapters
+
+
+FONT = b"\x00\x01\x00\x00" + bytes(range(256)) * 4  # stands in for a TrueType font an ASS subtitle needs
+
+
+@pytest.fixture(scope="module")
+def broadcast_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """0.3 s of 29.97 fps 64x48 in Matroska: English stereo and French mono audio, four chapters (the last starts
+    after the end, the third runs past it) and a font attachment."""
+    path = tmp_path_factory.mktemp("broadcast") / "episode.mkv"
+    with av.open(str(path), "w", format="matroska") as out:
+        out.metadata["title"] = "Episode 1"
+        video = out.add_stream("libx264", rate=Fraction(30000, 1001))
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        sounds = []
+        for language, layout in (("eng", "stereo"), ("fra", "mono")):
+            sound = out.add_stream("aac", rate=48000, layout=layout)
+            sound.metadata["language"] = language
+            sounds.append((sound, layout))
+        spans = [(0, 100), (100, 200), (200, 2000), (1000, 2000)]
+        out.set_chapters(
+            [
+                {
+                    "id": i + 1,
+                    "start": a,
+                    "end": b,
+                    "time_base": Fraction(1, 1000),
+                    "metadata": {"title": f"Part {i + 1}"},
+                }
+                for i, (a, b) in enumerate(spans)
+            ]
+        )
+        out.add_attachment("font.ttf", "application/x-truetype-font", FONT)
+        for index, picture in enumerate(_smooth(9, 48, 64)):
+            frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
+            frame.pts, frame.time_base = index, Fraction(1001, 30000)
+            out.mux(video.encode(frame))
+        out.mux(video.encode(None))
+        for sound, layout in sounds:
+            channels = 2 if layout == "stereo" else 1
+            samples = av.AudioFrame.from_ndarray(np.zeros((channels, 14400), np.float32), format="fltp", layout=layout)
+            samples.sample_rate, samples.pts, samples.time_base = 48000, 0, Fraction(1, 48000)
+            out.mux(sound.encode(samples))
+            out.mux(sound.encode(None))
+    return path
+
+
+def _chapters(path: Path) -> list[tuple[str, float, float]]:
+    with av.open(str(path)) as container:
+        return [
+            (c["metadata"].get("title", ""), float(c["start"] * c["time_base"]), float(c["end"] * c["time_base"]))
+            for c in container.chapters()
+        ]
+
+
+def _carried(path: Path) -> tuple[list[tuple[str, object]], dict[str, bytes], float]:
+    """The audio streams' languages and channels, the attachments by name, and the video's span in seconds."""
+    with av.open(str(path)) as container:
+        video = container.streams.video[0]
+        frames = sum(1 for _ in container.decode(video))
+        audio = [(a.metadata.get("language"), a.codec_context.channels) for a in container.streams.audio]
+        attached = {s.name: bytes(s.data) for s in container.streams if s.type == "attachment"}
+        return audio, attached, frames / float(video.average_rate)
+
+
+@pytest.mark.parametrize(("codec", "attached"), [("h264", False), ("prores", False), ("ffv1", True)])
+def test_original_keeps_chapters_cut_to_the_output_and_attachments_where_the_container_holds_them(
+    tiny_bundle_path: Path, broadcast_source: Path, tmp_path: Path, codec: str, attached: bool, capsys
+) -> None:
+    written = _upscale(broadcast_source, tmp_path, tiny_bundle_path, "--audio", "original", "--codec", codec)
+    audio, attachments, span = _carried(written)
+    assert audio == [("eng", 2), ("fra", 1)]
+    assert span == pytest.approx(0.3, abs=0.05)
+    chapters = _chapters(written)
+    assert [title for title, _, _ in chapters] == ["Part 1", "Part 2", "Part 3"]
+    times = [time for _, start, end in chapters for time in (start, end)]
+    assert times == pytest.approx([0.0, 0.1, 0.1, 0.2, 0.2, span], abs=0.002)
+    if attached:
+        assert attachments == {"font.ttf": FONT}
+    else:
+        assert attachments == {}
+        assert "attachment 'font.ttf' (application/x-truetype-font) is left out" in capsys.readouterr().err

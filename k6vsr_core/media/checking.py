@@ -79,6 +79,7 @@ class PlannedOutput(BaseModel):
     colour: ColourTags
     streams: tuple[str, ...] = ()
     sample_aspect: str = "1"  # the pixels' shape (SAR) as a fraction; "1": square (or untagged)
+    chapters: int = 0
 
     @property
     def duration_s(self) -> Fraction:
@@ -107,11 +108,22 @@ class _Seen(BaseModel):
     colour: ColourTags
     streams: tuple[str, ...]
     sample_aspect: str
+    chapters: int
 
 
 def _kind(stream: av.stream.Stream) -> str:
+    if stream.type == "attachment":
+        return f"attachment:{stream.name}"
     name = stream.codec_context.name if stream.codec_context is not None else "unknown"
     return f"{stream.type}:{name}"
+
+
+def _shown(stream: av.stream.Stream) -> bool:
+    """Not a track the demuxer itself hides: QuickTime's chapter titles are a text track it reads as chapters."""
+    return stream.discard != _DISCARD_ALL
+
+
+_DISCARD_ALL = 48  # FFmpeg's AVDISCARD_ALL
 
 
 def _decode(path: str) -> _Seen:
@@ -143,8 +155,9 @@ def _decode(path: str) -> _Seen:
             codec=codec.codec.canonical_name,
             pix_fmt=codec.pix_fmt or "",
             colour=ColourTags.of_codes(codec.color_primaries, codec.color_trc, codec.colorspace, codec.color_range),
-            streams=tuple(_kind(s) for s in container.streams if s.index != video.index),
+            streams=tuple(_kind(s) for s in container.streams if s.index != video.index and _shown(s)),
             sample_aspect=str(video.sample_aspect_ratio or 1),
+            chapters=len(container.chapters()),
         )
 
 
@@ -175,6 +188,8 @@ def _differences(seen: _Seen, planned: PlannedOutput) -> list[str]:
         problems.append(f"sample aspect ratio {seen.sample_aspect}, {planned.sample_aspect} planned")
     if seen.colour != planned.colour:
         problems.append(f"colour tags {seen.colour.describe()}, {planned.colour.describe()} planned")
+    if seen.chapters != planned.chapters:
+        problems.append(f"{seen.chapters} chapter(s), {planned.chapters} planned")
     if seen.streams != planned.streams:
         shown = ", ".join(seen.streams) or "none"
         problems.append(f"other streams {shown}, {', '.join(planned.streams) or 'none'} planned")

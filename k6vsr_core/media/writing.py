@@ -18,7 +18,7 @@ from k6vsr_core.errors import MediaError
 from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC, AUDIO_SAMPLE_RATE, trim_audio
 from k6vsr_core.media.checking import BT709_TV, UNTAGGED, PlannedOutput
 from k6vsr_core.media.probing import PathLike
-from k6vsr_core.media.streams import SourceStreams, carried_streams
+from k6vsr_core.media.streams import SourceStreams, carried_chapters, carried_streams
 
 # FFmpeg's BT.709 code is 1 for the colorspace, primaries and transfer enums alike.
 _BT709 = 1
@@ -382,8 +382,10 @@ def planned_output(
     :func:`k6vsr_core.media.checking.check_output` before the file is published."""
     fps = _check_rate(fps)
     height, width = encoding.stored_size(*size)
+    chapters = 0
     if original is not None:
         streams = carried_streams(original, encoding.container)
+        chapters = carried_chapters(original, num_frames / Fraction(fps))
     else:
         limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
         streams = (f"audio:{AUDIO_CODEC}",) if min(limit, audio_samples) > 0 else ()
@@ -397,4 +399,5 @@ def planned_output(
         colour=UNTAGGED if encoding.is_rgb else BT709_TV,
         streams=streams,
         sample_aspect=str(sample_aspect or 1),
+        chapters=chapters,
     )
