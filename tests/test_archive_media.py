@@ -251,13 +251,16 @@ def test_an_exact_target_of_the_display_shape_gives_square_pixels(tiny_bundle_pa
     assert size == (160, 120) and container_sar == 1 and stream_sar in (None, 1)
 
 
-def test_plan_states_the_aspect_kept(
+def test_plan_states_the_aspect_kept_for_a_full_size_pal_frame(
     tiny_bundle_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    source = _anamorphic(tmp_path / "tape.mp4", *PAL_4_3)
+    """A plan computes nothing, so the real 720x576 frame is cheap here: 1440x1152 at x2, still 4:3 on screen."""
+    source = _anamorphic(tmp_path / "tape.mp4", 720, 576, Fraction(16, 15))
     argv = ["plan", str(source), "--model", str(tiny_bundle_path), "--store", str(tmp_path), "--scale", "2"]
     assert main([*argv, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["aspect"] == {
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["output_size"] == {"width": 1440, "height": 1152}
+    assert shown["aspect"] == {
         "source_sample_aspect": "16/15",
         "source_display_aspect": "4/3",
         "sample_aspect": "16/15",
