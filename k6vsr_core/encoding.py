@@ -135,10 +135,6 @@ class VideoEncoding(BaseModel):
         fmt = self.stream_pix_fmt
         return fmt.startswith("yuv420"), fmt.startswith(("yuv420", "yuv422"))
 
-    @property
-    def needs_even_size(self) -> bool:
-        return any(self.even_sides)
-
     def stored_size(self, height: int, width: int) -> tuple[int, int]:
         """The (H, W) written for frames of (height, width), after padding to even sides where needed."""
         even_h, even_w = self.even_sides

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from fractions import Fraction
 from pathlib import Path
 
@@ -89,6 +92,19 @@ def test_prores_4444_keeps_its_profile_tag_through_the_join(tmp_path: Path) -> N
     media.write_segment(segment, _smooth(2, 32, 32), 24, encoding)
     media.concat_segments([segment], tmp_path / "out.mov", 24, None, 2, 0, encoding)
     assert _video(tmp_path / "out.mov")["tag"] == "ap4h"
+
+
+def test_av1_encodes_without_printing_svt_av1s_configuration(tmp_path: Path) -> None:
+    """Each window's segment starts an encoder; SVT-AV1 would print a dozen lines for each (k6vsr_core.process_env)."""
+    code = (
+        "import numpy as np; from k6vsr_core import media; from k6vsr_core.encoding import VideoEncoding; "
+        f"media.write_video({str(tmp_path / 'a.mp4')!r}, np.zeros((2, 64, 64, 3), np.uint8), 24, None, 0, "
+        "VideoEncoding(codec='av1'))"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "SVT_LOG"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and (tmp_path / "a.mp4").stat().st_size > 0, done.stderr
+    assert "Svt[info]" not in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize(

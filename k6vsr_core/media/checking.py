@@ -118,12 +118,12 @@ def _kind(stream: av.stream.Stream) -> str:
     return f"{stream.type}:{name}"
 
 
+_DISCARD_ALL = 48  # FFmpeg's AVDISCARD_ALL
+
+
 def _shown(stream: av.stream.Stream) -> bool:
     """Not a track the demuxer itself hides: QuickTime's chapter titles are a text track it reads as chapters."""
     return stream.discard != _DISCARD_ALL
-
-
-_DISCARD_ALL = 48  # FFmpeg's AVDISCARD_ALL
 
 
 def _decode(path: str) -> _Seen:
