@@ -77,7 +77,7 @@ def job_view(job: JobRecord, caller: Caller, store_root: str | Path, retention_s
         "params": api_params(job.request),
         "size": f"{output.width}x{output.height}",
         "seconds": f"{output.frames / output.fps:.3f}",
-        "output": output.model_dump(mode="json"),
+        "output": output.model_dump(mode="json", exclude={"sample_aspect"} if output.sample_aspect is None else None),
         "tiles": job.tiles.model_dump(mode="json"),
         "quality": job.quality,  # the output's quality report, once completed (README, "Quality report")
         "source": source,
@@ -305,6 +305,7 @@ async def create_video(request: Request) -> JSONResponse:
                         # A latent has no streams; an HTTP request names no audio file.
                         has_audio=prepared.probe is not None and prepared.probe.has_audio,
                         bytes=None,
+                        sample_aspect=None if plan.sample_aspect is None else str(plan.sample_aspect),
                     ),
                     tiles=JobTiles(total=plan.num_tiles * plan.num_windows, computed=None, reused=None),
                 ),
