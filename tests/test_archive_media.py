@@ -370,3 +370,48 @@ def test_original_keeps_chapters_cut_to_the_output_and_attachments_where_the_con
     else:
         assert attachments == {}
         assert "attachment 'font.ttf' (application/x-truetype-font) is left out" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ mezzanine sources
+
+
+@pytest.fixture(scope="module")
+def prores_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A post-production master: one frame of 10-bit 4:2:2 ProRes 422 HQ, 64x48, with 24-bit stereo PCM and an
+    English SubRip subtitle, in Matroska (which holds all three as they are)."""
+    folder = tmp_path_factory.mktemp("master")
+    srt = folder / "subs.srt"
+    srt.write_text("1\n00:00:00,000 --> 00:00:00,030\nSlate\n\n")
+    path = folder / "master.mkv"
+    with av.open(str(srt)) as subs, av.open(str(path), "w", format="matroska") as out:
+        video = out.add_stream("prores_ks", rate=24, options={"profile": "hq"})
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv422p10le"
+        sound = out.add_stream("pcm_s24le", rate=48000, layout="stereo")
+        text = out.add_stream_from_template(subs.streams[0])
+        text.metadata["language"] = "eng"
+        frame = av.VideoFrame.from_ndarray(_smooth(1, 48, 64)[0], format="rgb24").reformat(format="yuv422p10le")
+        frame.pts, frame.time_base = 0, Fraction(1, 24)
+        out.mux(video.encode(frame))
+        out.mux(video.encode(None))
+        samples = av.AudioFrame.from_ndarray(np.zeros((1, 4000), np.int32), format="s32", layout="stereo")
+        samples.sample_rate, samples.pts, samples.time_base = 48000, 0, Fraction(1, 48000)
+        out.mux(sound.encode(samples))
+        out.mux(sound.encode(None))
+        for packet in subs.demux(subs.streams[0]):
+            if packet.size:
+                packet.stream = text
+                out.mux(packet)
+    return path
+
+
+def test_a_prores_master_comes_back_as_prores_with_its_pcm_as_it_is_and_its_subtitles(
+    tiny_bundle_path: Path, prores_source: Path, tmp_path: Path
+) -> None:
+    with av.open(str(prores_source)) as source:
+        assert source.streams.video[0].codec_context.pix_fmt == "yuv422p10le"
+    written = _upscale(prores_source, tmp_path, tiny_bundle_path, "--audio", "original", "--codec", "prores")
+    with av.open(str(written)) as container:
+        kinds = [(s.type, s.codec_context.name, s.metadata.get("language")) for s in container.streams]
+        assert container.format.name.startswith("mov")
+    assert kinds[0][:2] == ("video", "prores")
+    assert kinds[1][:2] == ("audio", "pcm_s24le") and kinds[2] == ("subtitle", "mov_text", "eng")

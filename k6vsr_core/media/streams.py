@@ -17,13 +17,19 @@ from k6vsr_core.media.probing import open_input
 # Codecs each container takes by stream copy; any other audio is re-encoded as AAC at the source's layout and rate.
 _COPY_AUDIO = {
     "mp4": {"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"},
+    # QuickTime, for ProRes and DNxHR: the PCM of post-production as it is.
+    "mov": {"aac", "mp3", "ac3", "eac3", "alac", "pcm_s16le", "pcm_s16be", "pcm_s24le", "pcm_s24be", "pcm_f32le"},
     "matroska": {"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus", "vorbis", "pcm_s16le", "pcm_s24le", "pcm_f32le"},
 }
-_COPY_SUBTITLES = {"mp4": {"mov_text"}, "matroska": {"subrip", "srt", "ass", "ssa", "webvtt", "hdmv_pgs_subtitle"}}
-# Text subtitles a container cannot hold as they are are converted to the text format it takes: MP4 holds only
+_COPY_SUBTITLES = {
+    "mp4": {"mov_text"},
+    "mov": {"mov_text"},
+    "matroska": {"subrip", "srt", "ass", "ssa", "webvtt", "hdmv_pgs_subtitle"},
+}
+# Text subtitles a container cannot hold as they are are converted to the text format it takes: MP4 (and MOV) hold only
 # mov_text (3GPP timed text), and Matroska takes ASS, which keeps what mov_text styles.
 _TEXT_SUBTITLES = {"subrip", "srt", "ass", "ssa", "webvtt", "mov_text", "text", "microdvd", "subviewer", "jacosub"}
-_CONVERT_SUBTITLES = {"mp4": "mov_text", "matroska": "ass"}
+_CONVERT_SUBTITLES = {"mp4": "mov_text", "mov": "mov_text", "matroska": "ass"}
 # Container metadata worth keeping; encoder tags and the like describe the old file, not the new one.
 _KEPT_METADATA = ("title", "language", "creation_time", "comment", "description", "artist", "date", "copyright")
 
