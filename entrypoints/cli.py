@@ -31,6 +31,7 @@ from entrypoints.console import configure_terminal, plan_lines, plural, preview_
 from entrypoints.devices import check_device, check_device_apart
 from entrypoints.flags import input_flags, model_flags, output_flags, request_flags, run_flags, serve_flags, store_flag
 from k6vsr_core import status
+from k6vsr_core.encoding import SUFFIXES
 from k6vsr_core.errors import ParameterError, ServiceError, UserFacingError, describe_error
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
 from runtime import interrupts
@@ -345,10 +346,9 @@ def _destination(
 
 
 def output_file_name(name: str, params: UpscaleParams) -> str:
-    """The name with the container's suffix added; a name with the other container's suffix is refused."""
+    """The name with the container's suffix added; a name with another container's suffix is refused."""
     suffix = params.encoding.suffix
-    other = ".mp4" if suffix == ".mkv" else ".mkv"
-    if name.lower().endswith(other):
+    if any(name.lower().endswith(other) for other in SUFFIXES if other != suffix):
         raise ParameterError(
             f"--output-file-name {name!r}: codec {params.codec} is written as {suffix[1:].upper()}; name it {suffix}"
         )
@@ -428,6 +428,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         "dit_steps_per_tile": plan.steps,
         "sr_size": {"width": plan.sr_size[1], "height": plan.sr_size[0]},
         "output_size": {"width": plan.delivery_size[1], "height": plan.delivery_size[0]},
+        "aspect": plan.aspect(),
         "model": prepared.model_info.identity,
         "model_weights_present": weights_present(Path(prepared.model_info.path)),
         "run_key": prepared.run.run_key,

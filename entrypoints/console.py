@@ -217,6 +217,16 @@ def preview_lines(preview: dict[str, Any]) -> list[str]:
     ]
 
 
+def _aspect_lines(aspect: dict[str, Any] | None) -> list[str]:
+    """A line for non-square pixels only: square ones are the rule and were never shown."""
+    if not aspect or aspect["sample_aspect"] == aspect["source_sample_aspect"] == "1":
+        return []
+    return [
+        f"aspect    {aspect['display_aspect']} on screen from pixels of {aspect['sample_aspect']} "
+        f"({aspect['pixels']}; source {aspect['source_display_aspect']}, pixels {aspect['source_sample_aspect']})"
+    ]
+
+
 def plan_lines(plan: dict[str, Any]) -> list[str]:
     """`k6vsr plan` for people: what goes in and out, the tiles, the windows as a table, the disk and the progress."""
     size = plan["source_size"]
@@ -224,6 +234,8 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     output = plan["output_format"]
     out = plan["output_size"]
     quality = f"CRF {output['crf']}" if output.get("crf") is not None else "lossless"
+    if output.get("profile"):
+        quality = f"profile {output['profile']}"
     preset = f", preset {output['preset']}" if output.get("preset") else ""
     tile = plan["tile"]
     grid = f"{len(tile['tops'])}x{len(tile['lefts'])}"
@@ -240,6 +252,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
         f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
         f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}{colour}, "
         f"audio {output['audio']}",
+        *_aspect_lines(plan.get("aspect")),
         f"model     {plan['model']}{_weights_note(plan)}",
         f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
         f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "

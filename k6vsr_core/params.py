@@ -60,13 +60,22 @@ class UpscaleParams(BaseModel):
         "find them) or even (windows spread over the clip, cuts or not)",
     )
     # Output controls (k6vsr_core.encoding): the defaults write the contract's file, byte for byte.
-    codec: str = Field("h264", description="h264, hevc or ffv1 (lossless, in .mkv)")
-    crf: int | None = Field(None, description="h264/hevc quality, 0 (best) to 51 (default 18)")
+    codec: str = Field(
+        "h264",
+        description="h264, hevc, ffv1 (lossless, in .mkv), prores (422 HQ or 4444, in .mov), dnxhr (HQX, in .mov) "
+        "or av1 (10-bit)",
+    )
+    crf: int | None = Field(
+        None, description="h264/hevc quality, 0 (best) to 51 (default 18); av1: 0 to 63 (default 30)"
+    )
     preset: str | None = Field(
-        None, description="h264/hevc speed preset, ultrafast to placebo (default: the encoder's, medium)"
+        None,
+        description="h264/hevc speed preset, ultrafast to placebo (default: the encoder's, medium); av1: 0 to 13",
     )
     pix_fmt: str | None = Field(
-        None, description="yuv420p, yuv420p10le or yuv444p (default yuv420p; ffv1: lossless RGB)"
+        None,
+        description="yuv420p, yuv420p10le or yuv444p (default yuv420p; ffv1: lossless RGB); prores: yuv422p10le "
+        "(422 HQ, default), yuv444p10le or yuva444p10le (4444); dnxhr: yuv422p10le; av1: yuv420p10le",
     )
     # `contract`: the first audio stream as mono 44.1 kHz AAC; `original`: every audio and subtitle stream of the
     # source as it is (trimmed), with its metadata; `none`: video only; otherwise the path of an audio file, mixed

@@ -58,6 +58,8 @@ class ClipPlan(BaseModel):
     num_frames: int  # kept frames: the output's length
     fps: int  # the output's rate, rounded (exact unless `fps_mode='source'` keeps a fractional one)
     source_rate: str | None = None  # with `fps_mode='source'`: the exact rate written, e.g. "30000/1001"
+    # The source's non-square pixels' shape (SAR), e.g. "16/15"; None where they are square.
+    source_aspect: str | None = None
     windows: tuple[Window, ...]
     # With `windows='scenes'`: the kept frames that start a shot (k6vsr_core.scenes); no window spans one.
     cuts: tuple[int, ...] = ()
@@ -83,6 +85,33 @@ class ClipPlan(BaseModel):
             return self.fps
         rate = Fraction(self.source_rate)
         return rate.numerator if rate.denominator == 1 else rate
+
+    @property
+    def sample_aspect(self) -> Fraction | None:
+        """The output's pixel shape (SAR): the source's display aspect ratio kept over the delivered size, so a 4:3
+        source with non-square pixels plays 4:3 again, its pixels as the model made them (not resampled to square);
+        None where the source's pixels are square (nothing is written, as before)."""
+        if self.source_aspect is None:
+            return None
+        (src_h, src_w), (out_h, out_w) = self.source_size, self.delivery_size
+        display = Fraction(self.source_aspect) * src_w / src_h
+        # H.264's and HEVC's headers hold each term in 16 bits.
+        sar = (display * out_h / out_w).limit_denominator(65535)
+        return None if sar == 1 else sar
+
+    def aspect(self) -> dict[str, object]:
+        """The source's and the output's pixel shape and display aspect ratio, for `k6vsr plan`."""
+        src_h, src_w = self.source_size
+        out_h, out_w = self.delivery_size
+        source_sar = Fraction(self.source_aspect or 1)
+        sar = self.sample_aspect or Fraction(1)
+        return {
+            "source_sample_aspect": str(source_sar),
+            "source_display_aspect": str(source_sar * src_w / src_h),
+            "sample_aspect": str(sar),
+            "display_aspect": str(sar * out_w / out_h),
+            "pixels": "square" if sar == 1 else "non-square, as the source's: the ratio is written, not resampled",
+        }
 
     def output_format(self) -> dict[str, object]:
         """What the output file holds: codec, quality, pixel format, container, audio and exact rate."""
@@ -176,6 +205,7 @@ def make_plan(
     source_rate: Fraction | str | None = None,
     cuts: tuple[int, ...] | None = (),
     colour: media.ColourTags = media.BT709_TV,
+    source_aspect: Fraction | str | None = None,
 ) -> ClipPlan:
     """Plan a source of `source_frames` frames of `source_size` at `source_fps`; with `windows='scenes'`, its kept
     frames cut into shots before each of `cuts` (positions among the kept frames, `scene_cuts`); `cuts=None` when
@@ -218,18 +248,16 @@ def make_plan(
         )
     sr_size = grid.output_size
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
-    if params.codec == "hevc" and min(delivery) < media.HEVC_MIN_SIDE:
-        raise ParameterError(
-            f"codec=hevc needs an output of at least {media.HEVC_MIN_SIDE} pixels a side; this one is "
-            f"{delivery[1]}x{delivery[0]}: use h264 or ffv1"
-        )
-    return ClipPlan(
+    if (problem := params.encoding.size_problem(*delivery, what="an output")) is not None:
+        raise ParameterError(f"{problem}: use h264 or ffv1")
+    plan = ClipPlan(
         source_size=source_size,
         source_frames=source_frames,
         source_fps=source_fps,
         num_frames=len(indices),
         fps=fps,
         source_rate=None if exact is None else str(exact),
+        source_aspect=None if source_aspect is None or Fraction(source_aspect) == 1 else str(Fraction(source_aspect)),
         windows=windows,
         cuts=tuple(cuts),
         cuts_pending=pending,
@@ -243,3 +271,18 @@ def make_plan(
         delivery_size=delivery,
         colour=colour,
     )
+    _check_aspect_fits(plan)
+    return plan
+
+
+def _check_aspect_fits(plan: ClipPlan) -> None:
+    """Matroska keeps a pixel shape only in the stream's header fields that PyAV cannot set: an FFV1 output of
+    non-square pixels would play stretched, so it is refused rather than written wrong."""
+    sar = plan.sample_aspect
+    if sar is not None and plan.params.encoding.container == "matroska":
+        shape = plan.aspect()
+        raise ParameterError(
+            f"codec={plan.params.codec} writes Matroska, which cannot be given this output's pixel shape ({sar}, for "
+            f"a {shape['display_aspect']} picture): use --codec prores --pix-fmt yuv444p10le for a mezzanine, or "
+            "h264/hevc/av1"
+        )

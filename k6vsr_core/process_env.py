@@ -23,6 +23,10 @@ ALLOC_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOCATOR_DEFAULT = "expandable_segments:True"
 COMPILE_CACHE_ENV = settings.env_name("compile_cache")
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# SVT-AV1 (`--codec av1`) prints its whole configuration to stderr as each segment's encoder starts; 1 keeps its
+# errors. It reads the variable as an encoder starts, so setting it here is in time.
+SVT_LOG_ENV = "SVT_LOG"
+SVT_LOG_ERRORS = "1"
 
 
 def compile_cache_dir() -> Path:
@@ -35,7 +39,8 @@ def compile_cache_dir() -> Path:
 
 
 def compute_defaults() -> None:
-    """The allocator's settings and Inductor's cache folder (under the compile cache) for this process and the
-    processes it starts, unless the environment chose its own."""
+    """The allocator's settings, Inductor's cache folder (under the compile cache) and SVT-AV1's log level for
+    this process and the processes it starts, unless the environment chose its own."""
     os.environ.setdefault(ALLOC_ENV, ALLOCATOR_DEFAULT)
     os.environ.setdefault(INDUCTOR_CACHE_ENV, str(compile_cache_dir() / "inductor"))
+    os.environ.setdefault(SVT_LOG_ENV, SVT_LOG_ERRORS)

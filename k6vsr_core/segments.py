@@ -20,9 +20,11 @@ def write_segment(
     `join_segments`."""
     encoding = plan.params.encoding
     if _segment_is_output(plan):
-        media.write_video(path, frames, plan.frame_rate, audio, rotation, encoding, plan.colour)
+        media.write_video(
+            path, frames, plan.frame_rate, audio, rotation, encoding, plan.colour, None, plan.sample_aspect
+        )
     else:
-        media.write_segment(path, frames, plan.frame_rate, encoding, plan.colour)
+        media.write_segment(path, frames, plan.frame_rate, encoding, plan.colour, plan.sample_aspect)
 
 
 def join_segments(
@@ -43,7 +45,15 @@ def join_segments(
         shutil.copyfile(segments[0], path)
     else:
         media.concat_segments(
-            segments, path, plan.frame_rate, audio, plan.num_frames, rotation, plan.params.encoding, original
+            segments,
+            path,
+            plan.frame_rate,
+            audio,
+            plan.num_frames,
+            rotation,
+            plan.params.encoding,
+            original,
+            plan.sample_aspect,
         )
     planned = media.planned_output(
         plan.params.encoding,
@@ -53,6 +63,7 @@ def join_segments(
         0 if audio is None else len(audio),
         original,
         plan.colour,
+        plan.sample_aspect,
     )
     try:
         media.check_output(path, planned)

@@ -49,7 +49,9 @@ def read_source(
     try:
         cuts = scene_cuts(str(path), count, probe.fps, params)
         colour = media.output_colour(str(path), probe.colour, probe.hdr)
-        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate, cuts, colour)
+        plan = make_plan(
+            (probe.height, probe.width), count, probe.fps, params, traits, probe.rate, cuts, colour, probe.sample_aspect
+        )
     except ValueError as err:
         raise MediaError(str(path), str(err)) from None
     return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)

@@ -102,6 +102,7 @@ def prepare_run(
             probe.rate,
             cuts,
             colour,
+            probe.sample_aspect,
         )
     except ParameterError:
         raise

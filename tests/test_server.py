@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import time
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -42,7 +43,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_path: Path, pref
     (outside / "notes.txt").write_text("not a video")
     (allowed / "escape.mp4").symlink_to(outside / "secret.mp4")
     (allowed / "broken.mp4").write_bytes(b"this is not a video" * 100)
+    _pal_tape(allowed / "tape.mp4")
     return {"root": root, "allowed": allowed, "outside": outside, "store": root / "store", "bundle": tiny_bundle_path}
+
+
+def _pal_tape(path: Path) -> None:
+    """A PAL 4:3 frame at an eighth of its size (90x72), its pixels 16:15 as a tape transfer's."""
+    with av.open(str(path), "w") as container:
+        video = container.add_stream("libx264", rate=25)
+        video.width, video.height, video.pix_fmt = 90, 72, "yuv420p"
+        video.codec_context.sample_aspect_ratio = Fraction(16, 15)
+        container.mux(video.encode(av.VideoFrame.from_ndarray(np.zeros((72, 90, 3), np.uint8), format="rgb24")))
+        container.mux(video.encode(None))
 
 
 def start_server(stack: dict[str, Path], name: str) -> Server:
@@ -586,11 +598,21 @@ def test_output_controls_as_request_fields(server: Server, stack: dict[str, Path
     out.write_bytes(response.content)
     with av.open(str(out)) as container:
         assert container.streams.video[0].codec_context.name == "ffv1" and not container.streams.audio
+    assert "sample_aspect" not in done["output"]  # square pixels: answered as before
+    # As ProRes, a tape's 4:3 frame of 16:15 pixels is served as QuickTime, its pixels kept.
+    tape = str(stack["allowed"] / "tape.mp4")
+    done = completed(server, server.post_json(video_path=tape, sr_resolution_scale=2, codec="prores"))
+    assert done["output"]["sample_aspect"] == "16/15" and done["size"] == "180x144"
+    response = server.client.get(f"/v1/videos/{done['id']}/content")
+    assert response.headers["content-type"] == "video/quicktime"
+    (tmp_path / "out.mov").write_bytes(response.content)
+    with av.open(str(tmp_path / "out.mov")) as container:
+        assert container.streams.video[0].sample_aspect_ratio == Fraction(16, 15)
     jobs = stack["store"] / "jobs"
     before = sorted(p.name for p in jobs.iterdir())
     for fields, param in (
         ({"codec": "ffv1", "crf": 20}, "crf"),
-        ({"codec": "av1"}, "codec"),
+        ({"codec": "vp9"}, "codec"),
         ({"pix_fmt": "rgb48"}, "pix_fmt"),
         ({"audio": "/etc/passwd"}, "audio"),
         ({"fps_mode": "double"}, "fps_mode"),

@@ -51,6 +51,9 @@ class JobOutput(_Part):
     fps: int
     has_audio: bool | None
     bytes: int | None
+    # The non-square pixels' shape (SAR) written, as a fraction (a 4:3 PAL source's "16/15"); None: square pixels,
+    # left out of the answer, which stays as it was before the field.
+    sample_aspect: str | None = None
 
 
 class JobTiles(_Part):

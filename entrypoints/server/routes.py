@@ -38,6 +38,7 @@ from entrypoints.server.records import (
     new_job_id,
 )
 from entrypoints.server.runner import JobRunner
+from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale
 from k6vsr_core.params import UpscaleParams
@@ -77,7 +78,7 @@ def job_view(job: JobRecord, caller: Caller, store_root: str | Path, retention_s
         "params": api_params(job.request),
         "size": f"{output.width}x{output.height}",
         "seconds": f"{output.frames / output.fps:.3f}",
-        "output": output.model_dump(mode="json"),
+        "output": output.model_dump(mode="json", exclude={"sample_aspect"} if output.sample_aspect is None else None),
         "tiles": job.tiles.model_dump(mode="json"),
         "quality": job.quality,  # the output's quality report, once completed (README, "Quality report")
         "source": source,
@@ -305,6 +306,7 @@ async def create_video(request: Request) -> JSONResponse:
                         # A latent has no streams; an HTTP request names no audio file.
                         has_audio=prepared.probe is not None and prepared.probe.has_audio,
                         bytes=None,
+                        sample_aspect=None if plan.sample_aspect is None else str(plan.sample_aspect),
                     ),
                     tiles=JobTiles(total=plan.num_tiles * plan.num_windows, computed=None, reused=None),
                 ),
@@ -376,9 +378,8 @@ def get_content(request: Request, video_id: str) -> OpenedFileResponse:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
         raise ApiError(404, f"the output of video job {video_id} is gone from the store", code="output_gone") from None
-    mkv = job.request.get("codec") == "ffv1"
-    media_type, suffix = ("video/x-matroska", ".mkv") if mkv else ("video/mp4", ".mp4")
-    return OpenedFileResponse(output, media_type=media_type, filename=f"{video_id}{suffix}")
+    encoding = VideoEncoding(codec=job.request.get("codec") or "h264")
+    return OpenedFileResponse(output, media_type=encoding.media_type, filename=f"{video_id}{encoding.suffix}")
 
 
 @router.delete("/v1/videos/{video_id}")

@@ -80,6 +80,8 @@ class PlannedOutput(BaseModel):
     pix_fmt: str
     colour: ColourTags
     streams: tuple[str, ...] = ()
+    sample_aspect: str = "1"  # the pixels' shape (SAR) as a fraction; "1": square (or untagged)
+    chapters: int = 0
 
     @property
     def duration_s(self) -> Fraction:
@@ -107,11 +109,23 @@ class _Seen(BaseModel):
     pix_fmt: str
     colour: ColourTags
     streams: tuple[str, ...]
+    sample_aspect: str
+    chapters: int
 
 
 def _kind(stream: av.stream.Stream) -> str:
+    if stream.type == "attachment":
+        return f"attachment:{stream.name}"
     name = stream.codec_context.name if stream.codec_context is not None else "unknown"
     return f"{stream.type}:{name}"
+
+
+_DISCARD_ALL = 48  # FFmpeg's AVDISCARD_ALL
+
+
+def _shown(stream: av.stream.Stream) -> bool:
+    """Not a track the demuxer itself hides: QuickTime's chapter titles are a text track it reads as chapters."""
+    return stream.discard != _DISCARD_ALL
 
 
 def _decode(path: str) -> _Seen:
@@ -139,11 +153,22 @@ def _decode(path: str) -> _Seen:
             header_duration_s=header,
             width=codec.width,
             height=codec.height,
-            codec=codec.name,
+            # The codec's own name, whichever decoder read it (libdav1d for AV1).
+            codec=codec.codec.canonical_name,
             pix_fmt=codec.pix_fmt or "",
             colour=ColourTags.of_codes(codec.color_primaries, codec.color_trc, codec.colorspace, codec.color_range),
-            streams=tuple(_kind(s) for s in container.streams if s.index != video.index),
+            streams=tuple(_kind(s) for s in container.streams if s.index != video.index and _shown(s)),
+            sample_aspect=str(video.sample_aspect_ratio or 1),
+            chapters=len(container.chapters()),
         )
+
+
+def _same_pix_fmt(seen: str, planned: str, codec: str) -> bool:
+    if codec == "prores":
+        # FFmpeg's ProRes decoder gives a 4444 stream as 10- or 12-bit by the depth its container states (a stream
+        # copy keeps 10, the encoder's own file says 12): the coded pictures are the same.
+        return seen.replace("12le", "10le") == planned
+    return seen == planned
 
 
 def _differences(seen: _Seen, planned: PlannedOutput) -> list[str]:
@@ -159,10 +184,14 @@ def _differences(seen: _Seen, planned: PlannedOutput) -> list[str]:
         problems.append(f"size {seen.width}x{seen.height}, {planned.width}x{planned.height} planned")
     if seen.codec != planned.codec:
         problems.append(f"codec {seen.codec}, {planned.codec} planned")
-    if seen.pix_fmt != planned.pix_fmt:
+    if not _same_pix_fmt(seen.pix_fmt, planned.pix_fmt, seen.codec):
         problems.append(f"pixel format {seen.pix_fmt}, {planned.pix_fmt} planned")
+    if Fraction(seen.sample_aspect) != Fraction(planned.sample_aspect):
+        problems.append(f"sample aspect ratio {seen.sample_aspect}, {planned.sample_aspect} planned")
     if seen.colour != planned.colour:
         problems.append(f"colour tags {seen.colour.describe()}, {planned.colour.describe()} planned")
+    if seen.chapters != planned.chapters:
+        problems.append(f"{seen.chapters} chapter(s), {planned.chapters} planned")
     if seen.streams != planned.streams:
         shown = ", ".join(seen.streams) or "none"
         problems.append(f"other streams {shown}, {', '.join(planned.streams) or 'none'} planned")

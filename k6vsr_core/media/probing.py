@@ -53,6 +53,8 @@ class VideoProbe(BaseModel):
     colour: ColourTags = ColourTags(primaries="unspecified", transfer="unspecified", matrix="unspecified", range="tv")
     bit_depth: int = 8
     hdr: HdrMetadata | None = None
+    # The pixels' shape (sample aspect ratio) as a fraction ("16/15" for PAL 4:3); None where they are square.
+    sample_aspect: str | None = None
 
 
 def open_input(path: str) -> av.container.InputContainer:
@@ -165,6 +167,12 @@ def _duration_s(container: av.container.InputContainer, stream: av.VideoStream) 
     return seconds if seconds > 0 else None
 
 
+def _sample_aspect(stream: av.VideoStream) -> str | None:
+    """The container's sample aspect ratio, else the stream's (FFmpeg's own guess); None for square or untold."""
+    sar = stream.sample_aspect_ratio
+    return None if not sar or sar == 1 else str(sar)
+
+
 def _probe_file(path: str) -> VideoProbe:
     with open_input(path) as container:
         stream = video_stream(container, path)
@@ -191,6 +199,7 @@ def _probe_file(path: str) -> VideoProbe:
             colour=frame_colour(first),
             bit_depth=first.format.components[0].bits,
             hdr=frame_hdr(first),
+            sample_aspect=_sample_aspect(stream),
         )
 
 

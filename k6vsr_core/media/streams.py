@@ -1,4 +1,5 @@
-"""The source's own audio and subtitle streams, carried into an output being written (`--audio original`)."""
+"""The source's own audio and subtitle streams, chapters and attachments, carried into an output being written
+(`--audio original`)."""
 
 from __future__ import annotations
 
@@ -16,13 +17,19 @@ from k6vsr_core.media.probing import open_input
 # Codecs each container takes by stream copy; any other audio is re-encoded as AAC at the source's layout and rate.
 _COPY_AUDIO = {
     "mp4": {"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus"},
+    # QuickTime, for ProRes and DNxHR: the PCM of post-production as it is.
+    "mov": {"aac", "mp3", "ac3", "eac3", "alac", "pcm_s16le", "pcm_s16be", "pcm_s24le", "pcm_s24be", "pcm_f32le"},
     "matroska": {"aac", "mp3", "ac3", "eac3", "alac", "flac", "opus", "vorbis", "pcm_s16le", "pcm_s24le", "pcm_f32le"},
 }
-_COPY_SUBTITLES = {"mp4": {"mov_text"}, "matroska": {"subrip", "srt", "ass", "ssa", "webvtt", "hdmv_pgs_subtitle"}}
-# Text subtitles a container cannot hold as they are are converted to the text format it takes: MP4 holds only
+_COPY_SUBTITLES = {
+    "mp4": {"mov_text"},
+    "mov": {"mov_text"},
+    "matroska": {"subrip", "srt", "ass", "ssa", "webvtt", "hdmv_pgs_subtitle"},
+}
+# Text subtitles a container cannot hold as they are are converted to the text format it takes: MP4 (and MOV) hold only
 # mov_text (3GPP timed text), and Matroska takes ASS, which keeps what mov_text styles.
 _TEXT_SUBTITLES = {"subrip", "srt", "ass", "ssa", "webvtt", "mov_text", "text", "microdvd", "subviewer", "jacosub"}
-_CONVERT_SUBTITLES = {"mp4": "mov_text", "matroska": "ass"}
+_CONVERT_SUBTITLES = {"mp4": "mov_text", "mov": "mov_text", "matroska": "ass"}
 # Container metadata worth keeping; encoder tags and the like describe the old file, not the new one.
 _KEPT_METADATA = ("title", "language", "creation_time", "comment", "description", "artist", "date", "copyright")
 
@@ -46,13 +53,52 @@ def carry(stream: av.stream.Stream, container_format: str) -> tuple[str, str] | 
 
 
 def carried_streams(source: str, container_format: str) -> tuple[str, ...]:
-    """The streams `--audio original` writes from `source` after the video, in order, as `kind:codec`."""
+    """The streams `--audio original` writes from `source` after the video, in order, as `kind:codec`, then the
+    attachments as `attachment:<file name>`."""
+    kinds, attachments = [], []
     with open_input(source) as container:
-        return tuple(
-            f"{stream.type}:{carried[1]}"
-            for stream in container.streams
-            if (carried := carry(stream, container_format)) is not None
-        )
+        for stream in container.streams:
+            if stream.type == "attachment":
+                if container_format in _ATTACHING:
+                    attachments.append(f"attachment:{stream.name}")
+            elif (carried := carry(stream, container_format)) is not None:
+                kinds.append(f"{stream.type}:{carried[1]}")
+    # Matroska keeps attachments apart from the tracks: they are read back after every track.
+    return (*kinds, *attachments)
+
+
+# The containers that hold attachments (fonts for ASS subtitles, cover art, notes): MP4 and QuickTime have no place.
+_ATTACHING = ("matroska",)
+
+
+def video_origin(container: av.container.InputContainer) -> Fraction:
+    """When the source's first video frame starts, in seconds: the output's time zero."""
+    video = container.streams.video[0] if container.streams.video else None
+    start = video.start_time if video is not None and video.start_time is not None else 0
+    return Fraction(start) * (video.time_base if video is not None else 1)
+
+
+def kept_chapters(container: av.container.InputContainer, span: Fraction) -> list[dict[str, Any]]:
+    """The source's chapters on the output's clock (from its first video frame), cut to the output's `span`
+    (seconds): one that ends before the start or starts at the end is left out, one that runs past the end ends
+    there; each keeps its title and other metadata."""
+    origin = video_origin(container)
+    kept: list[dict[str, Any]] = []
+    for chapter in container.chapters():
+        base = chapter["time_base"]
+        start = max(chapter["start"] * base - origin, Fraction(0))
+        end = min(chapter["end"] * base - origin, span)
+        if end <= start:
+            continue
+        ticks = {"start": round(start / base), "end": round(end / base), "time_base": base}
+        kept.append({"id": len(kept) + 1, **ticks, "metadata": chapter["metadata"]})
+    return kept
+
+
+def carried_chapters(source: str, span: Fraction) -> int:
+    """How many chapters `--audio original` writes from `source` into an output of `span` seconds."""
+    with open_input(source) as container:
+        return len(kept_chapters(container, span))
 
 
 class SourceStreams:
@@ -61,7 +107,8 @@ class SourceStreams:
     Timestamps are taken relative to the source's first video frame, so what played together still does. Audio is
     copied packet by packet where the container takes the codec (the last packet may run past the end by less
     than one packet, ~21 ms for AAC) and otherwise decoded and re-encoded at the source's layout and rate, cut to
-    the sample. Each stream's language tag goes with it; the container's title, creation time (and the like) too.
+    the sample. Each stream's language tag goes with it; the container's title, creation time (and the like) too,
+    and its chapters (cut to `span`) and, where the output's container holds them, its attachments.
     """
 
     def __init__(self, source: str, out: av.container.OutputContainer, span: Fraction) -> None:
@@ -72,12 +119,14 @@ class SourceStreams:
         for key, value in self._input.metadata.items():
             if key.lower() in _KEPT_METADATA:
                 out.metadata[key] = value
-        video = self._input.streams.video[0] if self._input.streams.video else None
-        start = video.start_time if video is not None and video.start_time is not None else 0
-        self._origin = Fraction(start) * (video.time_base if video is not None else 1)
+        self._origin = video_origin(self._input)
         self._out = out
+        out.set_chapters(kept_chapters(self._input, span))
         self._plans: dict[int, tuple[str, Any]] = {}  # input stream index -> (how, output stream or re-encoder)
         for stream in self._input.streams:
+            if stream.type == "attachment":
+                _attach(stream, out, container_format, source)
+                continue
             carried = carry(stream, container_format)
             if carried is None:
                 if stream.type == "subtitle":
@@ -141,6 +190,19 @@ class SourceStreams:
             if how == "encode":
                 target.flush(self._out)
         self._input.close()
+
+
+def _attach(
+    stream: av.stream.AttachmentStream, out: av.container.OutputContainer, container_format: str, source: str
+) -> None:
+    if container_format not in _ATTACHING:
+        warnings.warn(
+            f"{source}: attachment {stream.name!r} ({stream.mimetype}) is left out: {container_format} holds no "
+            "attachments (Matroska does: --codec ffv1)",
+            stacklevel=4,
+        )
+        return
+    out.add_attachment(stream.name, stream.mimetype, stream.data)
 
 
 class _SubtitleConverter:

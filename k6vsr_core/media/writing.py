@@ -13,18 +13,18 @@ import av.container
 import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
-from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core.encoding import MIN_SIZES, VideoEncoding
 from k6vsr_core.errors import MediaError
 from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC, AUDIO_SAMPLE_RATE, trim_audio
 from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, PlannedOutput
 from k6vsr_core.media.colour import MATRIX_CODES, PRIMARY_CODES, TRANSFER_CODES, HdrMetadata, x265_hdr_params
 from k6vsr_core.media.probing import PathLike
-from k6vsr_core.media.streams import SourceStreams, carried_streams
+from k6vsr_core.media.streams import SourceStreams, carried_chapters, carried_streams
 
 # The contract's rates are whole numbers; `--fps source` keeps the source's exact rational rate (30000/1001).
 FrameRate = int | Fraction
 _CONTRACT = VideoEncoding()
-HEVC_MIN_SIDE = 128
+HEVC_MIN_SIDE = MIN_SIZES["hevc"][0]
 # swscale's matrix for each YUV matrix the output can be written with (media.colour: the two BT.601 ones are one).
 _SWS_MATRICES = {
     "bt709": Colorspace.ITU709,
@@ -32,7 +32,8 @@ _SWS_MATRICES = {
     "bt470bg": Colorspace.ITU601,
     "bt2020nc": Colorspace.BT2020,
 }
-_TEN_BIT = ("yuv420p10le",)
+# Stream pixel formats of more than 8 bits: the ones 16-bit frames may be written in.
+_TEN_BIT = ("yuv420p10le", "yuv422p10le", "yuv444p10le", "yuva444p10le", "gbrp10le")
 
 
 def _check_frames(frames: np.ndarray, encoding: VideoEncoding = _CONTRACT) -> None:
@@ -63,10 +64,10 @@ def _prepare_audio(audio: np.ndarray, num_frames: int, fps: int | Fraction) -> n
 def _encoder_frames(
     frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding = _CONTRACT, colour: ColourTags = BT709_TV
 ) -> Iterator[av.VideoFrame]:
-    """Yield frames in the stream's pixel format (`colour`'s matrix for YUV), padded to even size for 4:2:0,
-    pts = index."""
-    pad = encoding.needs_even_size
-    pad_h, pad_w = (frames.shape[1] % 2, frames.shape[2] % 2) if pad else (0, 0)
+    """Yield frames in the stream's pixel format (`colour`'s matrix for YUV), padded to even sides where the chroma
+    is subsampled, pts = index."""
+    height, width = encoding.stored_size(frames.shape[1], frames.shape[2])
+    pad_h, pad_w = height - frames.shape[1], width - frames.shape[2]
     time_base = 1 / Fraction(fps)
     for index, rgb in enumerate(frames):
         if pad_h or pad_w:
@@ -85,6 +86,10 @@ def _encoder_frames(
                 dst_colorspace=_SWS_MATRICES[colour.matrix],
                 dst_color_range=ColorRange.MPEG,
             )
+            if encoding.tags_frames:
+                # ProRes writes each frame's own primaries and transfer into its header; the stream's are not used.
+                frame.color_primaries = PRIMARY_CODES[colour.primaries]
+                frame.color_trc = TRANSFER_CODES[colour.transfer]
         frame.pts = index
         frame.time_base = time_base
         yield frame
@@ -99,14 +104,15 @@ def _add_video_stream(
     encoding: VideoEncoding = _CONTRACT,
     colour: ColourTags = BT709_TV,
     hdr: HdrMetadata | None = None,
+    sample_aspect: Fraction | None = None,
 ) -> av.VideoStream:
     video = container.add_stream(encoding.encoder, rate=fps, options=_encoder_options(encoding, hdr))
+    if sample_aspect is not None:
+        video.codec_context.sample_aspect_ratio = sample_aspect
     if rotation:
         # Pixels stay as stored (the model never sees rotation); players turn them as they did the source.
         video.set_display_rotation(rotation)
-    even = encoding.needs_even_size
-    video.width = width + (width % 2 if even else 0)
-    video.height = height + (height % 2 if even else 0)
+    video.height, video.width = encoding.stored_size(height, width)
     video.pix_fmt = encoding.stream_pix_fmt
     video.codec_context.time_base = 1 / Fraction(fps)
     if not encoding.is_rgb:
@@ -137,8 +143,11 @@ def _mux(
     encoding: VideoEncoding = _CONTRACT,
     colour: ColourTags = BT709_TV,
     hdr: HdrMetadata | None = None,
+    sample_aspect: Fraction | None = None,
 ) -> None:
-    video = _add_video_stream(container, frames.shape[2], frames.shape[1], fps, rotation, encoding, colour, hdr)
+    video = _add_video_stream(
+        container, frames.shape[2], frames.shape[1], fps, rotation, encoding, colour, hdr, sample_aspect
+    )
 
     sound = None
     if audio is not None:
@@ -202,6 +211,7 @@ def write_video(
     encoding: VideoEncoding | None = None,
     colour: ColourTags = BT709_TV,
     hdr: HdrMetadata | None = None,
+    sample_aspect: Fraction | None = None,
 ) -> None:
     """Encode RGB frames (and optional mono audio) as a video file at ``path``.
 
@@ -222,6 +232,8 @@ def write_video(
       video-only file.
     - ``rotation``: the source's display rotation (degrees, as :func:`probe`
       reports it), written as the stream's display matrix.
+    - ``sample_aspect``: the pixels' shape (SAR) to write, for non-square
+      pixels; None writes none (square).
     - The container follows ``encoding``, whatever the file name, so callers can
       write to a temporary name and rename it.  The output is byte-identical for
       identical inputs (no timestamps or library versions are embedded).
@@ -235,15 +247,15 @@ def write_video(
         raise ValueError(f"matrix {colour.matrix} cannot be written; allowed: {', '.join(_SWS_MATRICES)}")
     if hdr is not None and encoding.codec != "hevc":
         raise ValueError(f"HDR metadata is written by x265 only (codec=hevc), not by codec={encoding.codec}")
-    if encoding.codec == "hevc" and min(frames.shape[1:3]) < HEVC_MIN_SIDE:
-        # x265 gives run-to-run different output below this, and corrupts its heap on smaller frames still.
-        raise ValueError(f"codec=hevc needs frames of at least {HEVC_MIN_SIDE} pixels a side, got {frames.shape[1:3]}")
+    # x265 gives run-to-run different output below its minimum, and corrupts its heap on smaller frames still.
+    if (problem := encoding.size_problem(frames.shape[1], frames.shape[2])) is not None:
+        raise ValueError(problem)
     if audio is not None:
         audio = _prepare_audio(audio, frames.shape[0], fps)
 
     path = os.fspath(path)
     with _whole_or_removed(path, "write video"), _open_output(path, encoding) as container:
-        _mux(container, frames, fps, audio, int(rotation), encoding, colour, hdr)
+        _mux(container, frames, fps, audio, int(rotation), encoding, colour, hdr, sample_aspect)
 
 
 def write_segment(
@@ -252,10 +264,11 @@ def write_segment(
     fps: FrameRate,
     encoding: VideoEncoding | None = None,
     colour: ColourTags = BT709_TV,
+    sample_aspect: Fraction | None = None,
 ) -> None:
     """One window's frames as a video-only file that starts on a key frame, for :func:`concat_segments` (which
     copies its colour tags with its packets)."""
-    write_video(path, frames, fps, None, encoding=encoding, colour=colour)
+    write_video(path, frames, fps, None, encoding=encoding, colour=colour, sample_aspect=sample_aspect)
 
 
 def concat_segments(
@@ -267,6 +280,7 @@ def concat_segments(
     rotation: int = 0,
     encoding: VideoEncoding | None = None,
     original: str | None = None,
+    sample_aspect: Fraction | None = None,
 ) -> None:
     """Join video-only segments by stream copy and add the audio, as :func:`write_video` would have written them.
 
@@ -277,6 +291,7 @@ def concat_segments(
 
     ``original``: a source file whose every audio and subtitle stream (and container metadata) is carried over
     instead, trimmed to the output's span (:class:`SourceStreams`); ``audio`` is then ignored.
+    ``sample_aspect``: the pixels' shape written in the container, as the segments hold it in their streams.
     """
     if not segments:
         raise ValueError("no segments to join")
@@ -288,8 +303,10 @@ def concat_segments(
     with _whole_or_removed(path, "join the segments"):
         with _open_output(path, encoding) as out:
             with av.open(segments[0]) as first:
-                video = out.add_stream_from_template(first.streams.video[0])
+                video = _video_like(out, first.streams.video[0])
             video.codec_context.bit_rate = 0
+            if sample_aspect is not None:
+                video.codec_context.sample_aspect_ratio = sample_aspect
             if rotation:
                 video.set_display_rotation(int(rotation))
             sound = None
@@ -314,6 +331,25 @@ def concat_segments(
     if offset != num_frames:
         _remove_quietly(path)
         raise MediaError(path, f"the segments hold {offset} frames, expected {num_frames}")
+
+
+def _video_like(out: av.container.OutputContainer, template: av.VideoStream) -> av.VideoStream:
+    """A stream for `template`'s packets: the codec taken from the template itself where its decoder has no
+    encoder of the same name (libdav1d reads AV1), and QuickTime's sample tag kept, which names a ProRes profile
+    (apch is 422 HQ, ap4h 4444) that a plain remux would lose."""
+    name = template.codec_context.codec.name
+    video = out.add_stream_from_template(template, opaque=not _encodes(name))
+    if out.format.name == "mov":
+        video.codec_context.codec_tag = template.codec_context.codec_tag
+    return video
+
+
+def _encodes(name: str) -> bool:
+    try:
+        av.Codec(name, "w")
+    except av.codec.codec.UnknownCodecError:
+        return False
+    return True
 
 
 def _decode_delay(segment: str, frame_base: Fraction) -> int:
@@ -384,25 +420,29 @@ def planned_output(
     audio_samples: int = 0,
     original: str | None = None,
     colour: ColourTags = BT709_TV,
+    sample_aspect: Fraction | None = None,
 ) -> PlannedOutput:
     """What :func:`write_video` or :func:`concat_segments` writes for `num_frames` frames of `size` (H, W) at
     `fps`, with `audio_samples` of mono audio (trimmed to the frames) or the streams of `original`: for
     :func:`k6vsr_core.media.checking.check_output` before the file is published. YUV outputs carry `colour`."""
     fps = _check_rate(fps)
-    height, width = size
-    even = encoding.needs_even_size
+    height, width = encoding.stored_size(*size)
+    chapters = 0
     if original is not None:
         streams = carried_streams(original, encoding.container)
+        chapters = carried_chapters(original, num_frames / Fraction(fps))
     else:
         limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
         streams = (f"audio:{AUDIO_CODEC}",) if min(limit, audio_samples) > 0 else ()
     return PlannedOutput(
         frames=num_frames,
         frame_rate=str(Fraction(fps)),
-        width=width + (width % 2 if even else 0),
-        height=height + (height % 2 if even else 0),
+        width=width,
+        height=height,
         codec=encoding.codec_name,
         pix_fmt=encoding.stream_pix_fmt,
         colour=UNTAGGED if encoding.is_rgb else colour,
         streams=streams,
+        sample_aspect=str(sample_aspect or 1),
+        chapters=chapters,
     )
