@@ -412,6 +412,7 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         **_source_facts(prepared),
         "frames_kept": plan.num_frames,
         "fps": plan.fps,
+        "interlacing": plan.interlacing(),
         "output_format": plan.output_format(),
         "window_mode": plan.params.windows,
         "cuts": list(plan.cuts),

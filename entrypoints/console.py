@@ -217,6 +217,14 @@ def preview_lines(preview: dict[str, Any]) -> list[str]:
     ]
 
 
+def _fields(found: dict[str, Any] | None) -> list[str]:
+    """The source's fields and what the request does with them; nothing for a latent, which has none."""
+    if found is None:
+        return []
+    done = f"deinterlaced ({found['filter']})" if found["filter"] else "read as they are"
+    return [f"fields    {found['summary']}; {done}, deinterlace {found['deinterlace']}"]
+
+
 def plan_lines(plan: dict[str, Any]) -> list[str]:
     """`k6vsr plan` for people: what goes in and out, the tiles, the windows as a table, the disk and the progress."""
     size = plan["source_size"]
@@ -237,6 +245,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
         f"source    {plan['source']}: {size['width']}x{size['height']}, {source_frames} at {rate}",
         f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
         f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}, audio {output['audio']}",
+        *_fields(plan.get("interlacing")),
         f"model     {plan['model']}{_weights_note(plan)}",
         f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
         f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "

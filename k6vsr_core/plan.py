@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core import media
 from k6vsr_core.errors import ParameterError
+from k6vsr_core.media.fields import bwdif_args
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.scenes import source_cuts
 from k6vsr_core.tiling import (
@@ -58,6 +59,10 @@ class ClipPlan(BaseModel):
     num_frames: int  # kept frames: the output's length
     fps: int  # the output's rate, rounded (exact unless `fps_mode='source'` keeps a fractional one)
     source_rate: str | None = None  # with `fps_mode='source'`: the exact rate written, e.g. "30000/1001"
+    # What the source says and shows of its fields (None: not looked at, e.g. a latent), and the field order its
+    # frames are deinterlaced with before the model (None: read as they are).
+    fields: media.FieldInfo | None = None
+    deinterlace: media.FieldOrder | None = None
     windows: tuple[Window, ...]
     # With `windows='scenes'`: the kept frames that start a shot (k6vsr_core.scenes); no window spans one.
     cuts: tuple[int, ...] = ()
@@ -78,6 +83,28 @@ class ClipPlan(BaseModel):
             return self.fps
         rate = Fraction(self.source_rate)
         return rate.numerator if rate.denominator == 1 else rate
+
+    def interlacing(self) -> dict[str, object] | None:
+        """What `k6vsr plan` says of the source's fields and what is done with them; None when not looked at."""
+        if self.fields is None:
+            return None
+        found = self.fields
+        return {
+            "interlaced": found.order is not None,
+            "field_order": found.order,
+            "found_by": found.found_by,
+            "stream": found.stream,
+            "picture": {
+                "analysed": found.analysed,
+                "tff": found.picture_tff,
+                "bff": found.picture_bff,
+                "progressive": found.picture_progressive,
+                "undetermined": found.picture_undetermined,
+            },
+            "deinterlace": self.params.deinterlace,
+            "filter": None if self.deinterlace is None else f"bwdif={bwdif_args(self.deinterlace)}",
+            "summary": found.describe(),
+        }
 
     def output_format(self) -> dict[str, object]:
         """What the output file holds: codec, quality, pixel format, container, audio and exact rate."""
@@ -148,6 +175,19 @@ def scene_cuts(path: str, source_frames: int, source_fps: float, params: Upscale
     return source_cuts(path, select_kept_frames(source_frames, source_fps, params)[0])
 
 
+def deinterlace_order(params: UpscaleParams, fields: media.FieldInfo | None) -> media.FieldOrder | None:
+    """The field order the request deinterlaces this source with: the source's own under `auto` (None when it is
+    progressive), always one under `bwdif` (the stream's or the picture's, else top first), none under `off`.
+    None when `fields` is (the source was not looked at: a latent has no fields)."""
+    if params.deinterlace == "off" or fields is None:  # no fields looked at: a latent, or a bench's plan
+        return None
+    if params.deinterlace == "auto":
+        return fields.order  # type: ignore[union-attr]
+    if fields is not None and fields.order is not None:
+        return fields.order
+    return "bff" if fields is not None and fields.picture_bff > fields.picture_tff else "tff"
+
+
 def resolve_steps(params: UpscaleParams, traits: ModelTraits) -> int:
     """DiT evaluations per tile: the trained count for PiFlow (warns if asked otherwise), else as asked (4)."""
     if traits.scheduler == "PiflowScheduler":
@@ -169,9 +209,11 @@ def make_plan(
     traits: ModelTraits | None = None,
     source_rate: Fraction | str | None = None,
     cuts: tuple[int, ...] = (),
+    fields: media.FieldInfo | None = None,
 ) -> ClipPlan:
     """Plan a source of `source_frames` frames of `source_size` at `source_fps`; with `windows='scenes'`, its kept
-    frames cut into shots before each of `cuts` (positions among the kept frames, `scene_cuts`).
+    frames cut into shots before each of `cuts` (positions among the kept frames, `scene_cuts`); deinterlaced as
+    `fields` (`media.probe_fields`) and the request say.
 
     Raises ValueError when the selection keeps no frame, ParameterError when the request does not fit this clip.
     """
@@ -220,6 +262,8 @@ def make_plan(
         num_frames=len(indices),
         fps=fps,
         source_rate=None if exact is None else str(exact),
+        fields=fields,
+        deinterlace=deinterlace_order(params, fields),
         windows=windows,
         cuts=tuple(cuts),
         window_frames=longest,

@@ -46,9 +46,10 @@ def read_source(
         )
     if planned is not None and planned.source_frames == count:
         return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=planned)
+    fields = planned.fields if planned is not None else media.probe_fields(path)
     try:
         cuts = scene_cuts(str(path), count, probe.fps, params)
-        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate, cuts)
+        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate, cuts, fields)
     except ValueError as err:
         raise MediaError(str(path), str(err)) from None
     return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)
@@ -69,4 +70,4 @@ def source_audio(source: str | Path, params: UpscaleParams) -> np.ndarray | None
 
 def read_window(source: SourceClip, window: Window) -> np.ndarray:
     """The source frames of one window, decoded from the file."""
-    return media.read_frames(source.path, source.plan.source_indices(window), source.frame_pts)
+    return media.read_frames(source.path, source.plan.source_indices(window), source.frame_pts, source.plan.deinterlace)

@@ -87,16 +87,24 @@ def prepare_run(
     except ValueError as err:  # too few frames for the rate: a property of the file
         raise MediaError(source, str(err)) from None
     info = model_info(spec, weights, tensors)
+    fields = media.probe_fields(source)
     try:
         cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params)
         plan = make_plan(
-            (probe.height, probe.width), probe.num_frames, probe.fps, params, model_traits(info), probe.rate, cuts
+            (probe.height, probe.width),
+            probe.num_frames,
+            probe.fps,
+            params,
+            model_traits(info),
+            probe.rate,
+            cuts,
+            fields,
         )
     except ParameterError:
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file
         raise ParameterError(f"{source}: {err}") from None
-    key = run_key(source_info(source).sha256, params, info.identity + identity_suffix())
+    key = run_key(source_info(source).sha256, params, info.identity + identity_suffix(), deinterlace=plan.deinterlace)
     run = RunRef(store_root=str(store_root), run_key=key)
     return PreparedRun(
         run=run,

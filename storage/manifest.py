@@ -78,14 +78,24 @@ def output_params(params: UpscaleParams) -> dict[str, Any]:
     for name in _LATER_FIELDS:
         if values[name] == defaults[name]:
             del values[name]
+    # What deinterlacing does to the frames is keyed instead (`run_key`'s `deinterlace`): the words asked say nothing
+    # of it until the source's fields are known, and `auto` and `off` read a progressive source's frames alike.
+    del values["deinterlace"]
     if params.audio_file is not None:
         values["audio_sha256"] = source_info(params.audio_file).sha256
     return values
 
 
-def run_key(source_sha256: str, params: UpscaleParams, model_identity: str, latent_fps: str | None = None) -> str:
-    """The run's name. `latent_fps` (a latent source's frame rate) is keyed only when given, so the runs of videos
-    keep their keys."""
+def run_key(
+    source_sha256: str,
+    params: UpscaleParams,
+    model_identity: str,
+    latent_fps: str | None = None,
+    deinterlace: str | None = None,
+) -> str:
+    """The run's name. `latent_fps` (a latent source's frame rate) and `deinterlace` (the field order a plan
+    deinterlaces its frames with, `ClipPlan.deinterlace`) are keyed only when given, so the runs of progressive
+    videos keep their keys."""
     fields: dict[str, Any] = {
         "source": source_sha256,
         "params": output_params(params),
@@ -94,6 +104,8 @@ def run_key(source_sha256: str, params: UpscaleParams, model_identity: str, late
     }
     if latent_fps is not None:
         fields["latent_fps"] = latent_fps
+    if deinterlace is not None:
+        fields["deinterlace"] = deinterlace
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
 

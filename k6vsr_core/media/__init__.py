@@ -2,6 +2,7 @@
 
     selection   which source frames a clip keeps and the rate they play at (24-fps rule, 1 + 8k frames)
     probing     what a source file is, before any frame is decoded
+    fields      an interlaced source's field order found (stream flags, combing in the picture), its frames deinterlaced
     reading     a source's frames decoded as RGB
     audio       a file's audio as the contract's mono 44.1 kHz track
     writing     frames encoded as a reproducible file, segments joined, the audio added
@@ -18,6 +19,7 @@ would shadow a function or module imported by name.
 
 from k6vsr_core.media.audio import AUDIO_SAMPLE_RATE, check_audio_file, decode_audio, trim_audio, write_audio_track
 from k6vsr_core.media.checking import ColourTags, OutputMismatch, PlannedOutput, check_output
+from k6vsr_core.media.fields import FieldInfo, FieldOrder, probe_fields
 from k6vsr_core.media.probing import MAX_SOURCE_PIXELS, MAX_SOURCE_SIDE, VideoProbe, probe
 from k6vsr_core.media.reading import iter_frames, read_frames, scan_frames
 from k6vsr_core.media.selection import (
@@ -39,6 +41,8 @@ __all__ = [
     "RESAMPLE_FPS_TOLERANCE",
     "TARGET_FPS",
     "ColourTags",
+    "FieldInfo",
+    "FieldOrder",
     "OutputMismatch",
     "PlannedOutput",
     "VideoProbe",
@@ -50,6 +54,7 @@ __all__ = [
     "decode_audio",
     "planned_output",
     "probe",
+    "probe_fields",
     "read_frames",
     "scan_frames",
     "select_all_frames",
