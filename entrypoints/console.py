@@ -225,6 +225,14 @@ def _fields(found: dict[str, Any] | None) -> list[str]:
     return [f"fields    {found['summary']}; {done}, deinterlace {found['deinterlace']}"]
 
 
+def _timing(found: dict[str, Any] | None) -> list[str]:
+    """The source's frame times: constant, or variable and resampled on them; nothing for a latent."""
+    if found is None or not found["variable"]:
+        return [] if found is None else ["timing    constant frame rate"]
+    spread = f"{found['slowest_fps']:.3g} to {found['fastest_fps']:.3g} fps, {found['mean_fps']:.3g} on average"
+    return [f"timing    variable frame rate ({spread}): frames chosen on their timestamps at {found['output_fps']} fps"]
+
+
 def plan_lines(plan: dict[str, Any]) -> list[str]:
     """`k6vsr plan` for people: what goes in and out, the tiles, the windows as a table, the disk and the progress."""
     size = plan["source_size"]
@@ -246,6 +254,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
         f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
         f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}, audio {output['audio']}",
         *_fields(plan.get("interlacing")),
+        *_timing(plan.get("timing")),
         f"model     {plan['model']}{_weights_note(plan)}",
         f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
         f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "

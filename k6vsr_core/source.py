@@ -47,9 +47,10 @@ def read_source(
     if planned is not None and planned.source_frames == count:
         return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=planned)
     fields = planned.fields if planned is not None else media.probe_fields(path)
+    times = media.frame_times(path)
     try:
-        cuts = scene_cuts(str(path), count, probe.fps, params)
-        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate, cuts, fields)
+        cuts = scene_cuts(str(path), count, probe.fps, params, times)
+        plan = make_plan((probe.height, probe.width), count, probe.fps, params, traits, probe.rate, cuts, fields, times)
     except ValueError as err:
         raise MediaError(str(path), str(err)) from None
     return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)

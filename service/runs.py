@@ -88,8 +88,9 @@ def prepare_run(
         raise MediaError(source, str(err)) from None
     info = model_info(spec, weights, tensors)
     fields = media.probe_fields(source)
+    times = media.frame_times(source)
     try:
-        cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params)
+        cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params, times)
         plan = make_plan(
             (probe.height, probe.width),
             probe.num_frames,
@@ -99,12 +100,19 @@ def prepare_run(
             probe.rate,
             cuts,
             fields,
+            times,
         )
     except ParameterError:
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file
         raise ParameterError(f"{source}: {err}") from None
-    key = run_key(source_info(source).sha256, params, info.identity + identity_suffix(), deinterlace=plan.deinterlace)
+    key = run_key(
+        source_info(source).sha256,
+        params,
+        info.identity + identity_suffix(),
+        deinterlace=plan.deinterlace,
+        on_timestamps=plan.kept is not None,
+    )
     run = RunRef(store_root=str(store_root), run_key=key)
     return PreparedRun(
         run=run,

@@ -92,10 +92,12 @@ def run_key(
     model_identity: str,
     latent_fps: str | None = None,
     deinterlace: str | None = None,
+    on_timestamps: bool = False,
 ) -> str:
     """The run's name. `latent_fps` (a latent source's frame rate) and `deinterlace` (the field order a plan
     deinterlaces its frames with, `ClipPlan.deinterlace`) are keyed only when given, so the runs of progressive
-    videos keep their keys."""
+    videos keep their keys; so is `on_timestamps`, a variable-rate source's frames chosen on their timestamps
+    (`ClipPlan.kept`), which are other frames than the constant-rate rule's."""
     fields: dict[str, Any] = {
         "source": source_sha256,
         "params": output_params(params),
@@ -106,6 +108,8 @@ def run_key(
         fields["latent_fps"] = latent_fps
     if deinterlace is not None:
         fields["deinterlace"] = deinterlace
+    if on_timestamps:
+        fields["frames_on"] = "timestamps"
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -2,6 +2,7 @@
 
     selection   which source frames a clip keeps and the rate they play at (24-fps rule, 1 + 8k frames)
     probing     what a source file is, before any frame is decoded
+    timing      a variable frame rate found from the frames' timestamps, frames chosen on them
     fields      an interlaced source's field order found (stream flags, combing in the picture), its frames deinterlaced
     reading     a source's frames decoded as RGB
     audio       a file's audio as the contract's mono 44.1 kHz track
@@ -30,6 +31,7 @@ from k6vsr_core.media.selection import (
     select_all_frames,
     select_frames,
 )
+from k6vsr_core.media.timing import FrameTiming, frame_times, frames_on_times, timing_of
 from k6vsr_core.media.writing import HEVC_MIN_SIDE, concat_segments, planned_output, write_segment, write_video
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "ColourTags",
     "FieldInfo",
     "FieldOrder",
+    "FrameTiming",
     "OutputMismatch",
     "PlannedOutput",
     "VideoProbe",
@@ -52,6 +55,8 @@ __all__ = [
     "check_output",
     "concat_segments",
     "decode_audio",
+    "frame_times",
+    "frames_on_times",
     "planned_output",
     "probe",
     "probe_fields",
@@ -59,6 +64,7 @@ __all__ = [
     "scan_frames",
     "select_all_frames",
     "select_frames",
+    "timing_of",
     "trim_audio",
     "write_audio_track",
     "write_segment",
