@@ -244,8 +244,14 @@ def deinterlace_order(params: UpscaleParams, fields: media.FieldInfo | None) -> 
     None when `fields` is (the source was not looked at: a latent has no fields)."""
     if params.deinterlace == "off" or fields is None:  # no fields looked at: a latent, or a bench's plan
         return None
+    if fields.picture_disagrees:
+        warnings.warn(
+            f"the stream declares {fields.stream} fields but the picture shows the other order: deinterlaced as "
+            "declared; check the source, or its flags, if the output judders",
+            stacklevel=3,
+        )
     if params.deinterlace == "auto":
-        return fields.order  # type: ignore[union-attr]
+        return fields.order
     if fields is not None and fields.order is not None:
         return fields.order
     return "bff" if fields is not None and fields.picture_bff > fields.picture_tff else "tff"

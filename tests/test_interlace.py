@@ -147,6 +147,18 @@ def test_bwdif_deinterlaces_a_progressive_source_when_asked(sources: dict[str, P
 def test_an_unknown_mode_is_refused_naming_the_field() -> None:
     with pytest.raises(ParameterError, match=r"^deinterlace="):
         parse_params(deinterlace="yadif")
+    from entrypoints.server.fields import params_from_fields
+
+    assert params_from_fields({"deinterlace": "off"}).deinterlace == "off"
+
+
+def test_a_stream_whose_flags_contradict_its_picture_is_warned_of(tmp_path: Path, tiny_bundle) -> None:
+    """Bottom-first fields signalled top first: the stream is believed, and the plan says the picture disagrees."""
+    source = _write(tmp_path / "mislabelled.mp4", _fields_of(FRAMES, top_first=False), "tff")
+    found = media.probe_fields(source)
+    assert found.order == "tff" and found.picture_disagrees and "shows the other order" in found.describe()
+    with pytest.warns(UserWarning, match="the picture shows the other order"):
+        read_source(source, UpscaleParams(scale=2), model_traits(tiny_bundle.info))
 
 
 # ------------------------------------------------------------------------------------------------ plan and run key

@@ -72,6 +72,15 @@ class FieldInfo(BaseModel):
             return self.stream  # type: ignore[return-value]
         return "bff" if self.picture_bff > self.picture_tff else "tff"
 
+    @property
+    def picture_disagrees(self) -> bool:
+        """The stream declares one field order and the picture clearly shows the other (a mislabelled capture):
+        deinterlaced in the declared order, as the stream is believed, but worth a warning."""
+        if self.stream not in ("tff", "bff") or not self.picture_combed:
+            return False
+        shown = "bff" if self.picture_bff > self.picture_tff else "tff"
+        return shown != self.stream
+
     def describe(self) -> str:
         """One line for people: what was found and how."""
         counts = (
@@ -81,7 +90,8 @@ class FieldInfo(BaseModel):
         if self.order is None:
             return f"progressive (stream: {self.stream}; picture: {counts})"
         first = "top field first" if self.order == "tff" else "bottom field first"
-        return f"interlaced, {first}, found by the {self.found_by} (stream: {self.stream}; picture: {counts})"
+        doubt = "; the picture shows the other order" if self.picture_disagrees else ""
+        return f"interlaced, {first}, found by the {self.found_by} (stream: {self.stream}; picture: {counts}){doubt}"
 
 
 def _stream_fields(stream: av.VideoStream, frames: list[av.VideoFrame]) -> StreamFields:
