@@ -98,6 +98,15 @@ def test_contract_resamples_on_the_real_timestamps(vfr_source: Path, tiny_bundle
     assert np.abs(times[shown] - np.arange(plan.num_frames) / 24).max() <= max(DURATIONS_MS) / 2000
 
 
+def test_a_frame_kept_twice_is_read_twice(vfr_source: Path) -> None:
+    """Resampled on its timestamps, a slow stretch repeats a source frame: every reader gives it each time."""
+    count, stamps = media.scan_frames(vfr_source)
+    wanted = [0, 2, 2, 3, 3, 3, 5]
+    assert _source_of(media.read_frames(vfr_source, wanted, stamps)).tolist() == wanted
+    assert _source_of(media.read_frames(vfr_source, wanted)).tolist() == wanted
+    assert _source_of(np.stack(list(media.iter_frames(vfr_source, wanted)))).tolist() == wanted
+
+
 def test_upscale_writes_the_resampled_clip_in_sync(vfr_source: Path, tiny_bundle_path: Path, tmp_path: Path) -> None:
     argv = ["upscale", str(vfr_source), "--model", str(tiny_bundle_path), "--store", str(tmp_path / "store")]
     argv += ["-o", str(tmp_path / "out"), "--output-file-name", "out.mp4", "--device", "cpu", "--scale", "2"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 
 import av
@@ -47,9 +48,11 @@ def _decode_indices(
 def _stack_frames(path: str, indices: list[int], kept: dict[int, np.ndarray]) -> np.ndarray:
     height, width = kept[indices[0]].shape[:2]
     out = np.empty((len(indices), height, width, 3), dtype=np.uint8)
+    # A frame kept twice (a variable rate resampled on its timestamps repeats frames) is dropped after its last use.
+    last_use = {index: position for position, index in enumerate(indices)}
     for position, index in enumerate(indices):
         # Popping as we copy keeps peak memory near one clip instead of two.
-        frame = kept.pop(index)
+        frame = kept.pop(index) if last_use[index] == position else kept[index]
         if frame.shape[:2] != (height, width):
             raise MediaError(
                 path,
@@ -94,8 +97,8 @@ def scan_frames(path: PathLike) -> tuple[int, np.ndarray | None]:
 def read_frames(
     path: PathLike, indices: list[int], frame_pts: np.ndarray | None = None, fields: FieldOrder | None = None
 ) -> np.ndarray:
-    """Decode the source frames at ``indices`` (ascending) as ``(T, H, W, 3)`` RGB, deinterlaced with ``fields``
-    first (the plan's field order, `k6vsr_core.media.fields`).
+    """Decode the source frames at ``indices`` (ascending; a repeated one is given again) as ``(T, H, W, 3)`` RGB,
+    deinterlaced with ``fields`` first (the plan's field order, `k6vsr_core.media.fields`).
 
     With the timestamps of :func:`scan_frames`, decoding starts at the key frame before the first wanted frame (the
     one before that, deinterlacing: each frame is made with its neighbours); without them, at the start of the stream.
@@ -108,7 +111,7 @@ def read_frames(
         if kept is not None:
             return _stack_frames(path, indices, kept)
     kept, decoded = _decode_indices(path, indices, fields)
-    if len(kept) < len(indices):
+    if len(kept) < len(set(indices)):
         raise MediaError(path, f"only {decoded} frame(s) could be decoded, frame {indices[-1]} was asked for")
     return _stack_frames(path, indices, kept)
 
@@ -137,7 +140,7 @@ def _decode_by_pts(
                     break
         except av.error.FFmpegError:
             return None
-    return kept if len(kept) == len(indices) else None
+    return kept if len(kept) == len(set(indices)) else None
 
 
 def iter_frames(
@@ -151,7 +154,7 @@ def iter_frames(
     path = os.fspath(path)
     if not indices:
         return
-    wanted = set(indices)
+    wanted = Counter(indices)  # a frame kept twice is yielded twice
     last = indices[-1]
     index = -1
     with open_input(path) as container:
@@ -162,9 +165,11 @@ def iter_frames(
                 if index in wanted:
                     if max_width is not None and frame.width > max_width:
                         height = max(2, round(frame.height * max_width / frame.width / 2) * 2)
-                        yield frame.to_ndarray(format="rgb24", width=max_width, height=height)
+                        image = frame.to_ndarray(format="rgb24", width=max_width, height=height)
                     else:
-                        yield frame.to_ndarray(format="rgb24")
+                        image = frame.to_ndarray(format="rgb24")
+                    for _ in range(wanted[index]):
+                        yield image
                 if index >= last:
                     return
         except av.error.FFmpegError as exc:
