@@ -251,10 +251,10 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     source_frames, kept = plural(plan["source_frames"], "frame"), plural(plan["frames_kept"], "frame")
     lines = [
         f"source    {plan['source']}: {size['width']}x{size['height']}, {source_frames} at {rate}",
-        f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
-        f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}, audio {output['audio']}",
         *_fields(plan.get("interlacing")),
         *_timing(plan.get("timing")),
+        f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
+        f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}, audio {output['audio']}",
         f"model     {plan['model']}{_weights_note(plan)}",
         f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
         f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "
