@@ -31,6 +31,7 @@ from k6vsr_core.tiling import (
 from k6vsr_core.windows import Window, plan_scene_windows, plan_windows, segment_range
 
 TEMPORAL_FACTOR = 4
+BWDIF_MIN_SIDE = 3  # bwdif refuses smaller frames
 
 
 class ModelTraits(BaseModel):
@@ -320,6 +321,12 @@ def make_plan(
             "is not first in its chunk gets other noise, so the output differs from tiles_batch_size=1",
             stacklevel=2,
         )
+    deinterlace = deinterlace_order(params, fields)
+    if deinterlace is not None and min(source_size) < BWDIF_MIN_SIDE:
+        raise ParameterError(
+            f"deinterlace={params.deinterlace} needs frames of at least {BWDIF_MIN_SIDE} lines and columns (bwdif's "
+            f"least); this source is {source_size[1]}x{source_size[0]}: use deinterlace=off"
+        )
     sr_size = grid.output_size
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
     if params.codec == "hevc" and min(delivery) < media.HEVC_MIN_SIDE:
@@ -335,7 +342,7 @@ def make_plan(
         fps=fps,
         source_rate=None if exact is None else str(exact),
         fields=fields,
-        deinterlace=deinterlace_order(params, fields),
+        deinterlace=deinterlace,
         timing=None if frame_times is None else media.timing_of(frame_times[0][:source_frames], frame_times[1]),
         kept=None if timed is None else tuple(indices),
         windows=windows,

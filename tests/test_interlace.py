@@ -144,6 +144,15 @@ def test_bwdif_deinterlaces_a_progressive_source_when_asked(sources: dict[str, P
     assert forced.plan.deinterlace == "tff"
 
 
+def test_bwdif_refuses_frames_too_small_for_it(tiny_bundle) -> None:
+    from k6vsr_core.plan import make_plan
+
+    fields = media.FieldInfo(stream="tff", analysed=1)
+    with pytest.raises(ParameterError, match=r"^deinterlace=auto needs frames of at least 3 lines.*64x2"):
+        make_plan((2, 64), 1, 25.0, UpscaleParams(scale=2), model_traits(tiny_bundle.info), fields=fields)
+    assert make_plan((2, 64), 1, 25.0, UpscaleParams(scale=2, deinterlace="off"), fields=fields).deinterlace is None
+
+
 def test_an_unknown_mode_is_refused_naming_the_field() -> None:
     with pytest.raises(ParameterError, match=r"^deinterlace="):
         parse_params(deinterlace="yadif")
