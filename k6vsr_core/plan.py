@@ -143,7 +143,8 @@ class ClipPlan(BaseModel):
         return next(chunk for chunk in self.chunks if tile in chunk.tiles)
 
     def source_indices(self, window: Window | None = None) -> list[int]:
-        """The source frames kept (those of `window` only, if given), recomputed from the rule: a plan stays small."""
+        """The source frames kept (those of `window` only, if given): recomputed from the rule, so a plan stays small,
+        except a variable rate's, chosen on timestamps the plan does not hold (`kept`)."""
         if self.kept is not None:
             return list(self.kept) if window is None else list(self.kept[window.start : window.stop])
         indices = select_kept_frames(self.source_frames, self.source_fps, self.params)[0]
@@ -243,7 +244,7 @@ def deinterlace_order(params: UpscaleParams, fields: media.FieldInfo | None) -> 
     """The field order the request deinterlaces this source with: the source's own under `auto` (None when it is
     progressive), always one under `bwdif` (the stream's or the picture's, else top first), none under `off`.
     None when `fields` is (the source was not looked at: a latent has no fields)."""
-    if params.deinterlace == "off" or fields is None:  # no fields looked at: a latent, or a bench's plan
+    if params.deinterlace == "off" or fields is None:
         return None
     if fields.picture_disagrees:
         warnings.warn(
@@ -251,11 +252,9 @@ def deinterlace_order(params: UpscaleParams, fields: media.FieldInfo | None) -> 
             "declared; check the source, or its flags, if the output judders",
             stacklevel=3,
         )
-    if params.deinterlace == "auto":
+    if params.deinterlace == "auto" or fields.order is not None:
         return fields.order
-    if fields is not None and fields.order is not None:
-        return fields.order
-    return "bff" if fields is not None and fields.picture_bff > fields.picture_tff else "tff"
+    return "bff" if fields.picture_bff > fields.picture_tff else "tff"
 
 
 def resolve_steps(params: UpscaleParams, traits: ModelTraits) -> int:
