@@ -412,6 +412,8 @@ def _plan(args: argparse.Namespace) -> dict[str, Any]:
         **_source_facts(prepared),
         "frames_kept": plan.num_frames,
         "fps": plan.fps,
+        "interlacing": plan.interlacing(),
+        "timing": plan.frame_timing(),
         "output_format": plan.output_format(),
         "window_mode": plan.params.windows,
         "cuts": list(plan.cuts),

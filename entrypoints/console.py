@@ -227,6 +227,22 @@ def _aspect_lines(aspect: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _fields(found: dict[str, Any] | None) -> list[str]:
+    """The source's fields and what the request does with them; nothing for a latent, which has none."""
+    if found is None:
+        return []
+    done = f"deinterlaced ({found['filter']})" if found["filter"] else "read as they are"
+    return [f"fields    {found['summary']}; {done}, deinterlace {found['deinterlace']}"]
+
+
+def _timing(found: dict[str, Any] | None) -> list[str]:
+    """The source's frame times: constant, or variable and resampled on them; nothing for a latent."""
+    if found is None or not found["variable"]:
+        return [] if found is None else ["timing    constant frame rate"]
+    spread = f"{found['slowest_fps']:.3g} to {found['fastest_fps']:.3g} fps, {found['mean_fps']:.3g} on average"
+    return [f"timing    variable frame rate ({spread}): frames chosen on their timestamps at {found['output_fps']} fps"]
+
+
 def plan_lines(plan: dict[str, Any]) -> list[str]:
     """`k6vsr plan` for people: what goes in and out, the tiles, the windows as a table, the disk and the progress."""
     size = plan["source_size"]
@@ -249,6 +265,8 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
     colour = f", colour {output['colour']}" if output.get("colour") else ""
     lines = [
         f"source    {plan['source']}: {size['width']}x{size['height']}, {source_frames} at {rate}{source_colour}",
+        *_fields(plan.get("interlacing")),
+        *_timing(plan.get("timing")),
         f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
         f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}{colour}, "
         f"audio {output['audio']}",

@@ -251,6 +251,7 @@ def _halves(store: RunStore, plan: ClipPlan, window: int, frames: np.ndarray) ->
         store.source_file(manifest),
         plan.source_indices(plan.windows[window]),
         pts if pts is not None and len(pts) else None,
+        plan.deinterlace,
     )
     height, width = frames.shape[1:3]
     scale = min(1.0, HALF_WIDTH / width)

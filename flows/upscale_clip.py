@@ -329,7 +329,8 @@ def _source_still(store: RunStore, source: str, plan: ClipPlan, frame: int) -> n
     if store.read_manifest().latent_fps is not None:
         return None
     pts = store.get("frame_pts", stage="ingest")
-    return media.read_frames(source, [plan.source_indices()[frame]], pts if pts is not None and len(pts) else None)[0]
+    pts = pts if pts is not None and len(pts) else None
+    return media.read_frames(source, [plan.source_indices()[frame]], pts, plan.deinterlace)[0]
 
 
 def _report(store: RunStore, summary: ClipSummary, clock: StageClock, plan: ClipPlan) -> None:

@@ -85,6 +85,13 @@ class UpscaleParams(BaseModel):
         description="contract (mono 44.1 kHz AAC), original (every audio and subtitle stream as is), none, or an "
         "audio file to mix in",
     )
+    # `auto`: an interlaced source (its stream's flags, or combing in its picture) is deinterlaced by bwdif, one frame
+    # per frame, before the model sees it; `bwdif`: every source is; `off`: none is (k6vsr_core.media.fields).
+    deinterlace: Literal["auto", "off", "bwdif"] = Field(
+        "auto",
+        description="auto (interlaced sources, found by their flags or their combing, deinterlaced by bwdif), off, "
+        "or bwdif (always)",
+    )
     # `contract`: the 24-fps rule; `source`: every source frame at the source's exact (rational) rate.
     fps_mode: Literal["contract", "source"] = Field(
         "contract",

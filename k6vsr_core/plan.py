@@ -11,10 +11,12 @@ from __future__ import annotations
 import warnings
 from fractions import Fraction
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core import media
 from k6vsr_core.errors import ParameterError
+from k6vsr_core.media.fields import bwdif_args
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.scenes import source_cuts
 from k6vsr_core.tiling import (
@@ -29,6 +31,7 @@ from k6vsr_core.tiling import (
 from k6vsr_core.windows import Window, plan_scene_windows, plan_windows, segment_range
 
 TEMPORAL_FACTOR = 4
+BWDIF_MIN_SIDE = 3  # bwdif refuses smaller frames
 
 
 class ModelTraits(BaseModel):
@@ -60,6 +63,14 @@ class ClipPlan(BaseModel):
     source_rate: str | None = None  # with `fps_mode='source'`: the exact rate written, e.g. "30000/1001"
     # The source's non-square pixels' shape (SAR), e.g. "16/15"; None where they are square.
     source_aspect: str | None = None
+    # What the source says and shows of its fields (None: not looked at, e.g. a latent), and the field order its
+    # frames are deinterlaced with before the model (None: read as they are).
+    fields: media.FieldInfo | None = None
+    deinterlace: media.FieldOrder | None = None
+    # The shape of the source's frame times (None: not read, e.g. a latent), and, for a variable rate, the source
+    # frames kept, chosen on their timestamps (`media.frames_on_times`); None: kept by the 24-fps rule's indices.
+    timing: media.FrameTiming | None = None
+    kept: tuple[int, ...] | None = None
     windows: tuple[Window, ...]
     # With `windows='scenes'`: the kept frames that start a shot (k6vsr_core.scenes); no window spans one.
     cuts: tuple[int, ...] = ()
@@ -111,6 +122,38 @@ class ClipPlan(BaseModel):
             "sample_aspect": str(sar),
             "display_aspect": str(sar * out_w / out_h),
             "pixels": "square" if sar == 1 else "non-square, as the source's: the ratio is written, not resampled",
+
+
+    def interlacing(self) -> dict[str, object] | None:
+        """What `k6vsr plan` says of the source's fields and what is done with them; None when not looked at."""
+        if self.fields is None:
+            return None
+        found = self.fields
+        return {
+            "interlaced": found.order is not None,
+            "field_order": found.order,
+            "found_by": found.found_by,
+            "stream": found.stream,
+            "picture": {
+                "analysed": found.analysed,
+                "tff": found.picture_tff,
+                "bff": found.picture_bff,
+                "progressive": found.picture_progressive,
+                "undetermined": found.picture_undetermined,
+            },
+            "deinterlace": self.params.deinterlace,
+            "filter": None if self.deinterlace is None else f"bwdif={bwdif_args(self.deinterlace)}",
+            "summary": found.describe(),
+        }
+
+    def frame_timing(self) -> dict[str, object] | None:
+        """What `k6vsr plan` says of the source's frame times and how frames are kept; None when not read."""
+        if self.timing is None:
+            return None
+        return {
+            **self.timing.model_dump(),
+            "kept_on_timestamps": self.kept is not None,
+            "output_fps": self.fps if self.source_rate is None else self.source_rate,
         }
 
     def output_format(self) -> dict[str, object]:
@@ -135,7 +178,10 @@ class ClipPlan(BaseModel):
         return next(chunk for chunk in self.chunks if tile in chunk.tiles)
 
     def source_indices(self, window: Window | None = None) -> list[int]:
-        """The source frames kept (those of `window` only, if given), recomputed from the rule: a plan stays small."""
+        """The source frames kept (those of `window` only, if given): recomputed from the rule, so a plan stays small,
+        except a variable rate's, chosen on timestamps the plan does not hold (`kept`)."""
+        if self.kept is not None:
+            return list(self.kept) if window is None else list(self.kept[window.start : window.stop])
         indices = select_kept_frames(self.source_frames, self.source_fps, self.params)[0]
         return indices if window is None else indices[window.start : window.stop]
 
@@ -175,12 +221,75 @@ def select_kept_frames(source_frames: int, source_fps: float, params: UpscalePar
     return media.select_all_frames(source_frames, source_fps, params.max_frames)
 
 
-def scene_cuts(path: str, source_frames: int, source_fps: float, params: UpscaleParams) -> tuple[int, ...]:
+FrameTimes = tuple[np.ndarray, float]  # every frame's time in seconds from the first, and the stream's tick
+
+
+def frames_on_timestamps(
+    source_frames: int, params: UpscaleParams, frame_times: FrameTimes | None
+) -> tuple[list[int], int, media.FrameTiming] | None:
+    """For a variable-rate source: the frames kept, chosen on their timestamps, the constant rate they play at and the
+    timing found; None for a constant rate (or unknown times), which the 24-fps rule's indices keep exactly.
+
+    The rate is the contract's 24 fps for a source that averages near it or faster, else its rounded mean (no motion
+    interpolation: slower sources keep their pace). `fps_mode='source'` is refused: the output is written at a
+    constant rate, and a variable one kept frame for frame would drift from its audio.
+    """
+    if frame_times is None:
+        return None
+    times, tick = frame_times
+    times = times[:source_frames]  # the frames that decode, when fewer than the packets
+    timing = media.timing_of(times, tick)
+    if not timing.variable:
+        return None
+    if params.fps_mode == "source":
+        raise ParameterError(
+            f"fps_mode='source' writes one constant rate, and this source's rate varies ({timing.slowest_fps:.3g} "
+            f"to {timing.fastest_fps:.3g} fps, {timing.mean_fps:.3g} on average): its timing cannot be kept; use "
+            "fps_mode='contract', which resamples it on its timestamps"
+        )
+    near = timing.mean_fps > media.TARGET_FPS - media.RESAMPLE_FPS_TOLERANCE
+    rate = media.TARGET_FPS if near else max(1, round(timing.mean_fps))
+    cap = media.MAX_NUM_FRAMES if params.frames == "contract" else params.max_frames
+    indices = media.frames_on_times(times, timing.duration_s, rate, cap)
+    if params.frames == "contract":
+        indices = indices[: media.aligned_frame_count(len(indices))]
+    return indices, rate, timing
+
+
+def kept_frames(
+    source_frames: int, source_fps: float, params: UpscaleParams, frame_times: FrameTimes | None = None
+) -> tuple[list[int], int]:
+    """The source frames a request keeps and their rate: on their timestamps for a variable rate, else by the rule
+    (`select_kept_frames`)."""
+    timed = frames_on_timestamps(source_frames, params, frame_times)
+    return timed[:2] if timed is not None else select_kept_frames(source_frames, source_fps, params)
+
+
+def scene_cuts(
+    path: str, source_frames: int, source_fps: float, params: UpscaleParams, frame_times: FrameTimes | None = None
+) -> tuple[int, ...]:
     """The scene cuts `make_plan` needs for `params`: detected in the kept frames of `path` with `windows='scenes'`
     (which decodes the whole source), none otherwise."""
     if params.windows != "scenes":
         return ()
-    return source_cuts(path, select_kept_frames(source_frames, source_fps, params)[0])
+    return source_cuts(path, kept_frames(source_frames, source_fps, params, frame_times)[0])
+
+
+def deinterlace_order(params: UpscaleParams, fields: media.FieldInfo | None) -> media.FieldOrder | None:
+    """The field order the request deinterlaces this source with: the source's own under `auto` (None when it is
+    progressive), always one under `bwdif` (the stream's or the picture's, else top first), none under `off`.
+    None when `fields` is (the source was not looked at: a latent has no fields)."""
+    if params.deinterlace == "off" or fields is None:
+        return None
+    if fields.picture_disagrees:
+        warnings.warn(
+            f"the stream declares {fields.stream} fields but the picture shows the other order: deinterlaced as "
+            "declared; check the source, or its flags, if the output judders",
+            stacklevel=3,
+        )
+    if params.deinterlace == "auto" or fields.order is not None:
+        return fields.order
+    return "bff" if fields.picture_bff > fields.picture_tff else "tff"
 
 
 def resolve_steps(params: UpscaleParams, traits: ModelTraits) -> int:
@@ -206,15 +315,20 @@ def make_plan(
     cuts: tuple[int, ...] | None = (),
     colour: media.ColourTags = media.BT709_TV,
     source_aspect: Fraction | str | None = None,
+    fields: media.FieldInfo | None = None,
+    frame_times: FrameTimes | None = None,
 ) -> ClipPlan:
     """Plan a source of `source_frames` frames of `source_size` at `source_fps`; with `windows='scenes'`, its kept
     frames cut into shots before each of `cuts` (positions among the kept frames, `scene_cuts`); `cuts=None` when
-    they are not looked for yet (the plan is then `cuts_pending`, its windows as if there were none).
+    they are not looked for yet (the plan is then `cuts_pending`, its windows as if there were none); deinterlaced as
+    `fields` (`media.probe_fields`) and the request say; a variable rate (`frame_times`, `media.frame_times`)
+    resampled on its timestamps.
 
     Raises ValueError when the selection keeps no frame, ParameterError when the request does not fit this clip.
     """
     traits = traits or ModelTraits()
-    indices, fps = select_kept_frames(source_frames, source_fps, params)
+    timed = frames_on_timestamps(source_frames, params, frame_times)
+    indices, fps = timed[:2] if timed is not None else select_kept_frames(source_frames, source_fps, params)
     exact = None
     if params.fps_mode == "source":
         # The stream's own fraction when known; a float rate is turned back into the fraction it came from.
@@ -246,6 +360,12 @@ def make_plan(
             "is not first in its chunk gets other noise, so the output differs from tiles_batch_size=1",
             stacklevel=2,
         )
+    deinterlace = deinterlace_order(params, fields)
+    if deinterlace is not None and min(source_size) < BWDIF_MIN_SIDE:
+        raise ParameterError(
+            f"deinterlace={params.deinterlace} needs frames of at least {BWDIF_MIN_SIDE} lines and columns (bwdif's "
+            f"least); this source is {source_size[1]}x{source_size[0]}: use deinterlace=off"
+        )
     sr_size = grid.output_size
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
     if (problem := params.encoding.size_problem(*delivery, what="an output")) is not None:
@@ -258,6 +378,10 @@ def make_plan(
         fps=fps,
         source_rate=None if exact is None else str(exact),
         source_aspect=None if source_aspect is None or Fraction(source_aspect) == 1 else str(Fraction(source_aspect)),
+        fields=fields,
+        deinterlace=deinterlace,
+        timing=None if frame_times is None else media.timing_of(frame_times[0][:source_frames], frame_times[1]),
+        kept=None if timed is None else tuple(indices),
         windows=windows,
         cuts=tuple(cuts),
         cuts_pending=pending,

@@ -295,7 +295,7 @@ def measure_segment(
     started = time.perf_counter()
     start, stop = segment_range(plan.windows, window)
     meter = QualityMeter(plan.windows, plan.cuts, tile_borders(plan), first=start)
-    sources = media.read_frames(source, plan.source_indices()[start:stop], frame_pts)
+    sources = media.read_frames(source, plan.source_indices()[start:stop], frame_pts, plan.deinterlace)
     for output, frame in zip(media.iter_frames(segment, list(range(stop - start))), sources, strict=False):
         meter.add(output, frame)
     measures = meter.measures()
@@ -310,7 +310,7 @@ def measure_files(plan: ClipPlan, output: str | Path, source: str | Path) -> Qua
     `seconds` counts the decoding."""
     started = time.perf_counter()
     outputs = media.iter_frames(output, list(range(plan.num_frames)))
-    report = measure(plan, outputs, media.iter_frames(source, plan.source_indices()))
+    report = measure(plan, outputs, media.iter_frames(source, plan.source_indices(), fields=plan.deinterlace))
     return report.model_copy(update={"seconds": round(time.perf_counter() - started, 3)})
 
 

@@ -46,11 +46,23 @@ def read_source(
         )
     if planned is not None and planned.source_frames == count and not planned.cuts_pending:
         return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=planned)
+    fields = planned.fields if planned is not None else media.probe_fields(path)
+    times = media.frame_times(path)
     try:
-        cuts = scene_cuts(str(path), count, probe.fps, params)
+        cuts = scene_cuts(str(path), count, probe.fps, params, times)
         colour = media.output_colour(str(path), probe.colour, probe.hdr)
         plan = make_plan(
-            (probe.height, probe.width), count, probe.fps, params, traits, probe.rate, cuts, colour, probe.sample_aspect
+            (probe.height, probe.width),
+            count,
+            probe.fps,
+            params,
+            traits,
+            probe.rate,
+            cuts,
+            colour=colour,
+            source_aspect=probe.sample_aspect,
+            fields=fields,
+            frame_times=times,
         )
     except ValueError as err:
         raise MediaError(str(path), str(err)) from None
@@ -72,4 +84,4 @@ def source_audio(source: str | Path, params: UpscaleParams) -> np.ndarray | None
 
 def read_window(source: SourceClip, window: Window) -> np.ndarray:
     """The source frames of one window, decoded from the file."""
-    return media.read_frames(source.path, source.plan.source_indices(window), source.frame_pts)
+    return media.read_frames(source.path, source.plan.source_indices(window), source.frame_pts, source.plan.deinterlace)

@@ -91,8 +91,10 @@ def prepare_run(
     except ValueError as err:  # too few frames for the rate: a property of the file
         raise MediaError(source, str(err)) from None
     info = model_info(spec, weights, tensors)
+    fields = media.probe_fields(source)
+    times = media.frame_times(source)
     try:
-        cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params) if find_cuts else None
+        cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params, times) if find_cuts else None
         plan = make_plan(
             (probe.height, probe.width),
             probe.num_frames,
@@ -101,14 +103,22 @@ def prepare_run(
             model_traits(info),
             probe.rate,
             cuts,
-            colour,
-            probe.sample_aspect,
+            colour=colour,
+            source_aspect=probe.sample_aspect,
+            fields=fields,
+            frame_times=times,
         )
     except ParameterError:
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file
         raise ParameterError(f"{source}: {err}") from None
-    key = run_key(source_info(source).sha256, params, info.identity)
+    key = run_key(
+        source_info(source).sha256,
+        params,
+        info.identity,
+        deinterlace=plan.deinterlace,
+        on_timestamps=plan.kept is not None,
+    )
     run = RunRef(store_root=str(store_root), run_key=key)
     return PreparedRun(
         run=run,

@@ -82,16 +82,28 @@ def output_params(params: UpscaleParams) -> dict[str, Any]:
     for name in _LATER_FIELDS:
         if values[name] == defaults[name]:
             del values[name]
+    # What deinterlacing does to the frames is keyed instead (`run_key`'s `deinterlace`): the words asked say nothing
+    # of it until the source's fields are known, and `auto` and `off` read a progressive source's frames alike.
+    del values["deinterlace"]
     if params.audio_file is not None:
         values["audio_sha256"] = source_info(params.audio_file).sha256
     return values
 
 
-def run_key(source_sha256: str, params: UpscaleParams, model_identity: str, latent_fps: str | None = None) -> str:
+def run_key(
+    source_sha256: str,
+    params: UpscaleParams,
+    model_identity: str,
+    latent_fps: str | None = None,
+    deinterlace: str | None = None,
+    on_timestamps: bool = False,
+) -> str:
     """The run's name, the one recipe of it: the source's content, the request's output fields, the model's identity
     (with the bench stand-in's mark while it is selected, so a stand-in's run never shares a store's items with a
-    real one) and the store's format. `latent_fps` (a latent source's frame rate) is keyed only when given, so the
-    runs of videos keep their keys."""
+    real one) and the store's format. `latent_fps` (a latent source's frame rate) and `deinterlace` (the field order
+    a plan deinterlaces its frames with, `ClipPlan.deinterlace`) are keyed only when given, so the runs of
+    progressive videos keep their keys; so is `on_timestamps`, a variable-rate source's frames chosen on their
+    timestamps (`ClipPlan.kept`), which are other frames than the constant-rate rule's."""
     fields: dict[str, Any] = {
         "source": source_sha256,
         "params": output_params(params),
@@ -100,6 +112,10 @@ def run_key(source_sha256: str, params: UpscaleParams, model_identity: str, late
     }
     if latent_fps is not None:
         fields["latent_fps"] = latent_fps
+    if deinterlace is not None:
+        fields["deinterlace"] = deinterlace
+    if on_timestamps:
+        fields["frames_on"] = "timestamps"
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
 

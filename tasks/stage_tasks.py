@@ -158,7 +158,7 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
             span = plan.windows[window]
             # From the store's copy in an object store: a worker on another host cannot see the client's disk.
             frames = media.read_frames(
-                store.source_file(manifest), plan.source_indices(span), pts if len(pts) else None
+                store.source_file(manifest), plan.source_indices(span), pts if len(pts) else None, plan.deinterlace
             )
             latent = _networks().encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started

@@ -360,7 +360,7 @@ def test_plan_refuses_like_upscale(cli: Cli, corpus: dict[str, Path]) -> None:
         ("eight", 8, 24),  # every frame: one window padded to 1 + 8k = 9, cropped back
         ("png", 1, 25),  # a still image is a 1-frame clip; FFmpeg's image reader says 25 fps
         ("raw-h264", 1, 25),  # no timing in the stream: FFmpeg assumes 25 fps
-        ("vfr", 9, 24),  # variable frame timing: every frame kept, at the stream's rate
+        ("vfr", 9, 22),  # variable frame timing: resampled on its timestamps at its rounded mean rate (21.7 fps)
         ("ten-bit", 1, 24),
         ("alpha", 1, 24),  # alpha is dropped, colour kept
         ("cut-fast-60", 4, 24),  # index intact, frames cut off: the decodable frames, thinned to 24 fps

@@ -23,8 +23,10 @@ def test_plan_prints_a_readable_table(clip_1f: Path, tiny_bundle_path: Path, tmp
     argv = ["plan", str(clip_1f), "--scale", "2", "--model", str(tiny_bundle_path), "--store", str(tmp_path)]
     text = _run(argv, capsys)
     lines = text.splitlines()
-    assert [line.split()[0] for line in lines[:5]] == ["source", "output", "model", "tiles", "windows"]
-    assert lines[0].endswith(": 128x96, 1 frame at 24 fps") and lines[1].startswith("output    256x192, 1 frame at")
+    labels = ["source", "fields", "timing", "output", "model", "tiles", "windows"]
+    assert [line.split()[0] for line in lines[:7]] == labels
+    assert lines[0].endswith(": 128x96, 1 frame at 24 fps") and lines[3].startswith("output    256x192, 1 frame at")
+    assert lines[1].startswith("fields    progressive") and lines[2] == "timing    constant frame rate"
     header = lines.index("            window  frames        computed as  overlap  segment")
     assert lines[header + 1].split() == ["0", "0", "1", "0", "0"]  # frame 0, computed as 1, no overlap, segment 0
     store = next(line for line in lines if line.startswith("store"))

@@ -30,6 +30,7 @@ FIELDS = {
     "pix_fmt": "pix_fmt",
     "audio": "audio",
     "fps_mode": "fps_mode",
+    "deinterlace": "deinterlace",
 }
 # A client names no file of the server's: `audio` takes the modes only, not a path.
 HTTP_AUDIO_MODES = ("contract", "original", "none")

@@ -3,6 +3,8 @@
     selection   which source frames a clip keeps and the rate they play at (24-fps rule, 1 + 8k frames)
     probing     what a source file is, before any frame is decoded
     colour      a source's colour tags and HDR metadata, and the tags its output keeps (or why it is refused)
+    timing      a variable frame rate found from the frames' timestamps, frames chosen on them
+    fields      an interlaced source's field order found (stream flags, combing in the picture), its frames deinterlaced
     reading     a source's frames decoded as RGB
     audio       a file's audio as the contract's mono 44.1 kHz track
     writing     frames encoded as a reproducible file, segments joined, the audio added
@@ -20,6 +22,7 @@ would shadow a function or module imported by name.
 from k6vsr_core.media.audio import AUDIO_SAMPLE_RATE, check_audio_file, decode_audio, trim_audio, write_audio_track
 from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, OutputMismatch, PlannedOutput, check_output
 from k6vsr_core.media.colour import HdrMetadata, output_colour
+from k6vsr_core.media.fields import FieldInfo, FieldOrder, probe_fields
 from k6vsr_core.media.probing import MAX_SOURCE_PIXELS, MAX_SOURCE_SIDE, VideoProbe, probe
 from k6vsr_core.media.reading import iter_frames, read_frames, scan_frames
 from k6vsr_core.media.selection import (
@@ -30,6 +33,7 @@ from k6vsr_core.media.selection import (
     select_all_frames,
     select_frames,
 )
+from k6vsr_core.media.timing import FrameTiming, frame_times, frames_on_times, timing_of
 from k6vsr_core.media.writing import HEVC_MIN_SIDE, concat_segments, planned_output, write_segment, write_video
 
 __all__ = [
@@ -45,6 +49,9 @@ __all__ = [
     "RESAMPLE_FPS_TOLERANCE",
     "TARGET_FPS",
     "ColourTags",
+    "FieldInfo",
+    "FieldOrder",
+    "FrameTiming",
     "OutputMismatch",
     "PlannedOutput",
     "VideoProbe",
@@ -54,12 +61,16 @@ __all__ = [
     "check_output",
     "concat_segments",
     "decode_audio",
+    "frame_times",
+    "frames_on_times",
     "planned_output",
     "probe",
+    "probe_fields",
     "read_frames",
     "scan_frames",
     "select_all_frames",
     "select_frames",
+    "timing_of",
     "trim_audio",
     "write_audio_track",
     "write_segment",

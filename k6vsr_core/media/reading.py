@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from typing import Literal
 
@@ -12,6 +13,7 @@ import av.container
 import numpy as np
 
 from k6vsr_core.errors import MediaError
+from k6vsr_core.media.fields import FieldOrder, deinterlaced
 from k6vsr_core.media.probing import PathLike, open_input, video_stream
 
 # RGB bits a channel: 8 (`rgb24`, what the model path takes) or 16 (`rgb48le`: a 10-bit source's code values
@@ -20,7 +22,9 @@ Depth = Literal[8, 16]
 _RGB_FORMATS = {8: "rgb24", 16: "rgb48le"}
 
 
-def _decode_indices(path: str, wanted: list[int], depth: Depth = 8) -> tuple[dict[int, np.ndarray], int]:
+def _decode_indices(
+    path: str, wanted: list[int], fields: FieldOrder | None = None, depth: Depth = 8
+) -> tuple[dict[int, np.ndarray], int]:
     """Decode frames up to ``max(wanted)``, keeping only the wanted ones as RGB.
 
     Returns the kept frames by source index and how many frames were decoded,
@@ -34,7 +38,7 @@ def _decode_indices(path: str, wanted: list[int], depth: Depth = 8) -> tuple[dic
         stream = video_stream(container, path)
         stream.thread_type = "AUTO"
         try:
-            for index, frame in enumerate(container.decode(stream)):
+            for index, frame in deinterlaced(enumerate(container.decode(stream)), fields):
                 decoded = index + 1
                 if index in wanted_set:
                     # rgb24 conversion copes with any source pix_fmt: 10-bit,
@@ -50,9 +54,11 @@ def _decode_indices(path: str, wanted: list[int], depth: Depth = 8) -> tuple[dic
 def _stack_frames(path: str, indices: list[int], kept: dict[int, np.ndarray]) -> np.ndarray:
     height, width = kept[indices[0]].shape[:2]
     out = np.empty((len(indices), height, width, 3), dtype=kept[indices[0]].dtype)
+    # A frame kept twice (a variable rate resampled on its timestamps repeats frames) is dropped after its last use.
+    last_use = {index: position for position, index in enumerate(indices)}
     for position, index in enumerate(indices):
         # Popping as we copy keeps peak memory near one clip instead of two.
-        frame = kept.pop(index)
+        frame = kept.pop(index) if last_use[index] == position else kept[index]
         if frame.shape[:2] != (height, width):
             raise MediaError(
                 path,
@@ -95,74 +101,86 @@ def scan_frames(path: PathLike) -> tuple[int, np.ndarray | None]:
 
 
 def read_frames(
-    path: PathLike, indices: list[int], frame_pts: np.ndarray | None = None, depth: Depth = 8
+    path: PathLike,
+    indices: list[int],
+    frame_pts: np.ndarray | None = None,
+    fields: FieldOrder | None = None,
+    depth: Depth = 8,
 ) -> np.ndarray:
-    """Decode the source frames at ``indices`` (ascending) as ``(T, H, W, 3)`` RGB: uint8, or uint16 with
-    ``depth=16`` (for 10-bit sources), each with the source's own matrix and range.
+    """Decode the source frames at ``indices`` (ascending; a repeated one is given again) as ``(T, H, W, 3)`` RGB:
+    uint8, or uint16 with ``depth=16`` (for 10-bit sources), each with the source's own matrix and range,
+    deinterlaced with ``fields`` first (the plan's field order, `k6vsr_core.media.fields`).
 
-    With the timestamps of :func:`scan_frames`, decoding starts at the key frame before the first wanted frame;
-    without them, at the start of the stream.
+    With the timestamps of :func:`scan_frames`, decoding starts at the key frame before the first wanted frame (the
+    one before that, deinterlacing: each frame is made with its neighbours); without them, at the start of the stream.
     """
     path = os.fspath(path)
     if not indices:
         raise ValueError("no frames asked for")
     if frame_pts is not None and indices[-1] < len(frame_pts):
-        kept = _decode_by_pts(path, indices, frame_pts, depth)
+        kept = _decode_by_pts(path, indices, frame_pts, fields, depth)
         if kept is not None:
             return _stack_frames(path, indices, kept)
-    kept, decoded = _decode_indices(path, indices, depth)
-    if len(kept) < len(indices):
+    kept, decoded = _decode_indices(path, indices, fields, depth)
+    if len(kept) < len(set(indices)):
         raise MediaError(path, f"only {decoded} frame(s) could be decoded, frame {indices[-1]} was asked for")
     return _stack_frames(path, indices, kept)
 
 
 def _decode_by_pts(
-    path: str, indices: list[int], frame_pts: np.ndarray, depth: Depth = 8
+    path: str, indices: list[int], frame_pts: np.ndarray, fields: FieldOrder | None, depth: Depth = 8
 ) -> dict[int, np.ndarray] | None:
     """Frames at ``indices`` found by timestamp after one seek; None when the stream does not match the scan."""
     wanted = {int(frame_pts[index]): index for index in indices}
     last = int(frame_pts[indices[-1]])
+    # A deinterlaced frame is made with the one before it: decoding starts no later than that one.
+    start = int(frame_pts[max(0, indices[0] - 1)] if fields is not None else frame_pts[indices[0]])
     kept: dict[int, np.ndarray] = {}
     with open_input(path) as container:
         stream = video_stream(container, path)
         stream.thread_type = "AUTO"
         try:
-            container.seek(int(frame_pts[indices[0]]), stream=stream, backward=True, any_frame=False)
-            for frame in container.decode(stream):
-                if frame.pts is None:
+            container.seek(start, stream=stream, backward=True, any_frame=False)
+            for pts, frame in deinterlaced(((frame.pts, frame) for frame in container.decode(stream)), fields):
+                if pts is None:
                     return None
-                index = wanted.get(int(frame.pts))
+                index = wanted.get(int(pts))
                 if index is not None:
                     kept[index] = frame.to_ndarray(format=_RGB_FORMATS[depth])
-                if frame.pts >= last:
+                if pts >= last:
                     break
         except av.error.FFmpegError:
             return None
-    return kept if len(kept) == len(indices) else None
+    return kept if len(kept) == len(set(indices)) else None
 
 
-def iter_frames(path: PathLike, indices: list[int], max_width: int | None = None) -> Iterator[np.ndarray]:
-    """The source frames at ``indices`` (ascending) as RGB, one at a time, decoding the stream once from the start:
+def iter_frames(
+    path: PathLike, indices: list[int], max_width: int | None = None, fields: FieldOrder | None = None
+) -> Iterator[np.ndarray]:
+    """The source frames at ``indices`` (ascending) as RGB (deinterlaced with ``fields``, as :func:`read_frames`),
+    one at a time, decoding the stream once from the start:
     a whole video read this way holds one frame. A stream shorter than its header says, or with a damaged tail, ends
     the frames early (as `scan_frames` counts them). With ``max_width``, wider frames are scaled down to it (aspect
     kept, even height), for analyses that need no full-size frame."""
     path = os.fspath(path)
     if not indices:
         return
-    wanted = set(indices)
+    wanted = Counter(indices)  # a frame kept twice is yielded twice
     last = indices[-1]
     index = -1
     with open_input(path) as container:
         stream = video_stream(container, path)
         stream.thread_type = "AUTO"
         try:
-            for index, frame in enumerate(container.decode(stream)):
+            for index, frame in deinterlaced(enumerate(container.decode(stream)), fields):
                 if index in wanted:
                     if max_width is not None and frame.width > max_width:
                         height = max(2, round(frame.height * max_width / frame.width / 2) * 2)
-                        yield frame.to_ndarray(format="rgb24", width=max_width, height=height)
+                        image = frame.to_ndarray(format="rgb24", width=max_width, height=height)
                     else:
-                        yield frame.to_ndarray(format="rgb24")
+                        image = frame.to_ndarray(format="rgb24")
+                    for _ in range(wanted[index]):
+                        yield image
                 if index >= last:
                     return
         except av.error.FFmpegError as exc:
