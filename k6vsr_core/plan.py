@@ -122,7 +122,7 @@ class ClipPlan(BaseModel):
             "sample_aspect": str(sar),
             "display_aspect": str(sar * out_w / out_h),
             "pixels": "square" if sar == 1 else "non-square, as the source's: the ratio is written, not resampled",
-
+        }
 
     def interlacing(self) -> dict[str, object] | None:
         """What `k6vsr plan` says of the source's fields and what is done with them; None when not looked at."""
