@@ -228,7 +228,8 @@ def test_plan_says_the_source_colour_and_the_colour_written(
     assert shown["output_format"]["colour"] == "bt470bg/gamma28/bt470bg/tv"
     assert main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "colour bt470bg/gamma28/bt470bg/pc, 8-bit" in lines[0] and "colour bt470bg/gamma28/bt470bg/tv" in lines[1]
+    assert "colour bt470bg/gamma28/bt470bg/pc, 8-bit" in lines[0]
+    assert lines[3].startswith("output ") and "colour bt470bg/gamma28/bt470bg/tv" in lines[3]
 
 
 # ------------------------------------------------------------------------------------------------ 10-bit media path

@@ -25,7 +25,9 @@ def test_plan_prints_a_readable_table(clip_1f: Path, tiny_bundle_path: Path, tmp
     lines = text.splitlines()
     labels = ["source", "fields", "timing", "output", "model", "tiles", "windows"]
     assert [line.split()[0] for line in lines[:7]] == labels
-    assert lines[0].endswith(": 128x96, 1 frame at 24 fps") and lines[3].startswith("output    256x192, 1 frame at")
+    assert lines[0].endswith(
+        ": 128x96, 1 frame at 24 fps, colour unspecified/unspecified/unspecified/unspecified, 8-bit"
+    ) and lines[3].startswith("output    256x192, 1 frame at")
     assert lines[1].startswith("fields    progressive") and lines[2] == "timing    constant frame rate"
     header = lines.index("            window  frames        computed as  overlap  segment")
     assert lines[header + 1].split() == ["0", "0", "1", "0", "0"]  # frame 0, computed as 1, no overlap, segment 0
