@@ -104,8 +104,9 @@ def _require(value: Any, run: RunRef, what: str) -> Any:
 
 def _array(plan: ClipPlan, name: str, window: int) -> str:
     """The stored array that holds `name` for `window`. A Zarr array's parts share one shape, and scene windows
-    differ in length: each length then has its own array (`video-49`); even windows keep the one array."""
-    if plan.params.windows == "even":
+    differ in length: each length then has its own array (`video-49`); even windows, and scene windows of a clip
+    without cuts (which are the even ones), keep the one array."""
+    if plan.params.windows == "even" or not plan.cuts:
         return name
     span = plan.windows[window]
     return f"{name}-{span.frames if name == 'video' else span.padded}"

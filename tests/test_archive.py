@@ -76,8 +76,9 @@ def test_archive_runs_reuses_and_reruns_nothing(
     summary = state.result()
     assert summary.counts == {"done": 3, "reused": 1, "skipped": 1}
     assert not summary.failed
-    # One per readable clip: the archive plans each (a reused one for its run key); a clip flow runs that plan.
-    assert len(plan_calls) == 4
+    # One per readable clip: the archive plans each (a reused one for its run key); a clip's ingest plans it once
+    # more with its scene cuts, looked for then rather than while every clip is planned.
+    assert len(plan_calls) == 4 + 3
     rows = _by_path(json.loads(Path(summary.manifest_json).read_text())["rows"])
     assert sorted(rows) == ["a.mp4", "old/d.mp4", "sub/b.mp4", "sub/broken.mp4", "sub/deeper/c.mp4"]
     assert rows["sub/broken.mp4"]["status"] == "skipped"
