@@ -152,7 +152,15 @@ def test_contract_mode_is_the_single_window_output(tiny_bundle: ModelBundle, cli
     run but for the mode itself (one plan runs to the same bytes in both modes: the nine-frame test below)."""
     source = _clip(clips, 130, 24)
     contract = upscale(source, tmp_path / "c.mp4", tiny_bundle, UpscaleParams(scale=2, frames="contract"))
-    capped = make_plan((64, 64), 130, 24.0, UpscaleParams(scale=2, max_frames=121), model_traits(tiny_bundle.info))
+    capped = make_plan(
+        (64, 64),
+        130,
+        24.0,
+        UpscaleParams(scale=2, max_frames=121),
+        model_traits(tiny_bundle.info),
+        fields=media.probe_fields(source),
+        frame_times=media.frame_times(source),
+    )
     assert contract.plan.num_frames == capped.num_frames == 121 and contract.plan.num_windows == 1
     ran, planned = contract.plan.model_dump(), capped.model_dump()
     assert [key for key in ran if ran[key] != planned[key]] == ["params"]
