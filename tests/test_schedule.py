@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -24,8 +25,10 @@ class Lanes:
     """Runs each item in a thread pool after `seconds`, fails those in `failing`, keeps every (lane, item, start,
     end); `at_once` is the most model items that ever ran together."""
 
-    def __init__(self, seconds: float = 0.0, failing: tuple[Item, ...] = ()) -> None:
-        self.seconds, self.failing = seconds, failing
+    def __init__(
+        self, seconds: float = 0.0, failing: tuple[Item, ...] = (), on_start: Callable[[Item], None] | None = None
+    ) -> None:
+        self.seconds, self.failing, self.on_start = seconds, failing, on_start
         self.decoded: dict[tuple[int, int], threading.Event] = {}  # set when a decode ends, whether or not it failed
         self.failed: set[Item] = set()
         self.log: list[tuple[str, Item, float, float]] = []
@@ -46,6 +49,8 @@ class Lanes:
                 self._model_running += 1
                 self.at_once = max(self.at_once, self._model_running)
         start = time.monotonic()
+        if self.on_start is not None:
+            self.on_start(item)
         time.sleep(self.seconds)
         if item.stage in ("blend", "blend-segment"):
             self._wait_for_tiles(item.window)  # as the blend task does: it adds tiles as they are decoded
@@ -223,7 +228,18 @@ def _run_clips(plans: list[ClipPlan], lanes: Lanes, slots: int) -> dict[int, lis
 
 
 def test_clips_sharing_a_queue_never_exceed_its_slots_and_the_earlier_clip_goes_first() -> None:
-    lanes = Lanes(seconds=0.01)
+    # The first encode ends only once the second has started (bounded): on a loaded machine the second clip's thread
+    # may offer its encode more than an item's time late, when the first clip's denoise would rightly take the slot.
+    started, both = [], threading.Event()
+
+    def encodes_together(item: Item) -> None:
+        if item.stage == "encode":
+            started.append(item)
+            if len(started) == 2:
+                both.set()
+            both.wait(timeout=10)
+
+    lanes = Lanes(seconds=0.01, on_start=encodes_together)
     finished = _run_clips([_plan(1), _plan(1)], lanes, slots=2)
     everything = len(clip_graph(_plan(1)).items)
     assert sorted(finished) == [0, 1] and all(len(items) == everything for items in finished.values())
