@@ -47,26 +47,41 @@ def read_source(
     if planned is not None and planned.source_frames == count and not planned.cuts_pending:
         return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=planned)
     fields = planned.fields if planned is not None else media.probe_fields(path)
-    times = media.frame_times(path)
+    colour = media.output_colour(str(path), probe.colour, probe.hdr)
     try:
-        cuts = scene_cuts(str(path), count, probe.fps, params, times)
-        colour = media.output_colour(str(path), probe.colour, probe.hdr)
-        plan = make_plan(
-            (probe.height, probe.width),
-            count,
-            probe.fps,
-            params,
-            traits,
-            probe.rate,
-            cuts,
-            colour=colour,
-            source_aspect=probe.sample_aspect,
-            fields=fields,
-            frame_times=times,
-        )
+        plan = plan_probed(str(path), probe, count, params, traits, colour, fields)
     except ValueError as err:
         raise MediaError(str(path), str(err)) from None
     return SourceClip(path=str(path), frame_pts=frame_pts, rotation=probe.rotation, plan=plan)
+
+
+def plan_probed(
+    path: str,
+    probe: media.VideoProbe,
+    frames: int,
+    params: UpscaleParams,
+    traits: ModelTraits,
+    colour: media.ColourTags,
+    fields: media.FieldInfo | None,
+    find_cuts: bool = True,
+) -> ClipPlan:
+    """The plan of a probed source of `frames` frames: its frame times read, its scene cuts looked for (unless not
+    `find_cuts`: the plan is then `cuts_pending`), its pixel shape, colour and fields as found."""
+    times = media.frame_times(path)
+    cuts = scene_cuts(path, frames, probe.fps, params, times) if find_cuts else None
+    return make_plan(
+        (probe.height, probe.width),
+        frames,
+        probe.fps,
+        params,
+        traits,
+        probe.rate,
+        cuts,
+        colour=colour,
+        source_aspect=probe.sample_aspect,
+        fields=fields,
+        frame_times=times,
+    )
 
 
 def audio_input(source: str | Path, params: UpscaleParams) -> str | None:

@@ -18,7 +18,8 @@ from k6vsr_core.errors import BundleError, MediaError
 from k6vsr_core.latent import plan_latent, read_latent
 from k6vsr_core.memory_modes import MemoryMode
 from k6vsr_core.params import ParameterError, UpscaleParams
-from k6vsr_core.plan import ClipPlan, make_plan, scene_cuts, select_kept_frames
+from k6vsr_core.plan import ClipPlan, select_kept_frames
+from k6vsr_core.source import plan_probed
 from storage import RunRef, run_key, source_info
 
 __all__ = ["RunRef"]  # the run's handle lives with the store; the runs planned here carry it
@@ -92,22 +93,8 @@ def prepare_run(
         raise MediaError(source, str(err)) from None
     info = model_info(spec, weights, tensors)
     fields = media.probe_fields(source)
-    times = media.frame_times(source)
     try:
-        cuts = scene_cuts(str(source), probe.num_frames, probe.fps, params, times) if find_cuts else None
-        plan = make_plan(
-            (probe.height, probe.width),
-            probe.num_frames,
-            probe.fps,
-            params,
-            model_traits(info),
-            probe.rate,
-            cuts,
-            colour=colour,
-            source_aspect=probe.sample_aspect,
-            fields=fields,
-            frame_times=times,
-        )
+        plan = plan_probed(str(source), probe, probe.num_frames, params, model_traits(info), colour, fields, find_cuts)
     except ParameterError:
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file

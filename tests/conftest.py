@@ -84,7 +84,6 @@ def plan_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     import k6vsr_core.latent
     import k6vsr_core.plan
     import k6vsr_core.source
-    import service.runs
 
     calls: list[int] = []
 
@@ -92,7 +91,7 @@ def plan_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(1)
         return k6vsr_core.plan.make_plan(*args, **kwargs)
 
-    for module in (service.runs, k6vsr_core.source, k6vsr_core.latent):
+    for module in (k6vsr_core.source, k6vsr_core.latent):
         monkeypatch.setattr(module, "make_plan", counted)
     return calls
 
