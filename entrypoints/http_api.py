@@ -33,7 +33,7 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from entrypoints.server.auth import Caller, KeyAuth, key_owner
+from entrypoints.server.auth import Caller, KeyAuth, key_owner, owners_of
 from entrypoints.server.bodies import read_form
 from entrypoints.server.config import Limits, ServerConfig, config_from
 from entrypoints.server.errors import ApiError, error_response, install_error_handlers
@@ -165,6 +165,6 @@ def serve(args: Any, spec: ModelSpec, store_root: Path, run_root: str | Path | N
         for line in prefect_ui_lines(api_url, home if own_server else None, shown_by):
             log.info("%s", line)
         app = create_app(config, spec)
-        BoundedServer(
-            uvicorn_config(app, bounds, args.host, args.port, log_level="debug" if args.debug else "info")
-        ).run()
+        owners = owners_of(config.api_keys + config.admin_keys)
+        level = "debug" if args.debug else "info"
+        BoundedServer(uvicorn_config(app, bounds, args.host, args.port, owners=owners, log_level=level)).run()

@@ -26,8 +26,9 @@ import psutil
 import pytest
 from http_harness import Server, completed, free_port
 
+from entrypoints.server.auth import owners_of
 from entrypoints.server.config import Connections
-from entrypoints.server.serving import BoundedServer, uvicorn_config
+from entrypoints.server.serving import SETTLED_S, BoundedServer, Owners, uvicorn_config
 from k6vsr_core.sample import make_sample_clip
 
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
@@ -39,11 +40,12 @@ NOFILE = 1024
 # ------------------------------------------------------------------------------------------ the attack
 
 
-def stalled_connection(port: int, request: bytes, most: int) -> socket.socket:
-    """A connection that pipelines `request` until the server stops reading it (its answers fill every buffer
-    between them), at most `most` times, and never reads an answer."""
+def stalled_connection(port: int, request: bytes, most: int, source: str = "127.0.0.1") -> socket.socket:
+    """A connection from `source` that pipelines `request` until the server stops reading it (its answers fill
+    every buffer between them), at most `most` times, and never reads an answer."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.bind((source, 0))
     sock.connect(("127.0.0.1", port))
     sock.setblocking(False)
     pending = b""
@@ -135,9 +137,9 @@ async def two_kb(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 @contextmanager
-def bare_server(bounds: Connections) -> Iterator[tuple[int, BoundedServer]]:
+def bare_server(bounds: Connections, owners: Owners | None = None) -> Iterator[tuple[int, BoundedServer]]:
     port = free_port()
-    server = BoundedServer(uvicorn_config(two_kb, bounds, "127.0.0.1", port, log_level="warning"))
+    server = BoundedServer(uvicorn_config(two_kb, bounds, "127.0.0.1", port, owners=owners, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -188,6 +190,60 @@ def test_pipelining_clients_give_their_places_up_when_every_connection_progresse
                 for _ in range(5):  # one keep-alive connection that asks, waits for the answer and asks again
                     assert client.get("/slow").status_code == 200
         finally:
+            for sock in flood:
+                sock.close()
+
+
+def answered(sock: socket.socket, request: bytes) -> bool:
+    """Whether `request` sent on `sock` gets the bare app's whole answer (a head and 2 KB)."""
+    try:
+        sock.sendall(request)
+        received = b""
+        while b"\r\n\r\n" not in received or len(received.partition(b"\r\n\r\n")[2]) < 2048:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return False
+            received += chunk
+    except OSError:  # reset
+        return False
+    return received.startswith(b"HTTP/1.1 200 ")
+
+
+@pytest.mark.parametrize(
+    ("attacker", "client", "header"),
+    [
+        # Keys: both from one address, the attacker with key A, the client with key B.
+        ("127.0.0.1", "127.0.0.1", f"Authorization: Bearer {KEY_A}\r\n"),
+        # Addresses: keyless, from two loopback addresses (a made-up key counts as no key).
+        ("127.0.0.2", "127.0.0.3", "Authorization: Bearer made-up-key\r\n"),
+    ],
+    ids=["keys", "addresses"],
+)
+def test_one_holders_flood_takes_no_place_of_another_key_or_address(attacker: str, client: str, header: str) -> None:
+    """A client's keep-alive connection, idle between two requests, is the longest waiting one when another key
+    (or address) floods the server with more never-reading connections than it has places: the flood gives its own
+    places up and the client's second request is answered on the same connection."""
+    bounds = Connections(max_connections=PLACES, header_timeout_s=60, keep_alive_s=60, send_timeout_s=600)
+    owners = owners_of([KEY_A, KEY_B])
+    own_request = b"GET / HTTP/1.1\r\nHost: x\r\n" + (
+        f"Authorization: Bearer {KEY_B}\r\n\r\n".encode() if "made-up" not in header else b"\r\n"
+    )
+    with bare_server(bounds, owners) as (port, server):
+        own = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(client, 0))
+        flood: list[socket.socket] = []
+        try:
+            assert answered(own, own_request)
+            waiting = server.config.http_protocol_class.waiting  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 30
+            while not waiting and time.monotonic() < deadline:  # the client's connection waits for its next head
+                time.sleep(0.05)
+            time.sleep(SETTLED_S + 0.2)  # and has waited long enough to be the first one given up by place
+            request = f"GET / HTTP/1.1\r\nHost: x\r\n{header}\r\n".encode()
+            flood = [stalled_connection(port, request, 20_000, attacker) for _ in range(ATTACKERS)]
+            assert len(server.server_state.connections) <= PLACES
+            assert answered(own, own_request)
+        finally:
+            own.close()
             for sock in flood:
                 sock.close()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,18 @@ ANONYMOUS = Caller(owner=None)
 
 def key_owner(key: str) -> str:
     return "key_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def owners_of(keys: Iterable[str]) -> Callable[[bytes], str | None]:
+    """The owner of the key an `Authorization` header names, None when it names none of `keys`: who holds a
+    connection (`serving`), looked up by the key's digest, before any request of it is authenticated."""
+    by_digest = {hashlib.sha256(key.encode()).digest(): key_owner(key) for key in keys}
+
+    def owner(header: bytes) -> str | None:
+        scheme, _, token = header.partition(b" ")
+        return by_digest.get(hashlib.sha256(token.strip()).digest()) if scheme.lower() == b"bearer" else None
+
+    return owner
 
 
 def caller_of(request: Request) -> Caller:

@@ -15,13 +15,16 @@ such idle connections too and answers 503 to every real request once they fill i
   `send_timeout_s`, else the connection is dropped: each pause is a deadline, so a client that reads keeps its
   connection and one that never reads loses it. The kernel holds the same bound on unacknowledged bytes
   (`TCP_USER_TIMEOUT`);
-- at most `max_connections` are open; a new one past that closes the connection that has been waiting the longest,
-  for a request head or for its client to take its answer (for a second at least). When none has waited so long
-  (all are reading a request, computing or sending an answer), it closes the one answered most often in a row
-  without waiting for a request head (a client pipelining requests, which progresses as long as the server has time
-  for it), else one waiting for less, and is itself closed at once only when each of the others is serving a
-  single request. So a flood of idle, half-open, pipelining or never-reading connections costs a busy client
-  nothing but its turn, and the number of file descriptors the connections take stays under the process's limit
+- at most `max_connections` are open, shared by their holders: a connection is held by the API key of its last
+  request (a key the server has; `owners`), else by its client's address. A new connection past the cap takes its
+  place from the holder with the most open connections: the one of them that has been waiting the longest, for a
+  request head or for its client to take its answer (for a second at least); else the one answered most often in a
+  row without waiting for a request head (a client pipelining requests, which progresses as long as the server has
+  time for it); else one waiting for less. A holder with none of these gives nothing up and the next largest is
+  asked, down to the newcomer's own holder: the newcomer is closed at once rather than take a place from a holder
+  with fewer connections than its own. So a flood of idle, half-open, pipelining or never-reading connections, of
+  one key or one address, costs the other keys and addresses nothing, a busy client of its own holder nothing but
+  its turn, and the number of file descriptors the connections take stays under the process's limit
   (`fit_connections`).
 """
 
@@ -33,7 +36,8 @@ import logging
 import resource
 import socket
 import time
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -61,6 +65,8 @@ RESERVED_FDS = 4 * ACCEPT_BATCH + 128
 # could not be read without descriptors either.
 ACCEPT_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_ERROR_LOG_S = 10.0
+# Who holds a connection, from its request's `Authorization` header: the owner of one of the server's keys, else None.
+Owners = Callable[[bytes], "str | None"]
 # Seconds a connection has been waiting (for a request head, or for its client to take its answer) before the cap
 # takes its place ahead of a pipelining connection's.
 SETTLED_S = 1.0
@@ -68,9 +74,10 @@ SETTLED_S = 1.0
 
 class BoundedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with a deadline for each request head and for each answer's bytes to be taken, and a
-    cap on open connections. `bounds` and `waiting` are set per server by `protocol_for`."""
+    cap on open connections. `bounds`, `owners` and `waiting` are set per server by `protocol_for`."""
 
     bounds: Connections
+    owners: Owners
     # Connections that are not progressing: waiting for a request head, or their answer's bytes waiting for their
     # client; the one that stopped progressing first comes first, with the loop's time it stopped.
     waiting: OrderedDict[BoundedH11Protocol, float]
@@ -83,9 +90,12 @@ class BoundedH11Protocol(H11Protocol):
         self._idle = False  # waiting for a request head
         self._stalled = False  # bytes of its answer wait for the client to read
         self._in_a_row = 0  # requests answered since it last waited for a request head: pipelined ones
+        self._holder = ""  # who holds its place: a key's owner, else its client's address (`_hold`)
+        self._held_cycle: object = None  # the request cycle whose head last set `_holder`
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._holder = f"address {self.client[0] if self.client else ''}"
         # Writing pauses as soon as a byte waits for the client (asyncio's default waits for 64 KB): a pause is
         # then exactly "the client is not taking the answer", and each one gets the send deadline.
         transport.set_write_buffer_limits(high=0)
@@ -102,6 +112,16 @@ class BoundedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.cycle is not self._idle_cycle:  # a request head arrived: the connection is busy
             self._stop_waiting_for_head()
+        if self.cycle is not None and self.cycle is not self._held_cycle:
+            self._hold(self.cycle.scope["headers"])
+
+    def _hold(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
+        """The connection is held by the key its request names, if the server has it: a made-up key counts as
+        its address, so that no client makes itself many holders."""
+        self._held_cycle = self.cycle
+        owner = self.owners(next((value for name, value in headers if name == b"authorization"), b""))
+        if owner is not None:
+            self._holder = owner
 
     def on_response_complete(self) -> None:
         self._in_a_row += 1
@@ -156,22 +176,35 @@ class BoundedH11Protocol(H11Protocol):
             self.waiting[self] = self.loop.time()
 
     def _place_to_take(self) -> BoundedH11Protocol | None:
-        """The connection a new one past the cap closes: the one waiting longest, if for `SETTLED_S` at least (a
-        download whose client reads pauses too, each time for a moment); else the most pipelining one; else one
-        waiting for less."""
-        oldest = next(iter(self.waiting.items()), None)
+        """The connection a new one past the cap closes: one of the holder with the most open connections that
+        gives one up (`_given_up_among`), down to this connection's own holder; None when none does."""
+        holders: defaultdict[str, set[BoundedH11Protocol]] = defaultdict(set)
+        for other in self.connections:
+            if not other.transport.is_closing():  # closed: gone already
+                holders[getattr(other, "_holder", "")].add(other)
+        for holder, held in sorted(holders.items(), key=lambda item: len(item[1]), reverse=True):
+            if (given_up := self._given_up_among(held - {self})) is not None:
+                return given_up
+            if holder == self._holder:
+                return None
+        return None
+
+    def _given_up_among(self, held: set[BoundedH11Protocol]) -> BoundedH11Protocol | None:
+        """Of `held`, the one waiting longest, if for `SETTLED_S` at least (a download whose client reads pauses
+        too, each time for a moment); else the most pipelining one; else one waiting for less."""
+        oldest = next(((other, since) for other, since in self.waiting.items() if other in held), None)
         if oldest is not None and self.loop.time() - oldest[1] >= SETTLED_S:
             return oldest[0]
-        pipelining = self._most_pipelined()
+        pipelining = self._most_pipelined(held)
         return pipelining if pipelining is not None else (oldest[0] if oldest is not None else None)
 
-    def _most_pipelined(self) -> BoundedH11Protocol | None:
+    @staticmethod
+    def _most_pipelined(held: set[BoundedH11Protocol]) -> BoundedH11Protocol | None:
         """The connection answered most often in a row without waiting for a request head, if more than once: a
         client that pipelines requests keeps its connection progressing for as long as the server has time for it,
         and gives its place up first (one that asks, waits for the answer and asks again never has more than one)."""
-        open_ = [other for other in self.connections if not other.transport.is_closing()]  # closed: gone already
-        busiest = max(open_, key=lambda other: getattr(other, "_in_a_row", 0), default=None)
-        return busiest if getattr(busiest, "_in_a_row", 0) > 1 else None
+        busiest = max(held, key=lambda other: other._in_a_row, default=None)
+        return busiest if busiest is not None and busiest._in_a_row > 1 else None
 
     def _close(self) -> None:
         self._stop_waiting_for_head()
@@ -201,9 +234,15 @@ def bound_unacknowledged(transport: asyncio.BaseTransport, seconds: float, send_
             pass
 
 
-def protocol_for(bounds: Connections) -> type[BoundedH11Protocol]:
-    """The protocol class of one server: its bounds, and its own table of waiting connections."""
-    return type("BoundedH11Protocol", (BoundedH11Protocol,), {"bounds": bounds, "waiting": OrderedDict()})
+def protocol_for(bounds: Connections, owners: Owners | None = None) -> type[BoundedH11Protocol]:
+    """The protocol class of one server: its bounds, who holds its connections (`owners`; None: a server without
+    keys, where connections are held by their addresses), and its own table of waiting connections."""
+    attributes = {"bounds": bounds, "owners": staticmethod(owners or no_owner), "waiting": OrderedDict()}
+    return type("BoundedH11Protocol", (BoundedH11Protocol,), attributes)
+
+
+def no_owner(_: bytes) -> None:
+    return None
 
 
 class AcceptErrorLog:
@@ -266,13 +305,16 @@ def fit_connections(bounds: Connections) -> Connections:
     return replace(bounds, max_connections=fitted)
 
 
-def uvicorn_config(app: Any, bounds: Connections, host: str, port: int, **options: Any) -> uvicorn.Config:
-    """uvicorn's configuration for `app` under `bounds` (as given: `fit_connections` is the caller's)."""
+def uvicorn_config(
+    app: Any, bounds: Connections, host: str, port: int, owners: Owners | None = None, **options: Any
+) -> uvicorn.Config:
+    """uvicorn's configuration for `app` under `bounds` (as given: `fit_connections` is the caller's), its
+    connections held by `owners` (see `protocol_for`)."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=protocol_for(bounds),
+        http=protocol_for(bounds, owners),
         timeout_keep_alive=bounds.keep_alive_s,  # type: ignore[arg-type]  # a float works: it is a call_later delay
         h11_max_incomplete_event_size=bounds.max_header_bytes,
         backlog=ACCEPT_BATCH,
