@@ -122,14 +122,19 @@ def attacking(port: int, request: bytes, most: int) -> Iterator[Attack]:
 # ------------------------------------------------------------------------------------------ the protocol
 
 
+HELD = threading.Event()  # set: the answers of `/hold` may go
+
+
 async def two_kb(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """2 KB for any request; a path of `/slow` takes 50 ms to answer."""
+    """2 KB for any request; a path of `/slow` takes 50 ms to answer, one of `/hold` waits for `HELD`."""
     if scope["type"] == "lifespan":
         while (await receive())["type"] != "lifespan.shutdown":
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
     if scope["path"] == "/slow":
+        await asyncio.sleep(0.05)
+    while scope["path"] == "/hold" and not HELD.is_set():
         await asyncio.sleep(0.05)
     body = b"x" * 2048
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2048")]})
@@ -245,6 +250,30 @@ def test_one_holders_flood_takes_no_place_of_another_key_or_address(attacker: st
         finally:
             own.close()
             for sock in flood:
+                sock.close()
+
+
+def test_a_key_past_its_share_of_busy_connections_gives_one_up_to_another_key() -> None:
+    """One key holds every place with a request each that takes long to answer (none waits, none pipelines): past
+    its share, it gives one of them up to another key's new connection, whose request is answered."""
+    bounds = Connections(max_connections=PLACES, header_timeout_s=60, keep_alive_s=60, send_timeout_s=600)
+    HELD.clear()
+    with bare_server(bounds, owners_of([KEY_A, KEY_B])) as (port, server):
+        held = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(PLACES)]
+        try:
+            for sock in held:
+                sock.sendall(f"GET /hold HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_A}\r\n\r\n".encode())
+            waiting = server.config.http_protocol_class.waiting  # type: ignore[attr-defined]
+            deadline = time.monotonic() + 30
+            while (waiting or len(server.server_state.connections) < PLACES) and time.monotonic() < deadline:
+                time.sleep(0.05)  # every head read: each connection is busy with its request
+            assert not waiting and len(server.server_state.connections) == PLACES
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as own:
+                assert answered(own, f"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_B}\r\n\r\n".encode())
+            assert sum(closed_by_server(sock) for sock in held) == 1
+        finally:
+            HELD.set()
+            for sock in held:
                 sock.close()
 
 

@@ -20,12 +20,13 @@ such idle connections too and answers 503 to every real request once they fill i
   place from the holder with the most open connections: the one of them that has been waiting the longest, for a
   request head or for its client to take its answer (for a second at least); else the one answered most often in a
   row without waiting for a request head (a client pipelining requests, which progresses as long as the server has
-  time for it); else one waiting for less. A holder with none of these gives nothing up and the next largest is
-  asked, down to the newcomer's own holder: the newcomer is closed at once rather than take a place from a holder
-  with fewer connections than its own. So a flood of idle, half-open, pipelining or never-reading connections, of
-  one key or one address, costs the other keys and addresses nothing, a busy client of its own holder nothing but
-  its turn, and the number of file descriptors the connections take stays under the process's limit
-  (`fit_connections`).
+  time for it); else one waiting for less; else, if it holds more than its share of the places (the cap divided by
+  the holders), the one of its busy connections answered most often in a row (cut mid-answer). A holder with none
+  of these gives nothing up and the next largest is asked, down to the newcomer's own holder: the newcomer is closed
+  at once rather than take a place from a holder with fewer connections than its own. So a flood of idle,
+  half-open, pipelining or never-reading connections, of one key or one address, costs the other keys and addresses
+  nothing, a busy client of its own holder nothing but its turn, and the number of file descriptors the connections
+  take stays under the process's limit (`fit_connections`).
 """
 
 from __future__ import annotations
@@ -177,16 +178,21 @@ class BoundedH11Protocol(H11Protocol):
 
     def _place_to_take(self) -> BoundedH11Protocol | None:
         """The connection a new one past the cap closes: one of the holder with the most open connections that
-        gives one up (`_given_up_among`), down to this connection's own holder; None when none does."""
+        gives one up (`_given_up_among`, or any of its busy ones past its share), down to this connection's own
+        holder; None when none does."""
         holders: defaultdict[str, set[BoundedH11Protocol]] = defaultdict(set)
         for other in self.connections:
             if not other.transport.is_closing():  # closed: gone already
                 holders[getattr(other, "_holder", "")].add(other)
+        share = self.bounds.max_connections // len(holders)
         for holder, held in sorted(holders.items(), key=lambda item: len(item[1]), reverse=True):
-            if (given_up := self._given_up_among(held - {self})) is not None:
+            others = held - {self}
+            if (given_up := self._given_up_among(others)) is not None:
                 return given_up
             if holder == self._holder:
                 return None
+            if len(held) > share:  # past its share, a holder gives up one of its busy connections too
+                return max(others, key=lambda other: other._in_a_row)
         return None
 
     def _given_up_among(self, held: set[BoundedH11Protocol]) -> BoundedH11Protocol | None:
