@@ -14,6 +14,7 @@ import os
 import random
 import select
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ import psutil
 import pytest
 from http_harness import Server, completed, free_port
 
+from entrypoints.server import serving
 from entrypoints.server.auth import owners_of
 from entrypoints.server.config import Connections
 from entrypoints.server.serving import SETTLED_S, BoundedServer, Owners, uvicorn_config
@@ -275,6 +277,37 @@ def test_a_key_past_its_share_of_busy_connections_gives_one_up_to_another_key() 
             HELD.set()
             for sock in held:
                 sock.close()
+
+
+def test_a_new_connection_takes_no_place_of_one_just_opened_beside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections of one address that have not sent their request head yet (none for long: a burst of new
+    clients, the check among them) fill the places: the next one past the cap is closed, not one of them, which
+    would be no more to give up than it."""
+    monkeypatch.setattr(serving, "SETTLED_S", 600.0)  # every head is awaited for less, however busy the machine
+    bounds = Connections(max_connections=PLACES, header_timeout_s=60, keep_alive_s=60, send_timeout_s=600)
+    with bare_server(bounds) as (port, server):
+        first = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(PLACES)]
+        try:
+            deadline = time.monotonic() + 30
+            while len(server.server_state.connections) < PLACES and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as newcomer:
+                assert newcomer.recv(1) == b""  # closed by the server
+            for sock in first:
+                assert answered(sock, PIPELINED)
+        finally:
+            for sock in first:
+                sock.close()
+
+
+def test_the_kernel_queues_new_connections_past_an_accept_batch() -> None:
+    """The listening socket's queue is `LISTEN_BACKLOG` long (as far as the kernel allows), not one accept batch:
+    a burst of new connections waits in it rather than being dropped for its clients to try again seconds later."""
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    with bare_server(Connections(max_connections=PLACES)) as (port, _):
+        listening = subprocess.run(["ss", "-Hltn", f"sport = :{port}"], capture_output=True, text=True, check=True)
+    queue = int(listening.stdout.split()[2])  # a listening socket's Send-Q is its queue's length
+    assert queue == min(serving.LISTEN_BACKLOG, somaxconn) > serving.ACCEPT_BATCH
 
 
 def test_the_send_deadline_drops_never_reading_connections() -> None:

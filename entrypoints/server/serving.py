@@ -15,15 +15,16 @@ such idle connections too and answers 503 to every real request once they fill i
   `send_timeout_s`, else the connection is dropped: each pause is a deadline, so a client that reads keeps its
   connection and one that never reads loses it. The kernel holds the same bound on unacknowledged bytes
   (`TCP_USER_TIMEOUT`);
-- at most `max_connections` are open, shared by their holders: a connection is held by the API key of its last
-  request (a key the server has; `owners`), else by its client's address. A new connection past the cap takes its
-  place from the holder with the most open connections: the one of them that has been waiting the longest, for a
-  request head or for its client to take its answer (for a second at least); else the one answered most often in a
-  row without waiting for a request head (a client pipelining requests, which progresses as long as the server has
-  time for it); else one waiting for less; else, if it holds more than its share of the places (the cap divided by
-  the holders), the one of its busy connections answered most often in a row (cut mid-answer). A holder with none
-  of these gives nothing up and the next largest is asked, down to the newcomer's own holder: the newcomer is closed
-  at once rather than take a place from a holder with fewer connections than its own. So a flood of idle,
+- at most `max_connections` are open, shared by their holders: a connection is held by the API key of its last request
+  (a key the server has; `owners`), else by its client's address. A new connection past the cap takes its place from
+  the holder with the most open connections: the one of them that has been waiting the longest, for a request head or
+  for its client to take its answer (for a second at least); else the one answered most often in a row without waiting
+  for a request head (a client pipelining requests, which progresses as long as the server has time for it); else one
+  waiting for less (of the newcomer's own holder, only one whose answer is not draining: one just opened waits for its
+  head too, and is no more to give up than the newcomer); else, if it holds more than its share of the places (the cap
+  divided by the holders), the one of its busy connections answered most often in a row (cut mid-answer). A holder
+  with none of these gives nothing up and the next largest is asked, down to the newcomer's own holder: the newcomer
+  is closed at once rather than take a place from a holder with fewer connections than its own. So a flood of idle,
   half-open, pipelining or never-reading connections, of one key or one address, costs the other keys and addresses
   nothing, a busy client of its own holder nothing but its turn, and the number of file descriptors the connections
   take stays under the process's limit (`fit_connections`).
@@ -34,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
 import resource
 import socket
 import time
@@ -53,6 +55,10 @@ log = logging.getLogger("k6vsr.server")
 # accepted on every turn of the event loop, and takes about three turns to reach the cap below and another to be
 # closed: that many batches may be open beside the capped connections.
 ACCEPT_BATCH = 128
+# The kernel's queue of connections not yet accepted (capped by `net.core.somaxconn`): a connection that finds it full
+# is dropped and its client tries again a second later, then three, so a flood of new connections would delay every
+# other client by seconds. Queued connections hold none of the server's descriptors, so it can be long.
+LISTEN_BACKLOG = 4096
 # Seconds a stop waits for the requests in flight.
 GRACEFUL_SHUTDOWN_S = 10
 # File descriptors one connection may hold: its socket, and the file its request streams into (an upload) or its
@@ -187,7 +193,7 @@ class BoundedH11Protocol(H11Protocol):
         share = self.bounds.max_connections // len(holders)
         for holder, held in sorted(holders.items(), key=lambda item: len(item[1]), reverse=True):
             others = held - {self}
-            if (given_up := self._given_up_among(others)) is not None:
+            if (given_up := self._given_up_among(others, own=holder == self._holder)) is not None:
                 return given_up
             if holder == self._holder:
                 return None
@@ -195,14 +201,17 @@ class BoundedH11Protocol(H11Protocol):
                 return max(others, key=lambda other: other._in_a_row)
         return None
 
-    def _given_up_among(self, held: set[BoundedH11Protocol]) -> BoundedH11Protocol | None:
+    def _given_up_among(self, held: set[BoundedH11Protocol], own: bool) -> BoundedH11Protocol | None:
         """Of `held`, the one waiting longest, if for `SETTLED_S` at least (a download whose client reads pauses
-        too, each time for a moment); else the most pipelining one; else one waiting for less."""
+        too, each time for a moment); else the most pipelining one; else one waiting for less: its answer not
+        draining, or, of another holder's (`own` False), waiting for a request head. A connection just opened waits
+        for its head too, and one of the newcomer's own holder is no more to give up than the newcomer itself."""
         oldest = next(((other, since) for other, since in self.waiting.items() if other in held), None)
         if oldest is not None and self.loop.time() - oldest[1] >= SETTLED_S:
             return oldest[0]
-        pipelining = self._most_pipelined(held)
-        return pipelining if pipelining is not None else (oldest[0] if oldest is not None else None)
+        if (pipelining := self._most_pipelined(held)) is not None:
+            return pipelining
+        return next((other for other in self.waiting if other in held and (other._stalled or not own)), None)
 
     @staticmethod
     def _most_pipelined(held: set[BoundedH11Protocol]) -> BoundedH11Protocol | None:
@@ -281,6 +290,12 @@ class BoundedServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
         await super().startup(sockets)
+        # uvicorn's `backlog` is asyncio's accept batch too (which `RESERVED_FDS` is sized for); listening again
+        # lengthens the kernel's queue alone.
+        for server in getattr(self, "servers", []):
+            for listening in server.sockets:
+                with socket.socket(fileno=os.dup(listening.fileno())) as same:
+                    same.listen(LISTEN_BACKLOG)
 
 
 def fit_connections(bounds: Connections) -> Connections:
