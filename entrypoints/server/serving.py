@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import os
 import resource
 import socket
 import time
@@ -55,10 +54,6 @@ log = logging.getLogger("k6vsr.server")
 # accepted on every turn of the event loop, and takes about three turns to reach the cap below and another to be
 # closed: that many batches may be open beside the capped connections.
 ACCEPT_BATCH = 128
-# The kernel's queue of connections not yet accepted (capped by `net.core.somaxconn`): a connection that finds it full
-# is dropped and its client tries again a second later, then three, so a flood of new connections would delay every
-# other client by seconds. Queued connections hold none of the server's descriptors, so it can be long.
-LISTEN_BACKLOG = 4096
 # Seconds a stop waits for the requests in flight.
 GRACEFUL_SHUTDOWN_S = 10
 # File descriptors one connection may hold: its socket, and the file its request streams into (an upload) or its
@@ -290,12 +285,6 @@ class BoundedServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
         await super().startup(sockets)
-        # uvicorn's `backlog` is asyncio's accept batch too (which `RESERVED_FDS` is sized for); listening again
-        # lengthens the kernel's queue alone.
-        for server in getattr(self, "servers", []):
-            for listening in server.sockets:
-                with socket.socket(fileno=os.dup(listening.fileno())) as same:
-                    same.listen(LISTEN_BACKLOG)
 
 
 def fit_connections(bounds: Connections) -> Connections:
