@@ -299,6 +299,33 @@ def test_a_new_connection_takes_no_place_of_one_just_opened_beside_it(monkeypatc
                 sock.close()
 
 
+def test_a_new_connection_whose_head_names_a_key_holds_its_place_for_that_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections of one address that have not sent a request head (none for long) fill the places: a new one from
+    that address that sends its head with another key at once is that key's from its start, so it takes one of
+    theirs rather than being closed as one more of them."""
+    monkeypatch.setattr(serving, "SETTLED_S", 600.0)  # every head is awaited for less, however busy the machine
+    bounds = Connections(max_connections=PLACES, header_timeout_s=60, keep_alive_s=60, send_timeout_s=600)
+    request = f"GET / HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY_B}\r\n\r\n".encode()
+    with bare_server(bounds, owners_of([KEY_A, KEY_B])) as (port, server):
+        quiet = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(PLACES)]
+        try:
+            deadline = time.monotonic() + 30
+            while len(server.server_state.connections) < PLACES and time.monotonic() < deadline:
+                time.sleep(0.05)
+            # Its head is in the socket as the server accepts it, but for a client that loses that race: a few tries.
+            for _ in range(5):
+                with socket.create_connection(("127.0.0.1", port), timeout=30) as newcomer:
+                    newcomer.sendall(request)
+                    if answered(newcomer, b""):
+                        break
+            else:
+                raise AssertionError("every connection of key B was closed as one of its address's")
+            assert len(server.server_state.connections) <= PLACES
+        finally:
+            for sock in quiet:
+                sock.close()
+
+
 def test_the_send_deadline_drops_never_reading_connections() -> None:
     """Connections whose answers stop draining are dropped at the send deadline: the server holds none of them."""
     bounds = Connections(max_connections=PLACES, header_timeout_s=1, keep_alive_s=60, send_timeout_s=1)

@@ -16,7 +16,8 @@ such idle connections too and answers 503 to every real request once they fill i
   connection and one that never reads loses it. The kernel holds the same bound on unacknowledged bytes
   (`TCP_USER_TIMEOUT`);
 - at most `max_connections` are open, shared by their holders: a connection is held by the API key of its last request
-  (a key the server has; `owners`), else by its client's address. A new connection past the cap takes its place from
+  (a key the server has; `owners`; a first request's head already in the socket is looked at as it opens), else by
+  its client's address. A new connection past the cap takes its place from
   the holder with the most open connections: the one of them that has been waiting the longest, for a request head or
   for its client to take its answer (for a second at least); else the one answered most often in a row without waiting
   for a request head (a client pipelining requests, which progresses as long as the server has time for it); else one
@@ -35,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import os
+import re
 import resource
 import socket
 import time
@@ -67,6 +70,8 @@ RESERVED_FDS = 4 * ACCEPT_BATCH + 128
 # could not be read without descriptors either.
 ACCEPT_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 ACCEPT_ERROR_LOG_S = 10.0
+# A request head's `Authorization` header, whose value names who holds the connection.
+AUTHORIZATION = re.compile(rb"\r\nauthorization:[ \t]*([^\r\n]*)", re.IGNORECASE)
 # Who holds a connection, from its request's `Authorization` header: the owner of one of the server's keys, else None.
 Owners = Callable[[bytes], "str | None"]
 # Seconds a connection has been waiting (for a request head, or for its client to take its answer) before the cap
@@ -97,7 +102,7 @@ class BoundedH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._holder = f"address {self.client[0] if self.client else ''}"
+        self._holder = self._first_holder(transport)
         # Writing pauses as soon as a byte waits for the client (asyncio's default waits for 64 KB): a pause is
         # then exactly "the client is not taking the answer", and each one gets the send deadline.
         transport.set_write_buffer_limits(high=0)
@@ -105,7 +110,7 @@ class BoundedH11Protocol(H11Protocol):
         if len(self.connections) > self.bounds.max_connections:
             if (given_up := self._place_to_take()) is not None:
                 given_up._close()
-            else:  # every other connection is serving a single request: this one waits for none of them
+            else:  # no holder with more connections than its own gives one up: this one waits for none of them
                 self.transport.close()
                 return
         self._wait_for_head(self.bounds.header_timeout_s)
@@ -116,6 +121,23 @@ class BoundedH11Protocol(H11Protocol):
             self._stop_waiting_for_head()
         if self.cycle is not None and self.cycle is not self._held_cycle:
             self._hold(self.cycle.scope["headers"])
+
+    def _first_holder(self, transport: asyncio.Transport) -> str:
+        """Who holds a new connection: the key its first request names, where that request's head already waits in
+        the socket (looked at, not taken: h11 reads it as ever), else its client's address. A flood's new
+        connections are then its key's from the start, not every client's of their address."""
+        sock = transport.get_extra_info("socket")
+        waiting = b""
+        if sock is not None:
+            try:
+                with socket.socket(fileno=os.dup(sock.fileno())) as same:
+                    waiting = same.recv(self.bounds.max_header_bytes, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except OSError:  # nothing there yet, or no descriptor to spare
+                pass
+        head = waiting.partition(b"\r\n\r\n")[0] if b"\r\n\r\n" in waiting else b""
+        header = AUTHORIZATION.search(head)
+        owner = self.owners(header.group(1).strip()) if header else None
+        return owner if owner is not None else f"address {self.client[0] if self.client else ''}"
 
     def _hold(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
         """The connection is held by the key its request names, if the server has it: a made-up key counts as
