@@ -19,7 +19,7 @@ from k6vsr_core.plan import ModelTraits, make_plan
 from storage import RunStore
 from storage.progress import ProgressCounter, RunProgress, read_progress, run_finished, stage_counts
 from storage.records import CompletionRecord
-from storage.time_left import Span, _slots_free, seconds_left, window_items
+from storage.time_left import ClipTime, Span, _slots_free, archive_seconds_left, seconds_left, window_items
 
 # 250 frames at 24 fps: three windows of the tiny model's 6 tiles each (128x96 at x2).
 PLAN = make_plan((96, 128), 250, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
@@ -210,8 +210,10 @@ def test_time_left_is_the_lane_replayed_forward_at_this_runs_pace() -> None:
     # each on the lane, one after the other, then the last window's blend and segment; no mux timed yet.
     assert seconds_left(PLAN, _done(*first), first, 75.0, 0.0) == pytest.approx(140.0 + 2 + 3 - 5)
     # Counted down between records, never below what is in flight: window 1's encode, started as a slot freed at
-    # 70 s, ends at 80 s at the soonest.
-    assert seconds_left(PLAN, _done(*first), first, 100.0, 0.0) == pytest.approx(140.0 + 2 + 3 - 10)
+    # 70 s, ends at 80 s at the soonest. Still running at 100 s, it has taken 30 s: the machine is slower now, and
+    # window 2's encode counts at 20 s, the mean of window 0's 10 s and that 30 s.
+    assert seconds_left(PLAN, _done(*first), first, 80.0, 0.0) == pytest.approx(140.0 + 2 + 3 - 10)
+    assert seconds_left(PLAN, _done(*first), first, 100.0, 0.0) == pytest.approx(140.0 + 2 + 3 - 10 + 10)
     # One tile left, its decode in flight since its denoise ended at 130 s: what is left is that decode's rest and
     # the tail, not a whole decode over the lane's width nor the blend's record, which spans its wait for decodes.
     every = [*first, *_window_spans(1, 70.0), *[span for span in _window_spans(2, 140.0) if span.item != "2-5"][:-2]]
@@ -306,6 +308,67 @@ def test_an_archive_shows_its_clips_and_the_current_clips_bar(tmp_path: Path, mo
     bars.show()  # clip2 ended; clip3 has no plan yet
     assert bars.bars == {} and bars.clips.desc == "clips: 2 done, 1 failed, 1 left · clip3.mp4: ingest"
     bars.close()
+
+
+def _last_line(out: io.StringIO, start: str) -> str:
+    """The line that starts with `start` as the terminal shows it last (without the cursor's moves)."""
+    return next(line for line in out.getvalue().split("\r")[::-1] if line.startswith(start)).split("\x1b")[0]
+
+
+def test_an_archives_time_left_counts_the_clips_still_to_run(tmp_path: Path, monkeypatch) -> None:
+    """The clips' line says the archive's time left: the running clip's figure, and the clips still to run at the
+    seconds an item of it took (elapsed and left over its items), not the running clip's alone."""
+    clock = FakeTime()
+    monkeypatch.setattr("tqdm.std.time", clock)
+    monkeypatch.setattr(terminal, "stored_plan", lambda store: PLAN if store.run_key == "run0" else None)
+    manifest, root = tmp_path / "manifest.json", tmp_path / "store"
+    store = RunStore(root, "run0")
+    _record(store, "ingest", "all")
+    _record(store, "encode", "0", "1")
+    _record(store, "denoise", *_tiles(0), *_tiles(1))
+    _record(store, "decode", *_tiles(0))
+    rows = [{"relative_path": f"clip{i}.mp4", "run_key": f"run{i}", "status": "planned", "tiles": 18} for i in (0, 1)]
+    manifest.write_text(json.dumps({"store_root": str(root), "rows": rows}))
+    out = io.StringIO()
+    clock.now = 1000.0
+    bars = terminal.ArchiveBars(manifest, out, since=time.time() - 60, clock=clock)
+    bars.show()
+    assert _last_line(out, "clips:").endswith(", ? left")  # neither clip has a figure yet
+    # As in the clip bar's test above: at 1030 s, 01:05 left of its 12 items, 4 computed.
+    for start, stage, item in [(1000, "decode", "1-0"), (1000, "decode", "1-1"), (1010, "encode", "2")]:
+        _timed(store, stage, item, start, start + 10.0)
+    for start, stage, item in [(1010, "decode", "1-2"), (1020, "denoise", "2-0"), (1020, "decode", "1-3")]:
+        _timed(store, stage, item, start, start + 10.0)
+    clock.now = 1030.0
+    bars.show()
+    assert bars.bars["clip0.mp4"].left == pytest.approx(65.0)
+    clips_line = _last_line(out, "clips:")
+    assert clips_line.startswith("clips: 0 done, 0 failed, 2 left |"), clips_line
+    assert clips_line.endswith(f", {terminal.left_text(65.0 + 18 * (30.0 + 65.0) / 12)}"), clips_line
+    bars.close()
+
+
+def test_an_archives_time_left_goes_on_from_one_clip_to_the_next() -> None:
+    """An archive of two runs of the recorded 250-frame clip, one after the other: the figure counts the second
+    clip's items at the first's pace, so it does not drop to the first clip's 00:12 and then jump as the second
+    starts (the second clip's own first records, its first decodes fast, are drawn toward that pace). Within the
+    bounds from the first clip's second chunk (212 s, as a lone clip's) to the end."""
+    replayed = timelines.replay_archive(PLAN, [timelines.streamed(_lines(CLIP250))] * 2)
+    assert _misses(replayed, since=212.0) == []
+
+
+def test_an_archives_time_left_is_the_clips_figures_and_the_waiting_items_at_their_pace() -> None:
+    assert archive_seconds_left([], [18]) is None
+    assert archive_seconds_left([ClipTime(30.0, None, 12)], [18]) is None  # no clip has a figure
+    # One clip ran: 100 s for 10 items; one running with 40 s left, 5 of 10 done (its own figure, drawn a quarter
+    # toward 10 s an item: 50 s left at that pace); 20 items to go.
+    ran, running = ClipTime(100.0, 0.0, 10, 10), ClipTime(50.0, 40.0, 10, 5)
+    assert archive_seconds_left([ran, running], [20]) == pytest.approx(0.25 * 50 + 0.75 * 40 + 200)
+    # Two at once: the work split between them, never less than the longest running.
+    assert archive_seconds_left([ran, running], [20], parallel=2) == pytest.approx((0.25 * 50 + 0.75 * 40 + 200) / 2)
+    assert archive_seconds_left([ran, ClipTime(50.0, 400.0, 10, 9)], [], parallel=2) == pytest.approx(
+        0.01 * 50 + 0.99 * 400
+    )
 
 
 def test_an_archive_shows_a_bar_for_each_clip_it_runs_at_once(tmp_path: Path, monkeypatch) -> None:

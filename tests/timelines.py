@@ -93,3 +93,37 @@ def replay(plan, lines: list[dict], started: float, earlier: list[dict] = (), st
         replayed.append((now - started, end - now, seconds_left(plan, done, spans, now, started, before)))
         now += step
     return replayed
+
+
+def replay_archive(plan, clips: list[list[dict]], gap: float = 5.0, step: float = 1.0) -> list[tuple]:
+    """An archive of clips of `plan` run one after another, each clip's lines (from 0 s on) starting `gap` seconds
+    after the previous clip's last line, replayed `step` by `step`: the archive's estimate
+    (`storage.time_left.archive_seconds_left`) at each instant from its clips' records then, the running clip's from
+    its own (`seconds_left`), as the archive's screen reads them: (seconds since the archive began, the time it really
+    had left, the estimate or None)."""
+    from storage.time_left import ClipTime, Span, archive_seconds_left, seconds_left
+
+    tiles = plan.num_windows * plan.num_tiles
+    runs, at = [], 0.0
+    for lines in clips:
+        runs.append([{**line, "start": line["start"] + at, "end": line["end"] + at} for line in lines])
+        at = max(line["end"] for line in runs[-1]) + gap
+    end, replayed, now = at - gap, [], 0.0
+    while now < end:
+        seen, waiting = [], []
+        for lines in runs:
+            began, ended = min(line["start"] for line in lines), max(line["end"] for line in lines)
+            if now >= ended:
+                seen.append(ClipTime(ended - began, 0.0, tiles))
+            elif now < began:
+                waiting.append(tiles)
+            else:
+                past = [line for line in lines if line["end"] <= now]
+                done: dict[str, set[str]] = {}
+                for line in past:
+                    done.setdefault(line["stage"], set()).add(line["item"])
+                left = seconds_left(plan, done, [Span.of_line(line) for line in past], now, began)
+                seen.append(ClipTime(now - began, left, tiles, len(done.get("decode", ()))))
+        replayed.append((now, end - now, archive_seconds_left(seen, waiting)))
+        now += step
+    return replayed
