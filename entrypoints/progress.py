@@ -68,7 +68,8 @@ class RunBar:
         lines = [Span.of_line(line) for line in store.records.timeline()]
         self.earlier = [span for span in lines if span is not None and span.end < self.since]
         progress = read_progress(store, plan)
-        self.tiles = progress.total - progress.decoded  # the (window, tile) items this run computes
+        self.found = progress.decoded  # the (window, tile) items done before this run
+        self.tiles = progress.total - progress.decoded  # those this run computes
         self.left: float | None = None  # the latest estimate
         self.bar = tqdm(
             total=progress.total,
@@ -115,7 +116,8 @@ class RunBar:
 
     def timing(self, ended: bool = False) -> ClipTime:
         """What the archive's time left counts of this clip (`ended`: its run is over)."""
-        return ClipTime(self.clock() - self.since, 0.0 if ended else self.left, self.tiles)
+        done = self.tiles if ended else min(self.tiles, self.bar.n - self.found)
+        return ClipTime(self.clock() - self.since, 0.0 if ended else self.left, self.tiles, done)
 
     def close(self) -> None:
         self.bar.close()
