@@ -115,9 +115,12 @@ class RunBar:
         self.bar.refresh()
 
     def timing(self, ended: bool = False) -> ClipTime:
-        """What the archive's time left counts of this clip (`ended`: its run is over)."""
-        done = self.tiles if ended else min(self.tiles, self.bar.n - self.found)
-        return ClipTime(self.clock() - self.since, 0.0 if ended else self.left, self.tiles, done)
+        """What the archive's time left counts of this clip (`ended`: its run is over, done or failed; its pace is
+        then that of the items it computed, none for a clip that failed at once)."""
+        if ended:
+            done = read_progress(self.store, self.plan).decoded - self.found
+            return ClipTime(self.clock() - self.since, 0.0, done, done)
+        return ClipTime(self.clock() - self.since, self.left, self.tiles, min(self.tiles, self.bar.n - self.found))
 
     def close(self) -> None:
         self.bar.close()

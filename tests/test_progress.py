@@ -347,6 +347,13 @@ def test_an_archives_time_left_counts_the_clips_still_to_run(tmp_path: Path, mon
     clips_line = _last_line(out, "clips:")
     assert clips_line.startswith("clips: 0 done, 0 failed, 2 left |"), clips_line
     assert clips_line.endswith(f", {terminal.left_text(65.0 + 18 * (30.0 + 65.0) / 12)}"), clips_line
+    # clip0 failed at 1040 s with 4 items computed: clip1, its plan not recorded yet, counts at 10 s an item.
+    rows[0]["status"] = "failed"
+    manifest.write_text(json.dumps({"store_root": str(root), "rows": rows}))
+    clock.now = 1040.0
+    bars.show()
+    assert bars.ended == [ClipTime(40.0, 0.0, 4, 4)]
+    assert _last_line(out, "clips:").endswith(f", {terminal.left_text(18 * 10.0)}")
     bars.close()
 
 
