@@ -362,8 +362,33 @@ def test_an_archives_time_left_goes_on_from_one_clip_to_the_next() -> None:
     clip's items at the first's pace, so it does not drop to the first clip's 00:12 and then jump as the second
     starts (the second clip's own first records, its first decodes fast, are drawn toward that pace). Within the
     bounds from 202 s (as a lone clip's) to the end."""
-    replayed = timelines.replay_archive(PLAN, [timelines.streamed(_lines(CLIP250))] * 2)
+    clips = timelines.one_after_another([timelines.streamed(_lines(CLIP250))] * 2)
+    replayed = timelines.replay_archive([(PLAN, lines) for lines in clips])
     assert _misses(replayed, since=SLOWER_SEEN) == []
+
+
+# Recorded 2026-12-06: `k6vsr archive --max-parallel 1` of two 64x64 clips (a.mp4, 250 frames; b.mp4, 241 frames;
+# three windows of one tile each) with the tiny model on the shared two-core host (load average 12 to 14); each line
+# names its clip, its times from the first clip's ingest.
+ARCHIVE2 = Path(__file__).parent / "data" / "archive2-timeline.jsonl"
+
+
+def test_a_recorded_archives_time_left_holds_its_bounds_across_its_clips() -> None:
+    """b.mp4's own first figure came with its first decode, 247 s into its 355 s: before it, the clip's bar said
+    `? left` and nothing counted b.mp4 while a.mp4 ran. The archive's figure, from a.mp4's first decode on (its
+    window 0 and 1 decodes ran side by side), counts b.mp4 at a.mp4's pace, within the bounds to the end."""
+    lines = _lines(ARCHIVE2)
+    plans = {
+        "a.mp4": PLAN64,
+        "b.mp4": make_plan((64, 64), 241, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES)),
+    }
+    clips = [(plan, [line for line in lines if line["clip"] == clip]) for clip, plan in plans.items()]
+    assert [plan.num_windows * plan.num_tiles for plan, _ in clips] == [3, 3]
+    replayed = timelines.replay_archive(clips)
+    first = next(at for at, _, estimate in replayed if estimate is not None)
+    first_decode = min(line["end"] for line in lines if line["stage"] == "decode")
+    assert first == pytest.approx(first_decode, abs=1.0)
+    assert _misses(replayed, since=first) == []
 
 
 def test_an_archives_time_left_is_the_clips_figures_and_the_waiting_items_at_their_pace() -> None:
