@@ -191,9 +191,11 @@ class ArchiveBars:
             )
         for bar in self.bars.values():
             bar.show()
-        # The clips still to run, and those running whose plan is not recorded yet: their (window, tile) items.
+        # The clips still to run, and those running whose plan is not recorded yet: their (window, tile) items; none
+        # for a clip of a run done already (the same source twice), which finds its items done.
+        finished = {row["run_key"] for row in rows if row["status"] in ("done", "reused")}
         waiting = [
-            row.get("tiles") or 0
+            0 if row["run_key"] in finished else row.get("tiles") or 0
             for row in rows
             if row["status"] == "planned" and row["relative_path"] not in self.bars
         ]

@@ -328,6 +328,9 @@ def test_an_archives_time_left_counts_the_clips_still_to_run(tmp_path: Path, mon
     _record(store, "denoise", *_tiles(0), *_tiles(1))
     _record(store, "decode", *_tiles(0))
     rows = [{"relative_path": f"clip{i}.mp4", "run_key": f"run{i}", "status": "planned", "tiles": 18} for i in (0, 1)]
+    # The same source as a clip done before: its run's items are done, nothing to count.
+    rows.insert(0, {"relative_path": "same.mp4", "run_key": "run9", "status": "done", "tiles": 18})
+    rows.append({"relative_path": "same-again.mp4", "run_key": "run9", "status": "planned", "tiles": 18})
     manifest.write_text(json.dumps({"store_root": str(root), "rows": rows}))
     out = io.StringIO()
     clock.now = 1000.0
@@ -345,10 +348,10 @@ def test_an_archives_time_left_counts_the_clips_still_to_run(tmp_path: Path, mon
     # 4 of them done.
     assert bars.bars["clip0.mp4"].timing() == ClipTime(30.0, pytest.approx(65.0), 12, 4)
     clips_line = _last_line(out, "clips:")
-    assert clips_line.startswith("clips: 0 done, 0 failed, 2 left |"), clips_line
+    assert clips_line.startswith("clips: 1 done, 0 failed, 3 left |"), clips_line
     assert clips_line.endswith(f", {terminal.left_text(65.0 + 18 * (30.0 + 65.0) / 12)}"), clips_line
     # clip0 failed at 1040 s with 4 items computed: clip1, its plan not recorded yet, counts at 10 s an item.
-    rows[0]["status"] = "failed"
+    rows[1]["status"] = "failed"
     manifest.write_text(json.dumps({"store_root": str(root), "rows": rows}))
     clock.now = 1040.0
     bars.show()
