@@ -29,11 +29,16 @@ from storage.progress import (
     stage_items,
     stored_plan,
 )
-from storage.time_left import Span, seconds_left
+from storage.time_left import ClipTime, Span, archive_seconds_left, seconds_left
 
 POLL_S = 0.5  # the bar redraws this often: its elapsed time and time left move every second
 # The time left is the store's estimate (`storage.time_left`), from what this run computes, not what it found done.
 BAR_FORMAT = "{desc} |{bar}| {elapsed} elapsed{postfix}"
+
+
+def left_text(seconds: float | None) -> str:
+    """`00:12 left`, or `? left` while there is no estimate."""
+    return f"{'?' if seconds is None else tqdm.format_interval(seconds)} left"
 
 
 class RunBar:
@@ -63,6 +68,9 @@ class RunBar:
         lines = [Span.of_line(line) for line in store.records.timeline()]
         self.earlier = [span for span in lines if span is not None and span.end < self.since]
         progress = read_progress(store, plan)
+        self.found = progress.decoded  # the (window, tile) items done before this run
+        self.tiles = progress.total - progress.decoded  # those this run computes
+        self.left: float | None = None  # the latest estimate
         self.bar = tqdm(
             total=progress.total,
             initial=progress.decoded,
@@ -89,8 +97,8 @@ class RunBar:
                 record = records.read(stage, item)
                 if record is not None and record.seconds > 0 and record.written_at >= self.since:
                     self.spans.append(Span.of(record))
-        left = seconds_left(self.plan, done, self.spans, self.clock(), self.since, self.earlier, self.shared)
-        return f"{'?' if left is None else tqdm.format_interval(left)} left"
+        self.left = seconds_left(self.plan, done, self.spans, self.clock(), self.since, self.earlier, self.shared)
+        return left_text(self.left)
 
     def show(self) -> None:
         left = self._time_left()
@@ -105,6 +113,14 @@ class RunBar:
             self.bar.set_postfix_str(left, refresh=False)
         self.bar.update(progress.decoded - self.bar.n)
         self.bar.refresh()
+
+    def timing(self, ended: bool = False) -> ClipTime:
+        """What the archive's time left counts of this clip (`ended`: its run is over, done or failed; its pace is
+        then that of the items it computed, none for a clip that failed at once)."""
+        if ended:
+            done = read_progress(self.store, self.plan).decoded - self.found
+            return ClipTime(self.clock() - self.since, 0.0, done, done)
+        return ClipTime(self.clock() - self.since, self.left, self.tiles, min(self.tiles, self.bar.n - self.found))
 
     def close(self) -> None:
         self.bar.close()
@@ -129,13 +145,17 @@ class ArchiveBars:
 
     Read from the archive's manifest (rewritten as each clip ends; one older than `since` is a previous run's, and
     not read) and from the clips' run stores. Clips start in the manifest's order, `parallel` at once: those running
-    are its first `parallel` clips still `planned`."""
+    are its first `parallel` clips still `planned`. The clips' line says the archive's time left: the running clips'
+    and, for the clips still to run, their items at the seconds an item took so far (`archive_seconds_left`)."""
 
-    def __init__(self, manifest: Path, file: IO[str], since: float, parallel: int = 1) -> None:
-        self.manifest, self.file, self.since, self.parallel = manifest, file, since, parallel
-        self.clips = tqdm(total=0, file=file, leave=False, position=0, bar_format="{desc} |{bar}|")
+    def __init__(
+        self, manifest: Path, file: IO[str], since: float, parallel: int = 1, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.manifest, self.file, self.since, self.parallel, self.clock = manifest, file, since, parallel, clock
+        self.clips = tqdm(total=0, file=file, leave=False, position=0, bar_format=BAR_FORMAT)
         self.clips.set_description_str("planning the clips")
         self.bars: dict[str, RunBar] = {}  # relative path -> the bar of a running clip whose plan is recorded
+        self.ended: list[ClipTime] = []  # the clips whose bars this display closed: their runs are over
 
     def show(self) -> None:
         try:
@@ -150,7 +170,9 @@ class ArchiveBars:
         running = [(row["relative_path"], row["run_key"]) for row in rows if row["status"] == "planned"]
         running = running[: self.parallel]
         for path in [path for path in self.bars if path not in dict(running)]:
-            self.bars.pop(path).close()
+            bar = self.bars.pop(path)
+            self.ended.append(bar.timing(ended=True))
+            bar.close()
         text = clips_text(done, failed, left)
         for path, run_key in running:
             if path in self.bars:
@@ -164,13 +186,25 @@ class ArchiveBars:
             position = next(line for line in range(1, len(self.bars) + 2) if line not in used)
             # Clips in flight together share the model queue: each clip's items beside others' it cannot see.
             shared = self.parallel > 1
-            self.bars[path] = RunBar(store, plan, self.file, name=path, position=position, shared=shared)
-        self.clips.total = done + failed + left
-        self.clips.set_description_str(text, refresh=False)
-        self.clips.update(done + failed - self.clips.n)
-        self.clips.refresh()
+            self.bars[path] = RunBar(
+                store, plan, self.file, name=path, position=position, clock=self.clock, shared=shared
+            )
         for bar in self.bars.values():
             bar.show()
+        # The clips still to run, and those running whose plan is not recorded yet: their (window, tile) items; none
+        # for a clip of a run done already (the same source twice), which finds its items done.
+        finished = {row["run_key"] for row in rows if row["status"] in ("done", "reused")}
+        waiting = [
+            0 if row["run_key"] in finished else row.get("tiles") or 0
+            for row in rows
+            if row["status"] == "planned" and row["relative_path"] not in self.bars
+        ]
+        clips = [*self.ended, *(bar.timing() for bar in self.bars.values())]
+        self.clips.total = done + failed + left
+        self.clips.set_description_str(text, refresh=False)
+        self.clips.set_postfix_str(left_text(archive_seconds_left(clips, waiting, self.parallel)), refresh=False)
+        self.clips.update(done + failed - self.clips.n)
+        self.clips.refresh()
 
     def close(self) -> None:
         for bar in self.bars.values():

@@ -15,8 +15,11 @@ replayed as processor sharing: the items in flight split the device, so a lone l
 allows rather than at the pace its pair was timed at. Each stage's pace is over its latest window (the machine's
 pace now: another process's load changes it within a run). An attempt killed left no record of the items it had in
 flight; they are found as its lane replayed to its last record, and counted as sharing the device with the items
-recorded beside them. An archive's clips in flight together share one model queue, and a clip's records show none
-of the others' items: there the device is counted full throughout (`seconds_left`'s `shared`).
+recorded beside them. An item in flight longer than its stage's pace counts among the stage's latest items at what
+it has taken so far: the machine is slower now, which its record would say only once it ends. An archive's clips in
+flight together share one model queue, and a clip's records show none of the others' items: there the device is
+counted full throughout (`seconds_left`'s `shared`); the archive's own time left (`archive_seconds_left`) adds the
+clips not started, their planned items at the seconds an item took in the clips seen so far.
 
 A pace is this run's: an item found done when the run started says nothing of this run's pace (it took no time
 here), and its record's seconds were of another process. Until this run has timed a stage, the timings earlier
@@ -40,7 +43,7 @@ from k6vsr_core.stage_names import MODEL_STAGES, Stage
 from storage.progress import stage_items
 from storage.records import CompletionRecord
 
-__all__ = ["Span", "items_left", "seconds_left", "window_items"]
+__all__ = ["ClipTime", "Span", "archive_seconds_left", "items_left", "seconds_left", "window_items"]
 
 
 @dataclass(frozen=True)
@@ -135,10 +138,18 @@ class _Sharing:
         return self.times[index] if index < len(self.times) else None
 
 
-def _paces(plan: ClipPlan, spans: list[Span], recent: Mapping[str, int], device: _Sharing) -> dict[str, float]:
+def _paces(
+    plan: ClipPlan,
+    spans: list[Span],
+    recent: Mapping[str, int],
+    device: _Sharing,
+    running: Iterable[tuple[str, float]] = (),
+) -> dict[str, float]:
     """Each stage's seconds per computed frame over its `recent[stage]` latest items: a model item's in device-seconds
     (`device`: its share of the device over its span), the blend's from its window's last decode to its end (what it
-    adds once the decodes are done)."""
+    adds once the decodes are done). `running`: the model items in flight, each with its stage and the device-seconds
+    per frame it has taken so far; one that has taken longer than its stage's pace counts among the latest items at
+    what it has taken (a floor: it is not done), so a slowing machine shows before its slow items end."""
     per_frame: dict[str, list[float]] = {}
     decoded: dict[int, list[float]] = {}
     for span in sorted(spans, key=lambda span: span.end):
@@ -154,6 +165,10 @@ def _paces(plan: ClipPlan, spans: list[Span], recent: Mapping[str, int], device:
             seconds = max(0.0, span.end - max(span.start, *ends))
         per_frame.setdefault(span.stage, []).append(seconds / _frames(plan, span))
     kept = {stage: values[-recent.get(stage, len(values)) :] for stage, values in per_frame.items()}
+    paces = {stage: sum(values) / len(values) for stage, values in kept.items()}
+    for stage, taken in running:
+        if stage in paces and taken > paces[stage]:
+            kept[stage].append(taken)
     return {stage: sum(values) / len(values) for stage, values in kept.items()}
 
 
@@ -327,8 +342,8 @@ class _Lane:
             self.running[position] = left if left > _EPSILON else 0.0
         self.at = to
 
-    def replay(self) -> tuple[float, list[float]]:
-        """When the last item ends, and when each item in flight at `now` started."""
+    def replay(self) -> tuple[float, list[tuple[_Item, float]]]:
+        """When the last item ends, and each item in flight at `now` with when it started."""
         while True:
             if self.at >= self.now:
                 self._end_finished()
@@ -339,8 +354,8 @@ class _Lane:
             if to is None:
                 break
             self._advance(to)
-        in_flight = [self.starts.get(position, self.now) for position in self.blocked]
-        return self.last, [start for start in in_flight if start < self.now]
+        in_flight = [(self.items[position], self.starts.get(position, self.now)) for position in self.blocked]
+        return self.last, [(item, start) for item, start in in_flight if start < self.now]
 
 
 def _slots_free(tasks: list[tuple[float, float]], width: int, started: float) -> list[float]:
@@ -376,7 +391,7 @@ def _stopped_in_flight(
     free = _slots_free(tasks, _width(tasks), min(start for start, _ in tasks))
     ends = {(span.stage, span.item): span.end for span in earlier}
     _, starts = _Lane(_lane_items(plan, found, ends, paces), free, stopped, _Sharing.of(tasks, floor)).replay()
-    return [(start, stopped) for start in starts]
+    return [(start, stopped) for _, start in starts]
 
 
 def seconds_left(
@@ -419,7 +434,11 @@ def seconds_left(
         # The items in flight, which have no records yet, shared the device with the latest recorded ones: counted
         # in, those took less of it than they seemed to (a decode that ran beside one still running is not a lone
         # decode). The lane replayed again at those paces.
-        paces = _paces(plan, timed, recent, _Sharing.of([*recorded, *((start, now) for start in in_flight)], floor))
+        sharing = _Sharing.of([*recorded, *((start, now) for _, start in in_flight)], floor)
+        running = [
+            (item.stage, sharing.seconds(start, now) / plan.windows[item.window].padded) for item, start in in_flight
+        ]
+        paces = _paces(plan, timed, recent, sharing, running)
         at, _ = _Lane(_lane_items(plan, done, ends, paces), free, now, device).replay()
     last = plan.windows[-1]
     for stage in tail:
@@ -429,3 +448,46 @@ def seconds_left(
         else:
             at = max(now, at + paces.get(stage, 0.0) * (1 if stage == Stage.MUX else last.padded))
     return max(0.0, at - now)
+
+
+@dataclass(frozen=True)
+class ClipTime:
+    """One clip of an archive as its bar saw it: the seconds since its run began, the seconds it has left
+    (`seconds_left`: None before its run has timed each model stage, 0 once it ended), the (window, tile) items it
+    computes and those of them done."""
+
+    elapsed: float
+    left: float | None
+    tiles: int
+    done: int = 0
+
+
+def _clip_left(clip: ClipTime, per_item: float, drawn: bool) -> float:
+    """A clip's seconds left in its archive: its own figure (drawn toward its items at `per_item` while few are
+    done, where `drawn`), else its items at that pace."""
+    prior = max(0.0, clip.tiles * per_item - clip.elapsed)
+    if clip.left is None or not clip.left or not drawn:
+        return prior if clip.left is None else clip.left
+    # The pace's weight falls fast with the items done, so the clip's own figure holds its last minutes.
+    weight = (1.0 - min(clip.done, clip.tiles) / max(1, clip.tiles)) ** 2
+    return weight * prior + (1.0 - weight) * clip.left
+
+
+def archive_seconds_left(clips: Iterable[ClipTime], waiting: Iterable[int], parallel: int = 1) -> float | None:
+    """Seconds until an archive's clips are all done. `clips`: those run or running; `waiting`: the (window, tile)
+    items of each clip not started yet (or whose plan is not recorded yet), counted at the seconds an item took in
+    the clips that ended (before one has, in the running clips with a figure: elapsed and left), so the figure goes
+    on from one clip to the next rather than restarting at each. A running clip counts its own figure, drawn toward
+    its items at that pace while few are done: its first items say little of its pace (the machine's load changes),
+    the archive's clips so far more. Clips run `parallel` at once, their items sharing one model queue: an item's
+    seconds are of a clip beside others, so the work left is split among them, and never ends before the longest
+    clip running. None until a clip has a figure."""
+    clips = list(clips)
+    ended = [clip for clip in clips if clip.left == 0.0 and clip.tiles]
+    timed = ended or [clip for clip in clips if clip.left is not None and clip.tiles]
+    if not timed:
+        return None
+    per_item = sum(clip.elapsed + (clip.left or 0.0) for clip in timed) / sum(clip.tiles for clip in timed)
+    running = [_clip_left(clip, per_item, bool(ended)) for clip in clips]
+    work = sum(running) + per_item * sum(waiting)
+    return max(work / max(1, parallel), max(running, default=0.0))

@@ -93,3 +93,43 @@ def replay(plan, lines: list[dict], started: float, earlier: list[dict] = (), st
         replayed.append((now - started, end - now, seconds_left(plan, done, spans, now, started, before)))
         now += step
     return replayed
+
+
+def one_after_another(clips: list[list[dict]], gap: float = 5.0) -> list[list[dict]]:
+    """Clips' lines (each from 0 s on) as an archive runs them one after another, each starting `gap` seconds after
+    the previous clip's last line."""
+    runs, at = [], 0.0
+    for lines in clips:
+        runs.append([{**line, "start": line["start"] + at, "end": line["end"] + at} for line in lines])
+        at = max(line["end"] for line in runs[-1]) + gap
+    return runs
+
+
+def replay_archive(clips: list[tuple], step: float = 1.0) -> list[tuple]:
+    """An archive of `clips`, each (its plan, its lines on the archive's clock), replayed `step` by `step` from its
+    first line to its last: the archive's estimate (`storage.time_left.archive_seconds_left`) at each instant from
+    its clips' records then, a running clip's from its own (`seconds_left`), as the archive's screen reads them:
+    (seconds since the first line, the time it really had left, the estimate or None)."""
+    from storage.time_left import ClipTime, Span, archive_seconds_left, seconds_left
+
+    began_at = min(line["start"] for _, lines in clips for line in lines)
+    end, replayed, now = max(line["end"] for _, lines in clips for line in lines), [], began_at
+    while now < end:
+        seen, waiting = [], []
+        for plan, lines in clips:
+            tiles = plan.num_windows * plan.num_tiles
+            began, ended = min(line["start"] for line in lines), max(line["end"] for line in lines)
+            if now >= ended:
+                seen.append(ClipTime(ended - began, 0.0, tiles, tiles))
+            elif now < began:
+                waiting.append(tiles)
+            else:
+                past = [line for line in lines if line["end"] <= now]
+                done: dict[str, set[str]] = {}
+                for line in past:
+                    done.setdefault(line["stage"], set()).add(line["item"])
+                left = seconds_left(plan, done, [Span.of_line(line) for line in past], now, began)
+                seen.append(ClipTime(now - began, left, tiles, len(done.get("decode", ()))))
+        replayed.append((now - began_at, end - now, archive_seconds_left(seen, waiting)))
+        now += step
+    return replayed
