@@ -158,10 +158,10 @@ def _mux(
         sound.bit_rate = AUDIO_BIT_RATE
 
     if isinstance(fps, Timeline):
-        # Held until the last is out: its decode times are made from every packet's (`decode_times`).
+        # Held until the last is out: its decode times are made from every packet's (`_decode_times`).
         packets = [packet for frame in _encoder_frames(frames, fps, encoding, colour) for packet in video.encode(frame)]
         packets += video.encode(None)
-        for packet, (dts, duration) in zip(packets, decode_times([p.pts for p in packets], fps.stamps), strict=True):
+        for packet, (dts, duration) in zip(packets, _decode_times([p.pts for p in packets], fps.stamps), strict=True):
             packet.dts, packet.duration = dts, duration
             container.mux(packet)
     else:
@@ -178,7 +178,7 @@ def _mux(
         container.mux(sound.encode(None))
 
 
-def decode_times(shown: list[int], stamps: tuple[int, ...]) -> list[tuple[int, int]]:
+def _decode_times(shown: list[int], stamps: tuple[int, ...]) -> list[tuple[int, int]]:
     """Each packet's decode time and duration for packets in decode order shown at `shown` (times among `stamps`,
     a timeline's): packet j decodes at frame j's time less the one shift that puts none after its own showing.
 
@@ -435,7 +435,7 @@ def _copy_segment(
 class _TimedPackets:
     """Segments' packets placed on a clip's timeline: each frame at its own time, whatever clock its segment's
     container rounded it to (a frame is known by its rank in its segment's display order), decoded at the times
-    `decode_times` makes for the whole clip."""
+    `_decode_times` makes for the whole clip."""
 
     def __init__(self, segments: list[str], timeline: Timeline) -> None:
         self._segments, self._timeline = segments, timeline
@@ -451,7 +451,7 @@ class _TimedPackets:
         if first != timeline.frames:
             raise ValueError(f"the segments hold {first} frames, the timeline {timeline.frames}")
         shown = [timeline.stamps[frame] for frames in self._frames for frame in frames]
-        self._decode = iter(decode_times(shown, timeline.stamps))
+        self._decode = iter(_decode_times(shown, timeline.stamps))
 
     def copy(self, out: av.container.OutputContainer, video: av.VideoStream, index: int) -> int:
         """Mux segment `index`'s packets (segments in order); returns its frame count."""
