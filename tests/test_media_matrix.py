@@ -115,6 +115,11 @@ CASES: dict[str, Case] = {
         expect={"times": _phone_ms(), "rotation": 90, "frames": PHONE_FRAMES, "streams": [("audio", "aac", "und")]},
         plan={"timing.variable": True, "timing.times_kept": True},
     ),
+    "phone-vfr-source-timing-original-audio": Case(
+        _phone,
+        flags=("--fps", "source", "--audio", "original"),
+        expect={"times": _phone_ms(), "streams": [("audio", "aac", "und")], "audio_ends_with_video": True},
+    ),
     "phone-vfr-rotated-contract": Case(
         _phone,
         expect={"rate": "24", "rotation": 90, "evenly_timed": True},
@@ -156,6 +161,8 @@ def _probe(path: Path) -> dict[str, object]:
         times = sorted(frame.pts * video.time_base for frame in frames)
         steps = {b - a for a, b in zip(times, times[1:], strict=False)}
         sar = video.sample_aspect_ratio or Fraction(1)
+        end = times[-1] + 1 / video.average_rate if video.duration is None else video.duration * video.time_base
+        heard = [a.duration * a.time_base for a in container.streams.audio if a.duration]
         return {
             "format": container.format.name.split(",")[0],
             "codec": codec.codec.canonical_name,
@@ -180,6 +187,8 @@ def _probe(path: Path) -> dict[str, object]:
                 if s.index != video.index and s.type != "data"
             ],
             "chapters": [chapter["metadata"].get("title") for chapter in container.chapters()],
+            # Within one frame (AAC's last packet may run past the end by part of one).
+            "audio_ends_with_video": bool(heard) and all(abs(h - end) < 1 / video.average_rate for h in heard),
         }
 
 
