@@ -112,9 +112,11 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     frames = summary["frames"]
     timings = summary["timings"]
     spans = summary.get("spans", {})
-    rate = summary.get("output_format", {}).get("frame_rate", summary["fps"])  # exact: 30000/1001 stays so
+    output = summary.get("output_format", {})
+    rate = output.get("frame_rate", summary["fps"])  # exact: 30000/1001 stays so
+    pace = f"{rate} fps on average, each frame at its source's time" if output.get("variable_rate") else f"{rate} fps"
     return [
-        f"wrote {summary['output']} ({width}x{height}, {frames} frame{'s' * (frames != 1)} at {rate} fps)",
+        f"wrote {summary['output']} ({width}x{height}, {frames} frame{'s' * (frames != 1)} at {pace})",
         f"run {summary['run_key']}: {summary['tiles_computed']} of {summary['tiles_total']} tiles computed, "
         f"{summary['tiles_reused']} reused, {summary['dit_calls']} DiT calls"
         + ("; the output was already in the store" if summary["reused_output"] else ""),
@@ -240,6 +242,8 @@ def _timing(found: dict[str, Any] | None) -> list[str]:
     if found is None or not found["variable"]:
         return [] if found is None else ["timing    constant frame rate"]
     spread = f"{found['slowest_fps']:.3g} to {found['fastest_fps']:.3g} fps, {found['mean_fps']:.3g} on average"
+    if found.get("times_kept"):
+        return [f"timing    variable frame rate ({spread}): every frame kept at its own time (--fps source)"]
     return [f"timing    variable frame rate ({spread}): frames chosen on their timestamps at {found['output_fps']} fps"]
 
 
@@ -267,7 +271,8 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
         f"source    {plan['source']}: {size['width']}x{size['height']}, {source_frames} at {rate}{source_colour}",
         *_fields(plan.get("interlacing")),
         *_timing(plan.get("timing")),
-        f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps, "
+        f"output    {out['width']}x{out['height']}, {kept} at {output['frame_rate']} fps"
+        f"{' on average' if output.get('variable_rate') else ''}, "
         f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}{colour}, "
         f"audio {output['audio']}",
         *_aspect_lines(plan.get("aspect")),

@@ -71,6 +71,8 @@ class ClipPlan(BaseModel):
     # frames kept, chosen on their timestamps (`media.frames_on_times`); None: kept by the 24-fps rule's indices.
     timing: media.FrameTiming | None = None
     kept: tuple[int, ...] | None = None
+    # With `fps_mode='source'` on a variable rate: every kept frame's own time, written as it is (`clock`).
+    timeline: media.Timeline | None = None
     windows: tuple[Window, ...]
     # With `windows='scenes'`: the kept frames that start a shot (k6vsr_core.scenes); no window spans one.
     cuts: tuple[int, ...] = ()
@@ -96,6 +98,11 @@ class ClipPlan(BaseModel):
             return self.fps
         rate = Fraction(self.source_rate)
         return rate.numerator if rate.denominator == 1 else rate
+
+    @property
+    def clock(self) -> media.FrameRate:
+        """What the writers time the output's frames by: the frames' own times where kept, else the rate."""
+        return self.timeline if self.timeline is not None else self.frame_rate
 
     @property
     def sample_aspect(self) -> Fraction | None:
@@ -154,6 +161,7 @@ class ClipPlan(BaseModel):
             **self.timing.model_dump(),
             "kept_on_timestamps": self.kept is not None,
             "output_fps": self.fps if self.source_rate is None else self.source_rate,
+            "times_kept": self.timeline is not None,
         }
 
     def output_format(self) -> dict[str, object]:
@@ -162,7 +170,8 @@ class ClipPlan(BaseModel):
             **self.params.encoding.describe(),
             "audio": self.params.audio,
             "fps_mode": self.params.fps_mode,
-            "frame_rate": str(self.frame_rate),
+            "frame_rate": str(self.frame_rate if self.timeline is None else round(float(self.timeline.mean_rate), 3)),
+            "variable_rate": self.timeline is not None,
             "colour": (media.UNTAGGED if self.params.encoding.is_rgb else self.colour).describe(),
         }
 
@@ -231,8 +240,8 @@ def frames_on_timestamps(
     timing found; None for a constant rate (or unknown times), which the 24-fps rule's indices keep exactly.
 
     The rate is the contract's 24 fps for a source that averages near it or faster, else its rounded mean (no motion
-    interpolation: slower sources keep their pace). `fps_mode='source'` is refused: the output is written at a
-    constant rate, and a variable one kept frame for frame would drift from its audio.
+    interpolation: slower sources keep their pace). None too under `fps_mode='source'`, which keeps every frame
+    with its own time (`source_timeline`).
     """
     if frame_times is None:
         return None
@@ -242,11 +251,7 @@ def frames_on_timestamps(
     if not timing.variable:
         return None
     if params.fps_mode == "source":
-        raise ParameterError(
-            f"fps_mode='source' writes one constant rate, and this source's rate varies ({timing.slowest_fps:.3g} "
-            f"to {timing.fastest_fps:.3g} fps, {timing.mean_fps:.3g} on average): its timing cannot be kept; use "
-            "fps_mode='contract', which resamples it on its timestamps"
-        )
+        return None
     near = timing.mean_fps > media.TARGET_FPS - media.RESAMPLE_FPS_TOLERANCE
     rate = media.TARGET_FPS if near else max(1, round(timing.mean_fps))
     cap = media.MAX_NUM_FRAMES if params.frames == "contract" else params.max_frames
@@ -254,6 +259,17 @@ def frames_on_timestamps(
     if params.frames == "contract":
         indices = indices[: media.aligned_frame_count(len(indices))]
     return indices, rate, timing
+
+
+def source_timeline(num_frames: int, params: UpscaleParams, frame_times: FrameTimes | None) -> media.Timeline | None:
+    """Under `fps_mode='source'`, a variable-rate source's first `num_frames` frames' own times, which the output
+    keeps; None for a constant rate (written at its exact rate) or another mode."""
+    if params.fps_mode != "source" or frame_times is None:
+        return None
+    times, tick = frame_times
+    if not media.timing_of(times[:num_frames], tick).variable:
+        return None
+    return media.timeline_of(times, tick, num_frames)
 
 
 def kept_frames(
@@ -330,7 +346,16 @@ def make_plan(
     timed = frames_on_timestamps(source_frames, params, frame_times)
     indices, fps = timed[:2] if timed is not None else select_kept_frames(source_frames, source_fps, params)
     exact = None
-    if params.fps_mode == "source":
+    timeline = source_timeline(len(indices), params, frame_times)
+    if timeline is not None:
+        fps = max(1, round(timeline.mean_rate))
+        warnings.warn(
+            f"fps_mode='source' keeps every frame at its own time (a variable rate, {float(timeline.mean_rate):.3g} "
+            "fps on average): outside the trained contract (24 fps), the output may differ in quality from the "
+            "official pipeline's",
+            stacklevel=2,
+        )
+    elif params.fps_mode == "source":
         # The stream's own fraction when known; a float rate is turned back into the fraction it came from.
         exact = Fraction(source_rate) if source_rate is not None else Fraction(source_fps).limit_denominator(100_000)
         warnings.warn(
@@ -382,6 +407,7 @@ def make_plan(
         deinterlace=deinterlace,
         timing=None if frame_times is None else media.timing_of(frame_times[0][:source_frames], frame_times[1]),
         kept=None if timed is None else tuple(indices),
+        timeline=timeline,
         windows=windows,
         cuts=tuple(cuts),
         cuts_pending=pending,
@@ -396,7 +422,25 @@ def make_plan(
         colour=colour,
     )
     _check_aspect_fits(plan)
+    _check_times_fit(plan)
     return plan
+
+
+def _check_times_fit(plan: ClipPlan) -> None:
+    """Matroska keeps a frame's time to the millisecond: frames of a kept variable rate that would fall on one
+    millisecond cannot be told apart there, so such a source is refused rather than written with frames merged."""
+    timeline = plan.timeline
+    if timeline is None or plan.params.encoding.container != "matroska":
+        return
+    clock = media.MATROSKA_TICK
+    rounded = [round(stamp * timeline.tick / clock) for stamp in timeline.stamps]
+    if any(later <= earlier for earlier, later in zip(rounded, rounded[1:], strict=False)):
+        raise ParameterError(
+            f"codec={plan.params.codec} writes Matroska, which keeps a frame's time to the millisecond, and this "
+            f"source's frames come as close as {float(timeline.shortest_s()) * 1000:.3g} ms apart: its timing "
+            "cannot be kept there; use fps_mode='contract', or a codec written in MP4 or QuickTime (h264, hevc, "
+            "av1, prores, dnxhr)"
+        )
 
 
 def _check_aspect_fits(plan: ClipPlan) -> None:

@@ -147,7 +147,7 @@ def upscale(
     result = UpscaleResult(output=None if output is None else str(output), plan=plan, timings=timings, dit_calls=calls)
     if return_frames:
         result.frames = np.concatenate(finisher.kept)
-        result.audio = None if audio is None else np.asarray(media.trim_audio(audio, plan.num_frames, plan.frame_rate))
+        result.audio = None if audio is None else np.asarray(media.trim_audio(audio, plan.num_frames, plan.clock))
     return result
 
 
@@ -206,7 +206,7 @@ class _Finisher:
             self.kept.append(joined)
         if self.folder is not None:
             segment = str(self.folder / f"{window.index:06d}.mp4")
-            segments.write_segment(segment, joined, self.plan, self.audio, self.rotation)
+            segments.write_segment(segment, joined, self.plan, self.audio, self.rotation, window.index)
             self.segment_files.append(segment)
         self._previous = frames
 

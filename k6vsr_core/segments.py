@@ -13,18 +13,19 @@ from k6vsr_core.plan import ClipPlan
 
 
 def write_segment(
-    path: str | Path, frames: np.ndarray, plan: ClipPlan, audio: np.ndarray | None, rotation: int
+    path: str | Path, frames: np.ndarray, plan: ClipPlan, audio: np.ndarray | None, rotation: int, window: int
 ) -> None:
-    """A window's segment. A one-window plan's only segment is the finished file, written as the contract writes
-    it (video, audio, rotation), unless the source's own streams go in; otherwise it is video only, for
-    `join_segments`."""
+    """Window `window`'s segment. A one-window plan's only segment is the finished file, written as the contract
+    writes it (video, audio, rotation), unless the source's own streams go in; otherwise it is video only, for
+    `join_segments`. Kept frame times are the window's own, from its first frame."""
     encoding = plan.params.encoding
+    clock = plan.clock
+    if isinstance(clock, media.Timeline):
+        clock = clock.part(*plan.segment_range(window))
     if _segment_is_output(plan):
-        media.write_video(
-            path, frames, plan.frame_rate, audio, rotation, encoding, plan.colour, None, plan.sample_aspect
-        )
+        media.write_video(path, frames, clock, audio, rotation, encoding, plan.colour, None, plan.sample_aspect)
     else:
-        media.write_segment(path, frames, plan.frame_rate, encoding, plan.colour, plan.sample_aspect)
+        media.write_segment(path, frames, clock, encoding, plan.colour, plan.sample_aspect)
 
 
 def join_segments(
@@ -47,7 +48,7 @@ def join_segments(
         media.concat_segments(
             segments,
             path,
-            plan.frame_rate,
+            plan.clock,
             audio,
             plan.num_frames,
             rotation,
@@ -58,7 +59,7 @@ def join_segments(
     planned = media.planned_output(
         plan.params.encoding,
         plan.num_frames,
-        plan.frame_rate,
+        plan.clock,
         plan.delivery_size,
         0 if audio is None else len(audio),
         original,

@@ -51,7 +51,7 @@ def _store_audio(store: RunStore, source: str, params: UpscaleParams, plan: Clip
     tmp = store.temp_file(store.audio_path, ".f32")
     try:
         audio_from = audio_input(source, params)
-        samples = media.write_audio_track(audio_from, tmp, plan.num_frames, plan.frame_rate) if audio_from else 0
+        samples = media.write_audio_track(audio_from, tmp, plan.num_frames, plan.clock) if audio_from else 0
         if samples:
             store.commit_file(tmp, store.audio_path, "ingest", "audio", attempt=attempt)
     finally:

@@ -413,7 +413,7 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
     tmp = store.temp_file(store.segment_path(window), ".mp4")
     try:
         with _audio(store, run, plan.num_windows == 1 and manifest.has_audio) as audio:
-            segments.write_segment(tmp, frames, plan, audio, manifest.rotation)
+            segments.write_segment(tmp, frames, plan, audio, manifest.rotation, window)
         store.commit_file(
             tmp, store.segment_path(window), "segment", str(window), time.perf_counter() - started, attempt
         )

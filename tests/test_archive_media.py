@@ -13,6 +13,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+from media_kit import FONT, anamorphic_source, broadcast_source_file, prores_master, smooth_frames
 
 from entrypoints.cli import main
 from k6vsr_core import media
@@ -51,24 +52,13 @@ def _video(path: Path) -> dict[str, object]:
         }
 
 
-def _smooth(frames: int, height: int, width: int) -> np.ndarray:
-    """Gradients moving a pixel a frame: lossy codecs keep them within a few levels, as they keep the model's
-    output; noise would measure only the codec's rate control."""
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    out = [
-        np.stack([x * 200 / width + t, y * 200 / height + 20, (x + y) * 100 / (width + height) + 60 + t], -1)
-        for t in range(frames)
-    ]
-    return np.clip(np.stack(out), 0, 255).astype(np.uint8)
-
-
 @pytest.mark.parametrize(("encoding", "suffix", "codec", "pix_fmt", "profile"), MEZZANINE, ids=IDS)
 def test_segments_of_each_codec_join_by_stream_copy_in_its_container_and_profile(
     tmp_path: Path, encoding: VideoEncoding, suffix: str, codec: str, pix_fmt: str, profile: str
 ) -> None:
     """A one-frame segment then a longer one, joined as a run joins its windows, with audio; the health check
     passes and the frames are the written ones within the codec's loss."""
-    frames = _smooth(5, 120, 256)  # DNxHR takes 256x120 at the least
+    frames = smooth_frames(5, 120, 256)  # DNxHR takes 256x120 at the least
     segments = []
     for index, part in enumerate((frames[:1], frames[1:])):
         segments.append(str(tmp_path / f"{index}{encoding.suffix}"))
@@ -89,7 +79,7 @@ def test_prores_4444_keeps_its_profile_tag_through_the_join(tmp_path: Path) -> N
     """QuickTime names a ProRes profile by the sample's tag: a plain remux would write 4444 pictures as apch (HQ)."""
     encoding = VideoEncoding(codec="prores", pix_fmt="yuv444p10le")
     segment = str(tmp_path / "0.mov")
-    media.write_segment(segment, _smooth(2, 32, 32), 24, encoding)
+    media.write_segment(segment, smooth_frames(2, 32, 32), 24, encoding)
     media.concat_segments([segment], tmp_path / "out.mov", 24, None, 2, 0, encoding)
     assert _video(tmp_path / "out.mov")["tag"] == "ap4h"
 
@@ -181,24 +171,6 @@ def test_plan_shows_the_profile_and_refuses_an_output_too_small_for_dnxhr(
 # ------------------------------------------------------------------------------------------------ geometry
 
 
-def _anamorphic(path: Path, width: int, height: int, sar: Fraction, frames: int = 1) -> Path:
-    """A clip whose pixels are not square: the SAR in the H.264 stream and in the container, as a DV or DVD
-    transfer has it. The picture has a black border (letterbox bars), which must come back uncropped."""
-    image = _smooth(frames, height, width)
-    image[:, : height // 8] = 0
-    image[:, height - height // 8 :] = 0
-    with av.open(str(path), "w") as out:
-        video = out.add_stream("libx264", rate=25)
-        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
-        video.codec_context.sample_aspect_ratio = sar
-        for index, picture in enumerate(image):
-            frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
-            frame.pts, frame.time_base = index, Fraction(1, 25)
-            out.mux(video.encode(frame))
-        out.mux(video.encode(None))
-    return path
-
-
 def _aspect(path: Path) -> tuple[Fraction, Fraction, Fraction | None, tuple[int, int]]:
     """The pixels' shape as ffprobe reports it (the container's, else the stream's), the display aspect ratio it
     gives, the shape in the video stream itself (H.264's header has one, AV1's and ProRes's none), and the size."""
@@ -237,7 +209,7 @@ def test_a_4_3_source_of_non_square_pixels_comes_back_4_3_uncropped(
     tiny_bundle_path: Path, tmp_path: Path, geometry: tuple[int, int, Fraction], flags: tuple[str, ...]
 ) -> None:
     width, height, sar = geometry
-    source = _anamorphic(tmp_path / "tape.mp4", width, height, sar)
+    source = anamorphic_source(tmp_path / "tape.mp4", width, height, sar)
     assert _aspect(source)[:2] == (sar, Fraction(4, 3))
     written = _upscale(source, tmp_path, tiny_bundle_path, *flags)
     container_sar, dar, stream_sar, size = _aspect(written)
@@ -249,7 +221,7 @@ def test_a_4_3_source_of_non_square_pixels_comes_back_4_3_uncropped(
 
 def test_ffv1_of_non_square_pixels_is_refused_before_any_work(tiny_bundle_path: Path, tmp_path: Path, capsys) -> None:
     """Matroska would need its display size set, which PyAV cannot: the picture would play stretched."""
-    source = _anamorphic(tmp_path / "tape.mp4", *PAL_4_3)
+    source = anamorphic_source(tmp_path / "tape.mp4", *PAL_4_3)
     argv = ["upscale", str(source), "-o", str(tmp_path / "out"), "--model", str(tiny_bundle_path)]
     assert main([*argv, "--store", str(tmp_path / "store"), "--scale", "2", "--codec", "ffv1"]) == 2
     err = capsys.readouterr().err
@@ -259,7 +231,7 @@ def test_ffv1_of_non_square_pixels_is_refused_before_any_work(tiny_bundle_path: 
 
 def test_an_exact_target_of_the_display_shape_gives_square_pixels(tiny_bundle_path: Path, tmp_path: Path) -> None:
     """Resized to 4:3 on the whole picture, the same 4:3 needs square pixels: no ratio is written."""
-    source = _anamorphic(tmp_path / "tape.mp4", *PAL_4_3)
+    source = anamorphic_source(tmp_path / "tape.mp4", *PAL_4_3)
     written = _upscale(
         source, tmp_path, tiny_bundle_path, "--target-resolution", "160x120", "--target-resize-mode", "exact"
     )
@@ -271,7 +243,7 @@ def test_plan_states_the_aspect_kept_for_a_full_size_pal_frame(
     tiny_bundle_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A plan computes nothing, so the real 720x576 frame is cheap here: 1440x1152 at x2, still 4:3 on screen."""
-    source = _anamorphic(tmp_path / "tape.mp4", 720, 576, Fraction(16, 15))
+    source = anamorphic_source(tmp_path / "tape.mp4", 720, 576, Fraction(16, 15))
     argv = ["plan", str(source), "--model", str(tiny_bundle_path), "--store", str(tmp_path), "--scale", "2"]
     assert main([*argv, "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
@@ -290,49 +262,11 @@ def test_plan_states_the_aspect_kept_for_a_full_size_pal_frame(
 # ------------------------------------------------------------------------------------------------ chapters
 
 
-FONT = b"\x00\x01\x00\x00" + bytes(range(256)) * 4  # stands in for a TrueType font an ASS subtitle needs
-
-
 @pytest.fixture(scope="module")
 def broadcast_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """0.3 s of 29.97 fps 64x48 in Matroska: English stereo and French mono audio, four chapters (the last starts
     after the end, the third runs past it) and a font attachment."""
-    path = tmp_path_factory.mktemp("broadcast") / "episode.mkv"
-    with av.open(str(path), "w", format="matroska") as out:
-        out.metadata["title"] = "Episode 1"
-        video = out.add_stream("libx264", rate=Fraction(30000, 1001))
-        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
-        sounds = []
-        for language, layout in (("eng", "stereo"), ("fra", "mono")):
-            sound = out.add_stream("aac", rate=48000, layout=layout)
-            sound.metadata["language"] = language
-            sounds.append((sound, layout))
-        spans = [(0, 100), (100, 200), (200, 2000), (1000, 2000)]
-        out.set_chapters(
-            [
-                {
-                    "id": i + 1,
-                    "start": a,
-                    "end": b,
-                    "time_base": Fraction(1, 1000),
-                    "metadata": {"title": f"Part {i + 1}"},
-                }
-                for i, (a, b) in enumerate(spans)
-            ]
-        )
-        out.add_attachment("font.ttf", "application/x-truetype-font", FONT)
-        for index, picture in enumerate(_smooth(9, 48, 64)):
-            frame = av.VideoFrame.from_ndarray(picture, format="rgb24")
-            frame.pts, frame.time_base = index, Fraction(1001, 30000)
-            out.mux(video.encode(frame))
-        out.mux(video.encode(None))
-        for sound, layout in sounds:
-            channels = 2 if layout == "stereo" else 1
-            samples = av.AudioFrame.from_ndarray(np.zeros((channels, 14400), np.float32), format="fltp", layout=layout)
-            samples.sample_rate, samples.pts, samples.time_base = 48000, 0, Fraction(1, 48000)
-            out.mux(sound.encode(samples))
-            out.mux(sound.encode(None))
-    return path
+    return broadcast_source_file(tmp_path_factory.mktemp("broadcast") / "episode.mkv")
 
 
 def _chapters(path: Path) -> list[tuple[str, float, float]]:
@@ -379,29 +313,7 @@ def test_original_keeps_chapters_cut_to_the_output_and_attachments_where_the_con
 def prores_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A post-production master: one frame of 10-bit 4:2:2 ProRes 422 HQ, 64x48, with 24-bit stereo PCM and an
     English SubRip subtitle, in Matroska (which holds all three as they are)."""
-    folder = tmp_path_factory.mktemp("master")
-    srt = folder / "subs.srt"
-    srt.write_text("1\n00:00:00,000 --> 00:00:00,030\nSlate\n\n")
-    path = folder / "master.mkv"
-    with av.open(str(srt)) as subs, av.open(str(path), "w", format="matroska") as out:
-        video = out.add_stream("prores_ks", rate=24, options={"profile": "hq"})
-        video.width, video.height, video.pix_fmt = 64, 48, "yuv422p10le"
-        sound = out.add_stream("pcm_s24le", rate=48000, layout="stereo")
-        text = out.add_stream_from_template(subs.streams[0])
-        text.metadata["language"] = "eng"
-        frame = av.VideoFrame.from_ndarray(_smooth(1, 48, 64)[0], format="rgb24").reformat(format="yuv422p10le")
-        frame.pts, frame.time_base = 0, Fraction(1, 24)
-        out.mux(video.encode(frame))
-        out.mux(video.encode(None))
-        samples = av.AudioFrame.from_ndarray(np.zeros((1, 4000), np.int32), format="s32", layout="stereo")
-        samples.sample_rate, samples.pts, samples.time_base = 48000, 0, Fraction(1, 48000)
-        out.mux(sound.encode(samples))
-        out.mux(sound.encode(None))
-        for packet in subs.demux(subs.streams[0]):
-            if packet.size:
-                packet.stream = text
-                out.mux(packet)
-    return path
+    return prores_master(tmp_path_factory.mktemp("master"))
 
 
 def test_a_prores_master_comes_back_as_prores_with_its_pcm_as_it_is_and_its_subtitles(

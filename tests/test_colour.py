@@ -11,6 +11,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+from media_kit import PATCH, colour_source, hdr_source
 
 from entrypoints.cli import main
 from k6vsr_core import media
@@ -19,84 +20,22 @@ from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import UnsupportedColour
 from k6vsr_core.media.checking import ColourTags
 
+
 # A Rec. 2020 mastering display of 1000 cd/m² (x265's units: 0.00002 for xy, 0.0001 cd/m² for luminance).
-MASTER_DISPLAY = "G(8500,39850)B(6550,2300)R(35400,14600)WP(15635,16450)L(10000000,50)"
-PATCH = (200, 40, 60)
-
-
 def _tags(primaries: str, transfer: str, matrix: str, range_: str = "tv") -> ColourTags:
     return ColourTags(primaries=primaries, transfer=transfer, matrix=matrix, range=range_)
-
-
-def _make_source(
-    path: Path,
-    tags: ColourTags,
-    *,
-    codec: str = "libx264",
-    pix_fmt: str = "yuv420p",
-    size: int = 64,
-    frames: int = 1,
-    x265_params: str = "",
-) -> Path:
-    """A flat `PATCH` clip, its YUV made with the tags' own matrix and range, and tagged with them."""
-    from k6vsr_core.media.colour import MATRIX_CODES, PRIMARY_CODES, TRANSFER_CODES
-
-    options = (
-        {"crf": "0"}
-        if codec == "libx264"
-        else {"x265-params": f"log-level=error:frame-threads=1:pools=none:bframes=0{x265_params}"}
-    )
-    rgb = np.zeros((size, size, 3), np.uint16 if "10" in pix_fmt else np.uint8)
-    rgb[:] = [value << 8 for value in PATCH] if rgb.dtype == np.uint16 else PATCH
-    with av.open(str(path), "w") as out:
-        video = out.add_stream(codec, rate=24, options=options)
-        video.width = video.height = size
-        video.pix_fmt = pix_fmt
-        context = video.codec_context
-        context.color_primaries = PRIMARY_CODES[tags.primaries]
-        context.color_trc = TRANSFER_CODES[tags.transfer]
-        context.colorspace = MATRIX_CODES[tags.matrix]
-        context.color_range = {"tv": 1, "pc": 2}[tags.range]
-        for index in range(frames):
-            frame = av.VideoFrame.from_ndarray(rgb, format="rgb48le" if rgb.dtype == np.uint16 else "rgb24")
-            frame = frame.reformat(
-                format=pix_fmt, dst_colorspace=context.colorspace, dst_color_range=context.color_range
-            )
-            frame.pts = index
-            _mux_in_order(out, video.encode(frame))
-        _mux_in_order(out, video.encode(None))
-    return path
-
-
-def _mux_in_order(out: av.container.OutputContainer, packets: list[av.Packet]) -> None:
-    for packet in packets:
-        # Without B-frames decode order is display order; x265 (as in PyAV's wheels) sometimes leaves a 128-px
-        # one-frame stream's dts uninitialised, which the MP4 muxer then refuses.
-        packet.dts = packet.pts
-        out.mux(packet)
-
-
-def _hevc_hdr(path: Path, transfer: str) -> Path:
-    return _make_source(
-        path,
-        _tags("bt2020", transfer, "bt2020nc"),
-        codec="libx265",
-        pix_fmt="yuv420p10le",
-        size=media.HEVC_MIN_SIDE,
-        x265_params=f":hdr10=1:master-display={MASTER_DISPLAY}:max-cll=1000,400",
-    )
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("colour")
     return {
-        "hdr10": _hevc_hdr(folder / "hdr10.mp4", "smpte2084"),
-        "hlg": _hevc_hdr(folder / "hlg.mp4", "arib-std-b67"),
-        "bt2020_sdr": _make_source(folder / "bt2020.mp4", _tags("bt2020", "bt709", "bt2020nc")),
-        "ntsc": _make_source(folder / "ntsc.mp4", _tags("smpte170m", "smpte170m", "smpte170m")),
-        "pal_full": _make_source(folder / "pal.mp4", _tags("bt470bg", "gamma28", "bt470bg", "pc")),
-        "untagged": _make_source(folder / "untagged.mp4", _tags("unspecified", "unspecified", "unspecified")),
+        "hdr10": hdr_source(folder / "hdr10.mp4", "smpte2084"),
+        "hlg": hdr_source(folder / "hlg.mp4", "arib-std-b67"),
+        "bt2020_sdr": colour_source(folder / "bt2020.mp4", _tags("bt2020", "bt709", "bt2020nc")),
+        "ntsc": colour_source(folder / "ntsc.mp4", _tags("smpte170m", "smpte170m", "smpte170m")),
+        "pal_full": colour_source(folder / "pal.mp4", _tags("bt470bg", "gamma28", "bt470bg", "pc")),
+        "untagged": colour_source(folder / "untagged.mp4", _tags("unspecified", "unspecified", "unspecified")),
     }
 
 

@@ -4,12 +4,12 @@ deinterlaced by bwdif before the model, `k6vsr plan` saying so, and the run key 
 from __future__ import annotations
 
 import json
-from fractions import Fraction
 from pathlib import Path
 
 import av
 import numpy as np
 import pytest
+from media_kit import interlaced_frames, write_interlaced
 
 from entrypoints.cli import main
 from k6vsr_core import UpscaleParams, media
@@ -25,58 +25,14 @@ FRAMES = 9
 RATE = 25
 
 
-def _fields_of(frame_count: int, top_first: bool) -> np.ndarray:
-    """(T, H, W, 3) frames of bars that move between fields: each field holds the picture at its own instant (the
-    first shown half a frame before the second), as an interlaced camera takes it."""
-    frames = np.zeros((frame_count, SIZE, SIZE, 3), np.uint8)
-    frames[:] = 40
-    for index in range(frame_count):
-        for line_parity in (0, 1):
-            shown_second = line_parity if top_first else 1 - line_parity
-            instant = 2 * index + shown_second
-            left = (5 * instant) % (SIZE - 16)
-            frames[index, line_parity::2, left : left + 16] = 230
-    return frames
-
-
-def _write(path: Path, frames: np.ndarray, order: str | None) -> Path:
-    """H.264 in MP4: coded interlaced with `order` ('tff' or 'bff') declared, or progressive-coded with no flag."""
-    with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=RATE)
-        stream.width = stream.height = SIZE
-        stream.pix_fmt = "yuv420p"
-        options = {"crf": "8"}
-        flags = None
-        if order is not None:
-            stream.codec_context.flags |= av.codec.context.Flags.interlaced_dct | av.codec.context.Flags.interlaced_me
-            options["x264-params"] = f"{order}=1"
-            # setfield marks each frame interlaced with its field order, which x264 codes and signals.
-            flags = av.filter.Graph()
-            source = flags.add_buffer(width=SIZE, height=SIZE, format="yuv420p", time_base=Fraction(1, RATE))
-            node, sink = flags.add("setfield", order), flags.add("buffersink")
-            source.link_to(node)
-            node.link_to(sink)
-            flags.configure()
-        stream.options = options
-        for index, image in enumerate(frames):
-            frame = av.VideoFrame.from_ndarray(image, format="rgb24").reformat(format="yuv420p")
-            frame.pts, frame.time_base = index, Fraction(1, RATE)
-            if flags is not None:
-                flags.vpush(frame)
-                frame = flags.vpull()
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode(None))
-    return path
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("interlaced")
     return {
-        "tff": _write(folder / "tff.mp4", _fields_of(FRAMES, top_first=True), "tff"),
-        "bff": _write(folder / "bff.mp4", _fields_of(FRAMES, top_first=False), "bff"),
+        "tff": write_interlaced(folder / "tff.mp4", interlaced_frames(FRAMES, top_first=True), "tff"),
+        "bff": write_interlaced(folder / "bff.mp4", interlaced_frames(FRAMES, top_first=False), "bff"),
         # A capture encoded progressive: the stream says progressive, the picture is combed (bottom field first).
-        "unflagged": _write(folder / "unflagged.mp4", _fields_of(FRAMES, top_first=False), None),
+        "unflagged": write_interlaced(folder / "unflagged.mp4", interlaced_frames(FRAMES, top_first=False), None),
         "progressive": make_sample_clip(folder / "progressive.mp4", width=SIZE, height=SIZE, num_frames=FRAMES),
     }
 
@@ -163,7 +119,7 @@ def test_an_unknown_mode_is_refused_naming_the_field() -> None:
 
 def test_a_stream_whose_flags_contradict_its_picture_is_warned_of(tmp_path: Path, tiny_bundle) -> None:
     """Bottom-first fields signalled top first: the stream is believed, and the plan says the picture disagrees."""
-    source = _write(tmp_path / "mislabelled.mp4", _fields_of(FRAMES, top_first=False), "tff")
+    source = write_interlaced(tmp_path / "mislabelled.mp4", interlaced_frames(FRAMES, top_first=False), "tff")
     found = media.probe_fields(source)
     assert found.order == "tff" and found.picture_disagrees and "shows the other order" in found.describe()
     with pytest.warns(UserWarning, match="the picture shows the other order"):

@@ -150,6 +150,7 @@ def test_plan_reports_the_output_format(tiny_bundle_path: Path, clip_1f: Path, t
         "audio": "contract",
         "fps_mode": "contract",
         "frame_rate": "24",
+        "variable_rate": False,
         "colour": "bt709/bt709/bt709/tv",
     }
 

@@ -4,6 +4,7 @@
     probing     what a source file is, before any frame is decoded
     colour      a source's colour tags and HDR metadata, and the tags its output keeps (or why it is refused)
     timing      a variable frame rate found from the frames' timestamps, frames chosen on them
+    clock       a variable-rate output's frame times, as its source has them (`--fps source`)
     fields      an interlaced source's field order found (stream flags, combing in the picture), its frames deinterlaced
     reading     a source's frames decoded as RGB
     audio       a file's audio as the contract's mono 44.1 kHz track
@@ -21,6 +22,7 @@ would shadow a function or module imported by name.
 
 from k6vsr_core.media.audio import AUDIO_SAMPLE_RATE, check_audio_file, decode_audio, trim_audio, write_audio_track
 from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, OutputMismatch, PlannedOutput, check_output
+from k6vsr_core.media.clock import MATROSKA_TICK, FrameRate, Timeline, span_s
 from k6vsr_core.media.colour import HdrMetadata, output_colour
 from k6vsr_core.media.fields import FieldInfo, FieldOrder, probe_fields
 from k6vsr_core.media.probing import MAX_SOURCE_PIXELS, MAX_SOURCE_SIDE, VideoProbe, probe
@@ -33,7 +35,7 @@ from k6vsr_core.media.selection import (
     select_all_frames,
     select_frames,
 )
-from k6vsr_core.media.timing import FrameTiming, frame_times, frames_on_times, timing_of
+from k6vsr_core.media.timing import FrameTiming, frame_times, frames_on_times, timeline_of, timing_of
 from k6vsr_core.media.writing import HEVC_MIN_SIDE, concat_segments, planned_output, write_segment, write_video
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "HdrMetadata",
     "output_colour",
     "HEVC_MIN_SIDE",
+    "MATROSKA_TICK",
     "MAX_NUM_FRAMES",
     "MAX_SOURCE_PIXELS",
     "MAX_SOURCE_SIDE",
@@ -51,7 +54,9 @@ __all__ = [
     "ColourTags",
     "FieldInfo",
     "FieldOrder",
+    "FrameRate",
     "FrameTiming",
+    "Timeline",
     "OutputMismatch",
     "PlannedOutput",
     "VideoProbe",
@@ -70,6 +75,8 @@ __all__ = [
     "scan_frames",
     "select_all_frames",
     "select_frames",
+    "span_s",
+    "timeline_of",
     "timing_of",
     "trim_audio",
     "write_audio_track",

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from fractions import Fraction
 
 import av
 import av.container
 import numpy as np
 
 from k6vsr_core.errors import MediaError
+from k6vsr_core.media.clock import FrameRate, Timeline, span_s
 from k6vsr_core.media.probing import PathLike, open_input
 
 AUDIO_SAMPLE_RATE = 44100
@@ -41,6 +41,13 @@ def _audio_chunks(path: str) -> Iterator[np.ndarray]:
             raise MediaError(path, f"could not decode the audio stream ({exc})") from exc
 
 
+def samples_for(num_frames: int, fps: FrameRate) -> int:
+    """Audio samples as long as the first `num_frames` video frames at `fps` (a rate, or the frames' own times)."""
+    if isinstance(fps, Timeline):
+        return round(span_s(num_frames, fps) * AUDIO_SAMPLE_RATE)
+    return round(num_frames / fps * AUDIO_SAMPLE_RATE)
+
+
 def decode_audio(path: PathLike) -> np.ndarray | None:
     """Decode the first audio stream as mono float32 at ``AUDIO_SAMPLE_RATE``.
 
@@ -60,11 +67,11 @@ def check_audio_file(path: PathLike) -> None:
             raise MediaError(path, "has no audio stream (given as --audio)")
 
 
-def write_audio_track(path: PathLike, destination: PathLike, num_frames: int, fps: int | Fraction) -> int:
+def write_audio_track(path: PathLike, destination: PathLike, num_frames: int, fps: FrameRate) -> int:
     """Stream the audio of ``path`` as raw mono float32 samples into ``destination``, cut to ``num_frames`` video
     frames at ``fps`` (as :func:`trim_audio`): memory stays one decoded packet whatever the length. Returns the
     number of samples written (0: no audio)."""
-    limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
+    limit = samples_for(num_frames, fps)
     written = 0
     with open(destination, "wb") as handle:
         for chunk in _audio_chunks(os.fspath(path)):
@@ -76,7 +83,7 @@ def write_audio_track(path: PathLike, destination: PathLike, num_frames: int, fp
     return written
 
 
-def trim_audio(audio: np.ndarray, num_frames: int, fps: int | Fraction) -> np.ndarray:
+def trim_audio(audio: np.ndarray, num_frames: int, fps: FrameRate) -> np.ndarray:
     """Cut mono audio to the length of ``num_frames`` video frames at ``fps``.
 
     Audio that is already shorter is returned as is: padding with silence or
@@ -86,6 +93,6 @@ def trim_audio(audio: np.ndarray, num_frames: int, fps: int | Fraction) -> np.nd
         raise ValueError(f"audio must be a 1-D mono array, got shape {audio.shape}")
     if num_frames < 0:
         raise ValueError(f"num_frames must not be negative, got {num_frames}")
-    if fps <= 0:
+    if not isinstance(fps, Timeline) and fps <= 0:
         raise ValueError(f"fps must be positive, got {fps}")
-    return audio[: round(num_frames / fps * AUDIO_SAMPLE_RATE)]
+    return audio[: samples_for(num_frames, fps)]

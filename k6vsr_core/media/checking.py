@@ -10,6 +10,7 @@ import av
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import PipelineError
+from k6vsr_core.media.clock import MATROSKA_TICK, Timeline
 
 # As probing's, not imported from it: probing describes a source's colour with this module's tags.
 PathLike = str | os.PathLike[str]
@@ -73,7 +74,7 @@ class PlannedOutput(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     frames: int
-    frame_rate: str  # exact, as a fraction ("30000/1001")
+    frame_rate: str  # exact, as a fraction ("30000/1001"); a timeline's mean
     width: int
     height: int
     codec: str
@@ -82,10 +83,11 @@ class PlannedOutput(BaseModel):
     streams: tuple[str, ...] = ()
     sample_aspect: str = "1"  # the pixels' shape (SAR) as a fraction; "1": square (or untagged)
     chapters: int = 0
+    timeline: Timeline | None = None  # every frame's own time, where a variable rate is kept
 
     @property
     def duration_s(self) -> Fraction:
-        return self.frames / Fraction(self.frame_rate)
+        return self.timeline.duration_s if self.timeline is not None else self.frames / Fraction(self.frame_rate)
 
 
 class OutputMismatch(PipelineError):
@@ -111,6 +113,7 @@ class _Seen(BaseModel):
     streams: tuple[str, ...]
     sample_aspect: str
     chapters: int
+    times: tuple[Fraction, ...]  # the frames' times from the first, in display order
 
 
 def _kind(stream: av.stream.Stream) -> str:
@@ -135,9 +138,11 @@ def _decode(path: str) -> _Seen:
         video = container.streams.video[0]
         codec = video.codec_context
         frames, first, last = 0, None, None
+        stamps = []
         for frame in container.decode(video):
             frames += 1
             if frame.pts is not None:
+                stamps.append(frame.pts)
                 first = frame.pts if first is None else min(first, frame.pts)
                 last = frame.pts if last is None else max(last, frame.pts)
         base = Fraction(video.time_base) if video.time_base else None
@@ -160,6 +165,7 @@ def _decode(path: str) -> _Seen:
             streams=tuple(_kind(s) for s in container.streams if s.index != video.index and _shown(s)),
             sample_aspect=str(video.sample_aspect_ratio or 1),
             chapters=len(container.chapters()),
+            times=() if base is None or first is None else tuple((pts - first) * base for pts in sorted(stamps)),
         )
 
 
@@ -177,7 +183,14 @@ def _differences(seen: _Seen, planned: PlannedOutput) -> list[str]:
         problems.append(f"{seen.frames} frame(s) decode, {planned.frames} planned")
     # Half a frame: Matroska keeps milliseconds, so a frame's time may be off by less than that.
     half_frame = 1 / (2 * Fraction(planned.frame_rate))
-    for what, duration in (("frames span", seen.duration_s), ("header says", seen.header_duration_s)):
+    spans = (("frames span", seen.duration_s), ("header says", seen.header_duration_s))
+    if planned.timeline is not None:
+        # Each frame's own time, to Matroska's clock; the last one lasts as planned, not the mean's frame.
+        half_frame = MATROSKA_TICK
+        problems += _timeline_differences(seen.times, planned.timeline)
+        last = seen.times[-1] + planned.timeline.duration_s - planned.timeline.start_s(-2) if seen.times else None
+        spans = (("frames span", last), ("header says", seen.header_duration_s))
+    for what, duration in spans:
         if duration is not None and abs(duration - planned.duration_s) > half_frame:
             problems.append(f"duration {float(duration):.3f} s ({what}), {float(planned.duration_s):.3f} s planned")
     if (seen.width, seen.height) != (planned.width, planned.height):
@@ -196,6 +209,15 @@ def _differences(seen: _Seen, planned: PlannedOutput) -> list[str]:
         shown = ", ".join(seen.streams) or "none"
         problems.append(f"other streams {shown}, {', '.join(planned.streams) or 'none'} planned")
     return problems
+
+
+def _timeline_differences(times: tuple[Fraction, ...], planned: Timeline) -> list[str]:
+    """The first frame shown off its planned time by more than Matroska's clock, if any."""
+    for index, (seen, time) in enumerate(zip(times, planned.stamps, strict=False)):
+        wanted = time * planned.tick
+        if abs(seen - wanted) > MATROSKA_TICK:
+            return [f"frame {index} at {float(seen):.4f} s, {float(wanted):.4f} s planned"]
+    return []
 
 
 def check_output(path: PathLike, planned: PlannedOutput) -> None:

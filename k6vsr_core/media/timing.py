@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import MediaError
+from k6vsr_core.media.clock import Timeline
 from k6vsr_core.media.probing import PathLike, open_input, video_stream
 
 # Durations that differ by more than this share of the typical one (and more than the time base's rounding) make a
@@ -93,3 +94,17 @@ def frames_on_times(times: np.ndarray, duration_s: float, rate: int, cap: int | 
     before = np.clip(after - 1, 0, len(times) - 1)
     nearer_before = np.abs(instants - times[before]) <= np.abs(times[after] - instants)
     return np.where(nearer_before, before, after).astype(int).tolist()
+
+
+def timeline_of(times: np.ndarray, tick: float, frames: int) -> Timeline:
+    """The first `frames` frames' times (`frame_times`) in the stream's own ticks, ending where the next frame starts
+    (the last frame of the stream lasting the typical duration, as `timing_of` takes it)."""
+    if not 1 <= frames <= len(times):
+        raise ValueError(f"{frames} frame(s) asked of a stream of {len(times)}")
+    base = Fraction(tick).limit_denominator(10**9)
+    ticks = np.rint(np.asarray(times, dtype=np.float64) / float(base)).astype(np.int64)
+    if frames < len(ticks):
+        end = int(ticks[frames])
+    else:
+        end = int(ticks[-1]) + (max(1, int(np.rint(np.median(np.diff(ticks))))) if len(ticks) > 1 else 1)
+    return Timeline(time_base=str(base), stamps=(*(int(t) for t in ticks[:frames]), end))

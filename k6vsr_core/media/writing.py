@@ -15,14 +15,15 @@ from av.video.reformatter import ColorRange, Colorspace
 
 from k6vsr_core.encoding import MIN_SIZES, VideoEncoding
 from k6vsr_core.errors import MediaError
-from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC, AUDIO_SAMPLE_RATE, trim_audio
+from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC, AUDIO_SAMPLE_RATE, samples_for, trim_audio
 from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, PlannedOutput
+from k6vsr_core.media.clock import FrameRate, Timeline, span_s
 from k6vsr_core.media.colour import MATRIX_CODES, PRIMARY_CODES, TRANSFER_CODES, HdrMetadata, x265_hdr_params
 from k6vsr_core.media.probing import PathLike
 from k6vsr_core.media.streams import SourceStreams, carried_chapters, carried_streams
 
-# The contract's rates are whole numbers; `--fps source` keeps the source's exact rational rate (30000/1001).
-FrameRate = int | Fraction
+# The contract's rates are whole numbers; `--fps source` keeps the source's exact rational rate (30000/1001), or a
+# variable-rate source's frame times themselves (a `Timeline`).
 _CONTRACT = VideoEncoding()
 HEVC_MIN_SIDE = MIN_SIZES["hevc"][0]
 # swscale's matrix for each YUV matrix the output can be written with (media.colour: the two BT.601 ones are one).
@@ -53,7 +54,7 @@ def _check_frames(frames: np.ndarray, encoding: VideoEncoding = _CONTRACT) -> No
         raise ValueError(f"frames must hold at least one non-empty frame, got shape {frames.shape}")
 
 
-def _prepare_audio(audio: np.ndarray, num_frames: int, fps: int | Fraction) -> np.ndarray | None:
+def _prepare_audio(audio: np.ndarray, num_frames: int, fps: FrameRate) -> np.ndarray | None:
     audio = np.asarray(audio, dtype=np.float32)
     if audio.ndim != 1:
         raise ValueError(f"audio must be a 1-D mono array at {AUDIO_SAMPLE_RATE} Hz, got shape {audio.shape}")
@@ -65,10 +66,10 @@ def _encoder_frames(
     frames: np.ndarray, fps: FrameRate, encoding: VideoEncoding = _CONTRACT, colour: ColourTags = BT709_TV
 ) -> Iterator[av.VideoFrame]:
     """Yield frames in the stream's pixel format (`colour`'s matrix for YUV), padded to even sides where the chroma
-    is subsampled, pts = index."""
+    is subsampled, pts = index (a timeline's: each frame's own time)."""
     height, width = encoding.stored_size(frames.shape[1], frames.shape[2])
     pad_h, pad_w = height - frames.shape[1], width - frames.shape[2]
-    time_base = 1 / Fraction(fps)
+    time_base = fps.tick if isinstance(fps, Timeline) else 1 / Fraction(fps)
     for index, rgb in enumerate(frames):
         if pad_h or pad_w:
             rgb = np.pad(rgb, ((0, pad_h), (0, pad_w), (0, 0)), mode="edge")
@@ -90,7 +91,7 @@ def _encoder_frames(
                 # ProRes writes each frame's own primaries and transfer into its header; the stream's are not used.
                 frame.color_primaries = PRIMARY_CODES[colour.primaries]
                 frame.color_trc = TRANSFER_CODES[colour.transfer]
-        frame.pts = index
+        frame.pts = fps.stamps[index] if isinstance(fps, Timeline) else index
         frame.time_base = time_base
         yield frame
 
@@ -106,7 +107,9 @@ def _add_video_stream(
     hdr: HdrMetadata | None = None,
     sample_aspect: Fraction | None = None,
 ) -> av.VideoStream:
-    video = container.add_stream(encoding.encoder, rate=fps, options=_encoder_options(encoding, hdr))
+    # A timeline's frames each keep their own time, in its ticks; the stream states their mean rate.
+    nominal = fps.mean_rate.limit_denominator(1001) if isinstance(fps, Timeline) else fps
+    video = container.add_stream(encoding.encoder, rate=nominal, options=_encoder_options(encoding, hdr))
     if sample_aspect is not None:
         video.codec_context.sample_aspect_ratio = sample_aspect
     if rotation:
@@ -114,7 +117,7 @@ def _add_video_stream(
         video.set_display_rotation(rotation)
     video.height, video.width = encoding.stored_size(height, width)
     video.pix_fmt = encoding.stream_pix_fmt
-    video.codec_context.time_base = 1 / Fraction(fps)
+    video.codec_context.time_base = fps.tick if isinstance(fps, Timeline) else 1 / Fraction(fps)
     if not encoding.is_rgb:
         video.codec_context.colorspace = MATRIX_CODES[colour.matrix]
         video.codec_context.color_primaries = PRIMARY_CODES[colour.primaries]
@@ -154,9 +157,17 @@ def _mux(
         sound = container.add_stream(AUDIO_CODEC, rate=AUDIO_SAMPLE_RATE, layout="mono")
         sound.bit_rate = AUDIO_BIT_RATE
 
-    for frame in _encoder_frames(frames, fps, encoding, colour):
-        container.mux(video.encode(frame))
-    container.mux(video.encode(None))
+    if isinstance(fps, Timeline):
+        # Held until the last is out: its decode times are made from every packet's (`_decode_times`).
+        packets = [packet for frame in _encoder_frames(frames, fps, encoding, colour) for packet in video.encode(frame)]
+        packets += video.encode(None)
+        for packet, (dts, duration) in zip(packets, _decode_times([p.pts for p in packets], fps.stamps), strict=True):
+            packet.dts, packet.duration = dts, duration
+            container.mux(packet)
+    else:
+        for frame in _encoder_frames(frames, fps, encoding, colour):
+            container.mux(video.encode(frame))
+        container.mux(video.encode(None))
 
     if sound is not None and audio is not None:
         samples = av.AudioFrame.from_ndarray(audio[np.newaxis, :], format="fltp", layout="mono")
@@ -165,6 +176,22 @@ def _mux(
         samples.pts = 0
         container.mux(sound.encode(samples))
         container.mux(sound.encode(None))
+
+
+def _decode_times(shown: list[int], stamps: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Each packet's decode time and duration for packets in decode order shown at `shown` (times among `stamps`,
+    a timeline's): packet j decodes at frame j's time less the one shift that puts none after its own showing.
+
+    Decode times then rise as the frames' times do, however their durations vary: the encoder's own, made for a
+    constant pace, may not rise across a join. Each packet lasts as long as its frame is shown (QuickTime's edit list
+    ends at the latest frame's end), except the last decoded, which lasts the clip's last frame slot: MP4 takes a
+    track's length from the decode times and that last duration, and both then make the clip's length.
+    """
+    shift = max(0, *(stamps[j] - pts for j, pts in enumerate(shown)))
+    lasts = dict(zip(stamps, stamps[1:], strict=False))
+    times = [(stamps[j] - shift, lasts[pts] - pts) for j, pts in enumerate(shown)]
+    times[-1] = (times[-1][0], stamps[len(shown)] - stamps[len(shown) - 1])
+    return times
 
 
 @contextlib.contextmanager
@@ -187,7 +214,11 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
-def _check_rate(fps: object) -> FrameRate:
+def _check_rate(fps: object, num_frames: int | None = None) -> FrameRate:
+    if isinstance(fps, Timeline):
+        if num_frames is not None and fps.frames != num_frames:
+            raise ValueError(f"a timeline of {fps.frames} frame(s) for {num_frames} frame(s)")
+        return fps
     if isinstance(fps, bool) or not isinstance(fps, (int, np.integer, Fraction)) or fps <= 0:
         raise ValueError(f"fps must be a positive integer or fraction, got {fps!r}")
     return fps if isinstance(fps, Fraction) and fps.denominator != 1 else int(fps)
@@ -240,7 +271,7 @@ def write_video(
     - The file is written in place; if encoding fails it is removed and a
       :class:`MediaError` naming ``path`` is raised.
     """
-    fps = _check_rate(fps)
+    fps = _check_rate(fps, len(frames) if isinstance(frames, np.ndarray) and frames.ndim == 4 else None)
     encoding = encoding or _CONTRACT
     _check_frames(frames, encoding)
     if colour.matrix not in _SWS_MATRICES and not encoding.is_rgb:
@@ -296,10 +327,11 @@ def concat_segments(
     if not segments:
         raise ValueError("no segments to join")
     path = os.fspath(path)
-    fps = _check_rate(fps)
+    fps = _check_rate(fps, num_frames if isinstance(fps, Timeline) else None)
     encoding = encoding or _CONTRACT
-    limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
-    frame_base = 1 / Fraction(fps)
+    limit = samples_for(num_frames, fps)
+    timed = _TimedPackets(segments, fps) if isinstance(fps, Timeline) else None
+    frame_base = fps.tick if isinstance(fps, Timeline) else 1 / Fraction(fps)
     with _whole_or_removed(path, "join the segments"):
         with _open_output(path, encoding) as out:
             with av.open(segments[0]) as first:
@@ -313,17 +345,20 @@ def concat_segments(
             if original is None and audio is not None and min(limit, len(audio)) > 0:
                 sound = out.add_stream(AUDIO_CODEC, rate=AUDIO_SAMPLE_RATE, layout="mono")
                 sound.bit_rate = AUDIO_BIT_RATE
-            carried = SourceStreams(original, out, num_frames * frame_base) if original is not None else None
+            carried = SourceStreams(original, out, span_s(num_frames, fps)) if original is not None else None
             offset = 0
             sent = 0
-            delay = max(_decode_delay(segment, frame_base) for segment in segments)
-            for segment in segments:
-                offset += _copy_segment(out, video, segment, offset, frame_base, delay)
+            delay = 0 if timed is not None else max(_decode_delay(segment, frame_base) for segment in segments)
+            for index, segment in enumerate(segments):
+                if timed is not None:
+                    offset += timed.copy(out, video, index)
+                else:
+                    offset += _copy_segment(out, video, segment, offset, frame_base, delay)
                 if sound is not None and audio is not None:
-                    upto = min(limit, len(audio), round(offset / fps * AUDIO_SAMPLE_RATE))
+                    upto = min(limit, len(audio), samples_for(offset, fps))
                     sent = _encode_audio(out, sound, audio, sent, upto)
                 if carried is not None:
-                    carried.feed(offset * frame_base)
+                    carried.feed(span_s(offset, fps))
             if sound is not None:
                 out.mux(sound.encode(None))
             if carried is not None:
@@ -397,6 +432,42 @@ def _copy_segment(
     return frames
 
 
+class _TimedPackets:
+    """Segments' packets placed on a clip's timeline: each frame at its own time, whatever clock its segment's
+    container rounded it to (a frame is known by its rank in its segment's display order), decoded at the times
+    `_decode_times` makes for the whole clip."""
+
+    def __init__(self, segments: list[str], timeline: Timeline) -> None:
+        self._segments, self._timeline = segments, timeline
+        self._frames: list[list[int]] = []  # each segment's packets' frames on the timeline, in decode order
+        first = 0
+        for segment in segments:
+            with av.open(segment) as source:
+                stream = source.streams.video[0]
+                stamps = [p.pts for p in source.demux(stream) if p.size and p.pts is not None and p.dts is not None]
+            order = {pts: first + rank for rank, pts in enumerate(sorted(stamps))}
+            self._frames.append([order[pts] for pts in stamps])
+            first += len(stamps)
+        if first != timeline.frames:
+            raise ValueError(f"the segments hold {first} frames, the timeline {timeline.frames}")
+        shown = [timeline.stamps[frame] for frames in self._frames for frame in frames]
+        self._decode = iter(_decode_times(shown, timeline.stamps))
+
+    def copy(self, out: av.container.OutputContainer, video: av.VideoStream, index: int) -> int:
+        """Mux segment `index`'s packets (segments in order); returns its frame count."""
+        frames = iter(self._frames[index])
+        with av.open(self._segments[index]) as source:
+            for packet in source.demux(source.streams.video[0]):
+                if packet.size == 0 or packet.pts is None or packet.dts is None:
+                    continue
+                packet.pts = self._timeline.stamps[next(frames)]
+                packet.dts, packet.duration = next(self._decode)
+                packet.time_base = self._timeline.tick
+                packet.stream = video
+                out.mux(packet)
+        return len(self._frames[index])
+
+
 def _encode_audio(
     out: av.container.OutputContainer, sound: av.AudioStream, audio: np.ndarray, start: int, stop: int
 ) -> int:
@@ -425,18 +496,19 @@ def planned_output(
     """What :func:`write_video` or :func:`concat_segments` writes for `num_frames` frames of `size` (H, W) at
     `fps`, with `audio_samples` of mono audio (trimmed to the frames) or the streams of `original`: for
     :func:`k6vsr_core.media.checking.check_output` before the file is published. YUV outputs carry `colour`."""
-    fps = _check_rate(fps)
+    fps = _check_rate(fps, num_frames if isinstance(fps, Timeline) else None)
     height, width = encoding.stored_size(*size)
     chapters = 0
     if original is not None:
         streams = carried_streams(original, encoding.container)
-        chapters = carried_chapters(original, num_frames / Fraction(fps))
+        chapters = carried_chapters(original, span_s(num_frames, fps))
     else:
-        limit = round(num_frames / fps * AUDIO_SAMPLE_RATE)
+        limit = samples_for(num_frames, fps)
         streams = (f"audio:{AUDIO_CODEC}",) if min(limit, audio_samples) > 0 else ()
     return PlannedOutput(
         frames=num_frames,
-        frame_rate=str(Fraction(fps)),
+        frame_rate=str(fps.mean_rate if isinstance(fps, Timeline) else Fraction(fps)),
+        timeline=fps if isinstance(fps, Timeline) else None,
         width=width,
         height=height,
         codec=encoding.codec_name,
