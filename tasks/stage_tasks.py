@@ -25,10 +25,9 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from k6vsr_core import media, segments, settings
+from k6vsr_core import media, networks, segments, settings
 from k6vsr_core.compute import apply_profile
 from k6vsr_core.errors import MissingInput, ParameterError, UserFacingError, WindowStopped
-from k6vsr_core.fake_model import FakeNetworks, fake_ms
 from k6vsr_core.latent import fit_latent, read_latent
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.windows import segment_frames, shares_frames
@@ -83,17 +82,6 @@ def _bundle(model: ModelSpec, plan: ClipPlan) -> ModelBundle:
     from tasks.model_cache import get_bundle
 
     return get_bundle(model, plan)
-
-
-def _networks() -> Any:
-    """The three networks' calls: `k6vsr_core.stages`, or the bench-only stand-in when it is selected
-    (`k6vsr_core.fake_model`)."""
-    ms = fake_ms()
-    if ms is None:
-        from k6vsr_core import stages
-
-        return stages
-    return FakeNetworks(ms)
 
 
 def _require(value: Any, run: RunRef, what: str) -> Any:
@@ -161,7 +149,7 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
             frames = media.read_frames(
                 store.source_file(manifest), plan.source_indices(span), pts if len(pts) else None, plan.deinterlace
             )
-            latent = _networks().encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
+            latent = networks.current().encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started
     store.put_tile(
         _array(plan, "latent", window),
@@ -234,7 +222,7 @@ def denoise(
 
     lr_tiles = stages.cut_tiles(torch.from_numpy(latent), plan, chunk.tiles)
     with _compile_spans() as compiling:
-        denoised = _networks().denoise_chunk(_bundle(model, plan), lr_tiles, chunk, plan, count)
+        denoised = networks.current().denoise_chunk(_bundle(model, plan), lr_tiles, chunk, plan, count)
     seconds = time.perf_counter() - started
     for index, tile in zip(chunk.tiles, denoised, strict=True):
         store.put_tile(
@@ -276,7 +264,7 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
         f"the denoised latent of window {window} tile {tile}",
     )
     with _compile_spans() as compiling:
-        pixels = _networks().decode_tile(_bundle(model, plan), torch.from_numpy(latent))
+        pixels = networks.current().decode_tile(_bundle(model, plan), torch.from_numpy(latent))
     seconds = time.perf_counter() - started
     counts = (plan.num_windows, plan.num_tiles)
     store.put_tile(
