@@ -29,9 +29,10 @@ from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
 
 from k6vsr_core.errors import BundleError
-from k6vsr_core.gate import MemoryGate, Stage
+from k6vsr_core.gate import MemoryGate
 from k6vsr_core.plan import ModelTraits
 from k6vsr_core.release_config import DEFAULT_MODEL, DEFAULT_REVISION
+from k6vsr_core.stage_names import Stage
 from k6vsr_core.tiling import RESOLUTIONS, Size
 
 if TYPE_CHECKING:

@@ -133,7 +133,7 @@ def clips_text(done: int, failed: int, left: int) -> str:
 
 def clip_text(name: str, progress: RunProgress | None) -> str:
     """`b.mp4: decode · window 2 of 3 · 7 of 18 tiles`; `b.mp4: ingest` before the clip's plan is recorded."""
-    return f"{name}: {'ingest' if progress is None else progress.text()}"
+    return f"{name}: {Stage.INGEST if progress is None else progress.text()}"
 
 
 class StageCount(BaseModel):
@@ -151,13 +151,13 @@ def stage_items(plan: ClipPlan) -> dict[str, list[str]]:
     windows = [str(w) for w in range(plan.num_windows)]
     tiles = [f"{w}-{t}" for w in range(plan.num_windows) for t in range(plan.num_tiles)]
     return {
-        "ingest": ["all"],
-        "encode": windows,
-        "denoise": tiles,
-        "decode": tiles,
-        "blend": windows,
-        "segment": windows,
-        "mux": ["all"],
+        Stage.INGEST: ["all"],
+        Stage.ENCODE: windows,
+        Stage.DENOISE: tiles,
+        Stage.DECODE: tiles,
+        Stage.BLEND: windows,
+        Stage.SEGMENT: windows,
+        Stage.MUX: ["all"],
     }
 
 
@@ -176,7 +176,7 @@ def tile_count(counts: dict[str, StageCount]) -> StageCount:
     count them: a tile is computed when this attempt decoded it (its last stage; the bar counts decoded tiles too),
     reused when it found it decoded. The stages before it have counts of their own (`stage_counts`): a run resumed
     in a window's decode reuses every denoised tile of it and computes the decodes left."""
-    return counts["decode"]
+    return counts[Stage.DECODE]
 
 
 @contextmanager
