@@ -20,6 +20,7 @@ from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, PlannedOut
 from k6vsr_core.media.colour import MATRIX_CODES, PRIMARY_CODES, TRANSFER_CODES, HdrMetadata, x265_hdr_params
 from k6vsr_core.media.probing import PathLike
 from k6vsr_core.media.streams import SourceStreams, carried_chapters, carried_streams
+from k6vsr_core.media.typed import stream_as, time_base
 
 # The contract's rates are whole numbers; `--fps source` keeps the source's exact rational rate (30000/1001).
 FrameRate = int | Fraction
@@ -106,7 +107,8 @@ def _add_video_stream(
     hdr: HdrMetadata | None = None,
     sample_aspect: Fraction | None = None,
 ) -> av.VideoStream:
-    video = container.add_stream(encoding.encoder, rate=fps, options=_encoder_options(encoding, hdr))
+    added = container.add_stream(encoding.encoder, rate=fps, options=_encoder_options(encoding, hdr))
+    video = stream_as(added, av.VideoStream)
     if sample_aspect is not None:
         video.codec_context.sample_aspect_ratio = sample_aspect
     if rotation:
@@ -359,7 +361,7 @@ def _decode_delay(segment: str, frame_base: Fraction) -> int:
         stream = source.streams.video[0]
         for packet in source.demux(stream):
             if packet.size and packet.dts is not None:
-                return max(0, -round(packet.dts * stream.time_base / frame_base))
+                return max(0, -round(packet.dts * time_base(stream) / frame_base))
     return 0
 
 
@@ -384,10 +386,10 @@ def _copy_segment(
         for packet in source.demux(stream):
             if packet.size == 0 or packet.pts is None or packet.dts is None:
                 continue
-            dts = round(packet.dts * stream.time_base / frame_base)
+            dts = round(packet.dts * time_base(stream) / frame_base)
             if own_delay is None:
                 own_delay = max(0, -dts)
-            packet.pts = round(packet.pts * stream.time_base / frame_base) + offset
+            packet.pts = round(packet.pts * time_base(stream) / frame_base) + offset
             packet.dts = dts + offset - (delay - own_delay)
             packet.duration = 1
             packet.time_base = frame_base
