@@ -207,8 +207,9 @@ class MemoryBudget(BaseModel):
             return room
         if stage == Stage.DENOISE:
             return int(_denoise_activations(self.layout, self.footprint, _tokens(size, frames) * tiles))
-        activations = _encode_activations if stage == Stage.ENCODE else _decode_activations
-        return int(activations(self.footprint, size, frames, self.kvae_chunk(stage, size, frames)))
+        kvae: Literal[Stage.ENCODE, Stage.DECODE] = Stage.ENCODE if stage == Stage.ENCODE else Stage.DECODE
+        activations = _encode_activations if kvae == Stage.ENCODE else _decode_activations
+        return int(activations(self.footprint, size, frames, self.kvae_chunk(kvae, size, frames)))
 
     def summary(self) -> str:
         """One line for plans and logs."""
@@ -334,7 +335,7 @@ def choose_budget(
                 + ("use a smaller budget or auto" if mode != "16g" else "use a GPU with more memory")
             )
         return _budget(mode, fit, limit, footprint, f"asked for; {has}")
-    tried = []
+    tried: list[str] = []
     for name in BUDGETS:
         limit = min(BUDGETS[name].ceiling, card)
         fit = _fit(name, footprint, work, limit)

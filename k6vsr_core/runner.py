@@ -124,7 +124,7 @@ def upscale(
                 else:
                     encoded = stages.encode_clip(bundle, stages.prepare_window(read_window(clip, window), plan, window))
                 lap(Stage.ENCODE)
-                denoised = {}
+                denoised: dict[int, torch.Tensor] = {}
                 for chunk in plan.chunks:
                     lr_tiles = stages.cut_tiles(encoded, plan, chunk.tiles)
                     denoised.update(
@@ -189,6 +189,8 @@ class _Finisher:
         self._blender = stages.window_blender(self.plan, window)
 
     def add(self, index: int, tile: torch.Tensor) -> None:
+        if self._blender is None:
+            raise RuntimeError("a tile was added before its window was started")
         self._submit(self._timed, Stage.BLEND, self._blender.add, index, tile)
 
     def finish(self, window: Window) -> None:
