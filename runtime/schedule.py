@@ -31,6 +31,7 @@ This module knows nothing of Prefect: a lane is a function that starts an item a
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import queue
@@ -131,6 +132,8 @@ def clip_graph(plan: ClipPlan, stream_blend: bool = True, segments: bool = True,
 
 class Future(Protocol):
     def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
+
+    def result(self) -> Any: ...
 
 
 Submit = Callable[[Item], Future]
@@ -250,6 +253,8 @@ class Scheduler:
                     running += 1
                     continue
                 running -= 1
+                if future is None:
+                    raise RuntimeError(f"{item} ended without its future")
                 try:
                     yield item, future
                     if item in self._failed:
@@ -309,7 +314,7 @@ class Scheduler:
 
     def _start(self, item: Item) -> None:
         future = (self._model if item.on_model else self._cpu)(item)
-        future.add_done_callback(lambda done, item=item: self._ended(item, done))
+        future.add_done_callback(functools.partial(self._ended, item))
         self._started(item)
 
     def _ended(self, item: Item, future: Future) -> None:

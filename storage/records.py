@@ -44,7 +44,7 @@ def array_checksum(array: np.ndarray) -> str:
     """SHA-256 over dtype, shape and the C-ordered bytes."""
     contiguous = np.ascontiguousarray(array)
     digest = hashlib.sha256(f"{contiguous.dtype.str}{contiguous.shape}".encode())
-    digest.update(memoryview(contiguous).cast("B"))
+    digest.update(contiguous.data.cast("B"))
     return digest.hexdigest()
 
 

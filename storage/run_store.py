@@ -134,6 +134,13 @@ class RunStore:
     def _group(self) -> zarr.Group:
         return zarr.open_group(store=(self.where / "data.zarr").zarr_store(), mode="a")
 
+    def _stored(self, name: str) -> zarr.Array:
+        """The stored array `name` (a group of that name is a damaged store)."""
+        found = self._group()[name]
+        if not isinstance(found, zarr.Array):
+            raise StoreError(f"run {self.run_key}: stored {name} is a group, not an array")
+        return found
+
     def _array(self, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str) -> zarr.Array:
         """Open or create an array; creating never overwrites, so a concurrent run's chunks survive."""
         group = self._group()
@@ -143,7 +150,7 @@ class RunStore:
                 group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=None, fill_value=0)
             except ContainsArrayError:
                 pass
-        array = group[name]
+        array = self._stored(name)
         if tuple(array.shape) != tuple(shape) or array.dtype != np.dtype(dtype):
             raise StoreError(
                 f"run {self.run_key}: stored {name} is {array.dtype}{array.shape}, expected {dtype}{shape}"
@@ -166,7 +173,7 @@ class RunStore:
             return None
         try:
             with self.where.reaching():
-                value = np.asarray(self._group()[name][...])
+                value = np.asarray(self._stored(name)[...])
         except StoreUnreachable:
             raise  # not an answer about the chunk
         except Exception:  # noqa: BLE001 - a damaged chunk can fail in many ways; all mean 'recompute'
@@ -198,7 +205,7 @@ class RunStore:
             return None
         try:
             with self.where.reaching():
-                value = np.asarray(self._group()[name][key])
+                value = np.asarray(self._stored(name)[key])
         except StoreUnreachable:
             raise
         except Exception:  # noqa: BLE001 - see get()
@@ -513,7 +520,7 @@ def collect_garbage(
     where = location(root)
     if isinstance(where, RemoteLocation):
         return leases.collect(where, keep_finished_outputs, older_than_s, run_keys, dry_run)
-    report = []
+    report: list[dict[str, Any]] = []
     runs = Path(root) / RUNS
     if not runs.is_dir():
         return report

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import av
 import numpy as np
 from prefect import task
-from prefect.cache_policies import NO_CACHE
+from prefect.cache_policies import NO_CACHE, CachePolicy
 
 from k6vsr_core import media, networks, segments, settings
 from k6vsr_core.compute import apply_profile
@@ -64,7 +64,14 @@ def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-STAGE_TASK = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=_retry_transient, cache_policy=NO_CACHE)
+class _TaskOptions(TypedDict):
+    retries: int
+    retry_delay_seconds: float
+    retry_condition_fn: Callable[[Any, Any, Any], bool]
+    cache_policy: CachePolicy
+
+
+STAGE_TASK = _TaskOptions(retries=2, retry_delay_seconds=1, retry_condition_fn=_retry_transient, cache_policy=NO_CACHE)
 
 
 def _store(run: RunRef) -> RunStore:

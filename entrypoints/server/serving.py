@@ -169,7 +169,11 @@ class BoundedH11Protocol(H11Protocol):
         """The connection answered most often in a row without waiting for a request head, if more than once: a
         client that pipelines requests keeps its connection progressing for as long as the server has time for it,
         and gives its place up first (one that asks, waits for the answer and asks again never has more than one)."""
-        open_ = [other for other in self.connections if not other.transport.is_closing()]  # closed: gone already
+        open_ = [  # closed: gone already; every connection of this server is a BoundedH11Protocol
+            other
+            for other in self.connections
+            if isinstance(other, BoundedH11Protocol) and not other.transport.is_closing()
+        ]
         busiest = max(open_, key=lambda other: getattr(other, "_in_a_row", 0), default=None)
         return busiest if getattr(busiest, "_in_a_row", 0) > 1 else None
 
