@@ -11,7 +11,7 @@ request, its answers other than a success and the server's milliseconds per rout
 a websocket (Prefect 3 clients send task-run states as events over `/api/events/in`) at the server;
 then `k6vsr archive` as a subprocess pointed at it (`PREFECT_API_URL`), on N synthetic 64x64 clips (every fifth
 122 frames long, so two windows of one tile; the others one frame, one window), the tiny random bundle on the CPU
-and the bench-only stand-in for the networks (`K6VSR_FAKE_MODEL_MS`, `k6vsr_core/fake_model.py`), so the networks
+and the bench-only stand-in for the networks (`bench/fake_model.py`), so the networks
 cost a fixed few milliseconds and what is left is the orchestration: Prefect, the scheduler, the store, the
 blend, the segments and the mux.
 
@@ -51,6 +51,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench import fake_model  # noqa: E402 - after the checkout is on the path
 
 PROBE_HEADER = "x-k6vsr-bench-probe"
 LONG_EVERY = 5  # every fifth clip is two windows long
@@ -462,8 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         "K6VSR_SERVER_HOME": str(work / "k6vsr-server"),
         "K6VSR_WORKERS_HOME": str(work / "k6vsr-workers"),
         "K6VSR_WARM_WORKERS": "off",
-        "K6VSR_FAKE_MODEL_MS": f"{args.fake_ms:g}",
-        "K6VSR_BENCH_ONLY": "1",
+        **fake_model.environment(args.fake_ms),
         "PYTHONPATH": str(ROOT),
     }
     if os.environ.get("K6VSR_BENCH_PREFECT_DEFAULTS") != "1":

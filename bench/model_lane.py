@@ -5,7 +5,7 @@
 Runs the real `k6vsr archive` command on N synthetic clips (the tiny random bundle, `--device cpu`) once per lane
 layout (`K6VSR_LANES`: `threads`, the command computing in its own threads; `processes`, the cluster a GPU machine's
 command starts for itself: one model process that only computes and CPU-lane processes), with the stand-in
-(`K6VSR_FAKE_MODEL_MS`: each network call holds its process's one "device" for a fixed time, as a GPU would). From
+(`bench/fake_model.py`: each network call holds its process's one "device" for a fixed time, as a GPU would). From
 the runs' timelines it reports, per layout:
 
 - the wall time of the command, the head (command start to the first model item) and the tail (last model item to
@@ -33,14 +33,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from bench import fake_model  # noqa: E402 - after the path
 from tests.timelines import MODEL_STAGES, covered  # noqa: E402 - after the path
 
 
 def measure(work: Path, layout: str, args: argparse.Namespace) -> dict[str, object]:
     env = dict(os.environ)
     env |= {
-        "K6VSR_FAKE_MODEL_MS": f"{args.ms:g}",
-        "K6VSR_BENCH_ONLY": "1",
+        **fake_model.environment(args.ms),
         "K6VSR_LANES": layout,
         "K6VSR_WARM_WORKERS": "off",
     }

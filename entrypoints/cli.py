@@ -34,6 +34,7 @@ from k6vsr_core import status
 from k6vsr_core.encoding import SUFFIXES
 from k6vsr_core.errors import ParameterError, ServiceError, UserFacingError, describe_error
 from k6vsr_core.params import FPS_MODES, UpscaleParams, output_name, parse_params
+from k6vsr_core.stage_names import Stage
 from runtime import interrupts
 from runtime.malloc_arenas import limit_malloc_arenas
 from runtime.slots import ARCHIVE_CLIPS_IN_FLIGHT
@@ -508,10 +509,10 @@ def progress_of(prepared: Any) -> dict[str, int]:
     store = prepared.run.open()
     return {
         "total": plan.num_windows * plan.num_tiles,
-        "denoised": len(store.records.items("denoise")),
+        "denoised": len(store.records.items(Stage.DENOISE)),
         "decoded": store.tiles_decoded(),
-        "windows_blended": len(store.records.items("blend")),
-        "segments": len(store.records.items("segment")),
+        "windows_blended": len(store.records.items(Stage.BLEND)),
+        "segments": len(store.records.items(Stage.SEGMENT)),
         "output": int(store.output_done()),
     }
 

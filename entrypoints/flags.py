@@ -61,9 +61,13 @@ def request_flags(parser: argparse.ArgumentParser, windows_flag: bool = True) ->
         names = REQUEST_FLAGS.get(name, (f"--{name.replace('_', '-')}",))
         if name == "windows" and not windows_flag:
             names = ("--window-mode",)
-        extra = {"metavar": "MODE_OR_RATE"} if name == "fps_mode" else {}
+        options: dict[str, Any] = {"dest": name, "help": _help(name, defaults)}
         kind = _flag_type(name, field.annotation)
-        group.add_argument(*names, dest=name, type=kind, help=_help(name, defaults), **extra)
+        if kind is not None:
+            options["type"] = kind
+        if name == "fps_mode":
+            options["metavar"] = "MODE_OR_RATE"
+        group.add_argument(*names, **options)
 
 
 def model_flags(parser: argparse.ArgumentParser, at_start: bool = False) -> None:

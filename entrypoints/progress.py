@@ -120,7 +120,7 @@ class RunBar:
         if ended:
             done = read_progress(self.store, self.plan).decoded - self.found
             return ClipTime(self.clock() - self.since, 0.0, done, done)
-        return ClipTime(self.clock() - self.since, self.left, self.tiles, min(self.tiles, self.bar.n - self.found))
+        return ClipTime(self.clock() - self.since, self.left, self.tiles, min(self.tiles, int(self.bar.n) - self.found))
 
     def close(self) -> None:
         self.bar.close()

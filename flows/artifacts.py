@@ -171,7 +171,7 @@ class TileProgress:
         every_s: float = 0.0,
     ) -> None:
         self._key, self._run = clip_key("tiles", source, run_key), flow_run_id
-        self._id: UUID | str | None = None  # made by the first state sent
+        self._id: UUID | None = None  # made by the first state sent
         self._shown: str | None = None
         self._every, self._sent = every_s, time.monotonic()
         self._made = self._sent_made = 0  # the states given so far, and the number of the last one sent

@@ -31,9 +31,10 @@ from flows.upscale_clip import _task_of
 from k6vsr_core import media
 from k6vsr_core.errors import MissingInput
 from k6vsr_core.plan import ClipPlan, representative_windows
+from k6vsr_core.stage_names import Stage, TaskKind
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
 from runtime.runners import WarmOrThreadsTaskRunner
-from runtime.schedule import DENOISE_DECODE, MODEL_ITEMS, Graph, Item, Scheduler, clip_graph
+from runtime.schedule import MODEL_ITEMS, Graph, Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef
 from storage import RunStore
 from storage.estimate import RATES, RunEstimate, StageRates, read_rates, run_estimate
@@ -137,13 +138,17 @@ def preview_graph(plan: ClipPlan, chosen: tuple[int, ...], stream_blend: bool = 
     """The clip's graph (`runtime.schedule.clip_graph`) cut down to the chosen windows' model work and blends, each
     chosen window encoded once the one chosen before it is being denoised, as a run encodes one window ahead."""
     whole = clip_graph(plan, stream_blend, segments=False, fused=fused)
-    items = tuple(item for item in whole.items if item.window in chosen and item.stage in (*MODEL_ITEMS, "blend"))
+    items = tuple(
+        item for item in whole.items if item.window in chosen and item.stage in (*MODEL_ITEMS, TaskKind.BLEND)
+    )
     kept = set(items)
     needs = {item: tuple(need for need in whole.needs[item] if need in kept) for item in items}
     after_start = {}
     for before, window in zip(chosen, chosen[1:], strict=False):
-        after_start[Item("encode", window, tiles=tuple(range(plan.num_tiles)))] = tuple(
-            item for item in items if item.window == before and item.stage in ("denoise", DENOISE_DECODE)
+        after_start[Item(TaskKind.ENCODE, window, tiles=tuple(range(plan.num_tiles)))] = tuple(
+            item
+            for item in items
+            if item.window == before and item.stage in (TaskKind.DENOISE, TaskKind.DENOISE_DECODE)
         )
     starts_with = {item: first for item, first in whole.starts_with.items() if item in kept}
     return Graph(items, needs, after_start, starts_with)
@@ -186,9 +191,9 @@ def _windows(
             work += [
                 ModelWork(start=r.started_at, end=r.started_at + r.seconds, compiling=r.compile_spans)
                 for r in results
-                if r.computed and r.started_at and item.stage != "blend"
+                if r.computed and r.started_at and item.stage != TaskKind.BLEND
             ]
-            if item.stage == "blend":
+            if item.stage == TaskKind.BLEND:
                 ends[item.window] = time.time() - started
     if error is not None:
         raise error
@@ -246,7 +251,7 @@ def _halves(store: RunStore, plan: ClipPlan, window: int, frames: np.ndarray) ->
     import cv2
 
     manifest = store.read_manifest()
-    pts = store.get("frame_pts", stage="ingest")
+    pts = store.get("frame_pts", stage=Stage.INGEST)
     originals = media.read_frames(
         store.source_file(manifest),
         plan.source_indices(plan.windows[window]),
@@ -301,6 +306,6 @@ def _keep_rates(store: RunStore, rates: StageRates, attempt: str) -> None:
     tmp = store.temp_file(path, ".json")
     try:
         tmp.write_text(rates.model_dump_json(indent=2))
-        store.commit_file(tmp, path, "preview", "all", attempt=attempt)
+        store.commit_file(tmp, path, Stage.PREVIEW, "all", attempt=attempt)
     finally:
         tmp.unlink(missing_ok=True)

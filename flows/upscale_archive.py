@@ -36,12 +36,12 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast, get_args
 from uuid import UUID
 
 from prefect import Flow, flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.states import Failed
+from prefect.states import Failed, State
 from pydantic import BaseModel
 
 from flows import artifacts
@@ -79,13 +79,13 @@ VIDEO_GLOBS = (
     "*.y4m",
 )
 MANIFEST_NAME = "k6vsr-archive-manifest"
-STATUSES = ("done", "reused", "failed", "skipped", "planned")
 # The manifest artifact is rewritten whole on each update: at most once per this many seconds, and at the end.
 TABLE_EVERY_S = 10.0
 PLAN_THREADS = 8
 REASON_LIMIT = 2000
 
 Status = Literal["done", "reused", "failed", "skipped", "planned"]
+STATUSES: tuple[Status, ...] = get_args(Status)
 
 
 class ArchiveRow(BaseModel):
@@ -522,7 +522,7 @@ def _clip_run_name() -> str:
     return CLIP_RUN_NAME.get()
 
 
-def clip_flow_of_archive(dask_address: str | None = None) -> Flow:
+def clip_flow_of_archive(dask_address: str | None = None) -> Flow[..., ClipSummary]:
     """The clip flow as an archive runs it, made once per archive: a flow's options rebuild its parameters' schema
     (55 ms a clip); the run's name comes from `CLIP_RUN_NAME`."""
     return upscale_clip.with_options(flow_run_name=_clip_run_name, task_runner=make_task_runner(1, dask_address, False))
@@ -544,7 +544,7 @@ def clip_runs_without_heartbeats() -> Iterator[None]:
 
 
 def upscale_one(
-    relative_path: str, output: str, prepared: PreparedRun, model: ModelSpec, clip_flow: Flow
+    relative_path: str, output: str, prepared: PreparedRun, model: ModelSpec, clip_flow: Flow[..., ClipSummary]
 ) -> tuple[str, ClipSummary | Exception]:
     """Run `clip_flow` (`clip_flow_of_archive`) on the clip's plan, as a subflow of this flow run, named after the
     clip.
@@ -554,7 +554,8 @@ def upscale_one(
     """
     named = CLIP_RUN_NAME.set(f"upscale-{relative_path}")
     try:
-        state = clip_flow(prepared=prepared, output=output, model=model, return_state=True)
+        # A state, as `return_state` asks; Prefect's overloads give a flow of unnamed parameters its result's type.
+        state = cast("State[ClipSummary]", clip_flow(prepared=prepared, output=output, model=model, return_state=True))
     finally:
         CLIP_RUN_NAME.reset(named)
     try:

@@ -30,11 +30,12 @@ from k6vsr_core.errors import TileFailure, WindowStopped
 from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.quality import QualityReport
+from k6vsr_core.stage_names import Stage, TaskKind
 from runtime.errors import WorkersUnavailable
 from runtime.flow_leases import leased
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
 from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner
-from runtime.schedule import DENOISE_DECODE, Item, Scheduler, clip_graph
+from runtime.schedule import Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
 from storage.location import is_url
@@ -211,7 +212,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
         timings={stage: round(seconds, 3) for stage, seconds in timings.items()},
         spans={span.stage: round(span.span, 3) for span in clock.spans()},
         items=counts,
-        reused_output=store.attempt_of("mux") != attempt,
+        reused_output=store.attempt_of(Stage.MUX) != attempt,
         quality=quality,
     )
     _report(store, summary, clock, plan)
@@ -269,7 +270,7 @@ def _windows(
                     record(result)
                     # Each task's end may move the run to its next stage: counted from its result, not re-read.
                     counter.finished(result.stage, result.window, result.tiles, result.seconds)
-                    if result.stage == "denoise":
+                    if result.stage == Stage.DENOISE:
                         denoised.append(result)
                 progress.update(counter.progress())
             finished = True
@@ -294,15 +295,15 @@ def _stop_blends(store: RunStore, windows: Iterable[int], attempt: str) -> None:
 def _task_of(item: Item, run: RunRef, model: ModelSpec, attempt: str) -> tuple[Any, dict[str, Any]]:
     """The stage task that computes `item`, with its parameters."""
     w = item.window
-    if item.stage == "encode":
+    if item.stage == TaskKind.ENCODE:
         return stage_tasks.encode, dict(run=run, model=model, window=w, attempt=attempt)
-    if item.stage in ("denoise", DENOISE_DECODE):
+    if item.stage in (TaskKind.DENOISE, TaskKind.DENOISE_DECODE):
         label = "-".join(map(str, item.tiles))
         parameters = dict(run=run, model=model, window=w, chunk_index=item.index, attempt=attempt, tiles_label=label)
-        return stage_tasks.denoise if item.stage == "denoise" else stage_tasks.denoise_decode, parameters
-    if item.stage == "decode":
+        return stage_tasks.denoise if item.stage == TaskKind.DENOISE else stage_tasks.denoise_decode, parameters
+    if item.stage == TaskKind.DECODE:
         return stage_tasks.decode, dict(run=run, model=model, window=w, tile=item.index, attempt=attempt)
-    if item.stage == "blend":  # a preview's (flows.preview)
+    if item.stage == TaskKind.BLEND:  # a preview's (flows.preview)
         return stage_tasks.blend, dict(run=run, window=w, attempt=attempt)
     return stage_tasks.blend_segment, dict(run=run, window=w, attempt=attempt)
 
@@ -328,7 +329,7 @@ def _source_still(store: RunStore, source: str, plan: ClipPlan, frame: int) -> n
     """The source frame shown as the output's `frame`; None for a latent run, which has no source frames."""
     if store.read_manifest().latent_fps is not None:
         return None
-    pts = store.get("frame_pts", stage="ingest")
+    pts = store.get("frame_pts", stage=Stage.INGEST)
     pts = pts if pts is not None and len(pts) else None
     return media.read_frames(source, [plan.source_indices()[frame]], pts, plan.deinterlace)[0]
 

@@ -29,9 +29,10 @@ from pydantic import BaseModel, ConfigDict
 from safetensors import safe_open
 
 from k6vsr_core.errors import BundleError
-from k6vsr_core.gate import MemoryGate, Stage
+from k6vsr_core.gate import MemoryGate
 from k6vsr_core.plan import ModelTraits
 from k6vsr_core.release_config import DEFAULT_MODEL, DEFAULT_REVISION
+from k6vsr_core.stage_names import Stage
 from k6vsr_core.tiling import RESOLUTIONS, Size
 
 if TYPE_CHECKING:
@@ -422,7 +423,7 @@ class _PlannedBundle(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     path: Path
-    kwargs: dict[str, dict[str, Any]]
+    component_kwargs: dict[str, dict[str, Any]]  # each component's `from_pretrained` arguments
     scheduler_config: dict[str, Any]
     info: BundleInfo
 
@@ -504,7 +505,7 @@ def inspect_bundle(
         fingerprint=print_fp,
         latent_channels=int(kwargs["vae"].get("latent_channels", DEFAULT_LATENT_CHANNELS)),
     )
-    return _PlannedBundle(path=path, kwargs=kwargs, scheduler_config=scheduler, info=info)
+    return _PlannedBundle(path=path, component_kwargs=kwargs, scheduler_config=scheduler, info=info)
 
 
 def _scheduler_from_config(cls: Any, config: dict[str, Any]) -> Any:
@@ -570,7 +571,11 @@ def load_bundle(
                 # fp32 is the checkpoint's own precision: asking for it would only force diffusers' accelerate path.
                 dtype_arg = {} if dtype == torch.float32 else {"torch_dtype": dtype}
                 module = cls.from_pretrained(
-                    str(path), subfolder=component, use_safetensors=True, **dtype_arg, **planned.kwargs[component]
+                    str(path),
+                    subfolder=component,
+                    use_safetensors=True,
+                    **dtype_arg,
+                    **planned.component_kwargs[component],
                 )
             except Exception as err:  # noqa: BLE001 - name the component whatever diffusers raised
                 raise BundleError(f"{component}: loading failed ({type(err).__name__}: {err})") from None

@@ -105,7 +105,8 @@ def _strict_kernels(on: bool) -> None:
 
     torch.use_deterministic_algorithms(on, warn_only=True)
     if on:
-        torch.utils.deterministic.fill_uninitialized_memory = False
+        # torch gives this module a class with the property as it is imported; its stub cannot say so.
+        torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     inductor_config.triton.autotune_pointwise = not on
     if hasattr(inductor_config, "dynamic_scale_rblock"):
         inductor_config.dynamic_scale_rblock = not on

@@ -217,7 +217,11 @@ def fast_processor(mode: AttentionMode, *, compiled_blocks: bool, use_cudnn: boo
     """The processor the fast path gives each attention layer for `mode` (on CUDA; the plain one runs elsewhere)."""
     if mode == "dense":
         return FastDenseProcessor(use_cudnn)
-    return FastNablaProcessor(flex=flex_attention if compiled_blocks else compiled_flex_attention())
+    # Inside compiled blocks, the plain function (the block's compile fuses it); else one compiled on its own.
+    flex: Callable[..., torch.Tensor] = flex_attention
+    if not compiled_blocks:
+        flex = compiled_flex_attention()
+    return FastNablaProcessor(flex=flex)
 
 
 def _attention_modules(transformer: Any) -> list[Any]:

@@ -29,6 +29,7 @@ it against the eager reference).
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -101,6 +102,17 @@ def channels_last_forward(self: Any, latents: torch.Tensor, cache: dict) -> torc
     return decoded.contiguous()
 
 
+# The modules already changed, so that a second call changes none of them again.
+_CHANNELS_LAST: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_FUSED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _own_forward(module: torch.nn.Module, forward: Any) -> None:
+    """Give this one module `forward` ahead of its class's: an instance attribute, which nn.Module keeps in its
+    `__dict__` as it does any attribute that is not a parameter, buffer or submodule."""
+    vars(module)["forward"] = types.MethodType(forward, module)
+
+
 def fuse_decoder(decoder: torch.nn.Module, channels_last: bool | None = None) -> int:
     """Give `decoder`'s spatial norms and stride-1 causal convolutions their fast forms, and with `channels_last` its
     layout; returns how many modules changed.
@@ -110,22 +122,22 @@ def fuse_decoder(decoder: torch.nn.Module, channels_last: bool | None = None) ->
     """
     if channels_last is None:
         channels_last = channels_last_wanted()
-    if channels_last and not getattr(decoder, "_k6vsr_channels_last", False):
+    if channels_last and decoder not in _CHANNELS_LAST:
         for conv in decoder.modules():
             if isinstance(conv, torch.nn.Conv3d):
                 conv.weight.data = conv.weight.data.contiguous(memory_format=CHANNELS_LAST)
-        decoder.forward = types.MethodType(channels_last_forward, decoder)
-        decoder._k6vsr_channels_last = True
+        _own_forward(decoder, channels_last_forward)
+        _CHANNELS_LAST.add(decoder)
     changed = 0
     for module in decoder.modules():
-        if getattr(module, "_k6vsr_fused", False):
+        if module in _FUSED:
             continue
         if isinstance(module, Kandinsky6SRSpatialNorm3D):
-            module.forward = types.MethodType(spatial_norm_forward, module)
+            _own_forward(module, spatial_norm_forward)
         elif isinstance(module, Kandinsky6SRCausalConv3d) and module.time_stride == 1:
-            module.forward = types.MethodType(causal_conv_forward, module)
+            _own_forward(module, causal_conv_forward)
         else:
             continue
-        module._k6vsr_fused = True
+        _FUSED.add(module)
         changed += 1
     return changed

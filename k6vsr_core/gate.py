@@ -11,9 +11,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from k6vsr_core.stage_names import Stage
-
-__all__ = ["MemoryGate", "Stage"]  # a gate's calls are the model stages
+__all__ = ["MemoryGate"]
 
 
 # A condition variable of our own, not a Dask worker resource or a Prefect concurrency limit: shares are bytes that

@@ -44,9 +44,9 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import UserFacingError
-from k6vsr_core.gate import Stage
 from k6vsr_core.memory_modes import MEMORY_MODES, BudgetName, MemoryMode
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan
+from k6vsr_core.stage_names import Stage
 from k6vsr_core.tiling import SPATIAL_FACTOR, Size
 
 if TYPE_CHECKING:
@@ -181,11 +181,11 @@ class MemoryBudget(BaseModel):
         """Whether a decode may run beside a denoise, and so is budgeted with one: wherever stages do not take turns."""
         return self.layout is not None and not self.layout.take_turns
 
-    def kvae_chunk(self, stage: Literal["encode", "decode"], size: Size, frames: int) -> int | None:
+    def kvae_chunk(self, stage: Literal[Stage.ENCODE, Stage.DECODE], size: Size, frames: int) -> int | None:
         """Latent frames per KVAE call for an encode of a `size` source or a decode of a `size` tile."""
         if self.layout is None or self.limit is None:
             return None
-        peak = _encode_peak if stage == "encode" else _decode_peak
+        peak = _encode_peak if stage == Stage.ENCODE else _decode_peak
         return _largest_chunk(self.layout, self.footprint, peak, size, frames, self.limit)[0]
 
     @property
@@ -205,10 +205,11 @@ class MemoryBudget(BaseModel):
             return 0
         if self.layout.take_turns:
             return room
-        if stage == "denoise":
+        if stage == Stage.DENOISE:
             return int(_denoise_activations(self.layout, self.footprint, _tokens(size, frames) * tiles))
-        activations = _encode_activations if stage == "encode" else _decode_activations
-        return int(activations(self.footprint, size, frames, self.kvae_chunk(stage, size, frames)))
+        kvae: Literal[Stage.ENCODE, Stage.DECODE] = Stage.ENCODE if stage == Stage.ENCODE else Stage.DECODE
+        activations = _encode_activations if kvae == Stage.ENCODE else _decode_activations
+        return int(activations(self.footprint, size, frames, self.kvae_chunk(kvae, size, frames)))
 
     def summary(self) -> str:
         """One line for plans and logs."""
@@ -334,7 +335,7 @@ def choose_budget(
                 + ("use a smaller budget or auto" if mode != "16g" else "use a GPU with more memory")
             )
         return _budget(mode, fit, limit, footprint, f"asked for; {has}")
-    tried = []
+    tried: list[str] = []
     for name in BUDGETS:
         limit = min(BUDGETS[name].ceiling, card)
         fit = _fit(name, footprint, work, limit)

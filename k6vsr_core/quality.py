@@ -144,7 +144,7 @@ class Measures:
                 for name, array in zip(("small", "src", "grey"), frame, strict=True):
                     arrays[f"{end}_{name}"] = array
         buffer = io.BytesIO()
-        np.savez(buffer, **arrays)
+        np.savez(buffer, allow_pickle=False, **arrays)
         return buffer.getvalue()
 
     @classmethod
@@ -156,7 +156,7 @@ class Measures:
                 frames, values = stored[f"{name}_frames"], stored[name]
                 setattr(parts, name, {int(t): float(v) for t, v in zip(frames, values, strict=True)})
             parts.seams = {
-                int(t): tuple(float(v) for v in row)
+                int(t): (float(row[0]), float(row[1]), float(row[2]), float(row[3]))
                 for t, row in zip(stored["seams_frames"], stored["seams"], strict=True)
             }
             for end in ("head", "tail"):
@@ -181,7 +181,7 @@ class QualityMeter:
 
         self._windows, self._cuts = windows, cuts
         self._borders = borders
-        self._flow = cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST)
+        self._flow = cv2.DISOpticalFlow.create(cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST)
         self._measures = Measures(first, first)
         self._previous: Reduced | None = None
 
@@ -234,7 +234,7 @@ def combine(
         if part.first != whole.stop:
             raise ValueError(f"the measures cover frames up to {whole.stop}, the next part starts at {part.first}")
         if part.first and part.first not in cuts and part.head is not None and whole.tail is not None:
-            flow = flow or cv2.DISOpticalFlow_create(cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST)
+            flow = flow or cv2.DISOpticalFlow.create(cv2.DISOPTICAL_FLOW_PRESET_ULTRAFAST)
             whole.energy[part.first], whole.warping[part.first] = _pair(whole.tail, part.head, flow)
         for name in ("energy", "warping", "seams", "delta_e", "squared_error"):
             getattr(whole, name).update(getattr(part, name))

@@ -28,6 +28,7 @@ from k6vsr_core.params import UpscaleParams
 from k6vsr_core.pixels import TileBlender
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.source import SourceClip, read_source, read_window, source_audio
+from k6vsr_core.stage_names import Stage
 from k6vsr_core.windows import Window, segment_frames
 
 T = TypeVar("T")
@@ -112,7 +113,7 @@ def upscale(
         audio = media.decode_audio(source)  # the frames' caller gets the contract's track of the source
     if bundle.memory is None:
         apply_budget(bundle, budget_for(memory, bundle.device, plan))
-    lap("ingest")
+    lap(Stage.INGEST)
     folder_of = None if output is None else Path(output).parent
     with tempfile.TemporaryDirectory(prefix=".k6vsr-segments-", dir=folder_of) as folder:
         finisher = _Finisher(plan, clip.rotation, audio, None if output is None else Path(folder), return_frames)
@@ -122,18 +123,18 @@ def upscale(
                     encoded = scaled
                 else:
                     encoded = stages.encode_clip(bundle, stages.prepare_window(read_window(clip, window), plan, window))
-                lap("encode")
-                denoised = {}
+                lap(Stage.ENCODE)
+                denoised: dict[int, torch.Tensor] = {}
                 for chunk in plan.chunks:
                     lr_tiles = stages.cut_tiles(encoded, plan, chunk.tiles)
                     denoised.update(
                         zip(chunk.tiles, stages.denoise_chunk(bundle, lr_tiles, chunk, plan, count), strict=True)
                     )
-                lap("denoise")
+                lap(Stage.DENOISE)
                 finisher.start(window)
                 for index in range(plan.num_tiles):
                     finisher.add(index, stages.decode_tile(bundle, denoised.pop(index)))
-                lap("decode")
+                lap(Stage.DECODE)
                 finisher.finish(window)
         if output is not None:
             segments.join_segments(
@@ -143,7 +144,7 @@ def upscale(
     # and the join are the mux's.
     for stage, seconds in finisher.timings.items():
         timings[stage] = timings.get(stage, 0.0) + seconds
-    lap("mux")
+    lap(Stage.MUX)
     result = UpscaleResult(output=None if output is None else str(output), plan=plan, timings=timings, dit_calls=calls)
     if return_frames:
         result.frames = np.concatenate(finisher.kept)
@@ -188,7 +189,9 @@ class _Finisher:
         self._blender = stages.window_blender(self.plan, window)
 
     def add(self, index: int, tile: torch.Tensor) -> None:
-        self._submit(self._timed, "blend", self._blender.add, index, tile)
+        if self._blender is None:
+            raise RuntimeError("a tile was added before its window was started")
+        self._submit(self._timed, Stage.BLEND, self._blender.add, index, tile)
 
     def finish(self, window: Window) -> None:
         blender, self._blender = self._blender, None
@@ -196,9 +199,9 @@ class _Finisher:
 
     def _write(self, blender: TileBlender, window: Window) -> None:
         frames = self._timed(
-            "blend", lambda: stages.tensor_to_frames(stages.deliver(stages.blended(blender, window), self.plan))
+            Stage.BLEND, lambda: stages.tensor_to_frames(stages.deliver(stages.blended(blender, window), self.plan))
         )
-        self._timed("segment", self._segment, window, frames)
+        self._timed(Stage.SEGMENT, self._segment, window, frames)
 
     def _segment(self, window: Window, frames: np.ndarray) -> None:
         joined = segment_frames(self.plan.windows, window.index, frames, self._previous)

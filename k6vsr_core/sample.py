@@ -44,7 +44,8 @@ def make_sample_clip(
     with av.open(str(path), "w") as container:
         video = container.add_stream("libx264", rate=rate)
         video.width, video.height, video.pix_fmt = width, height, "yuv420p"
-        video.options = VideoEncoding().options()  # the contract's H.264, with the same bytes on every run
+        options: dict[str, object] = dict(VideoEncoding().options())  # the contract's H.264, the same bytes every run
+        video.options = options
         sound = None
         if audio:
             sound = container.add_stream("aac", rate=sample_rate, layout="stereo")

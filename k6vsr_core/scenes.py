@@ -73,7 +73,7 @@ def shifted_change(earlier: np.ndarray, later: np.ndarray, shift: Shift) -> floa
     if x1 - x0 < width * MIN_SHARED or y1 - y0 < height * MIN_SHARED:
         return float("inf")
     if shift != (0.0, 0.0):
-        earlier = cv2.warpAffine(earlier, np.float32([[1, 0, dx], [0, 1, dy]]), (width, height))
+        earlier = cv2.warpAffine(earlier, np.array([[1, 0, dx], [0, 1, dy]], dtype=np.float32), (width, height))
     return float(np.abs(earlier[y0:y1, x0:x1] - later[y0:y1, x0:x1]).mean())
 
 
@@ -119,6 +119,8 @@ def _cuts(frames: Iterator[np.ndarray]) -> Iterator[int]:
             cut, quiet_until = _decide(count - 1 - LAG, changes, shifts, list(held), comparer, quiet_until)
             if cut:
                 yield count - 1 - LAG
+    if comparer is None:  # no frames
+        return
     # The last frames, with fewer after them.
     first_held = count - len(held)
     for t in range(max(1, count - LAG), count):

@@ -91,6 +91,10 @@ class Compute(_Group):
         "channels_last", description="the fast KVAE decoder's memory layout (`channels_first` only to measure)"
     )
     cpu_threads: int | None = Field(None, ge=1, description="torch's CPU threads (default: the cores this may use)")
+    networks: str | None = Field(
+        None,
+        description="`module:function` giving other calls than the model's for its networks (`k6vsr_core.networks`)",
+    )
 
     @field_validator("deterministic", "decoder_layout", mode="before")
     @classmethod
@@ -98,16 +102,7 @@ class Compute(_Group):
         return _word(value)
 
 
-class Bench(_Group):
-    """The benchmarks' network stand-in: never for real runs."""
-
-    fake_model_ms: float | None = Field(
-        None, ge=0, le=10_000, description="replace each network call by a pause of this many ms (bench only)"
-    )
-    bench_only: bool = Field(False, description="says the caller knows a stand-in's outputs are meaningless")
-
-
-GROUPS: tuple[type[_Group], ...] = (Store, Server, Workers, Compute, Bench)
+GROUPS: tuple[type[_Group], ...] = (Store, Server, Workers, Compute)
 Group = TypeVar("Group", bound=_Group)
 
 

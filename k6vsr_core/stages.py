@@ -27,6 +27,7 @@ from k6vsr_core.bundle import PIFLOW, ModelBundle, diffusers_class
 from k6vsr_core.pixels import TileBlender, pad_video, pre_upscale_video, resize_video
 from k6vsr_core.plan import TEMPORAL_FACTOR, ClipPlan, TileChunk
 from k6vsr_core.precision import dit_for
+from k6vsr_core.stage_names import Stage
 from k6vsr_core.tiling import SPATIAL_FACTOR, Size
 from k6vsr_core.windows import Window
 
@@ -62,7 +63,7 @@ def prepare_window(frames: np.ndarray, plan: ClipPlan, window: Window) -> torch.
     return pad_video(video, plan.grid.padded_size)
 
 
-def _kvae_chunk(bundle: ModelBundle, stage: Literal["encode", "decode"], size: Size, frames: int) -> int | None:
+def _kvae_chunk(bundle: ModelBundle, stage: Literal[Stage.ENCODE, Stage.DECODE], size: Size, frames: int) -> int | None:
     """Latent frames per KVAE call under the bundle's memory budget; None (the KVAE's own call) without one."""
     return None if bundle.memory is None else bundle.memory.kvae_chunk(stage, size, frames)
 
@@ -83,12 +84,12 @@ def encode_latent(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
 
 
 def _encoding(bundle: ModelBundle, video: torch.Tensor) -> AbstractContextManager[None]:
-    return bundle.on_gpu("encode", (video.shape[-2], video.shape[-1]), video.shape[0])
+    return bundle.on_gpu(Stage.ENCODE, (video.shape[-2], video.shape[-1]), video.shape[0])
 
 
 def _encode(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
     vae = bundle.vae
-    chunk = _kvae_chunk(bundle, "encode", (video.shape[-2], video.shape[-1]), video.shape[0])
+    chunk = _kvae_chunk(bundle, Stage.ENCODE, (video.shape[-2], video.shape[-1]), video.shape[0])
     # The KVAE was trained on pixels / 128 - 1, not the usual / 127.5 - 1.
     pixels = video.to(bundle.device).permute(1, 0, 2, 3).unsqueeze(0).float() / 128.0 - 1.0
     return kvae.encode(vae, pixels.to(vae.dtype), chunk)
@@ -160,7 +161,7 @@ def denoise_chunk(
     on_step: StepHook | None = None,
 ) -> torch.Tensor:
     """Upscale, noise and refine one chunk of LR tiles; returns denoised latents (n, 64, t, H, W) fp32 on the CPU."""
-    with bundle.on_gpu("denoise", plan.grid.base, plan.window_frames, tiles=lr_tiles.shape[0]):
+    with bundle.on_gpu(Stage.DENOISE, plan.grid.base, plan.window_frames, tiles=lr_tiles.shape[0]):
         return _denoise(bundle, lr_tiles, chunk, plan, on_step)
 
 
@@ -210,8 +211,8 @@ def decode_tile(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
     vae = bundle.vae
     frames = 1 + (latent.shape[1] - 1) * TEMPORAL_FACTOR
     tile = (latent.shape[2] * SPATIAL_FACTOR, latent.shape[3] * SPATIAL_FACTOR)
-    chunk = _kvae_chunk(bundle, "decode", tile, frames)
-    with bundle.on_gpu("decode", tile, frames):
+    chunk = _kvae_chunk(bundle, Stage.DECODE, tile, frames)
+    with bundle.on_gpu(Stage.DECODE, tile, frames):
         z = latent.unsqueeze(0).to(bundle.device) / vae.config.scaling_factor
         # In chunks, each piece becomes uint8 on the CPU as it is decoded: the GPU never holds the decoded tile.
         with compile_watch(bundle, "KVAE decoder", tuple(z.shape), f"chunk {chunk}"):

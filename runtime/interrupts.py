@@ -61,7 +61,7 @@ def noting_signals() -> Iterator[None]:
         if _handler is not None and not _answered:
             _answered = True
             _handler(signum)  # a command's handler ends the process here; a test's returns
-        handler = previous[signum]
+        handler = previous[signal.Signals(signum)]
         if callable(handler):
             return handler(signum, frame)
         if handler == signal.SIG_DFL:  # what the signal would have done: deliver it again, undisturbed

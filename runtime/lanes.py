@@ -56,7 +56,8 @@ class Lanes:
 def lanes_for(runner: Any) -> Iterator[Lanes]:
     """The lanes on `runner`, the task runner the flow run entered."""
     if not is_dask_runner(runner):
-        with ThreadPoolTaskRunner(max_workers=CPU_THREADS) as cpu:
+        pool: ThreadPoolTaskRunner[Any] = ThreadPoolTaskRunner(max_workers=CPU_THREADS)
+        with pool as cpu:
             yield Lanes(runner.submit, cpu.submit, MODEL_SLOTS, f"{MODEL_SLOTS} model threads, {CPU_THREADS} CPU")
         return
     info = runner.client.scheduler_info(n_workers=-1)

@@ -6,6 +6,7 @@ import importlib
 import sys
 from typing import Any
 
+from prefect.futures import PrefectFuture
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from k6vsr_core import settings, status
@@ -133,7 +134,7 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
     return DaskTaskRunner(cluster_class=cluster_class, cluster_kwargs=cluster_kwargs)
 
 
-class WarmOrThreadsTaskRunner(TaskRunner):
+class WarmOrThreadsTaskRunner(TaskRunner[PrefectFuture[Any]]):
     """A flow's default runner that picks at each run: the warm workers while they run, else two threads.
 
     A flow run started by a deployment (prefect.yaml) gets its flow's default runner; this one chooses when the run

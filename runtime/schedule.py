@@ -31,6 +31,7 @@ This module knows nothing of Prefect: a lane is a function that starts an item a
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import queue
@@ -40,18 +41,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from k6vsr_core.plan import ClipPlan
-from k6vsr_core.stage_names import MODEL_STAGES as PIPELINE_MODEL_STAGES
+from k6vsr_core.stage_names import TaskKind
 
-# A chunk's denoise and the decode of its tiles as one task (`denoise-decode`), where that spreads no less work.
-DENOISE_DECODE = "denoise-decode"
 # The model lane's items, within a window the most urgent first: a decode, a chunk (denoised, or denoised and
-# decoded), an encode.
-MODEL_STAGES = tuple(reversed(PIPELINE_MODEL_STAGES))
-MODEL_ITEMS = (MODEL_STAGES[0], DENOISE_DECODE, *MODEL_STAGES[1:])
-# A run's CPU item of a window: its blend, segment and part of the quality report, one task.
-BLEND_SEGMENT = "blend-segment"
-# A window's CPU items: a run's, or a preview's blend alone (flows.preview, `clip_graph(segments=False)`).
-CPU_STAGES = (BLEND_SEGMENT, "blend")
+# decoded as one task where that spreads no less work), an encode.
+MODEL_ITEMS = (TaskKind.DECODE, TaskKind.DENOISE_DECODE, TaskKind.DENOISE, TaskKind.ENCODE)
+# A window's CPU items: a run's (its blend, segment and part of the quality report, one task), or a preview's blend
+# alone (flows.preview, `clip_graph(segments=False)`).
+CPU_ITEMS = (TaskKind.BLEND_SEGMENT, TaskKind.BLEND)
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class Item:
     """One task of a clip run: a stage of a window (or a few, as one task), and the chunk (denoise) or tile (decode)
     it computes."""
 
-    stage: str
+    stage: TaskKind
     window: int
     index: int = 0
     tiles: tuple[int, ...] = ()  # the tiles its failure stands for (none: the window's own stages)
@@ -72,7 +69,7 @@ class Item:
     def urgency(self) -> tuple[int, int, int]:
         """Smaller runs first among ready work of its lane: an earlier window first, then by stage (a decode before a
         denoise before an encode), then by chunk or tile."""
-        stages = MODEL_ITEMS if self.on_model else CPU_STAGES
+        stages = MODEL_ITEMS if self.on_model else CPU_ITEMS
         return (self.window, stages.index(self.stage), self.index)
 
 
@@ -110,21 +107,21 @@ def clip_graph(plan: ClipPlan, stream_blend: bool = True, segments: bool = True,
     blends: list[Item] = []
     last_denoises: tuple[Item, ...] = ()
     for window in range(plan.num_windows):
-        encode = Item("encode", window, tiles=tuple(range(plan.num_tiles)))
+        encode = Item(TaskKind.ENCODE, window, tiles=tuple(range(plan.num_tiles)))
         needs[encode] = ()
         # One window encoded ahead, no more: it becomes ready as the window before's last chunk but one starts (its
         # only chunk, if one), so that it is encoded while that window's last chunk computes, not after.
         after_start[encode] = last_denoises[-2:-1] or last_denoises
-        chunk_stage = DENOISE_DECODE if fused else "denoise"
+        chunk_stage = TaskKind.DENOISE_DECODE if fused else TaskKind.DENOISE
         chunks = {c.index: Item(chunk_stage, window, c.index, c.tiles) for c in plan.chunks}
         for chunk in chunks.values():
             needs[chunk] = (encode,)
-        decodes = [] if fused else [Item("decode", window, t, (t,)) for t in range(plan.num_tiles)]
+        decodes = [] if fused else [Item(TaskKind.DECODE, window, t, (t,)) for t in range(plan.num_tiles)]
         for decode in decodes:
             needs[decode] = (chunks[plan.chunk_of(decode.index).index],)
         tiled = decodes or list(chunks.values())  # the items that give the window's tiles, the first one first
         before = tuple(blends[-1:]) if segments else ()  # its segment cross-fades into the window before's frames
-        blends.append(Item(BLEND_SEGMENT if segments else "blend", window))
+        blends.append(Item(TaskKind.BLEND_SEGMENT if segments else TaskKind.BLEND, window))
         needs[blends[-1]] = (*tiled, *before)
         if stream_blend:
             starts_with[blends[-1]] = (tiled[0], *before)  # it adds the others as they are decoded, in tile order
@@ -135,6 +132,8 @@ def clip_graph(plan: ClipPlan, stream_blend: bool = True, segments: bool = True,
 
 class Future(Protocol):
     def add_done_callback(self, fn: Callable[[Any], None]) -> None: ...
+
+    def result(self) -> Any: ...
 
 
 Submit = Callable[[Item], Future]
@@ -254,6 +253,8 @@ class Scheduler:
                     running += 1
                     continue
                 running -= 1
+                if future is None:
+                    raise RuntimeError(f"{item} ended without its future")
                 try:
                     yield item, future
                     if item in self._failed:
@@ -304,7 +305,7 @@ class Scheduler:
         self._offered[item] = grant
         # An encode goes first, whichever clip it is of: it is short, and what it makes ready (its window's chunks)
         # keeps the device busy once the work in flight is done; the graph lets only one window be encoded ahead.
-        lane.offer((item.stage != "encode", self._rank, *item.urgency, self._order[item]), grant)
+        lane.offer((item.stage != TaskKind.ENCODE, self._rank, *item.urgency, self._order[item]), grant)
 
     def _unblock(self, item: Item) -> None:
         self._blocked[item] -= 1
@@ -313,7 +314,7 @@ class Scheduler:
 
     def _start(self, item: Item) -> None:
         future = (self._model if item.on_model else self._cpu)(item)
-        future.add_done_callback(lambda done, item=item: self._ended(item, done))
+        future.add_done_callback(functools.partial(self._ended, item))
         self._started(item)
 
     def _ended(self, item: Item, future: Future) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
+from typing import TypeGuard
 
 from pydantic import BaseModel
 from sqlalchemy.engine import URL, make_url
@@ -87,7 +88,7 @@ def parse_url(given: str) -> str | None:
     return url.render_as_string(hide_password=False)
 
 
-def is_postgres(url: str | None) -> bool:
+def is_postgres(url: str | None) -> TypeGuard[str]:
     return url is not None and make_url(url).drivername == DRIVER
 
 

@@ -198,13 +198,13 @@ def _wait_ready(folder: StateFolder, record: WorkersRecord) -> WorkersRecord:
     deadline = time.monotonic() + timeouts.workers_start_timeout
     loading = False
     while time.monotonic() < deadline:
-        current = folder.read(WorkersRecord)
-        mine = current is not None and current.pid == record.pid
-        if mine and current.address and _reachable(current.address):
-            return current
-        if mine and current.loading_since and not loading:
+        found = folder.read(WorkersRecord)
+        mine = found if found is not None and found.pid == record.pid else None
+        if mine is not None and mine.address and _reachable(mine.address):
+            return mine
+        if mine is not None and mine.loading_since and not loading:
             loading = True
-            elapsed = (datetime.now(UTC) - datetime.fromisoformat(current.loading_since)).total_seconds()
+            elapsed = (datetime.now(UTC) - datetime.fromisoformat(mine.loading_since)).total_seconds()
             deadline = time.monotonic() + timeouts.workers_warm_timeout - max(0.0, elapsed)
         if not alive(record.pid, record.process_start):
             folder.remove_record()

@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping
 from pydantic import BaseModel
 
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.stage_names import Stage
 from k6vsr_core.tiling import SPATIAL_FACTOR
 from storage.run_store import RunStore
 
@@ -81,27 +82,27 @@ class RunEstimate(BaseModel):
     windows_measured: int
 
 
-def estimate_run(plan: ClipPlan, rates: StageRates, done: Mapping[str, Collection[str]] | None = None) -> RunEstimate:
+def estimate_run(plan: ClipPlan, rates: StageRates, done: Mapping[Stage, Collection[str]] | None = None) -> RunEstimate:
     """A run's time and disk from measured rates: the command's head, then its stages, one after another (a worker's
     CPU or GPU does them in turn), so an upper bound where stages overlap on separate devices, plus what a process's
     first window costs once; the mux copies streams and costs little. What is left leaves out the work `done` (the
     items recorded done, by stage: `done_items`) holds: the ingest, each window's model work (whole once it is
     blended, else by its tiles decoded) and the segments written."""
-    done = {stage: set(items) for stage, items in (done or {}).items()}
+    done_sets = {stage: set(items) for stage, items in (done or {}).items()}
     computed = [window.padded for window in plan.windows]
     model = rates.model_s_per_frame * sum(computed)
     segments = rates.segment_s_per_frame * plan.num_frames
     total = rates.command_head_s + rates.ingest_s + rates.first_window_extra_s + model + segments
     # What is done is not computed again; a new command still pays its head, a new process its first window.
-    saved = rates.ingest_s if "all" in done.get("ingest", ()) else 0.0
+    saved = rates.ingest_s if "all" in done_sets.get(Stage.INGEST, ()) else 0.0
     for window in plan.windows:
-        if {str(window.index)} & (done.get("blend", set()) | done.get("segment", set())):
+        if {str(window.index)} & (done_sets.get(Stage.BLEND, set()) | done_sets.get(Stage.SEGMENT, set())):
             share = 1.0
         else:
-            decoded = {f"{window.index}-{tile}" for tile in range(plan.num_tiles)} & done.get("decode", set())
+            decoded = {f"{window.index}-{tile}" for tile in range(plan.num_tiles)} & done_sets.get(Stage.DECODE, set())
             share = len(decoded) / plan.num_tiles
         saved += share * rates.model_s_per_frame * window.padded
-        if str(window.index) in done.get("segment", ()):
+        if str(window.index) in done_sets.get(Stage.SEGMENT, ()):
             start, stop = plan.segment_range(window.index)
             saved += rates.segment_s_per_frame * (stop - start)
     encoded = round(rates.encoded_bytes_per_frame * plan.num_frames)
@@ -115,9 +116,9 @@ def estimate_run(plan: ClipPlan, rates: StageRates, done: Mapping[str, Collectio
     )
 
 
-def done_items(store: RunStore) -> dict[str, list[str]]:
+def done_items(store: RunStore) -> dict[Stage, list[str]]:
     """The items the store's records say are done, by stage: what a run of it will not compute again."""
-    return {stage: store.records.items(stage) for stage in ("ingest", "decode", "blend", "segment")}
+    return {stage: store.records.items(stage) for stage in (Stage.INGEST, Stage.DECODE, Stage.BLEND, Stage.SEGMENT)}
 
 
 def run_estimate(store: RunStore, plan: ClipPlan) -> RunEstimate | None:
@@ -131,6 +132,8 @@ def read_rates(store: RunStore) -> StageRates | None:
     """The rates the last preview of this run measured, if any."""
     path = store.where / RATES
     try:
-        return StageRates.model_validate_json(path.read_bytes()) if store.file_done(path, "preview", "all") else None
+        return (
+            StageRates.model_validate_json(path.read_bytes()) if store.file_done(path, Stage.PREVIEW, "all") else None
+        )
     except (OSError, ValueError):
         return None

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from k6vsr_core.bundle import BundleInfo
 from k6vsr_core.compute import ComputeProfile
-from k6vsr_core.fake_model import identity_suffix
+from k6vsr_core.networks import identity_mark
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 
@@ -99,15 +99,15 @@ def run_key(
     on_timestamps: bool = False,
 ) -> str:
     """The run's name, the one recipe of it: the source's content, the request's output fields, the model's identity
-    (with the bench stand-in's mark while it is selected, so a stand-in's run never shares a store's items with a
-    real one) and the store's format. `latent_fps` (a latent source's frame rate) and `deinterlace` (the field order
-    a plan deinterlaces its frames with, `ClipPlan.deinterlace`) are keyed only when given, so the runs of
-    progressive videos keep their keys; so is `on_timestamps`, a variable-rate source's frames chosen on their
-    timestamps (`ClipPlan.kept`), which are other frames than the constant-rate rule's."""
+    (with the mark of other network calls while they are injected, `k6vsr_core.networks`, so their runs never share
+    a store's items with the model's) and the store's format. `latent_fps` (a latent source's frame rate) and
+    `deinterlace` (the field order a plan deinterlaces its frames with, `ClipPlan.deinterlace`) are keyed only when
+    given, so the runs of progressive videos keep their keys; so is `on_timestamps`, a variable-rate source's frames
+    chosen on their timestamps (`ClipPlan.kept`), which are other frames than the constant-rate rule's."""
     fields: dict[str, Any] = {
         "source": source_sha256,
         "params": output_params(params),
-        "model": model_identity + identity_suffix(),
+        "model": model_identity + identity_mark(),
         "format": STAGE_FORMAT_VERSION,
     }
     if latent_fps is not None:

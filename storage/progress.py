@@ -61,7 +61,7 @@ class ProgressCounter:
         self.done = {stage: set(store.records.items(stage)) for stage in PROGRESS_STAGES}
         self.seconds: dict[str, list[float]] = {}  # the seconds of the items seen computed, by stage
 
-    def finished(self, stage: str, window: int, tiles: tuple[int, ...] = (), seconds: float = 0.0) -> None:
+    def finished(self, stage: Stage, window: int, tiles: tuple[int, ...] = (), seconds: float = 0.0) -> None:
         """`stage` of `window` (of those `tiles`, for a stage per tile) is recorded done, after `seconds` of work
         (0 when it found its work done)."""
         if seconds > 0:
@@ -94,21 +94,21 @@ class ProgressCounter:
             return at(Stage.PUBLISH, plan.num_windows - 1)
         if "all" not in done[Stage.INGEST]:
             return at(Stage.INGEST)
-        window = next((w for w, count in enumerate(decoded) if count < plan.num_tiles), None)
-        if window is not None:
-            if str(window) not in done[Stage.ENCODE]:
-                return at(Stage.ENCODE, window)
-            denoised = {item for item in done[Stage.DENOISE] if item.split("-", 1)[0] == str(window)}
+        tiling = next((w for w, count in enumerate(decoded) if count < plan.num_tiles), None)
+        if tiling is not None:
+            if str(tiling) not in done[Stage.ENCODE]:
+                return at(Stage.ENCODE, tiling)
+            denoised = {item for item in done[Stage.DENOISE] if item.split("-", 1)[0] == str(tiling)}
             if len(denoised) >= plan.num_tiles:
-                return at(Stage.DECODE, window)
-            chunks = sum(1 for c in plan.chunks if any(f"{window}-{tile}" not in denoised for tile in c.tiles))
+                return at(Stage.DECODE, tiling)
+            chunks = sum(1 for c in plan.chunks if any(f"{tiling}-{tile}" not in denoised for tile in c.tiles))
             denoising = chunks * paces.get(Stage.DENOISE, 0.0)  # a chunk's denoise is one task
-            decoding = (plan.num_tiles - decoded[window]) * paces.get(Stage.DECODE, 0.0)
-            return at(Stage.DECODE if decoding > denoising > 0 else Stage.DENOISE, window)
+            decoding = (plan.num_tiles - decoded[tiling]) * paces.get(Stage.DECODE, 0.0)
+            return at(Stage.DECODE if decoding > denoising > 0 else Stage.DENOISE, tiling)
         for stage in CPU_STAGES:
-            window = next((w for w in range(plan.num_windows) if str(w) not in done[stage]), None)
-            if window is not None:
-                return at(stage, window)
+            waiting = next((w for w in range(plan.num_windows) if str(w) not in done[stage]), None)
+            if waiting is not None:
+                return at(stage, waiting)
         return at(Stage.MUX, plan.num_windows - 1)
 
 
@@ -133,7 +133,7 @@ def clips_text(done: int, failed: int, left: int) -> str:
 
 def clip_text(name: str, progress: RunProgress | None) -> str:
     """`b.mp4: decode · window 2 of 3 · 7 of 18 tiles`; `b.mp4: ingest` before the clip's plan is recorded."""
-    return f"{name}: {'ingest' if progress is None else progress.text()}"
+    return f"{name}: {Stage.INGEST if progress is None else progress.text()}"
 
 
 class StageCount(BaseModel):
@@ -146,37 +146,37 @@ class StageCount(BaseModel):
         return f"{self.computed} computed, {self.reused} reused"
 
 
-def stage_items(plan: ClipPlan) -> dict[str, list[str]]:
+def stage_items(plan: ClipPlan) -> dict[Stage, list[str]]:
     """The record items each recorded stage has in a run of `plan`, in pipeline order (publishing records none)."""
     windows = [str(w) for w in range(plan.num_windows)]
     tiles = [f"{w}-{t}" for w in range(plan.num_windows) for t in range(plan.num_tiles)]
     return {
-        "ingest": ["all"],
-        "encode": windows,
-        "denoise": tiles,
-        "decode": tiles,
-        "blend": windows,
-        "segment": windows,
-        "mux": ["all"],
+        Stage.INGEST: ["all"],
+        Stage.ENCODE: windows,
+        Stage.DENOISE: tiles,
+        Stage.DECODE: tiles,
+        Stage.BLEND: windows,
+        Stage.SEGMENT: windows,
+        Stage.MUX: ["all"],
     }
 
 
-def stage_counts(store: RunStore, plan: ClipPlan, attempt: str) -> dict[str, StageCount]:
+def stage_counts(store: RunStore, plan: ClipPlan, attempt: str) -> dict[Stage, StageCount]:
     """Per stage, how many of its items `attempt` computed and how many it reused, from the run's timeline."""
     computed = store.records.computed(attempt)
-    counts = {}
+    counts: dict[Stage, StageCount] = {}
     for stage, items in stage_items(plan).items():
         done = len(computed.get(stage, set()) & set(items))
         counts[stage] = StageCount(computed=done, reused=len(items) - done)
     return counts
 
 
-def tile_count(counts: dict[str, StageCount]) -> StageCount:
+def tile_count(counts: Mapping[Stage, StageCount]) -> StageCount:
     """The run's (window, tile) items, as its summary, the archive's manifest, an HTTP job and the report artifact
     count them: a tile is computed when this attempt decoded it (its last stage; the bar counts decoded tiles too),
     reused when it found it decoded. The stages before it have counts of their own (`stage_counts`): a run resumed
     in a window's decode reuses every denoised tile of it and computes the decodes left."""
-    return counts["decode"]
+    return counts[Stage.DECODE]
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
+from k6vsr_core.stage_names import Stage
 from storage.location import LocalLocation, Location, atomic_write_bytes, file_checksum
 
 __all__ = [
@@ -43,12 +44,12 @@ def array_checksum(array: np.ndarray) -> str:
     """SHA-256 over dtype, shape and the C-ordered bytes."""
     contiguous = np.ascontiguousarray(array)
     digest = hashlib.sha256(f"{contiguous.dtype.str}{contiguous.shape}".encode())
-    digest.update(memoryview(contiguous).cast("B"))
+    digest.update(contiguous.data.cast("B"))
     return digest.hexdigest()
 
 
 class CompletionRecord(BaseModel):
-    stage: str
+    stage: Stage
     item: str
     checksum: str
     seconds: float = 0.0
@@ -75,14 +76,16 @@ class RecordBook:
     def __init__(self, root: Path | Location) -> None:
         self.root = root if isinstance(root, Location) else LocalLocation(root)
 
-    def location(self, stage: str, item: str) -> Location:
+    def location(self, stage: Stage, item: str) -> Location:
         return self.root / stage / f"{item}.json"
 
-    def path(self, stage: str, item: str) -> Path:
+    def path(self, stage: Stage, item: str) -> Path:
         """The record's file, in a local store."""
         return self.location(stage, item).local()
 
-    def write(self, stage: str, item: str, checksum: str, seconds: float = 0.0, attempt: str = "") -> CompletionRecord:
+    def write(
+        self, stage: Stage, item: str, checksum: str, seconds: float = 0.0, attempt: str = ""
+    ) -> CompletionRecord:
         record = CompletionRecord(
             stage=stage, item=item, checksum=checksum, seconds=seconds, written_at=time.time(), attempt=attempt
         )
@@ -135,15 +138,15 @@ class RecordBook:
                 lines.append(line)
         return lines
 
-    def read(self, stage: str, item: str) -> CompletionRecord | None:
+    def read(self, stage: Stage, item: str) -> CompletionRecord | None:
         """The record, or None when it is missing or unreadable (a damaged record means 'not done')."""
         try:
             return CompletionRecord.model_validate_json(self.location(stage, item).read_bytes())
         except (OSError, ValidationError, ValueError):
             return None
 
-    def drop(self, stage: str, item: str) -> None:
+    def drop(self, stage: Stage, item: str) -> None:
         self.location(stage, item).remove()
 
-    def items(self, stage: str) -> list[str]:
+    def items(self, stage: Stage) -> list[str]:
         return sorted(name.removesuffix(".json") for name in (self.root / stage).names(".json"))

@@ -48,6 +48,7 @@ from zarr.errors import ContainsArrayError
 
 from k6vsr_core import settings
 from k6vsr_core.errors import StoreError
+from k6vsr_core.stage_names import Stage
 from storage import leases
 from storage.location import (
     LocalLocation,
@@ -133,6 +134,13 @@ class RunStore:
     def _group(self) -> zarr.Group:
         return zarr.open_group(store=(self.where / "data.zarr").zarr_store(), mode="a")
 
+    def _stored(self, name: str) -> zarr.Array:
+        """The stored array `name` (a group of that name is a damaged store)."""
+        found = self._group()[name]
+        if not isinstance(found, zarr.Array):
+            raise StoreError(f"run {self.run_key}: stored {name} is a group, not an array")
+        return found
+
     def _array(self, name: str, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str) -> zarr.Array:
         """Open or create an array; creating never overwrites, so a concurrent run's chunks survive."""
         group = self._group()
@@ -142,7 +150,7 @@ class RunStore:
                 group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=None, fill_value=0)
             except ContainsArrayError:
                 pass
-        array = group[name]
+        array = self._stored(name)
         if tuple(array.shape) != tuple(shape) or array.dtype != np.dtype(dtype):
             raise StoreError(
                 f"run {self.run_key}: stored {name} is {array.dtype}{array.shape}, expected {dtype}{shape}"
@@ -150,7 +158,7 @@ class RunStore:
         return array
 
     def put(
-        self, name: str, value: np.ndarray, *, stage: str, item: str = "all", seconds: float = 0.0, attempt: str = ""
+        self, name: str, value: np.ndarray, *, stage: Stage, item: str = "all", seconds: float = 0.0, attempt: str = ""
     ) -> None:
         """Store a whole array (one writer), then its record, naming the run attempt that computed it."""
         with self.where.reaching():
@@ -158,14 +166,14 @@ class RunStore:
             array[...] = value
         self.records.write(stage, item, array_checksum(value), seconds, attempt)
 
-    def get(self, name: str, *, stage: str, item: str = "all") -> np.ndarray | None:
+    def get(self, name: str, *, stage: Stage, item: str = "all") -> np.ndarray | None:
         """The stored array if its record exists and its checksum matches, else None (recompute it)."""
         record = self.records.read(stage, item)
         if record is None:
             return None
         try:
             with self.where.reaching():
-                value = np.asarray(self._group()[name][...])
+                value = np.asarray(self._stored(name)[...])
         except StoreUnreachable:
             raise  # not an answer about the chunk
         except Exception:  # noqa: BLE001 - a damaged chunk can fail in many ways; all mean 'recompute'
@@ -179,7 +187,7 @@ class RunStore:
         counts: tuple[int, ...],
         value: np.ndarray,
         *,
-        stage: str,
+        stage: Stage,
         seconds: float = 0.0,
         attempt: str = "",
     ) -> None:
@@ -190,25 +198,25 @@ class RunStore:
             array[key] = value
         self.records.write(stage, item_name(key), array_checksum(value), seconds, attempt)
 
-    def get_tile(self, name: str, key: tuple[int, ...], *, stage: str) -> np.ndarray | None:
+    def get_tile(self, name: str, key: tuple[int, ...], *, stage: Stage) -> np.ndarray | None:
         """Part `key`, verified against its record; None when it is not done, damaged or deleted."""
         record = self.records.read(stage, item_name(key))
         if record is None:
             return None
         try:
             with self.where.reaching():
-                value = np.asarray(self._group()[name][key])
+                value = np.asarray(self._stored(name)[key])
         except StoreUnreachable:
             raise
         except Exception:  # noqa: BLE001 - see get()
             return None
         return value if array_checksum(value) == record.checksum else None
 
-    def tile_done(self, name: str, key: tuple[int, ...], *, stage: str) -> bool:
+    def tile_done(self, name: str, key: tuple[int, ...], *, stage: Stage) -> bool:
         """Recorded, stored and intact. Without a record (a first run) it reads nothing."""
         return self.get_tile(name, key, stage=stage) is not None
 
-    def tile_recorded(self, stage: str, key: tuple[int, ...]) -> bool:
+    def tile_recorded(self, stage: Stage, key: tuple[int, ...]) -> bool:
         """Whether part `key` has a completion record, reading only the record (not the part, as `tile_done` does):
         what a task waiting for another's output asks again and again."""
         return self.records.read(stage, item_name(key)) is not None
@@ -257,7 +265,7 @@ class RunStore:
         self,
         tmp: Path,
         destination: Location,
-        stage: str,
+        stage: Stage,
         item: str,
         seconds: float = 0.0,
         attempt: str = "",
@@ -274,13 +282,13 @@ class RunStore:
                 raise StoreError(f"run {self.run_key}: {destination} is being written by another run; rerun")
         self.records.write(stage, item, checksum, seconds, attempt)
 
-    def file_done(self, path: Location, stage: str, item: str) -> bool:
+    def file_done(self, path: Location, stage: Stage, item: str) -> bool:
         """Recorded, present and intact (its bytes match the record)."""
         record = self.records.read(stage, item)
         return record is not None and path.checksum() == record.checksum
 
     def segment_done(self, window: int) -> bool:
-        return self.file_done(self.segment_path(window), "segment", str(window))
+        return self.file_done(self.segment_path(window), Stage.SEGMENT, str(window))
 
     # ------------------------------------------------------------------------------------------- source
 
@@ -294,8 +302,8 @@ class RunStore:
         if not self.remote:
             return
         copy = self.source_copy(source)
-        if not self.file_done(copy, "ingest", SOURCE):
-            self.commit_file(Path(source), copy, "ingest", SOURCE, attempt=attempt)
+        if not self.file_done(copy, Stage.INGEST, SOURCE):
+            self.commit_file(Path(source), copy, Stage.INGEST, SOURCE, attempt=attempt)
 
     def source_file(self, manifest: RunManifest) -> Path:
         """A local file with the run's source: the source itself in a folder store; in an object store this
@@ -303,7 +311,7 @@ class RunStore:
         checksum, so the windows of a clip download it once."""
         if not self.remote:
             return Path(manifest.source.path)
-        record = self.records.read("ingest", SOURCE)
+        record = self.records.read(Stage.INGEST, SOURCE)
         if record is None:
             raise StoreError(f"run {self.run_key}: its source is not in the store {self.where}; rerun to ingest it")
         folder = Path(tempfile.gettempdir()) / "k6vsr-sources"
@@ -358,23 +366,23 @@ class RunStore:
             tmp.unlink(missing_ok=True)
 
     def output_done(self) -> bool:
-        return self.file_done(self.output_path, "mux", "all")
+        return self.file_done(self.output_path, Stage.MUX, "all")
 
     # ------------------------------------------------------------------------------------------- progress
 
-    def attempt_of(self, stage: str, item: str = "all") -> str | None:
+    def attempt_of(self, stage: Stage, item: str = "all") -> str | None:
         """The run attempt whose record says `stage` (`item`) is done; None while it is not recorded."""
         record = self.records.read(stage, item)
         return None if record is None else record.attempt
 
     def tiles_decoded(self) -> int:
         """(Window, tile) items decoded so far, by any attempt: the progress of a run, cheap enough to poll."""
-        return len(self.records.items("decode"))
+        return len(self.records.items(Stage.DECODE))
 
     def decoded_per_window(self, num_windows: int) -> list[int]:
         """Tiles decoded so far in each window."""
         counts = [0] * num_windows
-        for item in self.records.items("decode"):
+        for item in self.records.items(Stage.DECODE):
             window = int(item.split("-", 1)[0])
             if window < num_windows:
                 counts[window] += 1
@@ -512,7 +520,7 @@ def collect_garbage(
     where = location(root)
     if isinstance(where, RemoteLocation):
         return leases.collect(where, keep_finished_outputs, older_than_s, run_keys, dry_run)
-    report = []
+    report: list[dict[str, Any]] = []
     runs = Path(root) / RUNS
     if not runs.is_dir():
         return report

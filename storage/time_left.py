@@ -78,7 +78,7 @@ def window_items(plan: ClipPlan) -> dict[str, int]:
     return {stage: max(1, len(items) // plan.num_windows) for stage, items in stage_items(plan).items()}
 
 
-def items_left(plan: ClipPlan, done: Mapping[str, Iterable[str]]) -> dict[str, int]:
+def items_left(plan: ClipPlan, done: Mapping[Stage, Iterable[str]]) -> dict[str, int]:
     """Each recorded stage's items of `plan` not in `done` (the items recorded done, by stage)."""
     return {stage: len(set(items) - set(done.get(stage, ()))) for stage, items in stage_items(plan).items()}
 
@@ -111,7 +111,9 @@ class _Sharing:
         for start, end in tasks:
             changes[start] = changes.get(start, 0) + 1
             changes[end] = changes.get(end, 0) - 1
-        times, counts, before, count = sorted(changes), [], [], 0
+        times, count = sorted(changes), 0
+        counts: list[int] = []
+        before: list[float] = []
         for index, time in enumerate(times):
             before.append(before[-1] + (time - times[index - 1]) / max(floor, counts[-1]) if index else 0.0)
             count += changes[time]
@@ -204,7 +206,10 @@ class _Item:
 
 
 def _lane_items(
-    plan: ClipPlan, done: Mapping[str, Iterable[str]], ends: Mapping[tuple[str, str], float], paces: Mapping[str, float]
+    plan: ClipPlan,
+    done: Mapping[Stage, Iterable[str]],
+    ends: Mapping[tuple[str, str], float],
+    paces: Mapping[str, float],
 ) -> list[_Item]:
     """The run's model items in the scheduler's graph (`runtime.schedule.clip_graph`), those done with their end."""
     done_sets = {stage: set(done.get(stage, ())) for stage in (*MODEL_STAGES, Stage.BLEND, Stage.SEGMENT)}
@@ -286,10 +291,18 @@ class _Lane:
     def _ready_at(self, position: int) -> float:
         item = self.items[position]
         return max(
-            [float("-inf")]
-            + [self.items[need].end for need in item.needs]  # type: ignore[misc]
-            + [self.starts[need] for need in item.after_start]
+            [
+                float("-inf"),
+                *(self._ended(need) for need in item.needs),
+                *(self.starts[need] for need in item.after_start),
+            ]
         )
+
+    def _ended(self, position: int) -> float:
+        end = self.items[position].end
+        if end is None:
+            raise ValueError(f"item {position} is a need of a ready item and has not ended")
+        return end
 
     def _release(self, dependents: list[int]) -> None:
         for dependent in dependents:
@@ -372,7 +385,7 @@ def _slots_free(tasks: list[tuple[float, float]], width: int, started: float) ->
 
 def _stopped_in_flight(
     plan: ClipPlan,
-    done: Mapping[str, Iterable[str]],
+    done: Mapping[Stage, Iterable[str]],
     spans: list[Span],
     earlier: list[Span],
     paces: _Paces,
@@ -396,7 +409,7 @@ def _stopped_in_flight(
 
 def seconds_left(
     plan: ClipPlan,
-    done: Mapping[str, Iterable[str]],
+    done: Mapping[Stage, Iterable[str]],
     spans: list[Span],
     now: float,
     started: float,

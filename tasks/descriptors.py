@@ -5,10 +5,11 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.stage_names import Stage
 
 
 class StageResult(BaseModel):
-    stage: str
+    stage: Stage
     item: str = "all"
     computed: bool
     seconds: float = 0.0

@@ -21,6 +21,7 @@ from k6vsr_core.latent import latent_clip, read_latent
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.source import audio_input, read_source
+from k6vsr_core.stage_names import Stage, TaskKind
 from service.runs import PreparedRun, latent_channels
 from storage import RunManifest, RunStore, SourceInfo, source_info
 from storage.manifest import library_versions
@@ -43,7 +44,7 @@ def _ingested(store: RunStore, manifest: RunManifest, source: str) -> IngestResu
     if manifest.source.path != str(Path(source).resolve()):
         store.write_manifest(manifest.model_copy(update={"source": source_info(source)}))
     store.keep_source(source)
-    return IngestResult(stage="ingest", computed=False, plan=manifest.plan)
+    return IngestResult(stage=Stage.INGEST, computed=False, plan=manifest.plan)
 
 
 def _store_audio(store: RunStore, source: str, params: UpscaleParams, plan: ClipPlan, attempt: str) -> bool:
@@ -53,7 +54,7 @@ def _store_audio(store: RunStore, source: str, params: UpscaleParams, plan: Clip
         audio_from = audio_input(source, params)
         samples = media.write_audio_track(audio_from, tmp, plan.num_frames, plan.clock) if audio_from else 0
         if samples:
-            store.commit_file(tmp, store.audio_path, "ingest", "audio", attempt=attempt)
+            store.commit_file(tmp, store.audio_path, Stage.INGEST, "audio", attempt=attempt)
     finally:
         tmp.unlink(missing_ok=True)
     return samples > 0
@@ -89,7 +90,7 @@ def _write_manifest(
     )
 
 
-@task(name="ingest", task_run_name="ingest-{prepared.run.run_key}", **STAGE_TASK)
+@task(name=TaskKind.INGEST, task_run_name="ingest-{prepared.run.run_key}", **STAGE_TASK)
 def ingest(prepared: PreparedRun, attempt: str) -> IngestResult:
     """Scan the source's frames, stream its audio into the store and write the manifest with the run's plan: no
     frame is kept, each window reads its own from the source. A latent run's source is a latent (`ingest_latent`)."""
@@ -98,7 +99,7 @@ def ingest(prepared: PreparedRun, attempt: str) -> IngestResult:
     run, source, params = prepared.run, prepared.source, prepared.plan.params
     store = run.open()
     manifest = _readable_manifest(store)
-    if manifest is not None and store.get("frame_pts", stage="ingest") is not None:
+    if manifest is not None and store.get("frame_pts", stage=Stage.INGEST) is not None:
         return _ingested(store, manifest, source)
     started = time.perf_counter()
     # Chosen here, once per run: every later stage, in any process, computes as this records. Not applied here:
@@ -111,8 +112,8 @@ def ingest(prepared: PreparedRun, attempt: str) -> IngestResult:
     seconds = time.perf_counter() - started
     # The frame index is the ingest record: written last, after the manifest and the audio. Empty: not seekable.
     pts = clip.frame_pts if clip.frame_pts is not None else np.zeros(0, dtype=np.int64)
-    store.put("frame_pts", pts, stage="ingest", seconds=seconds, attempt=attempt)
-    return IngestResult(stage="ingest", computed=True, seconds=seconds, plan=plan)
+    store.put("frame_pts", pts, stage=Stage.INGEST, seconds=seconds, attempt=attempt)
+    return IngestResult(stage=Stage.INGEST, computed=True, seconds=seconds, plan=plan)
 
 
 def ingest_latent(prepared: PreparedRun, attempt: str) -> IngestResult:
@@ -122,7 +123,7 @@ def ingest_latent(prepared: PreparedRun, attempt: str) -> IngestResult:
     run, source, plan, info = prepared.run, prepared.source, prepared.plan, prepared.model_info
     store = run.open()
     manifest = _readable_manifest(store)
-    if manifest is not None and store.records.read("ingest", "all") is not None:
+    if manifest is not None and store.records.read(Stage.INGEST, "all") is not None:
         return _ingested(store, manifest, source)
     started = time.perf_counter()
     compute = default_profile()
@@ -137,5 +138,5 @@ def ingest_latent(prepared: PreparedRun, attempt: str) -> IngestResult:
     _write_manifest(store, described, plan.params, info, plan, compute, attempt, latent_fps=str(rate))
     seconds = time.perf_counter() - started
     # The ingest record, written last as for a video: it names the latent file's content it planned.
-    store.records.write("ingest", "all", described.sha256, seconds, attempt)
-    return IngestResult(stage="ingest", computed=True, seconds=seconds, plan=plan)
+    store.records.write(Stage.INGEST, "all", described.sha256, seconds, attempt)
+    return IngestResult(stage=Stage.INGEST, computed=True, seconds=seconds, plan=plan)

@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 
 from k6vsr_core.quality import Measures, QualityReport, combine, measure_files, measure_segment, tile_borders
+from k6vsr_core.stage_names import Stage, TaskKind
 from service.runs import RunRef
 from storage import RunStore
 from storage.location import Location
@@ -39,13 +40,13 @@ def part_path(store: RunStore, window: int) -> Location:
 
 
 def _part_done(store: RunStore, window: int) -> bool:
-    return store.file_done(part_path(store, window), "quality", str(window))
+    return store.file_done(part_path(store, window), Stage.QUALITY, str(window))
 
 
 def _measure_part(store: RunStore, window: int, attempt: str) -> Measures:
     """Measure window `window`'s segment and keep the part in the store (atomically, then its record)."""
     manifest = store.read_manifest()
-    pts = store.get("frame_pts", stage="ingest")
+    pts = store.get("frame_pts", stage=Stage.INGEST)
     with store.segment_path(window).fetch() as segment:
         measures = measure_segment(
             manifest.plan, window, segment, store.source_file(manifest), pts if pts is not None and len(pts) else None
@@ -54,7 +55,7 @@ def _measure_part(store: RunStore, window: int, attempt: str) -> Measures:
     tmp = store.temp_file(path, ".npz")
     try:
         tmp.write_bytes(measures.to_bytes())
-        store.commit_file(tmp, path, "quality", str(window), measures.seconds, attempt)
+        store.commit_file(tmp, path, Stage.QUALITY, str(window), measures.seconds, attempt)
     finally:
         tmp.unlink(missing_ok=True)
     return measures
@@ -64,20 +65,20 @@ def measure_window(run: RunRef, window: int, attempt: str) -> StageResult:
     """Window `window`'s part of the report, once its segment is written; never fails (the part is then measured
     after the mux). Not a task of its own: it ends the window's `blend-segment` task (`tasks.stage_tasks`)."""
     store = run.open()
-    skipped = StageResult(stage="quality", item=str(window), computed=False, window=window)
+    skipped = StageResult(stage=Stage.QUALITY, item=str(window), computed=False, window=window)
     try:
         if store.read_manifest().latent_fps is not None or _part_done(store, window):
             return skipped
-        if store.file_done(store.where / REPORT, "quality", "all"):
+        if store.file_done(store.where / REPORT, Stage.QUALITY, "all"):
             return skipped
         measures = _measure_part(store, window, attempt)
     except Exception as err:  # noqa: BLE001 - a report never fails the run it describes
         _logger().warning("could not measure the quality of window %d: %s", window, err)
         return skipped
-    return StageResult(stage="quality", item=str(window), computed=True, seconds=measures.seconds, window=window)
+    return StageResult(stage=Stage.QUALITY, item=str(window), computed=True, seconds=measures.seconds, window=window)
 
 
-@task(name="quality", task_run_name="quality-{run.run_key}", cache_policy=NO_CACHE)
+@task(name=TaskKind.QUALITY, task_run_name="quality-{run.run_key}", cache_policy=NO_CACHE)
 def measure_quality(run: RunRef, attempt: str) -> QualityReport | None:
     """The output's quality report, joined from the windows' parts; None for a latent run (no source frames to
     compare with) or when it fails."""
@@ -87,7 +88,7 @@ def measure_quality(run: RunRef, attempt: str) -> QualityReport | None:
         manifest = store.read_manifest()
         if manifest.latent_fps is not None:
             return None
-        if store.file_done(path, "quality", "all"):
+        if store.file_done(path, Stage.QUALITY, "all"):
             return QualityReport.model_validate_json(path.read_bytes())
         started = time.perf_counter()
         plan = manifest.plan
@@ -106,7 +107,7 @@ def measure_quality(run: RunRef, attempt: str) -> QualityReport | None:
         tmp = store.temp_file(path, ".json")
         try:
             tmp.write_text(report.model_dump_json(indent=2))
-            store.commit_file(tmp, path, "quality", "all", time.perf_counter() - started, attempt)
+            store.commit_file(tmp, path, Stage.QUALITY, "all", time.perf_counter() - started, attempt)
         finally:
             tmp.unlink(missing_ok=True)
         return report

@@ -15,22 +15,22 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import av
 import numpy as np
 from prefect import task
-from prefect.cache_policies import NO_CACHE
+from prefect.cache_policies import NO_CACHE, CachePolicy
 
-from k6vsr_core import media, segments, settings
+from k6vsr_core import media, networks, segments, settings
 from k6vsr_core.compute import apply_profile
 from k6vsr_core.errors import MissingInput, ParameterError, UserFacingError, WindowStopped
-from k6vsr_core.fake_model import FakeNetworks, fake_ms
 from k6vsr_core.latent import fit_latent, read_latent
 from k6vsr_core.plan import ClipPlan
+from k6vsr_core.stage_names import Stage, TaskKind
 from k6vsr_core.windows import segment_frames, shares_frames
 from service.runs import ModelSpec, RunRef
 from storage import RunManifest, RunStore, source_info
@@ -64,7 +64,14 @@ def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:
     return False
 
 
-STAGE_TASK = dict(retries=2, retry_delay_seconds=1, retry_condition_fn=_retry_transient, cache_policy=NO_CACHE)
+class _TaskOptions(TypedDict):
+    retries: int
+    retry_delay_seconds: float
+    retry_condition_fn: Callable[[Any, Any, Any], bool]
+    cache_policy: CachePolicy
+
+
+STAGE_TASK = _TaskOptions(retries=2, retry_delay_seconds=1, retry_condition_fn=_retry_transient, cache_policy=NO_CACHE)
 
 
 def _store(run: RunRef) -> RunStore:
@@ -83,17 +90,6 @@ def _bundle(model: ModelSpec, plan: ClipPlan) -> ModelBundle:
     from tasks.model_cache import get_bundle
 
     return get_bundle(model, plan)
-
-
-def _networks() -> Any:
-    """The three networks' calls: `k6vsr_core.stages`, or the bench-only stand-in when it is selected
-    (`k6vsr_core.fake_model`)."""
-    ms = fake_ms()
-    if ms is None:
-        from k6vsr_core import stages
-
-        return stages
-    return FakeNetworks(ms)
 
 
 def _require(value: Any, run: RunRef, what: str) -> Any:
@@ -124,12 +120,12 @@ def _window_finished(store: RunStore, plan: ClipPlan, window: int) -> bool:
 
 def blended_frames(store: RunStore, plan: ClipPlan, window: int) -> np.ndarray | None:
     """The window's blended, delivered frames, while the store holds them (until its segments are written)."""
-    return store.get_tile(_array(plan, "video", window), (window,), stage="blend")
+    return store.get_tile(_array(plan, "video", window), (window,), stage=Stage.BLEND)
 
 
 def window_blended(store: RunStore, plan: ClipPlan, window: int) -> bool:
     """The window's frames are stored (or no longer needed): its tiles and latents are not needed either."""
-    return store.tile_done(_array(plan, "video", window), (window,), stage="blend") or _window_finished(
+    return store.tile_done(_array(plan, "video", window), (window,), stage=Stage.BLEND) or _window_finished(
         store, plan, window
     )
 
@@ -138,7 +134,7 @@ def window_blended(store: RunStore, plan: ClipPlan, window: int) -> bool:
 WINDOW_INTERMEDIATES = ("latent", "tile_latents", "tiles")
 
 
-@task(name="encode", task_run_name="encode-window-{window}", **STAGE_TASK)
+@task(name=TaskKind.ENCODE, task_run_name="encode-window-{window}", **STAGE_TASK)
 def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageResult:
     """KVAE encode of one window's frames, read from the source."""
     from k6vsr_core import stages
@@ -146,34 +142,34 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
     store = _store(run)
     plan = _plan(store)
     if window_blended(store, plan, window) or store.tile_done(
-        _array(plan, "latent", window), (window,), stage="encode"
+        _array(plan, "latent", window), (window,), stage=Stage.ENCODE
     ):
-        return StageResult(stage="encode", item=str(window), computed=False, window=window)
+        return StageResult(stage=Stage.ENCODE, item=str(window), computed=False, window=window)
     started, started_at = time.perf_counter(), time.time()
     manifest = store.read_manifest()
     with _compile_spans() as compiling:
         if manifest.latent_fps is not None:
             latent = _given_latent(_bundle(model, plan), manifest, store.source_file(manifest))
         else:
-            pts = _require(store.get("frame_pts", stage="ingest"), run, "the source's frame index")
+            pts = _require(store.get("frame_pts", stage=Stage.INGEST), run, "the source's frame index")
             span = plan.windows[window]
             # From the store's copy in an object store: a worker on another host cannot see the client's disk.
             frames = media.read_frames(
                 store.source_file(manifest), plan.source_indices(span), pts if len(pts) else None, plan.deinterlace
             )
-            latent = _networks().encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
+            latent = networks.current().encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started
     store.put_tile(
         _array(plan, "latent", window),
         (window,),
         (plan.num_windows,),
         latent.numpy(),
-        stage="encode",
+        stage=Stage.ENCODE,
         seconds=seconds,
         attempt=attempt,
     )
     return StageResult(
-        stage="encode",
+        stage=Stage.ENCODE,
         item=str(window),
         computed=True,
         seconds=seconds,
@@ -204,7 +200,7 @@ def _given_latent(bundle: ModelBundle, manifest: RunManifest, path: Path) -> tor
     return fit_latent(stages.scale_latent(bundle, latent), manifest.plan)
 
 
-@task(name="denoise", task_run_name="denoise-window-{window}-tiles-{tiles_label}", **STAGE_TASK)
+@task(name=TaskKind.DENOISE, task_run_name="denoise-window-{window}-tiles-{tiles_label}", **STAGE_TASK)
 def denoise(
     run: RunRef, model: ModelSpec, window: int, chunk_index: int, attempt: str, tiles_label: str = ""
 ) -> StageResult:
@@ -218,13 +214,15 @@ def denoise(
     chunk = plan.chunks[chunk_index]
     counts = (plan.num_windows, plan.num_tiles)
     done = window_blended(store, plan, window) or all(
-        store.tile_done(_array(plan, "tile_latents", window), (window, i), stage="denoise") for i in chunk.tiles
+        store.tile_done(_array(plan, "tile_latents", window), (window, i), stage=Stage.DENOISE) for i in chunk.tiles
     )
     if done:
-        return StageResult(stage="denoise", item=str(chunk_index), computed=False, tiles=chunk.tiles, window=window)
+        return StageResult(stage=Stage.DENOISE, item=str(chunk_index), computed=False, tiles=chunk.tiles, window=window)
     started, started_at = time.perf_counter(), time.time()
     latent = _require(
-        store.get_tile(_array(plan, "latent", window), (window,), stage="encode"), run, f"the latent of window {window}"
+        store.get_tile(_array(plan, "latent", window), (window,), stage=Stage.ENCODE),
+        run,
+        f"the latent of window {window}",
     )
     calls = 0
 
@@ -234,7 +232,7 @@ def denoise(
 
     lr_tiles = stages.cut_tiles(torch.from_numpy(latent), plan, chunk.tiles)
     with _compile_spans() as compiling:
-        denoised = _networks().denoise_chunk(_bundle(model, plan), lr_tiles, chunk, plan, count)
+        denoised = networks.current().denoise_chunk(_bundle(model, plan), lr_tiles, chunk, plan, count)
     seconds = time.perf_counter() - started
     for index, tile in zip(chunk.tiles, denoised, strict=True):
         store.put_tile(
@@ -242,12 +240,12 @@ def denoise(
             (window, index),
             counts,
             tile.numpy(),
-            stage="denoise",
+            stage=Stage.DENOISE,
             seconds=seconds,
             attempt=attempt,
         )
     return StageResult(
-        stage="denoise",
+        stage=Stage.DENOISE,
         item=str(chunk_index),
         computed=True,
         seconds=seconds,
@@ -259,7 +257,7 @@ def denoise(
     )
 
 
-@task(name="decode", task_run_name="decode-window-{window}-tile-{tile}", **STAGE_TASK)
+@task(name=TaskKind.DECODE, task_run_name="decode-window-{window}-tile-{tile}", **STAGE_TASK)
 def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) -> StageResult:
     """KVAE decode of one tile of one window to uint8 pixels; never recomputes the denoised latent it reads."""
     import torch
@@ -267,23 +265,23 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
     store = _store(run)
     plan = _plan(store)
     key = (window, tile)
-    if window_blended(store, plan, window) or store.tile_done(_array(plan, "tiles", window), key, stage="decode"):
-        return StageResult(stage="decode", item=str(tile), computed=False, tiles=(tile,), window=window)
+    if window_blended(store, plan, window) or store.tile_done(_array(plan, "tiles", window), key, stage=Stage.DECODE):
+        return StageResult(stage=Stage.DECODE, item=str(tile), computed=False, tiles=(tile,), window=window)
     started, started_at = time.perf_counter(), time.time()
     latent = _require(
-        store.get_tile(_array(plan, "tile_latents", window), key, stage="denoise"),
+        store.get_tile(_array(plan, "tile_latents", window), key, stage=Stage.DENOISE),
         run,
         f"the denoised latent of window {window} tile {tile}",
     )
     with _compile_spans() as compiling:
-        pixels = _networks().decode_tile(_bundle(model, plan), torch.from_numpy(latent))
+        pixels = networks.current().decode_tile(_bundle(model, plan), torch.from_numpy(latent))
     seconds = time.perf_counter() - started
     counts = (plan.num_windows, plan.num_tiles)
     store.put_tile(
-        _array(plan, "tiles", window), key, counts, pixels.numpy(), stage="decode", seconds=seconds, attempt=attempt
+        _array(plan, "tiles", window), key, counts, pixels.numpy(), stage=Stage.DECODE, seconds=seconds, attempt=attempt
     )
     return StageResult(
-        stage="decode",
+        stage=Stage.DECODE,
         item=str(tile),
         computed=True,
         seconds=seconds,
@@ -294,7 +292,7 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
     )
 
 
-@task(name="denoise-decode", task_run_name="denoise-decode-window-{window}-tiles-{tiles_label}", **STAGE_TASK)
+@task(name=TaskKind.DENOISE_DECODE, task_run_name="denoise-decode-window-{window}-tiles-{tiles_label}", **STAGE_TASK)
 def denoise_decode(
     run: RunRef, model: ModelSpec, window: int, chunk_index: int, attempt: str, tiles_label: str = ""
 ) -> list[StageResult]:
@@ -318,7 +316,7 @@ def _ending(results: list[StageResult], ended: list[float]) -> list[StageResult]
     ]
 
 
-@task(name="blend", task_run_name="blend-window-{window}", **STAGE_TASK)
+@task(name=TaskKind.BLEND, task_run_name="blend-window-{window}", **STAGE_TASK)
 def blend(run: RunRef, window: int, attempt: str) -> StageResult:
     """Hann-blend one window's tiles as they are decoded, crop, and downscale to the delivery tier; then drop its
     tiles.
@@ -335,7 +333,7 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
     plan = _plan(store)
     if window_blended(store, plan, window):
         store.drop_window(_arrays(plan, WINDOW_INTERMEDIATES, window), window)
-        return StageResult(stage="blend", item=str(window), computed=False, window=window)
+        return StageResult(stage=Stage.BLEND, item=str(window), computed=False, window=window)
     started = time.perf_counter()
     span = plan.windows[window]
     blender = stages.window_blender(plan, span)
@@ -343,7 +341,7 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
     for index in range(plan.num_tiles):
         waited += _wait_for_decode(store, run, window, index, attempt)
         pixels = _require(
-            store.get_tile(_array(plan, "tiles", window), (window, index), stage="decode"),
+            store.get_tile(_array(plan, "tiles", window), (window, index), stage=Stage.DECODE),
             run,
             f"decoded tile {index} of window {window}",
         )
@@ -357,12 +355,12 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
         (window,),
         (plan.num_windows,),
         video,
-        stage="blend",
+        stage=Stage.BLEND,
         seconds=seconds,
         attempt=attempt,
     )
     store.drop_window(_arrays(plan, WINDOW_INTERMEDIATES, window), window)
-    return StageResult(stage="blend", item=str(window), computed=True, seconds=seconds - waited, window=window)
+    return StageResult(stage=Stage.BLEND, item=str(window), computed=True, seconds=seconds - waited, window=window)
 
 
 POLL_S = (0.02, 0.5)  # the first and the longest pause between two looks at the tile's record
@@ -375,7 +373,7 @@ def _wait_for_decode(store: RunStore, run: RunRef, window: int, tile: int, attem
     wait_s = settings.read(settings.Store).blend_wait
     started = time.monotonic()
     pause = POLL_S[0]
-    while not store.tile_recorded("decode", (window, tile)):
+    while not store.tile_recorded(Stage.DECODE, (window, tile)):
         if store.window_stopped(window, attempt):
             raise WindowStopped(f"run {run.run_key}: window {window} stopped before tile {tile} was decoded")
         if time.monotonic() - started > wait_s:
@@ -396,15 +394,17 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
     apply_profile(manifest.compute)
     plan = manifest.plan
     if store.segment_done(window) or store.output_done():
-        return StageResult(stage="segment", item=str(window), computed=False, window=window)
+        return StageResult(stage=Stage.SEGMENT, item=str(window), computed=False, window=window)
     started = time.perf_counter()
     current = _require(
-        store.get_tile(_array(plan, "video", window), (window,), stage="blend"), run, f"the frames of window {window}"
+        store.get_tile(_array(plan, "video", window), (window,), stage=Stage.BLEND),
+        run,
+        f"the frames of window {window}",
     )
     previous = None
     if shares_frames(plan.windows, window):  # across a scene cut, nothing is cross-faded
         previous = _require(
-            store.get_tile(_array(plan, "video", window - 1), (window - 1,), stage="blend"),
+            store.get_tile(_array(plan, "video", window - 1), (window - 1,), stage=Stage.BLEND),
             run,
             f"the frames of window {window - 1}",
         )
@@ -415,7 +415,7 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
         with _audio(store, run, plan.num_windows == 1 and manifest.has_audio) as audio:
             segments.write_segment(tmp, frames, plan, audio, manifest.rotation, window)
         store.commit_file(
-            tmp, store.segment_path(window), "segment", str(window), time.perf_counter() - started, attempt
+            tmp, store.segment_path(window), Stage.SEGMENT, str(window), time.perf_counter() - started, attempt
         )
     finally:
         tmp.unlink(missing_ok=True)
@@ -423,11 +423,11 @@ def segment(run: RunRef, window: int, attempt: str) -> StageResult:
         if finished >= 0 and _window_finished(store, plan, finished):
             store.drop_window((_array(plan, "video", finished),), finished)
     return StageResult(
-        stage="segment", item=str(window), computed=True, seconds=time.perf_counter() - started, window=window
+        stage=Stage.SEGMENT, item=str(window), computed=True, seconds=time.perf_counter() - started, window=window
     )
 
 
-@task(name="blend-segment", task_run_name="blend-segment-window-{window}", **STAGE_TASK)
+@task(name=TaskKind.BLEND_SEGMENT, task_run_name="blend-segment-window-{window}", **STAGE_TASK)
 def blend_segment(run: RunRef, window: int, attempt: str) -> list[StageResult]:
     """A window's CPU work as one task run: its blend (`blend`, which waits for the window's tiles), its segment
     (`segment`), then its part of the quality report (`tasks.quality.measure_window`, which never fails).
@@ -454,19 +454,19 @@ def _audio(store: RunStore, run: RunRef, wanted: bool) -> Iterator[np.ndarray | 
     if not wanted:
         yield None
         return
-    if not store.file_done(store.audio_path, "ingest", "audio"):
+    if not store.file_done(store.audio_path, Stage.INGEST, "audio"):
         raise MissingInput(f"run {run.run_key}: the audio is missing or damaged")
     with store.audio_path.fetch() as path:
         yield np.memmap(path, dtype=np.float32, mode="r")
 
 
-@task(name="mux", task_run_name="mux-{run.run_key}", **STAGE_TASK)
+@task(name=TaskKind.MUX, task_run_name="mux-{run.run_key}", **STAGE_TASK)
 def mux(run: RunRef, attempt: str) -> StageResult:
     """Join the segments by stream copy, with the audio, into the store's output (temporary name, then rename). No
     tensor is computed: it runs in the flow's own process, which imports no torch when warm workers compute."""
     store = _store(run)
     if store.output_done():
-        return StageResult(stage="mux", computed=False)
+        return StageResult(stage=Stage.MUX, computed=False)
     started = time.perf_counter()
     manifest = store.read_manifest()
     plan = manifest.plan
@@ -480,13 +480,15 @@ def mux(run: RunRef, attempt: str) -> StageResult:
             files = [str(fetched.enter_context(store.segment_path(w).fetch())) for w in range(plan.num_windows)]
             segments.join_segments(files, tmp, plan, audio, manifest.rotation, manifest.source.path)
         # Exclusive: two runs of one key may mux at once, and only one object may be published.
-        store.commit_file(tmp, store.output_path, "mux", "all", time.perf_counter() - started, attempt, exclusive=True)
+        store.commit_file(
+            tmp, store.output_path, Stage.MUX, "all", time.perf_counter() - started, attempt, exclusive=True
+        )
     finally:
         tmp.unlink(missing_ok=True)
-    return StageResult(stage="mux", computed=True, seconds=time.perf_counter() - started)
+    return StageResult(stage=Stage.MUX, computed=True, seconds=time.perf_counter() - started)
 
 
-@task(name="publish", task_run_name="publish-{run.run_key}", **STAGE_TASK)
+@task(name=TaskKind.PUBLISH, task_run_name="publish-{run.run_key}", **STAGE_TASK)
 def publish(run: RunRef, destination: str) -> StageResult:
     """Copy the run's output to `destination` under a temporary name, then rename: no reader sees half a file. An
     object-store URL receives it as one object, published whole."""
@@ -495,7 +497,7 @@ def publish(run: RunRef, destination: str) -> StageResult:
         publish_to_url(_store(run).output_path, destination)
     else:
         publish_file(_store(run).output_path, Path(destination))
-    return StageResult(stage="publish", computed=True, seconds=time.perf_counter() - started)
+    return StageResult(stage=Stage.PUBLISH, computed=True, seconds=time.perf_counter() - started)
 
 
 @task(name="workers-ready", cache_policy=NO_CACHE)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import fake_model
 from k6vsr_core import media
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
@@ -148,8 +149,8 @@ def test_the_stand_in_runs_the_real_archive_flow(
     store: every item recorded, segments encoded and muxed at the real size; a rerun reuses both."""
     from flows.upscale_archive import upscale_archive
 
+    monkeypatch.setenv("K6VSR_NETWORKS", fake_model.SPEC)
     monkeypatch.setenv("K6VSR_FAKE_MODEL_MS", "2")
-    monkeypatch.setenv("K6VSR_BENCH_ONLY", "1")
     folder = tmp_path / "in"
     folder.mkdir()
     make_sample_clip(folder / "short.mp4", width=64, height=64, num_frames=1, audio=False)
@@ -246,8 +247,8 @@ def test_a_clip_the_busy_api_failed_runs_again_and_another_failure_does_not(
     failure, even an API answer that retrying cannot change (404), is recorded at once."""
     import flows.upscale_archive as archive
 
+    monkeypatch.setenv("K6VSR_NETWORKS", fake_model.SPEC)
     monkeypatch.setenv("K6VSR_FAKE_MODEL_MS", "1")
-    monkeypatch.setenv("K6VSR_BENCH_ONLY", "1")
     monkeypatch.setattr(archive, "API_BUSY_PAUSE_S", 0.0)
     folder = tmp_path / "in"
     _clips(folder, 2)
@@ -295,8 +296,8 @@ def test_a_finished_clip_s_summary_is_not_kept_while_the_archive_runs(
 
     import flows.upscale_archive as archive
 
+    monkeypatch.setenv("K6VSR_NETWORKS", fake_model.SPEC)
     monkeypatch.setenv("K6VSR_FAKE_MODEL_MS", "1")
-    monkeypatch.setenv("K6VSR_BENCH_ONLY", "1")
     folder = tmp_path / "in"
     _clips(folder, 3)
     handed: list[weakref.ref] = []
@@ -337,8 +338,8 @@ def test_clip_runs_send_no_heartbeats_of_their_own_and_are_named_after_their_cli
     import flows.upscale_archive as archive
     import flows.upscale_clip as clip
 
+    monkeypatch.setenv("K6VSR_NETWORKS", fake_model.SPEC)
     monkeypatch.setenv("K6VSR_FAKE_MODEL_MS", "1")
-    monkeypatch.setenv("K6VSR_BENCH_ONLY", "1")
     _clips(tmp_path / "in" / "sub", 2)
     seen: dict[str, list[int | None]] = {"archive": [], "clip": []}
     write_manifest, report = archive.write_manifest, clip._report

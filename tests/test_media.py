@@ -304,7 +304,7 @@ def test_media_error_is_value_error_and_pickles() -> None:
 def test_source_fps_rejects_unusable_rates(rates: tuple, cause: str) -> None:
     stream = SimpleNamespace(average_rate=rates[0], base_rate=rates[1])
     with pytest.raises(MediaError, match=cause) as info:
-        probing._source_fps(stream, "/in.mp4")
+        probing._source_rate(stream, "/in.mp4")
     assert "frame rate" in str(info.value) and "/in.mp4" in str(info.value)
 
 

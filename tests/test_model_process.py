@@ -4,7 +4,7 @@ and the model lane never idle while anything is ready for it.
 The archive runs at its defaults on the cluster a GPU machine's command starts for itself
 (`runtime.warm_workers.split_cluster`, chosen here with K6VSR_LANES=processes since this machine has no GPU), with the
 bench-only stand-in for the networks: each call holds the process's one "device" for a fixed time, as a GPU would
-(`k6vsr_core.fake_model`). What is asserted is where each item ran and how model items overlap, never a wall-clock
+(`bench.fake_model`). What is asserted is where each item ran and how model items overlap, never a wall-clock
 bound; the overlaps still need the machine to itself, so the archive's test is in the timed pass.
 """
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import fake_model
 from k6vsr_core.params import UpscaleParams
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
@@ -33,8 +34,8 @@ def test_an_archive_keeps_the_model_process_computing_and_its_cpu_work_apart(
 ) -> None:
     from flows.upscale_archive import upscale_archive
 
+    monkeypatch.setenv("K6VSR_NETWORKS", fake_model.SPEC)
     monkeypatch.setenv("K6VSR_FAKE_MODEL_MS", f"{STAND_IN_MS:g}")
-    monkeypatch.setenv("K6VSR_BENCH_ONLY", "1")
     monkeypatch.setenv("K6VSR_LANES", "processes")
     monkeypatch.setenv("K6VSR_WARM_WORKERS", "off")
     folder = tmp_path / "in"

@@ -21,6 +21,7 @@ import procs
 import pytest
 from postgres import PASSWORD, Postgres, running_postgres
 
+from bench import fake_model
 from runtime import prefect_server
 from storage.processes import alive
 
@@ -143,8 +144,7 @@ def _upscale(home: Path, clip: Path, out: Path, bundle: Path) -> None:
         "--scale",
         "2",
         "--json",
-        K6VSR_FAKE_MODEL_MS="1",  # the networks cost ~nothing: the run is the orchestration's
-        K6VSR_BENCH_ONLY="1",
+        **fake_model.environment(1.0),  # the networks cost ~nothing: the run is the orchestration's
         K6VSR_STORE=str(out.parent / "store"),
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -39,7 +39,6 @@ def test_a_value_set_after_import_is_the_one_read(monkeypatch: pytest.MonkeyPatc
         (settings.Workers, "K6VSR_WARM_WORKERS", "maybe"),
         (settings.Compute, "K6VSR_CPU_THREADS", "many"),
         (settings.Compute, "K6VSR_DECODER_LAYOUT", "nhwc"),
-        (settings.Bench, "K6VSR_FAKE_MODEL_MS", "1e9"),
     ],
 )
 def test_a_bad_value_is_refused_naming_its_variable(

@@ -8,7 +8,7 @@ import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from python_multipart.exceptions import MultipartParseError
@@ -19,6 +19,9 @@ from entrypoints.server.config import Limits
 from entrypoints.server.errors import ApiError
 from entrypoints.server.fields import FILE_FIELD, FILE_FIELDS, LATENT_FIELD
 from entrypoints.server.records import InputFile, JobStore
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks  # a TypedDict of its type checking only
 
 MAX_PART_HEADER_BYTES = 16 << 10
 
@@ -175,7 +178,7 @@ class _FormReceiver:
         self._input: InputFile | None = None
         self.file_field: str | None = None  # the file field received, once it is complete
 
-    def callbacks(self) -> dict[str, Callable[..., None]]:
+    def callbacks(self) -> MultipartCallbacks:
         return {
             "on_part_begin": self._begin,
             "on_header_field": lambda data, start, end: self._add_header(0, data[start:end]),

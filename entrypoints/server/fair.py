@@ -11,6 +11,9 @@ import itertools
 import threading
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
+
+Owner = TypeVar("Owner", bound=Hashable)  # whatever a caller keys holdings by: an API key, or None for none
 
 # The queue takes up to this many times its size: a key that arrives at a queue the others fill within their shares
 # gets its own share (its place comes out of what they hold past theirs), and no number of keys goes past this.
@@ -53,15 +56,15 @@ class FairShare:
         if self.size < 1 or (self.cap is not None and self.cap < 1):
             raise ValueError(f"a fair share needs at least one place and a cap of one, not {self.size}, {self.cap}")
 
-    def holders(self, holdings: Mapping[Hashable, int], owner: Hashable) -> int:
+    def holders(self, holdings: Mapping[Owner, int], owner: Owner) -> int:
         return len({who for who, held in holdings.items() if held > 0} | {owner})
 
-    def share(self, holdings: Mapping[Hashable, int], owner: Hashable) -> int:
+    def share(self, holdings: Mapping[Owner, int], owner: Owner) -> int:
         """How many places `owner` may hold while the others hold `holdings`."""
         fair = max(1, self.size // self.holders(holdings, owner))
         return fair if self.cap is None else min(fair, self.cap)
 
-    def check(self, holdings: Mapping[Hashable, int], owner: Hashable) -> None:
+    def check(self, holdings: Mapping[Owner, int], owner: Owner) -> None:
         """Whether `owner` may take one more place: `OverShare` or `PoolFull` when not."""
         holders = self.holders(holdings, owner)
         fair = max(1, self.size // holders)

@@ -59,7 +59,7 @@ def job_view(job: JobRecord, caller: Caller, store_root: str | Path, retention_s
         decoded = RunRef(store_root=str(store_root), run_key=job.run_key).open().tiles_decoded()
         progress = min(99, int(100 * decoded / job.tiles.total))
     output = job.output
-    source = {"type": job.source.type}
+    source: dict[str, str] = {"type": job.source.type}
     if job.source.video_path is not None and caller.owns(job):
         source["video_path"] = job.source.video_path
     finished_at = job.completed_at if job.status in FINISHED else None

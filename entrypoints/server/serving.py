@@ -204,9 +204,9 @@ class BoundedH11Protocol(H11Protocol):
         gives one up (`_given_up_among`, or any of its busy ones past its share), down to this connection's own
         holder; None when none does."""
         holders: defaultdict[str, set[BoundedH11Protocol]] = defaultdict(set)
-        for other in self.connections:
-            if not other.transport.is_closing():  # closed: gone already
-                holders[getattr(other, "_holder", "")].add(other)
+        for other in self.connections:  # every connection of this server is a BoundedH11Protocol
+            if isinstance(other, BoundedH11Protocol) and not other.transport.is_closing():  # closed: gone already
+                holders[other._holder].add(other)
         share = self.bounds.max_connections // len(holders)
         for holder, held in sorted(holders.items(), key=lambda item: len(item[1]), reverse=True):
             others = held - {self}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Final
 
 import av
 import av.container
@@ -15,7 +16,7 @@ from k6vsr_core.media.probing import PathLike, open_input
 
 AUDIO_SAMPLE_RATE = 44100
 # The contract's audio codec; a re-encoded source stream gets this rate per channel.
-AUDIO_CODEC = "aac"
+AUDIO_CODEC: Final = "aac"
 AUDIO_BIT_RATE = 192_000
 
 

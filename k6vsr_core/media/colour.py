@@ -14,6 +14,8 @@ import struct
 from fractions import Fraction
 
 import av
+from av.sidedata.sidedata import SideDataContainer
+from av.sidedata.sidedata import Type as SideDataType
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import UnsupportedColour
@@ -38,8 +40,8 @@ PRIMARY_CODES = {name: code for code, name in PRIMARIES.items()}
 TRANSFER_CODES = {name: code for code, name in TRANSFERS.items()}
 MATRIX_CODES = {name: code for code, name in MATRICES.items()}
 
-_MASTERING = av.sidedata.sidedata.Type.MASTERING_DISPLAY_METADATA
-_LIGHT_LEVEL = av.sidedata.sidedata.Type.CONTENT_LIGHT_LEVEL
+_MASTERING = SideDataType.MASTERING_DISPLAY_METADATA
+_LIGHT_LEVEL = SideDataType.CONTENT_LIGHT_LEVEL
 
 
 class MasteringDisplay(BaseModel):
@@ -86,7 +88,9 @@ def frame_hdr(frame: av.VideoFrame) -> HdrMetadata | None:
     `AVRational`s, then two `int` flags) and `AVContentLightMetadata` (two `unsigned`).
     """
     mastering = light = None
-    for data in frame.side_data:
+    # PyAV's stub types `side_data` as a dict of motion vectors; it is a container of `SideData`.
+    side_data: SideDataContainer = frame.side_data  # type: ignore[assignment]
+    for data in side_data:
         raw = bytes(data)
         if data.type == _MASTERING and len(raw) >= 88:
             values = struct.unpack_from("<20i2i", raw)

@@ -12,7 +12,7 @@ import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from fractions import Fraction
-from typing import Literal
+from typing import Literal, TypeVar
 
 import av
 import av.container
@@ -23,6 +23,8 @@ from k6vsr_core.media.probing import PathLike, open_input, video_stream
 
 FieldOrder = Literal["tff", "bff"]
 StreamFields = Literal["progressive", "tff", "bff", "interlaced", "unknown"]
+
+K = TypeVar("K")  # what a frame is keyed by through the deinterlacer: its index or its timestamp
 
 # The frames the picture is judged on: a few seconds of any rate, a fraction of a second of decoding at SD.
 PICTURE_FRAMES = 120
@@ -117,7 +119,7 @@ def _graph(stream_or_frame: av.VideoStream | av.VideoFrame, name: str, args: str
     if isinstance(stream_or_frame, av.VideoFrame):
         frame = stream_or_frame
         source = graph.add_buffer(
-            width=frame.width, height=frame.height, format=frame.format.name, time_base=frame.time_base or Fraction(1)
+            width=frame.width, height=frame.height, format=frame.format, time_base=frame.time_base or Fraction(1)
         )
     else:
         source = graph.add_buffer(template=stream_or_frame)
@@ -174,8 +176,8 @@ def bwdif_args(order: FieldOrder) -> str:
 
 
 def deinterlaced(
-    frames: Iterable[tuple[int, av.VideoFrame]], order: FieldOrder | None
-) -> Iterator[tuple[int, av.VideoFrame]]:
+    frames: Iterable[tuple[K, av.VideoFrame]], order: FieldOrder | None
+) -> Iterator[tuple[K, av.VideoFrame]]:
     """``(key, frame)`` pairs with each frame deinterlaced by bwdif, one out per frame in, in order; as they are
     without ``order``.
 
@@ -186,7 +188,7 @@ def deinterlaced(
         yield from frames
         return
     graph: av.filter.Graph | None = None
-    keys: deque[int] = deque()
+    keys: deque[K] = deque()
     for key, frame in frames:
         if graph is None:
             graph = _graph(frame, "bwdif", bwdif_args(order))

@@ -116,7 +116,7 @@ def video_stream(container: av.container.InputContainer, path: str) -> av.VideoS
     return stream
 
 
-def _source_fps(stream: av.VideoStream, path: str) -> float:
+def _source_rate(stream: av.VideoStream, path: str) -> Fraction:
     rate = stream.average_rate or stream.base_rate
     if rate is None:
         raise MediaError(path, "frame rate is unknown (the stream reports none)")
@@ -127,7 +127,7 @@ def _source_fps(stream: av.VideoStream, path: str) -> float:
         raise MediaError(
             path, f"frame rate {fps:g} fps is implausible (> {_MAX_SOURCE_FPS:g}); timing metadata is broken"
         )
-    return fps
+    return Fraction(rate)
 
 
 def _first_frame_and_packet_count(
@@ -178,7 +178,8 @@ def _probe_file(path: str) -> VideoProbe:
         stream = video_stream(container, path)
         # The header's size, checked before the first frame is decoded (which is what could exhaust memory).
         _check_frame_size(path, stream.codec_context.width, stream.codec_context.height, "declared")
-        fps = _source_fps(stream, path)
+        rate = _source_rate(stream, path)
+        fps = float(rate)
         reported = stream.frames if stream.frames and stream.frames > 0 else 0
         first, packets = _first_frame_and_packet_count(container, stream, path, count_packets=not reported)
         if first is None:
@@ -195,7 +196,7 @@ def _probe_file(path: str) -> VideoProbe:
             pix_fmt=first.format.name,
             rotation=int(first.rotation),
             duration_s=_duration_s(container, stream),
-            rate=str(Fraction(stream.average_rate or stream.base_rate)),
+            rate=str(rate),
             colour=frame_colour(first),
             bit_depth=first.format.components[0].bits,
             hdr=frame_hdr(first),

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import warnings
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import av
 import av.container
 import numpy as np
+from av.subtitles.stream import SubtitleStream
 
 from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC
 from k6vsr_core.media.probing import open_input
+from k6vsr_core.media.typed import stream_as, time_base
+
+if TYPE_CHECKING:
+    from av.container.core import Chapter  # a TypedDict of PyAV's stubs only
 
 # Codecs each container takes by stream copy; any other audio is re-encoded as AAC at the source's layout and rate.
 _COPY_AUDIO = {
@@ -75,23 +80,31 @@ def video_origin(container: av.container.InputContainer) -> Fraction:
     """When the source's first video frame starts, in seconds: the output's time zero."""
     video = container.streams.video[0] if container.streams.video else None
     start = video.start_time if video is not None and video.start_time is not None else 0
-    return Fraction(start) * (video.time_base if video is not None else 1)
+    return Fraction(start) * (time_base(video) if video is not None else 1)
 
 
-def kept_chapters(container: av.container.InputContainer, span: Fraction) -> list[dict[str, Any]]:
+def kept_chapters(container: av.container.InputContainer, span: Fraction) -> list[Chapter]:
     """The source's chapters on the output's clock (from its first video frame), cut to the output's `span`
     (seconds): one that ends before the start or starts at the end is left out, one that runs past the end ends
     there; each keeps its title and other metadata."""
     origin = video_origin(container)
-    kept: list[dict[str, Any]] = []
+    kept: list[Chapter] = []
     for chapter in container.chapters():
         base = chapter["time_base"]
+        if base is None:  # FFmpeg gives every chapter one; without, its ticks are no time
+            continue
         start = max(chapter["start"] * base - origin, Fraction(0))
         end = min(chapter["end"] * base - origin, span)
         if end <= start:
             continue
-        ticks = {"start": round(start / base), "end": round(end / base), "time_base": base}
-        kept.append({"id": len(kept) + 1, **ticks, "metadata": chapter["metadata"]})
+        ticks: Chapter = {
+            "id": len(kept) + 1,
+            "start": round(start / base),
+            "end": round(end / base),
+            "time_base": base,
+            "metadata": chapter["metadata"],
+        }
+        kept.append(ticks)
     return kept
 
 
@@ -124,7 +137,7 @@ class SourceStreams:
         out.set_chapters(kept_chapters(self._input, span))
         self._plans: dict[int, tuple[str, Any]] = {}  # input stream index -> (how, output stream or re-encoder)
         for stream in self._input.streams:
-            if stream.type == "attachment":
+            if isinstance(stream, av.stream.AttachmentStream):
                 _attach(stream, out, container_format, source)
                 continue
             carried = carry(stream, container_format)
@@ -139,13 +152,14 @@ class SourceStreams:
             how, codec = carried
             if how == "copy":
                 self._plans[stream.index] = ("copy", out.add_stream_from_template(stream))
-            elif stream.type == "audio":
+            elif isinstance(stream, av.AudioStream):
                 layout = stream.codec_context.layout.name
-                target = out.add_stream(codec, rate=stream.codec_context.sample_rate, layout=layout)
+                added = out.add_stream(codec, rate=stream.codec_context.sample_rate, layout=layout)
+                target = stream_as(added, av.AudioStream)
                 target.bit_rate = AUDIO_BIT_RATE * max(1, stream.codec_context.channels)
                 self._plans[stream.index] = ("encode", _Reencoder(stream, target, self._origin, span))
             else:
-                converter = _SubtitleConverter(stream, out, codec, self._origin, span)
+                converter = _SubtitleConverter(stream_as(stream, SubtitleStream), out, codec, self._origin, span)
                 self._plans[stream.index] = ("encode", converter)
             language = stream.metadata.get("language")
             if language:
@@ -202,6 +216,9 @@ def _attach(
             stacklevel=4,
         )
         return
+    if stream.name is None or stream.mimetype is None:
+        warnings.warn(f"{source}: an attachment without a name or type is left out", stacklevel=4)
+        return
     out.add_attachment(stream.name, stream.mimetype, stream.data)
 
 
@@ -210,13 +227,13 @@ class _SubtitleConverter:
     its source time (relative to the first video frame) and cut to the output's span."""
 
     def __init__(
-        self, source: av.SubtitleStream, out: av.container.OutputContainer, codec: str, origin: Fraction, span: Fraction
+        self, source: SubtitleStream, out: av.container.OutputContainer, codec: str, origin: Fraction, span: Fraction
     ) -> None:
         self._source = source
         self._origin, self._span = origin, span
         decoder = source.codec_context
         decoder.open()  # a text decoder makes the ASS header the encoder needs when it opens
-        self.stream = out.add_stream(codec)
+        self.stream = stream_as(out.add_stream(codec), SubtitleStream)
         self.stream.codec_context.subtitle_header = decoder.subtitle_header or _DEFAULT_ASS_HEADER
         self.stream.codec_context.time_base = _SUBTITLE_TIME_BASE
 

@@ -21,6 +21,7 @@ from k6vsr_core.media.clock import FrameRate, Timeline, span_s
 from k6vsr_core.media.colour import MATRIX_CODES, PRIMARY_CODES, TRANSFER_CODES, HdrMetadata, x265_hdr_params
 from k6vsr_core.media.probing import PathLike
 from k6vsr_core.media.streams import SourceStreams, carried_chapters, carried_streams
+from k6vsr_core.media.typed import stream_as, time_base
 
 # The contract's rates are whole numbers; `--fps source` keeps the source's exact rational rate (30000/1001), or a
 # variable-rate source's frame times themselves (a `Timeline`).
@@ -109,7 +110,8 @@ def _add_video_stream(
 ) -> av.VideoStream:
     # A timeline's frames each keep their own time, in its ticks; the stream states their mean rate.
     nominal = fps.mean_rate.limit_denominator(1001) if isinstance(fps, Timeline) else fps
-    video = container.add_stream(encoding.encoder, rate=nominal, options=_encoder_options(encoding, hdr))
+    added = container.add_stream(encoding.encoder, rate=nominal, options=_encoder_options(encoding, hdr))
+    video = stream_as(added, av.VideoStream)
     if sample_aspect is not None:
         video.codec_context.sample_aspect_ratio = sample_aspect
     if rotation:
@@ -161,7 +163,10 @@ def _mux(
         # Held until the last is out: its decode times are made from every packet's (`_decode_times`).
         packets = [packet for frame in _encoder_frames(frames, fps, encoding, colour) for packet in video.encode(frame)]
         packets += video.encode(None)
-        for packet, (dts, duration) in zip(packets, _decode_times([p.pts for p in packets], fps.stamps), strict=True):
+        stamps = [packet.pts for packet in packets if packet.pts is not None]
+        if len(stamps) != len(packets):
+            raise RuntimeError(f"the {encoding.encoder} encoder gave a packet without a time")
+        for packet, (dts, duration) in zip(packets, _decode_times(stamps, fps.stamps), strict=True):
             packet.dts, packet.duration = dts, duration
             container.mux(packet)
     else:
@@ -394,7 +399,7 @@ def _decode_delay(segment: str, frame_base: Fraction) -> int:
         stream = source.streams.video[0]
         for packet in source.demux(stream):
             if packet.size and packet.dts is not None:
-                return max(0, -round(packet.dts * stream.time_base / frame_base))
+                return max(0, -round(packet.dts * time_base(stream) / frame_base))
     return 0
 
 
@@ -419,10 +424,10 @@ def _copy_segment(
         for packet in source.demux(stream):
             if packet.size == 0 or packet.pts is None or packet.dts is None:
                 continue
-            dts = round(packet.dts * stream.time_base / frame_base)
+            dts = round(packet.dts * time_base(stream) / frame_base)
             if own_delay is None:
                 own_delay = max(0, -dts)
-            packet.pts = round(packet.pts * stream.time_base / frame_base) + offset
+            packet.pts = round(packet.pts * time_base(stream) / frame_base) + offset
             packet.dts = dts + offset - (delay - own_delay)
             packet.duration = 1
             packet.time_base = frame_base

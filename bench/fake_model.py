@@ -1,14 +1,18 @@
 """A stand-in for the three networks, for measuring the orchestration around them: NOT a model.
 
-With `K6VSR_FAKE_MODEL_MS=N` (and `K6VSR_BENCH_ONLY=1`, which says the caller knows its outputs are meaningless),
-every KVAE encode, DiT chunk and KVAE decode a stage task would run sleeps N milliseconds instead and returns
+The benchmarks inject it through the product's networks hook (`k6vsr_core.networks`):
+
+    K6VSR_NETWORKS=bench.fake_model:networks K6VSR_FAKE_MODEL_MS=N
+
+and every KVAE encode, DiT chunk and KVAE decode a stage task would run then sleeps N milliseconds instead and returns
 zeros of the shape and dtype the real call returns; the calls of one process take turns, as on one GPU. Everything
 else is the real pipeline: the flows, the tasks, the run store, the blend, the segments and the mux. It exists so
 that the cost of the orchestration (Prefect's API, the scheduler, the store's records) can be measured on a CPU
-where the networks would otherwise dominate (`bench/archive_scale.py`).
+where the networks would otherwise dominate (`bench/archive_scale.py`). Processes a command starts inherit both
+variables, so they all inject it.
 
-The run key includes the stand-in (`identity_suffix`), so a fake run never shares stored tiles or outputs with a
-run of the real model.
+Its `identity` (`+fake-model-Nms`) goes into the run key, so a stand-in's run never shares stored tiles or outputs
+with a run of the real model.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from k6vsr_core import settings
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from k6vsr_core.errors import ParameterError
 from k6vsr_core.plan import TEMPORAL_FACTOR
 from k6vsr_core.tiling import SPATIAL_FACTOR
@@ -29,28 +35,30 @@ if TYPE_CHECKING:
     from k6vsr_core.bundle import ModelBundle
     from k6vsr_core.plan import ClipPlan, TileChunk
 
-FAKE_ENV = settings.env_name("fake_model_ms")
-MARKER_ENV = settings.env_name("bench_only")
+SPEC = "bench.fake_model:networks"  # the value of K6VSR_NETWORKS that injects it
+FAKE_ENV = "K6VSR_FAKE_MODEL_MS"
 
 
-def fake_ms() -> float | None:
-    """The stand-in's milliseconds per call when it is selected, else None; refuses a selection without the
-    bench marker or with a value that is not a number of milliseconds."""
-    bench = settings.read(settings.Bench)
-    if bench.fake_model_ms is None:
-        return None
-    if not bench.bench_only:
-        raise ParameterError(
-            f"{FAKE_ENV} replaces the model with a stand-in that returns zeros, for measuring the orchestration "
-            f"only; set {MARKER_ENV}=1 as well to say so, or unset {FAKE_ENV}"
-        )
-    return bench.fake_model_ms
+class _StandIn(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="K6VSR_", env_ignore_empty=True, extra="ignore")
+
+    fake_model_ms: float | None = Field(None, ge=0, le=10_000)
 
 
-def identity_suffix() -> str:
-    """What the model's identity gains while the stand-in is selected: a run key of its own."""
-    ms = fake_ms()
-    return "" if ms is None else f"+fake-model-{ms:g}ms"
+def environment(ms: float) -> dict[str, str]:
+    """The variables that inject the stand-in at `ms` milliseconds a call into a process and those it starts."""
+    return {"K6VSR_NETWORKS": SPEC, FAKE_ENV: f"{ms:g}"}
+
+
+def networks() -> FakeNetworks:
+    """The hook's function: the stand-in at the milliseconds `K6VSR_FAKE_MODEL_MS` says (required)."""
+    try:
+        ms = _StandIn().fake_model_ms
+    except ValidationError as err:
+        raise ParameterError(f"{FAKE_ENV}: {err.errors()[0]['msg']}") from None
+    if ms is None:
+        raise ParameterError(f"the network stand-in ({SPEC}) needs {FAKE_ENV}, its milliseconds per call")
+    return FakeNetworks(ms)
 
 
 # One device per process: a GPU runs one call at a time whatever the number of model threads feeding it (they share
@@ -69,6 +77,7 @@ class FakeNetworks:
 
     def __init__(self, ms: float) -> None:
         self.ms = ms
+        self.identity = f"+fake-model-{ms:g}ms"
 
     def encode_clip(self, bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
         import torch
