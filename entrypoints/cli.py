@@ -589,7 +589,7 @@ def cmd_archive(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
-    from entrypoints.http_api import serve
+    from entrypoints.server.app import serve
 
     spec = model_from(args)
     store = store_from(args)

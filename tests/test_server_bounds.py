@@ -25,7 +25,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 from http_harness import error_of, free_port
 
-from entrypoints.http_api import Limits, ServerConfig, create_app, error_response, key_owner
+from entrypoints.server.app import Limits, ServerConfig, create_app, error_response, key_owner
 from entrypoints.server.child import _error_of, results_beside
 from entrypoints.server.messages import MAX_MESSAGE_CHARS
 from entrypoints.server.records import JobRecord, JobStore
@@ -77,7 +77,7 @@ def upload(client: TestClient, clip: Path, key: str, **fields: str):
 
 def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
     from entrypoints.cli import build_parser
-    from entrypoints.http_api import config_from
+    from entrypoints.server.app import config_from
 
     defaults = config_from(build_parser().parse_args(["serve"]), tmp_path, "m").limits
     assert (defaults.max_tiles, defaults.max_windows, defaults.upload_timeout_s) == (2048, 512, 900)
@@ -671,7 +671,7 @@ def test_no_key_or_client_holds_every_upload_slot(served_anonymous: int, tmp_pat
     import httpx
 
     from entrypoints.cli import build_parser
-    from entrypoints.http_api import config_from
+    from entrypoints.server.app import config_from
 
     clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
     stalled = [stalled_upload(served_anonymous, None)]
@@ -699,7 +699,7 @@ def test_keys_no_client_could_send_are_refused_at_start(tmp_path: Path, monkeypa
     """A key with spaces around it (or a character outside printable ASCII) could never authenticate: `serve`
     refuses it at start, naming where it came from and never echoing it."""
     from entrypoints.cli import build_parser
-    from entrypoints.http_api import config_from
+    from entrypoints.server.app import config_from
 
     def config(*flags: str) -> ServerConfig:
         return config_from(build_parser().parse_args(["serve", *flags]), tmp_path / "store", "m")
@@ -724,7 +724,7 @@ def test_a_store_inside_an_allowed_folder_is_refused_at_start(tmp_path: Path) ->
     """With the store inside an --allow-path folder (or one inside the store), a `video_path` could read another
     key's inputs and outputs: `serve` refuses that layout; folders side by side are fine."""
     from entrypoints.cli import build_parser
-    from entrypoints.http_api import config_from
+    from entrypoints.server.app import config_from
 
     (tmp_path / "store" / "jobs").mkdir(parents=True)
     (tmp_path / "clips").mkdir()

@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 from fault_harness import child_environment, fired
 from http_harness import error_of
 
-from entrypoints.http_api import Limits, ServerConfig, create_app
 from entrypoints.server import records
+from entrypoints.server.app import Limits, ServerConfig, create_app
 from entrypoints.server.child import _error_of
 from entrypoints.server.disk import is_disk_full
 from entrypoints.server.records import InputFile, JobStore

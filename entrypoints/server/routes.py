@@ -14,10 +14,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from entrypoints.confine import quote, scrub_paths
 from entrypoints.server.auth import Caller, caller_of
 from entrypoints.server.bodies import UploadTooLarge, copy_path_source, read_form, read_json
 from entrypoints.server.config import Limits, ServerConfig
+from entrypoints.server.confine import quote, scrub_paths
 from entrypoints.server.download import OpenedFileResponse
 from entrypoints.server.errors import RETRY_AFTER_S, ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields

@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from entrypoints.confine import scrub_paths
+from entrypoints.server.confine import scrub_paths
 from entrypoints.server.fair import FairQueue, FairShare, OverShare, PoolFull
 from entrypoints.server.memory import MemoryLedger, own_rss, tree_rss
 from entrypoints.server.records import (

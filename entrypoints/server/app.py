@@ -11,7 +11,7 @@
 
 Request fields and their defaults are SGLang's Kandinsky 6 SR sampling parameters. Safe by default: loopback bind;
 a JSON `video_path` is opened only inside `--allow-path` folders, with no symbolic link followed, and copied into
-the job's folder, so the file checked is the file that runs (`entrypoints.confine`); uploads are streamed to disk
+the job's folder, so the file checked is the file that runs (`entrypoints.server.confine`); uploads are streamed to disk
 under a size cap; every resource a client can spend is bounded (`Limits`: bodies, the queue, disk, host memory;
 `Connections`: open connections and how long they may idle, `server.serving`); with API keys each job belongs to the key
 that made it; errors are JSON `{"error": {"message", "type", "param", "code"}}` with one line of message, never a
