@@ -550,8 +550,10 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
     which its final state carries whether it completed or failed (some clips failed)."""
     status.say("loading Prefect")  # seconds, before the bars can show
     from entrypoints.progress import archive_progress
+    from flows.archive.report import MANIFEST_NAME
+    from flows.archive.rows import ArchiveSummary
     from flows.orchestrate import prefect_api
-    from flows.upscale_archive import MANIFEST_NAME, ArchiveSummary, upscale_archive
+    from flows.upscale_archive import upscale_archive
     from service.runs import model_info
 
     source, output_dir = _archive_folders(args)
