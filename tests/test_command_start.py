@@ -21,7 +21,7 @@ LIGHT_MODULES = [
     "entrypoints.demo",
     "entrypoints.server.app",
     "entrypoints.server.records",
-    "entrypoints.server.runner",
+    "entrypoints.server.job_runner",
     "entrypoints.server.slots",
     "entrypoints.server.child",
     "flows.artifacts",

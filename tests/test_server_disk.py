@@ -24,8 +24,8 @@ from entrypoints.server import records
 from entrypoints.server.app import Limits, ServerConfig, create_app
 from entrypoints.server.child import _error_of
 from entrypoints.server.disk import is_disk_full
+from entrypoints.server.job_runner import JobRunner
 from entrypoints.server.records import InputFile, JobStore
-from entrypoints.server.runner import JobRunner
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
 

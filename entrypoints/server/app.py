@@ -16,7 +16,7 @@ under a size cap; every resource a client can spend is bounded (`Limits`: bodies
 `Connections`: open connections and how long they may idle, `server.serving`); with API keys each job belongs to the key
 that made it; errors are JSON `{"error": {"message", "type", "param", "code"}}` with one line of message, never a
 stack trace or a path of the server. Jobs, their queue and their worker processes are in `entrypoints.server`
-(`records`, `runner`, `slots`, `child`).
+(`records`, `job_runner`, `slots`, `child`).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from entrypoints.server.bodies import read_form
 from entrypoints.server.config import Limits, ServerConfig, config_from
 from entrypoints.server.errors import ApiError, error_response, install_error_handlers
 from entrypoints.server.framing import CloseAmbiguousFraming
+from entrypoints.server.job_runner import JobRunner
 from entrypoints.server.records import JobStore
 from entrypoints.server.routes import Videos, router
-from entrypoints.server.runner import JobRunner
 from service.runs import ModelSpec, model_info
 
 # The names the server's callers and tests use, wherever each is defined.

@@ -21,6 +21,7 @@ from entrypoints.server.confine import quote, scrub_paths
 from entrypoints.server.download import OpenedFileResponse
 from entrypoints.server.errors import RETRY_AFTER_S, ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
+from entrypoints.server.job_runner import JobRunner
 from entrypoints.server.memory import computes_on_cpu, job_bytes
 from entrypoints.server.records import (
     ACTIVE,
@@ -37,7 +38,6 @@ from entrypoints.server.records import (
     JobTiles,
     new_job_id,
 )
-from entrypoints.server.runner import JobRunner
 from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale
