@@ -22,7 +22,7 @@ LIGHT_MODULES = [
     "entrypoints.server.app",
     "entrypoints.server.records",
     "entrypoints.server.job_runner",
-    "entrypoints.server.slots",
+    "entrypoints.server.worker_slots",
     "entrypoints.server.child",
     "flows.artifacts",
     "flows.orchestrate",

@@ -30,7 +30,7 @@ from entrypoints.server.child import _error_of, results_beside
 from entrypoints.server.job_runner import JobRunner
 from entrypoints.server.messages import MAX_MESSAGE_CHARS
 from entrypoints.server.records import JobRecord, JobStore
-from entrypoints.server.slots import job_message, tile_counts
+from entrypoints.server.worker_slots import job_message, tile_counts
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.memory import MemoryBudgetError
 from k6vsr_core.sample import make_sample_clip

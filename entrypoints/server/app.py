@@ -16,7 +16,7 @@ under a size cap; every resource a client can spend is bounded (`Limits`: bodies
 `Connections`: open connections and how long they may idle, `server.serving`); with API keys each job belongs to the key
 that made it; errors are JSON `{"error": {"message", "type", "param", "code"}}` with one line of message, never a
 stack trace or a path of the server. Jobs, their queue and their worker processes are in `entrypoints.server`
-(`records`, `job_runner`, `slots`, `child`).
+(`records`, `job_runner`, `worker_slots`, `child`).
 """
 
 from __future__ import annotations
