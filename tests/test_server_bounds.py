@@ -574,7 +574,7 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
 def test_a_job_over_the_memory_budget_is_refused_at_submit(tmp_path: Path, tiny_bundle_path: Path) -> None:
     """The probe: a few kilobytes of video within every other cap whose frames, latents and result would not fit the
     host memory the server may use: 400 naming --memory-budget-mb, and nothing left behind. A small job fits."""
-    from entrypoints.server.memory import DEFAULT_WORKER_BYTES, job_bytes
+    from entrypoints.server.host_memory import DEFAULT_WORKER_BYTES, job_bytes
     from service.runs import prepare_run
 
     big = make_sample_clip(tmp_path / "big.mp4", width=512, height=512, num_frames=33, audio=False)
@@ -588,7 +588,7 @@ def test_a_job_over_the_memory_budget_is_refused_at_submit(tmp_path: Path, tiny_
     small_bytes = job_bytes(prepare_run(small, parse_params(**params), spec, tmp_path / "plans").plan, on_cpu=True)
     assert small_bytes < 64 << 20 < big_bytes
     # The budget: the server's size, a worker's, and room for the small job but not the big one.
-    from entrypoints.server.memory import own_rss
+    from entrypoints.server.host_memory import own_rss
 
     budget = own_rss() + DEFAULT_WORKER_BYTES + (256 << 20)
     assert big_bytes > 256 << 20, big_bytes
@@ -607,7 +607,7 @@ def test_the_memory_watch_stops_a_job_that_outgrows_the_budget(tmp_path: Path) -
     import subprocess
     import sys
 
-    from entrypoints.server.memory import own_rss
+    from entrypoints.server.host_memory import own_rss
 
     store = JobStore(tmp_path, 1 << 20)
     runner = JobRunner(

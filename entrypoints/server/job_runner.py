@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 from entrypoints.server.confine import scrub_paths
 from entrypoints.server.fair import FairQueue, FairShare, OverShare, PoolFull
-from entrypoints.server.memory import MemoryLedger, own_rss, tree_rss
+from entrypoints.server.host_memory import MemoryLedger, own_rss, tree_rss
 from entrypoints.server.records import (
     ACTIVE,
     CANCELLED,

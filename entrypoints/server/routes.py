@@ -21,8 +21,8 @@ from entrypoints.server.confine import quote, scrub_paths
 from entrypoints.server.download import OpenedFileResponse
 from entrypoints.server.errors import RETRY_AFTER_S, ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
+from entrypoints.server.host_memory import computes_on_cpu, job_bytes
 from entrypoints.server.job_runner import JobRunner
-from entrypoints.server.memory import computes_on_cpu, job_bytes
 from entrypoints.server.records import (
     ACTIVE,
     CANCELLED,
