@@ -203,8 +203,8 @@ def test_error_messages_are_short_and_typed() -> None:
 
 
 def test_a_failed_jobs_error_and_the_apis_answer_come_from_one_table() -> None:
+    from entrypoints.server.api_errors import api_error
     from entrypoints.server.error_table import USER_ERROR_STATUS
-    from entrypoints.server.errors import api_error
 
     for kind, status, code in USER_ERROR_STATUS:
         err = kind("the clip", "no video stream") if issubclass(kind, MediaError) else kind("refused")

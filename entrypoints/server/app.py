@@ -33,10 +33,10 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from entrypoints.server.api_errors import ApiError, error_response, install_error_handlers
 from entrypoints.server.auth import Caller, KeyAuth, key_owner, owners_of
 from entrypoints.server.bodies import read_form
 from entrypoints.server.config import Limits, ServerConfig, config_from
-from entrypoints.server.errors import ApiError, error_response, install_error_handlers
 from entrypoints.server.framing import CloseAmbiguousFraming
 from entrypoints.server.job_runner import JobRunner
 from entrypoints.server.records import JobStore

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from entrypoints.server.errors import error_response
+from entrypoints.server.api_errors import error_response
 from entrypoints.server.records import JobRecord
 
 

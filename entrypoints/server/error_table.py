@@ -1,6 +1,6 @@
 """One table from an error to the HTTP API's answer: its status and code, and for a limit the server is at, its
 message. No web framework here: the job's child process (`entrypoints.server.child`) types a failed job's error
-from the same table the routes answer with (`entrypoints.server.errors`).
+from the same table the routes answer with (`entrypoints.server.api_errors`).
 """
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+from entrypoints.server.api_errors import RETRY_AFTER_S, ApiError
 from entrypoints.server.auth import Caller, caller_of
 from entrypoints.server.bodies import UploadTooLarge, copy_path_source, read_form, read_json
 from entrypoints.server.config import Limits, ServerConfig
 from entrypoints.server.confine import quote, scrub_paths
 from entrypoints.server.download import OpenedFileResponse
-from entrypoints.server.errors import RETRY_AFTER_S, ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
 from entrypoints.server.host_memory import computes_on_cpu, job_bytes
 from entrypoints.server.job_runner import JobRunner
