@@ -20,7 +20,7 @@ LIGHT_MODULES = [
     "entrypoints.console",
     "entrypoints.demo",
     "entrypoints.server.app",
-    "entrypoints.server.records",
+    "entrypoints.server.job_records",
     "entrypoints.server.job_runner",
     "entrypoints.server.worker_slots",
     "entrypoints.server.child",

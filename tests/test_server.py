@@ -482,7 +482,7 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
     from starlette.requests import Request
 
     from entrypoints.server.app import Limits, read_form
-    from entrypoints.server.records import JobStore
+    from entrypoints.server.job_records import JobStore
 
     boundary = "b0undary"
     payload = b"x--b0undary\r\n--b0undar\r\n-b0undary\r\n\r\n" * 40 + bytes(range(256))  # near misses only

@@ -27,9 +27,9 @@ from http_harness import error_of, free_port
 
 from entrypoints.server.app import Limits, ServerConfig, create_app, error_response, key_owner
 from entrypoints.server.child import _error_of, results_beside
+from entrypoints.server.job_records import JobRecord, JobStore
 from entrypoints.server.job_runner import JobRunner
 from entrypoints.server.messages import MAX_MESSAGE_CHARS
-from entrypoints.server.records import JobRecord, JobStore
 from entrypoints.server.worker_slots import job_message, tile_counts
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.memory import MemoryBudgetError

@@ -17,8 +17,8 @@ from http_harness import error_of
 
 from entrypoints.server.app import Limits, ServerConfig, create_app, key_owner
 from entrypoints.server.fair import OVERFLOW, FairQueue, FairShare, OverShare, PoolFull
+from entrypoints.server.job_records import JobStore, KeyQueueFull, QueueFull, UploadsBusy
 from entrypoints.server.job_runner import JobRunner
-from entrypoints.server.records import JobStore, KeyQueueFull, QueueFull, UploadsBusy
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
 

@@ -16,7 +16,7 @@ under a size cap; every resource a client can spend is bounded (`Limits`: bodies
 `Connections`: open connections and how long they may idle, `server.serving`); with API keys each job belongs to the key
 that made it; errors are JSON `{"error": {"message", "type", "param", "code"}}` with one line of message, never a
 stack trace or a path of the server. Jobs, their queue and their worker processes are in `entrypoints.server`
-(`records`, `job_runner`, `worker_slots`, `child`).
+(`job_records`, `job_runner`, `worker_slots`, `child`).
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from entrypoints.server.auth import Caller, KeyAuth, key_owner, owners_of
 from entrypoints.server.bodies import read_form
 from entrypoints.server.config import Limits, ServerConfig, config_from
 from entrypoints.server.framing import CloseAmbiguousFraming
+from entrypoints.server.job_records import JobStore
 from entrypoints.server.job_runner import JobRunner
-from entrypoints.server.records import JobStore
 from entrypoints.server.routes import Videos, router
 from service.runs import ModelSpec, model_info
 

@@ -18,7 +18,7 @@ from entrypoints.server.api_errors import ApiError
 from entrypoints.server.config import Limits
 from entrypoints.server.confine import PathRefused, open_confined, quote
 from entrypoints.server.fields import FILE_FIELD, FILE_FIELDS, LATENT_FIELD
-from entrypoints.server.records import InputFile, JobStore
+from entrypoints.server.job_records import InputFile, JobStore
 
 MAX_PART_HEADER_BYTES = 16 << 10
 

@@ -5,7 +5,7 @@ from the same table the routes answer with (`entrypoints.server.api_errors`).
 
 from __future__ import annotations
 
-from entrypoints.server.records import InputQuotaFull, KeyQueueFull, QueueFull, UploadsBusy
+from entrypoints.server.job_records import InputQuotaFull, KeyQueueFull, QueueFull, UploadsBusy
 from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UnsupportedColour, UserFacingError
 
 # The errors a user can fix (k6vsr_core.errors) as HTTP answers: the first class that matches gives status and code.

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from entrypoints.server.confine import scrub_paths
 from entrypoints.server.fair import FairQueue, FairShare, OverShare, PoolFull
 from entrypoints.server.host_memory import MemoryLedger, own_rss, tree_rss
-from entrypoints.server.records import (
+from entrypoints.server.job_records import (
     ACTIVE,
     CANCELLED,
     COMPLETED,

@@ -22,8 +22,7 @@ from entrypoints.server.confine import quote, scrub_paths
 from entrypoints.server.download import OpenedFileResponse
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
 from entrypoints.server.host_memory import computes_on_cpu, job_bytes
-from entrypoints.server.job_runner import JobRunner
-from entrypoints.server.records import (
+from entrypoints.server.job_records import (
     ACTIVE,
     CANCELLED,
     COMPLETED,
@@ -38,6 +37,7 @@ from entrypoints.server.records import (
     JobTiles,
     new_job_id,
 )
+from entrypoints.server.job_runner import JobRunner
 from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale
