@@ -1,4 +1,4 @@
-"""What a job adds to its worker process's memory, against the server's estimate (`entrypoints.server.memory`).
+"""What a job adds to its worker process's memory, against the server's estimate (`entrypoints.server.host_memory`).
 
     python bench/job_memory.py --port PORT --key KEY --model BUNDLE [--device cpu] WxHxFRAMES@SCALE ...
 
@@ -22,7 +22,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from entrypoints.server.memory import computes_on_cpu, job_bytes  # noqa: E402
+from entrypoints.server.host_memory import computes_on_cpu, job_bytes  # noqa: E402
 from k6vsr_core.params import parse_params  # noqa: E402
 from k6vsr_core.sample import make_sample_clip  # noqa: E402
 from service.runs import ModelSpec, prepare_run  # noqa: E402

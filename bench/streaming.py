@@ -191,7 +191,7 @@ def run_archive(check: Check, clips: int, max_parallel: int | None) -> dict[str,
 def archive_figures(out_dir: Path, wall: float, clips: int) -> dict[str, Any]:
     """From the archive's manifest: the clips done (computed in this run: a fresh output folder has none to reuse),
     their seconds, and clips per hour over the command's wall time."""
-    from flows.upscale_archive import MANIFEST_NAME
+    from flows.archive.report import MANIFEST_NAME
 
     manifest = out_dir / f"{MANIFEST_NAME}.json"
     rows = json.loads(manifest.read_text())["rows"] if manifest.is_file() else []

@@ -299,7 +299,7 @@ def cmd_upscale(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]:
-    from entrypoints.progress import run_progress
+    from entrypoints.progress_bars import run_progress
     from service.runs import model_info, prepare_run
 
     source, latent_fps = input_from(args)
@@ -368,7 +368,7 @@ def cmd_preview(args: argparse.Namespace) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     model_info(spec)
     check_device(spec.device)
-    from entrypoints.progress import run_progress
+    from entrypoints.progress_bars import run_progress
     from flows.orchestrate import prefect_api
     from flows.preview import preview_clip
 
@@ -550,9 +550,11 @@ def run_archive_command(args: argparse.Namespace, params: Any, spec: Any, store_
     """`k6vsr archive`: check the input, output and model first, then run the archive flow and return its summary,
     which its final state carries whether it completed or failed (some clips failed)."""
     status.say("loading Prefect")  # seconds, before the bars can show
-    from entrypoints.progress import archive_progress
+    from entrypoints.progress_bars import archive_progress
+    from flows.archive.report import MANIFEST_NAME
+    from flows.archive.rows import ArchiveSummary
     from flows.orchestrate import prefect_api
-    from flows.upscale_archive import MANIFEST_NAME, ArchiveSummary, upscale_archive
+    from flows.upscale_archive import upscale_archive
     from service.runs import model_info
 
     source, output_dir = _archive_folders(args)
@@ -590,7 +592,7 @@ def cmd_archive(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> dict[str, Any]:
-    from entrypoints.http_api import serve
+    from entrypoints.server.app import serve
 
     spec = model_from(args)
     store = store_from(args)

@@ -1,6 +1,6 @@
 """What the command line shows: warnings one line each, a short summary, the plan as a table, sizes people read.
 
-The progress bar of a run is `entrypoints.progress`.
+The progress bar of a run is `entrypoints.progress_bars`.
 
 The lines every task logs go to the Prefect UI and to the run's log file (`flows/run_log.py`), not to the terminal,
 unless asked for with `--verbose`.

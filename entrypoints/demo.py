@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from entrypoints.progress import run_progress
+from entrypoints.progress_bars import run_progress
 from flows.orchestrate import prefect_api, run_clip
 from k6vsr_core.bundle import make_tiny_bundle
 from k6vsr_core.params import UpscaleParams, output_name

@@ -31,11 +31,11 @@ from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.quality import QualityReport
 from k6vsr_core.stage_names import Stage, TaskKind
-from runtime.errors import WorkersUnavailable
 from runtime.flow_leases import leased
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
 from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner
 from runtime.schedule import Item, Scheduler, clip_graph
+from runtime.service_errors import WorkersUnavailable
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
 from storage.location import is_url

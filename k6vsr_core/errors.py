@@ -5,7 +5,7 @@ Three kinds, told apart by what the reader can do:
 - `UserFacingError`: the user can fix it (the file, a value, the model, the store, the output folder); its message
   names the file or value and the cause. The command line prints it on one line and exits with 2, the HTTP API
   answers it with a 4xx status, the archive writes it into the clip's row; a stage task never retries it.
-- `ServiceError`: a service the command needs could not be started or reached (the runtime's, `runtime.errors`);
+- `ServiceError`: a service the command needs could not be started or reached (the runtime's, `runtime.service_errors`);
   its message says where to look. The command line prints it on one line and exits with 1.
 - `PipelineError`: k6vsr's own work failed (tiles that failed on every attempt, a stored input that is gone). Like
   any other exception it is an internal failure: shown with its type, exit code 1. An archive whose clips failed

@@ -43,7 +43,7 @@ from pydantic import BaseModel
 from k6vsr_core import settings, status
 from k6vsr_core.errors import UserFacingError
 from runtime import server_database
-from runtime.errors import ServerError
+from runtime.service_errors import ServerError
 from runtime.state_folder import LaunchFailed, StateFolder, now, state_home
 from storage.processes import alive
 from storage.records import atomic_write_bytes

@@ -27,7 +27,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError
 
 from k6vsr_core.errors import UserFacingError
-from runtime.errors import ServerError
+from runtime.service_errors import ServerError
 from storage.records import atomic_write_bytes
 
 SQLITE = "sqlite"  # the `--database` value that names the default: SQLite in the state folder

@@ -42,7 +42,7 @@ from pydantic import BaseModel
 
 from k6vsr_core import settings
 from k6vsr_core.errors import ParameterError
-from runtime.errors import WorkersError
+from runtime.service_errors import WorkersError
 from runtime.slots import CPU_THREADS, CPU_WORKER_RESOURCES, MODEL_WORKER_RESOURCES, MODEL_WORKER_SLOTS
 from runtime.state_folder import LaunchFailed, StateFolder, now, state_home
 from service.runs import ModelSpec

@@ -262,7 +262,8 @@ def test_plan_writes_the_manifest_and_runs_nothing(
 
 def test_path_list_and_name_collisions(tmp_path: Path, tiny_bundle_path: Path) -> None:
     """A list file mirrors under the common folder; two sources with one output name: the second is skipped."""
-    from flows.upscale_archive import _sources, plan_clips, read_path_list
+    from flows.archive.planning import plan_clips
+    from flows.archive.sources import find_sources, read_path_list
 
     folder = tmp_path / "in"
     folder.mkdir()
@@ -271,7 +272,7 @@ def test_path_list_and_name_collisions(tmp_path: Path, tiny_bundle_path: Path) -
     listing = tmp_path / "clips.txt"
     listing.write_text("# tonight\nin/x.mp4\n\nin/x.mov\n")
     assert read_path_list(listing) == [str(tmp_path / "in/x.mp4"), str(tmp_path / "in/x.mov")]
-    base, sources = _sources(str(listing), None, tmp_path / "out", ["*.mp4"], [])
+    base, sources = find_sources(str(listing), None, tmp_path / "out", ["*.mp4"], [])
     assert base == folder.resolve() and [s.name for s in sources] == ["x.mp4", "x.mov"]
     rows, plans = plan_clips(
         base, sources, tmp_path / "out", PARAMS, _model(tiny_bundle_path), str(tmp_path / "s"), False
@@ -285,7 +286,7 @@ def test_scan_rules(tmp_path: Path, capsys) -> None:
     """Globs match case-insensitively on the relative path or name; hidden entries and the output folder are left
     out; the input folder itself cannot be the output folder."""
     from entrypoints.cli import main
-    from flows.upscale_archive import VIDEO_GLOBS, scan_folder
+    from flows.archive.sources import VIDEO_GLOBS, scan_folder
 
     folder = tmp_path / "in"
     for name in (

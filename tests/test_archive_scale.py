@@ -33,7 +33,8 @@ def _clips(folder: Path, n: int) -> list[Path]:
 
 def _finished(folder: Path, out: Path, model: ModelSpec, store: Path) -> list:
     """What an archive run that finished every clip leaves: the outputs and its manifest (planned, not computed)."""
-    from flows.upscale_archive import archive_header, plan_clips, write_manifest
+    from flows.archive.planning import plan_clips
+    from flows.archive.report import archive_header, write_manifest
 
     out.mkdir(parents=True, exist_ok=True)
 
@@ -51,8 +52,8 @@ def _finished(folder: Path, out: Path, model: ModelSpec, store: Path) -> list:
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Calls of the planner and of the source hash from the archive flow's module on."""
-    import flows.upscale_archive as archive
+    """Calls of the planner and of the source hash from the archive's planning on."""
+    import flows.archive.planning as archive
 
     calls = {"prepare_run": 0, "source_info": 0}
     for name in calls:
@@ -69,7 +70,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 def test_an_unchanged_finished_clip_is_reused_without_planning(
     tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.upscale_archive import plan_clips
+    from flows.archive.planning import plan_clips
 
     folder, out, store = tmp_path / "in", tmp_path / "out", tmp_path / "store"
     sources = _clips(folder, 3)
@@ -245,15 +246,16 @@ def test_a_clip_the_busy_api_failed_runs_again_and_another_failure_does_not(
 ) -> None:
     """A 503 from the Prefect API (SQLite locked under load) costs a clip a second run, not its row; a clip's own
     failure, even an API answer that retrying cannot change (404), is recorded at once."""
+    import flows.archive.clip_runs as clip_runs
     import flows.upscale_archive as archive
 
     monkeypatch.setenv("K6VSR_NETWORKS", fake_model.SPEC)
     monkeypatch.setenv("K6VSR_FAKE_MODEL_MS", "1")
-    monkeypatch.setattr(archive, "API_BUSY_PAUSE_S", 0.0)
+    monkeypatch.setattr(clip_runs, "API_BUSY_PAUSE_S", 0.0)
     folder = tmp_path / "in"
     _clips(folder, 2)
     calls: list[str] = []
-    original = archive.upscale_one
+    original = clip_runs.upscale_one
 
     def flaky(relative_path, *args, **kwargs):
         calls.append(relative_path)
@@ -263,7 +265,7 @@ def test_a_clip_the_busy_api_failed_runs_again_and_another_failure_does_not(
             raise _status_error(404, "Not Found")
         return original(relative_path, *args, **kwargs)
 
-    monkeypatch.setattr(archive, "upscale_one", flaky)
+    monkeypatch.setattr(clip_runs, "upscale_one", flaky)
     state = archive.upscale_archive(
         input_dir=str(folder),
         output_dir=str(tmp_path / "out"),
@@ -294,6 +296,7 @@ def test_a_finished_clip_s_summary_is_not_kept_while_the_archive_runs(
     import gc
     import weakref
 
+    import flows.archive.clip_runs as clip_runs
     import flows.upscale_archive as archive
 
     monkeypatch.setenv("K6VSR_NETWORKS", fake_model.SPEC)
@@ -302,7 +305,7 @@ def test_a_finished_clip_s_summary_is_not_kept_while_the_archive_runs(
     _clips(folder, 3)
     handed: list[weakref.ref] = []
     alive_at_start: list[int] = []
-    original = archive.upscale_one
+    original = clip_runs.upscale_one
 
     def watched(*args, **kwargs):
         gc.collect()
@@ -312,7 +315,7 @@ def test_a_finished_clip_s_summary_is_not_kept_while_the_archive_runs(
         handed.append(weakref.ref(copy))
         return clip_run, copy
 
-    monkeypatch.setattr(archive, "upscale_one", watched)
+    monkeypatch.setattr(clip_runs, "upscale_one", watched)
     state = archive.upscale_archive(
         input_dir=str(folder),
         output_dir=str(tmp_path / "out"),

@@ -19,10 +19,10 @@ LIGHT_MODULES = [
     "entrypoints.cli",
     "entrypoints.console",
     "entrypoints.demo",
-    "entrypoints.http_api",
-    "entrypoints.server.records",
-    "entrypoints.server.runner",
-    "entrypoints.server.slots",
+    "entrypoints.server.app",
+    "entrypoints.server.job_records",
+    "entrypoints.server.job_runner",
+    "entrypoints.server.worker_slots",
     "entrypoints.server.child",
     "flows.artifacts",
     "flows.orchestrate",
@@ -106,10 +106,11 @@ def test_the_servers_own_process_imports_no_torch(device: str, code: int, tmp_pa
     included: torch is for its job processes, never for the process that serves HTTP."""
     script = (
         "import atexit, sys\n"
-        "from entrypoints import cli, http_api\n"
+        "from entrypoints import cli\n"
+        "from entrypoints.server import app as http_app\n"
         "heavy = ('torch', 'diffusers')\n"
         "atexit.register(lambda: print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr))\n"
-        "http_api.serve = lambda *args, **kwargs: print('would serve', file=sys.stderr)\n"
+        "http_app.serve = lambda *args, **kwargs: print('would serve', file=sys.stderr)\n"
         f"sys.exit(cli.main(['serve', '--device', {device!r}, '--store', {str(tmp_path)!r}]))\n"
     )
     done = procs.run([sys.executable, "-c", script], env=_env(), cwd=ROOT)

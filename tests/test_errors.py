@@ -14,7 +14,7 @@ from k6vsr_core.errors import (
     describe_error,
 )
 from k6vsr_core.memory import MemoryBudgetError
-from runtime.errors import ServerError, WorkersError
+from runtime.service_errors import ServerError, WorkersError
 
 
 def test_a_plain_value_error_is_not_the_users_fault() -> None:

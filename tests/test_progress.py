@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import timelines
 
-from entrypoints import progress as terminal
+from entrypoints import progress_bars as terminal
 from k6vsr_core.bundle import TINY_TILE_SIZES
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ModelTraits, make_plan

@@ -481,8 +481,8 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
 
     from starlette.requests import Request
 
-    from entrypoints.http_api import Limits, read_form
-    from entrypoints.server.records import JobStore
+    from entrypoints.server.app import Limits, read_form
+    from entrypoints.server.job_records import JobStore
 
     boundary = "b0undary"
     payload = b"x--b0undary\r\n--b0undar\r\n-b0undary\r\n\r\n" * 40 + bytes(range(256))  # near misses only
@@ -529,7 +529,7 @@ def test_form_parser_handles_any_chunking(tmp_path: Path, chunk: int) -> None:
 
 
 def test_video_path_is_opened_only_inside_the_allowed_folders(tmp_path: Path) -> None:
-    from entrypoints.confine import PathRefused, _open_without_links, open_confined
+    from entrypoints.server.confine import PathRefused, _open_without_links, open_confined
 
     allowed, outside = tmp_path / "allowed", tmp_path / "outside"
     (allowed / "sub").mkdir(parents=True)
@@ -579,7 +579,7 @@ def test_video_path_is_opened_only_inside_the_allowed_folders(tmp_path: Path) ->
 
 
 def test_messages_from_libraries_lose_the_server_paths() -> None:
-    from entrypoints.confine import scrub_paths
+    from entrypoints.server.confine import scrub_paths
 
     known = {"/srv/k6vsr/store/jobs/video_x/input": "the clip", "/srv/k6vsr/store": "<store>"}
     message = "[Errno 1094995529] Invalid data found when processing input: '/srv/k6vsr/store/jobs/video_x/input'"

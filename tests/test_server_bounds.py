@@ -25,12 +25,12 @@ import uvicorn
 from fastapi.testclient import TestClient
 from http_harness import error_of, free_port
 
-from entrypoints.http_api import Limits, ServerConfig, create_app, error_response, key_owner
+from entrypoints.server.app import Limits, ServerConfig, create_app, error_response, key_owner
 from entrypoints.server.child import _error_of, results_beside
+from entrypoints.server.job_records import JobRecord, JobStore
+from entrypoints.server.job_runner import JobRunner
 from entrypoints.server.messages import MAX_MESSAGE_CHARS
-from entrypoints.server.records import JobRecord, JobStore
-from entrypoints.server.runner import JobRunner
-from entrypoints.server.slots import job_message, tile_counts
+from entrypoints.server.worker_slots import job_message, tile_counts
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.memory import MemoryBudgetError
 from k6vsr_core.sample import make_sample_clip
@@ -77,7 +77,7 @@ def upload(client: TestClient, clip: Path, key: str, **fields: str):
 
 def test_serve_flags_set_the_limits(tmp_path: Path) -> None:
     from entrypoints.cli import build_parser
-    from entrypoints.http_api import config_from
+    from entrypoints.server.app import config_from
 
     defaults = config_from(build_parser().parse_args(["serve"]), tmp_path, "m").limits
     assert (defaults.max_tiles, defaults.max_windows, defaults.upload_timeout_s) == (2048, 512, 900)
@@ -203,8 +203,8 @@ def test_error_messages_are_short_and_typed() -> None:
 
 
 def test_a_failed_jobs_error_and_the_apis_answer_come_from_one_table() -> None:
+    from entrypoints.server.api_errors import api_error
     from entrypoints.server.error_table import USER_ERROR_STATUS
-    from entrypoints.server.errors import api_error
 
     for kind, status, code in USER_ERROR_STATUS:
         err = kind("the clip", "no video stream") if issubclass(kind, MediaError) else kind("refused")
@@ -574,7 +574,7 @@ def test_the_services_prefect_server_answers_only_with_its_auth_string(
 def test_a_job_over_the_memory_budget_is_refused_at_submit(tmp_path: Path, tiny_bundle_path: Path) -> None:
     """The probe: a few kilobytes of video within every other cap whose frames, latents and result would not fit the
     host memory the server may use: 400 naming --memory-budget-mb, and nothing left behind. A small job fits."""
-    from entrypoints.server.memory import DEFAULT_WORKER_BYTES, job_bytes
+    from entrypoints.server.host_memory import DEFAULT_WORKER_BYTES, job_bytes
     from service.runs import prepare_run
 
     big = make_sample_clip(tmp_path / "big.mp4", width=512, height=512, num_frames=33, audio=False)
@@ -588,7 +588,7 @@ def test_a_job_over_the_memory_budget_is_refused_at_submit(tmp_path: Path, tiny_
     small_bytes = job_bytes(prepare_run(small, parse_params(**params), spec, tmp_path / "plans").plan, on_cpu=True)
     assert small_bytes < 64 << 20 < big_bytes
     # The budget: the server's size, a worker's, and room for the small job but not the big one.
-    from entrypoints.server.memory import own_rss
+    from entrypoints.server.host_memory import own_rss
 
     budget = own_rss() + DEFAULT_WORKER_BYTES + (256 << 20)
     assert big_bytes > 256 << 20, big_bytes
@@ -607,7 +607,7 @@ def test_the_memory_watch_stops_a_job_that_outgrows_the_budget(tmp_path: Path) -
     import subprocess
     import sys
 
-    from entrypoints.server.memory import own_rss
+    from entrypoints.server.host_memory import own_rss
 
     store = JobStore(tmp_path, 1 << 20)
     runner = JobRunner(
@@ -671,7 +671,7 @@ def test_no_key_or_client_holds_every_upload_slot(served_anonymous: int, tmp_pat
     import httpx
 
     from entrypoints.cli import build_parser
-    from entrypoints.http_api import config_from
+    from entrypoints.server.app import config_from
 
     clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1, audio=False)
     stalled = [stalled_upload(served_anonymous, None)]
@@ -699,7 +699,7 @@ def test_keys_no_client_could_send_are_refused_at_start(tmp_path: Path, monkeypa
     """A key with spaces around it (or a character outside printable ASCII) could never authenticate: `serve`
     refuses it at start, naming where it came from and never echoing it."""
     from entrypoints.cli import build_parser
-    from entrypoints.http_api import config_from
+    from entrypoints.server.app import config_from
 
     def config(*flags: str) -> ServerConfig:
         return config_from(build_parser().parse_args(["serve", *flags]), tmp_path / "store", "m")
@@ -724,7 +724,7 @@ def test_a_store_inside_an_allowed_folder_is_refused_at_start(tmp_path: Path) ->
     """With the store inside an --allow-path folder (or one inside the store), a `video_path` could read another
     key's inputs and outputs: `serve` refuses that layout; folders side by side are fine."""
     from entrypoints.cli import build_parser
-    from entrypoints.http_api import config_from
+    from entrypoints.server.app import config_from
 
     (tmp_path / "store" / "jobs").mkdir(parents=True)
     (tmp_path / "clips").mkdir()

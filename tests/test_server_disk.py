@@ -20,12 +20,12 @@ from fastapi.testclient import TestClient
 from fault_harness import child_environment, fired
 from http_harness import error_of
 
-from entrypoints.http_api import Limits, ServerConfig, create_app
-from entrypoints.server import records
+from entrypoints.server import job_records as records
+from entrypoints.server.app import Limits, ServerConfig, create_app
 from entrypoints.server.child import _error_of
 from entrypoints.server.disk import is_disk_full
-from entrypoints.server.records import InputFile, JobStore
-from entrypoints.server.runner import JobRunner
+from entrypoints.server.job_records import InputFile, JobStore
+from entrypoints.server.job_runner import JobRunner
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
 

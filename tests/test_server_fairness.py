@@ -15,10 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 from http_harness import error_of
 
-from entrypoints.http_api import Limits, ServerConfig, create_app, key_owner
+from entrypoints.server.app import Limits, ServerConfig, create_app, key_owner
 from entrypoints.server.fair import OVERFLOW, FairQueue, FairShare, OverShare, PoolFull
-from entrypoints.server.records import JobStore, KeyQueueFull, QueueFull, UploadsBusy
-from entrypoints.server.runner import JobRunner
+from entrypoints.server.job_records import JobStore, KeyQueueFull, QueueFull, UploadsBusy
+from entrypoints.server.job_runner import JobRunner
 from k6vsr_core.sample import make_sample_clip
 from service.runs import ModelSpec
 
@@ -219,7 +219,7 @@ def test_upload_slots_shrink_as_more_keys_send(tmp_path: Path) -> None:
 
 def test_max_queued_per_key_caps_a_key_whatever_its_share(tmp_path: Path) -> None:
     from entrypoints.cli import build_parser
-    from entrypoints.http_api import config_from
+    from entrypoints.server.app import config_from
 
     runner = runner_for(tmp_path, max_queued=8, queued_per_key=3)
     for job_id in ("a1", "a2", "a3"):

@@ -187,7 +187,7 @@ def test_input_quota_counts_every_byte_and_is_freed_on_cancel(server: Server, st
 def test_listing_needs_keys_or_list_jobs(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
-    from entrypoints.http_api import Limits, ServerConfig, create_app
+    from entrypoints.server.app import Limits, ServerConfig, create_app
     from service.runs import ModelSpec
 
     limits = Limits(

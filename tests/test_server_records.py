@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from entrypoints.server.auth import Caller
 from entrypoints.server.fields import api_params
-from entrypoints.server.records import JobRecord, JobStore
+from entrypoints.server.job_records import JobRecord, JobStore
 from entrypoints.server.routes import job_view
 from storage.records import atomic_write_json
 

@@ -21,7 +21,7 @@ OTHER_MEANINGS = {
     "tasks/quality.py": {"quality"},  # the folder of the report's parts
     "entrypoints/cli.py": {"segment", "preview"},  # a window's frames in the printed plan; a command's name
     "entrypoints/console.py": {"segment"},  # a word of the plan's printed summary
-    "entrypoints/server/slots.py": {"quality"},  # a job's quality report
+    "entrypoints/server/worker_slots.py": {"quality"},  # a job's quality report
     "entrypoints/server/routes.py": {"quality"},  # a job's quality report
 }
 

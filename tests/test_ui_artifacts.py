@@ -208,7 +208,8 @@ def test_clip_report_of_a_latent_shows_the_output_alone() -> None:
 
 
 def test_manifest_table_links_clip_runs_and_puts_long_text_last(tmp_path: Path) -> None:
-    from flows.upscale_archive import ArchiveRow, manifest_markdown
+    from flows.archive.report import manifest_markdown
+    from flows.archive.rows import ArchiveRow
 
     out = tmp_path / "out"
     rows = [

@@ -362,7 +362,7 @@ def test_a_start_with_a_model_returns_only_once_the_supervisor_says_ready(
 def test_a_warm_up_that_never_ends_times_out_with_its_own_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from runtime.errors import WorkersError
+    from runtime.service_errors import WorkersError
 
     warm_workers, folder, record = _loading(tmp_path)
     stopped: list[int] = []

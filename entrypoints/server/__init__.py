@@ -1,2 +1,2 @@
-"""The parts of `k6vsr serve` (`entrypoints.http_api`): its configuration, errors, callers, fields, bodies and
+"""`k6vsr serve`: its app and server (`app`), and their parts: configuration, errors, callers, fields, bodies and
 routes."""

@@ -10,8 +10,8 @@ from typing import Any
 
 from fastapi import Request
 
-from entrypoints.server.errors import error_response
-from entrypoints.server.records import JobRecord
+from entrypoints.server.api_errors import error_response
+from entrypoints.server.job_records import JobRecord
 
 
 @dataclass(frozen=True)

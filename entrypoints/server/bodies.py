@@ -14,11 +14,11 @@ from fastapi import Request
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from entrypoints.confine import PathRefused, open_confined, quote
+from entrypoints.server.api_errors import ApiError
 from entrypoints.server.config import Limits
-from entrypoints.server.errors import ApiError
+from entrypoints.server.confine import PathRefused, open_confined, quote
 from entrypoints.server.fields import FILE_FIELD, FILE_FIELDS, LATENT_FIELD
-from entrypoints.server.records import InputFile, JobStore
+from entrypoints.server.job_records import InputFile, JobStore
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks  # a TypedDict of its type checking only

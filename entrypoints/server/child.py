@@ -1,5 +1,5 @@
 """The job process of `k6vsr serve`: `python -m entrypoints.server.child SPEC PARENT_PID`, started by a worker
-slot (`entrypoints.server.slots`). It loads the model once, then runs the jobs handed over its stdin, one JSON
+slot (`entrypoints.server.worker_slots`). It loads the model once, then runs the jobs handed over its stdin, one JSON
 line each, and answers each with one JSON line. It dies with its parent.
 
 It imports only the standard library at the top, so that it is bound to its parent before the pipeline's imports
@@ -47,7 +47,7 @@ def _error_of(err: BaseException) -> dict[str, str]:
     """A failed job's error, typed: the client's fault (its input or values) or the server's, one short line."""
     from entrypoints.server.disk import is_disk_full
     from entrypoints.server.error_table import user_answer
-    from entrypoints.server.slots import disk_full_error
+    from entrypoints.server.worker_slots import disk_full_error
     from k6vsr_core.errors import UserFacingError, describe_error
 
     if is_disk_full(err):  # the server's disk, not the client's input

@@ -1,11 +1,11 @@
 """One table from an error to the HTTP API's answer: its status and code, and for a limit the server is at, its
 message. No web framework here: the job's child process (`entrypoints.server.child`) types a failed job's error
-from the same table the routes answer with (`entrypoints.server.errors`).
+from the same table the routes answer with (`entrypoints.server.api_errors`).
 """
 
 from __future__ import annotations
 
-from entrypoints.server.records import InputQuotaFull, KeyQueueFull, QueueFull, UploadsBusy
+from entrypoints.server.job_records import InputQuotaFull, KeyQueueFull, QueueFull, UploadsBusy
 from k6vsr_core.errors import BundleError, MediaError, ParameterError, StoreError, UnsupportedColour, UserFacingError
 
 # The errors a user can fix (k6vsr_core.errors) as HTTP answers: the first class that matches gives status and code.

@@ -1,7 +1,7 @@
 """Fair shares of what the HTTP API's clients wait for: places of the queue and upload slots (`FairShare`), and the
 workers' turns (`FairQueue`). An owner is a key's id, or without keys a client address's.
 
-No web framework and no job records here: the runner (`entrypoints.server.runner`) counts what each owner holds and
+No web framework and no job records here: the runner (`entrypoints.server.job_runner`) counts what each owner holds and
 asks these; they hold the rule only, so it is tested on its own.
 """
 

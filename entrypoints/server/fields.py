@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from entrypoints.confine import quote
-from entrypoints.server.errors import ApiError
+from entrypoints.server.api_errors import ApiError
+from entrypoints.server.confine import quote
 from k6vsr_core.latent import parse_rate
 from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
 

@@ -14,15 +14,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from entrypoints.confine import quote, scrub_paths
+from entrypoints.server.api_errors import RETRY_AFTER_S, ApiError
 from entrypoints.server.auth import Caller, caller_of
 from entrypoints.server.bodies import UploadTooLarge, copy_path_source, read_form, read_json
 from entrypoints.server.config import Limits, ServerConfig
+from entrypoints.server.confine import quote, scrub_paths
 from entrypoints.server.download import OpenedFileResponse
-from entrypoints.server.errors import RETRY_AFTER_S, ApiError
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
-from entrypoints.server.memory import computes_on_cpu, job_bytes
-from entrypoints.server.records import (
+from entrypoints.server.host_memory import computes_on_cpu, job_bytes
+from entrypoints.server.job_records import (
     ACTIVE,
     CANCELLED,
     COMPLETED,
@@ -37,7 +37,7 @@ from entrypoints.server.records import (
     JobTiles,
     new_job_id,
 )
-from entrypoints.server.runner import JobRunner
+from entrypoints.server.job_runner import JobRunner
 from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.latent import check_latent_scale

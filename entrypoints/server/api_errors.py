@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from entrypoints.confine import PathRefused
+from entrypoints.server.confine import PathRefused
 from entrypoints.server.disk import DISK_FULL_MESSAGE, is_disk_full
 from entrypoints.server.error_table import BUSY_ANSWERS, user_answer
 from entrypoints.server.messages import short_message

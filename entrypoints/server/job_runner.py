@@ -5,7 +5,7 @@ under `<store>/jobs/<id>/` (`input` for an upload, `output.mp4` once finished), 
 killed finds its queued and running jobs again when it starts, and requeues them; since every job runs the resumable
 clip flow, the tiles a killed run had finished are reused.
 
-Each worker slot (`entrypoints.server.slots`) owns one long-lived child process (`python -m
+Each worker slot (`entrypoints.server.worker_slots`) owns one long-lived child process (`python -m
 entrypoints.server.child`) that imports the pipeline and loads the model once, then runs jobs one at a time as the
 parent hands them over a pipe (one JSON line each way). Cancelling a running job terminates that child: SIGTERM
 first, so Prefect marks the flow run as crashed, then SIGKILL after a grace period. Every tile the run had finished
@@ -37,10 +37,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from entrypoints.confine import scrub_paths
+from entrypoints.server.confine import scrub_paths
 from entrypoints.server.fair import FairQueue, FairShare, OverShare, PoolFull
-from entrypoints.server.memory import MemoryLedger, own_rss, tree_rss
-from entrypoints.server.records import (
+from entrypoints.server.host_memory import MemoryLedger, own_rss, tree_rss
+from entrypoints.server.job_records import (
     ACTIVE,
     CANCELLED,
     COMPLETED,
@@ -52,7 +52,7 @@ from entrypoints.server.records import (
     QueueFull,
     UploadsBusy,
 )
-from entrypoints.server.slots import TERMINATE_GRACE_S, SlotContext, WorkerSlot, _mark_crashed_runs
+from entrypoints.server.worker_slots import TERMINATE_GRACE_S, SlotContext, WorkerSlot, _mark_crashed_runs
 
 if TYPE_CHECKING:
     from service.runs import ModelSpec

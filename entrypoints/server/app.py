@@ -11,12 +11,12 @@
 
 Request fields and their defaults are SGLang's Kandinsky 6 SR sampling parameters. Safe by default: loopback bind;
 a JSON `video_path` is opened only inside `--allow-path` folders, with no symbolic link followed, and copied into
-the job's folder, so the file checked is the file that runs (`entrypoints.confine`); uploads are streamed to disk
+the job's folder, so the file checked is the file that runs (`entrypoints.server.confine`); uploads are streamed to disk
 under a size cap; every resource a client can spend is bounded (`Limits`: bodies, the queue, disk, host memory;
 `Connections`: open connections and how long they may idle, `server.serving`); with API keys each job belongs to the key
 that made it; errors are JSON `{"error": {"message", "type", "param", "code"}}` with one line of message, never a
 stack trace or a path of the server. Jobs, their queue and their worker processes are in `entrypoints.server`
-(`records`, `runner`, `slots`, `child`).
+(`job_records`, `job_runner`, `worker_slots`, `child`).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
+from entrypoints.server.api_errors import ApiError, error_response, install_error_handlers
 from entrypoints.server.auth import Caller, KeyAuth, key_owner, owners_of
 from entrypoints.server.bodies import read_form
 from entrypoints.server.config import Limits, ServerConfig, config_from
-from entrypoints.server.errors import ApiError, error_response, install_error_handlers
 from entrypoints.server.framing import CloseAmbiguousFraming
-from entrypoints.server.records import JobStore
+from entrypoints.server.job_records import JobStore
+from entrypoints.server.job_runner import JobRunner
 from entrypoints.server.routes import Videos, router
-from entrypoints.server.runner import JobRunner
 from service.runs import ModelSpec, model_info
 
 # The names the server's callers and tests use, wherever each is defined.

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from entrypoints.server.disk import DISK_FULL_MESSAGE, is_disk_full
 from entrypoints.server.fair import FairQueue
-from entrypoints.server.messages import short_message
-from entrypoints.server.records import (
+from entrypoints.server.job_records import (
     ACTIVE,
     CANCELLED,
     COMPLETED,
@@ -32,6 +31,7 @@ from entrypoints.server.records import (
     JobRecord,
     JobStore,
 )
+from entrypoints.server.messages import short_message
 
 if TYPE_CHECKING:
     from service.runs import ModelSpec

@@ -1,0 +1,202 @@
+"""The archive's pending clips run, each as its own clip flow run, a few at once, on one shared tiles cluster."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, cast
+
+from prefect import Flow, get_run_logger
+from prefect.states import State
+
+from flows import artifacts
+from flows.archive.report import ManifestArtifact, write_manifest
+from flows.archive.rows import ArchiveRow, reason_of
+from flows.upscale_clip import ClipSummary, upscale_clip
+from runtime.lanes import ARCHIVE_QUEUE, SharedQueue
+from runtime.runners import make_task_runner, resolve_address, start_cluster, uses_processes
+from runtime.warm_workers import split_cluster
+from service.runs import ModelSpec, PreparedRun
+
+# The manifest artifact is rewritten whole on each update: at most once per this many seconds, and at the end.
+TABLE_EVERY_S = 10.0
+# A clip whose run failed because the Prefect API answered busy (SQLite locked past its timeout under load answers
+# 503, after the client's own retries) is run again, in a new flow run, after a pause: its finished work is in the
+# store, so only the rest is computed. Seen at 2 or 3 clips in 200 on a loaded 2-core machine (bench/RESULTS.md).
+API_BUSY_RETRIES = 2
+API_BUSY_PAUSE_S = 5.0
+API_BUSY_STATUSES = (429, 502, 503, 504)
+# The name of the clip run a thread of the archive is starting: the clip's path relative to the archive's input.
+CLIP_RUN_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("k6vsr_clip_run_name", default="upscale-clip")
+
+
+@contextlib.contextmanager
+def shared_tiles_cluster(
+    workers: int, gpus: bool, dask_address: str | None, own: str | None = None
+) -> Iterator[str | None]:
+    """The Dask scheduler every clip sends its tiles to: the given one, the warm workers, one started here (asked
+    for, or with `own`, the model to load, the archive's own split cluster), or None (threads)."""
+    dask_address = resolve_address(workers, gpus, dask_address)
+    if dask_address:
+        yield dask_address
+        return
+    if not uses_processes(workers, gpus, None):
+        if own is None:
+            yield None
+            return
+        with split_cluster(own) as cluster:
+            yield cluster.scheduler_address
+        return
+    cluster = start_cluster(workers, gpus)
+    with cluster:
+        yield cluster.scheduler_address
+
+
+def run_clips(
+    rows: list[ArchiveRow],
+    pending: list[int],
+    plans: dict[str, PreparedRun],
+    model: ModelSpec,
+    address: str | None,
+    max_parallel: int,
+    out_dir: Path,
+    header: dict[str, Any],
+    manifest_artifact: ManifestArtifact,
+    progress: artifacts.ArchiveProgress,
+) -> None:
+    """Run the clips of `rows` at `pending`, `max_parallel` at once, each as a subflow of this flow run: every row is
+    updated as its clip ends, and the manifest written and shown again."""
+    logger = get_run_logger()
+    clip_runs: dict[str, str] = {}  # relative path -> the clip's flow run id
+    last_table = time.monotonic()
+
+    # A thread pool, not Prefect's own fan-out: a subflow runs in the thread that calls it (prefect 3.9), and
+    # `Flow.submit` sends a flow to a work pool's infrastructure, a new process per run that loads the model again;
+    # a concurrency limit bounds runs but starts none; and a clip run started from a task would file its artifacts
+    # under that task (flows.artifacts).
+    shared = SharedQueue()
+    clip_flow = clip_flow_of_archive(address)
+
+    def run(index: int) -> tuple[int, ArchiveRow, float, str | None]:
+        """The clip's finished row. Its summary (its quality report with it) or its error (with the frames of its
+        traceback) is dropped here, not kept by the list of futures for as long as the archive runs."""
+        row = rows[index]
+        ARCHIVE_QUEUE.set((shared, index))  # this clip's model work after every earlier clip's, before later ones'
+        progress.started(row.relative_path, plans[row.relative_path].run.open())
+        started = time.perf_counter()
+        for attempt in range(1 + API_BUSY_RETRIES):
+            try:
+                clip_run, outcome = upscale_one(
+                    row.relative_path, row.output, plans[row.relative_path], model, clip_flow
+                )
+            except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
+                clip_run, outcome = None, err
+            if attempt == API_BUSY_RETRIES or not api_busy(outcome):
+                break
+            logger.warning("clip %s: the Prefect API was busy (%s); running it again", row.relative_path, outcome)
+            time.sleep(API_BUSY_PAUSE_S)
+        seconds = time.perf_counter() - started
+        return index, _finished_row(row, seconds, outcome), seconds, clip_run
+
+    with (
+        progress.watching(),
+        clip_runs_without_heartbeats(),
+        ThreadPoolExecutor(max_workers=max(1, max_parallel), thread_name_prefix="archive-clip") as pool,
+    ):
+        # Each clip runs in a copy of this flow run's context, so its flow run is a subflow of this run.
+        futures = [pool.submit(contextvars.copy_context().run, run, index) for index in pending]
+        for finished, future in enumerate(as_completed(futures), start=1):
+            index, row, seconds, clip_run = future.result()
+            rows[index] = row
+            if clip_run is not None:
+                clip_runs[row.relative_path] = clip_run
+            progress.finished(row.relative_path, failed=row.status == "failed")
+            if row.status == "failed":
+                logger.error("clip %s failed: %s", row.relative_path, row.reason)
+            else:
+                logger.info(
+                    "clip %s done in %.1f s (%s tiles computed, %s reused)",
+                    row.relative_path,
+                    seconds,
+                    row.tiles_computed,
+                    row.tiles_reused,
+                )
+            write_manifest(out_dir, header, rows)
+            if time.monotonic() - last_table >= TABLE_EVERY_S or finished == len(pending):
+                manifest_artifact.show(rows, clip_runs)
+                last_table = time.monotonic()
+
+
+def clip_flow_of_archive(dask_address: str | None = None) -> Flow[..., ClipSummary]:
+    """The clip flow as an archive runs it, made once per archive: a flow's options rebuild its parameters' schema
+    (55 ms a clip); the run's name comes from `CLIP_RUN_NAME`."""
+    return upscale_clip.with_options(flow_run_name=_clip_run_name, task_runner=make_task_runner(1, dask_address, False))
+
+
+def _clip_run_name() -> str:
+    return CLIP_RUN_NAME.get()
+
+
+@contextlib.contextmanager
+def clip_runs_without_heartbeats() -> Iterator[None]:
+    """Clip runs started in the block (in threads that copy its context) send no heartbeats of their own.
+
+    Prefect joins a flow run's heartbeat thread as the run ends, and that thread looks for its stop once a second:
+    half a second a clip on average, while the clip thread holds its slot. The archive run's own heartbeats go on
+    (its engine read the setting as it started), so a killed archive still stops beating, and each clip run's lease
+    (runtime.flow_leases) marks it Crashed once its process is gone.
+    """
+    from prefect.settings import temporary_settings
+
+    with temporary_settings(updates={"flows.heartbeat_frequency": None}):
+        yield
+
+
+def upscale_one(
+    relative_path: str, output: str, prepared: PreparedRun, model: ModelSpec, clip_flow: Flow[..., ClipSummary]
+) -> tuple[str, ClipSummary | Exception]:
+    """Run `clip_flow` (`clip_flow_of_archive`) on the clip's plan, as a subflow of this flow run, named after the
+    clip.
+
+    Returns the clip's flow run id and its summary, or the error it failed with. Called straight from the archive
+    flow, not from a task: the clip run's artifacts then belong to the clip run alone.
+    """
+    named = CLIP_RUN_NAME.set(f"upscale-{relative_path}")
+    try:
+        # A state, as `return_state` asks; Prefect's overloads give a flow of unnamed parameters its result's type.
+        state = cast("State[ClipSummary]", clip_flow(prepared=prepared, output=output, model=model, return_state=True))
+    finally:
+        CLIP_RUN_NAME.reset(named)
+    try:
+        return str(state.state_details.flow_run_id), state.result()
+    except Exception as err:  # noqa: BLE001 - the clip failed: its row says why, the others go on
+        return str(state.state_details.flow_run_id), err
+
+
+def api_busy(outcome: Any) -> bool:
+    """The outcome is the Prefect API's busy answer, not the clip's own failure."""
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    return isinstance(outcome, PrefectHTTPStatusError) and outcome.response.status_code in API_BUSY_STATUSES
+
+
+def _finished_row(row: ArchiveRow, seconds: float, outcome: Any) -> ArchiveRow:
+    if isinstance(outcome, BaseException):
+        return row.model_copy(update={"status": "failed", "reason": reason_of(outcome), "seconds": round(seconds, 3)})
+    return row.model_copy(
+        update={
+            "status": "done",
+            "reason": "published from the finished run in the store" if outcome.reused_output else "",
+            "run_key": outcome.run_key,
+            "frames": outcome.frames,
+            "tiles": outcome.tiles_total,
+            "tiles_computed": outcome.tiles_computed,
+            "tiles_reused": outcome.tiles_reused,
+            "seconds": round(seconds, 3),
+            "output": outcome.output,
+        }
+    )
