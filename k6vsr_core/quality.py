@@ -22,7 +22,7 @@ Seams, colour and consistency are measured on every `SPATIAL_EVERY`-th frame, wh
 change slowly; the temporal measures need every pair, and are taken on frames scaled down to at most
 `TEMPORAL_WIDTH` pixels wide. Together these keep the report a few per cent of a run's work; measured window by
 window (`Measures`, joined by `combine`) while the model computes the next windows, little of it is left on the run's
-tail (README, "Quality report").
+tail (docs/processing.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each group is a pydantic-settings model read from the environment when it is asked for (`read(Store)`), never at
 import: a test or a parent process that sets a variable before calling sees it, whatever was imported first. A
 value that does not parse fails with a `SettingsError` naming the variable. `child_env` is the one place that turns
-settings into the environment of a process k6vsr starts. The README's table of settings is `settings_table()`
+settings into the environment of a process k6vsr starts. The table of docs/settings.md is `settings_table()`
 (tests/test_settings.py keeps them equal).
 
 Variables outside k6vsr's own (Prefect's `PREFECT_*`, torch's, `CUDA_VISIBLE_DEVICES`, `XDG_*`) keep their owners'
@@ -140,7 +140,7 @@ def child_env(**values: Any) -> dict[str, str]:
 
 
 def settings_table() -> str:
-    """The README's table: every variable, its group, default and meaning."""
+    """The table of docs/settings.md: every variable, its group, default and meaning."""
     rows = ["| variable | group | default | meaning |", "|---|---|---|---|"]
     for group in GROUPS:
         for name, field in group.model_fields.items():

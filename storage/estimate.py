@@ -18,7 +18,7 @@ from storage.run_store import RunStore
 
 # Windows whose intermediates coexist: the one being blended, the one on the GPU and the one being encoded.
 WINDOWS_IN_FLIGHT = 3
-# H.264 at CRF 18 of upscaled footage; an upper guess (see README, "Run store").
+# H.264 at CRF 18 of upscaled footage; an upper guess (see docs/store.md).
 ENCODED_BYTES_PER_PIXEL = 0.05
 LATENT_CHANNELS = 64
 FLOAT32 = 4

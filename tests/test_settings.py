@@ -1,4 +1,4 @@
-"""The settings registry: read when asked for, every bad value named, the README's table made from it, and no
+"""The settings registry: read when asked for, every bad value named, docs/settings.md's table made from it, and no
 product module reading the environment as it is imported."""
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def test_a_child_s_environment_is_written_from_the_registry() -> None:
         settings.child_env(warm_modle="x")
 
 
-def test_the_readme_s_table_is_the_registry_s() -> None:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+def test_the_docs_table_of_settings_is_the_registry_s() -> None:
+    readme = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
     table = readme.split("<!-- settings:start -->\n", 1)[1].split("\n<!-- settings:end -->", 1)[0]
     assert table == settings.settings_table()
 

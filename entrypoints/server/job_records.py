@@ -96,7 +96,7 @@ class JobRecord(_Part):
     output: JobOutput
     tiles: JobTiles
     tiles_found: int | None = None  # tiles its run already held when the job first started
-    quality: dict[str, Any] | None = None  # the output's quality report, once completed (README, "Quality report")
+    quality: dict[str, Any] | None = None  # the output's quality report, once completed (docs/processing.md)
     disk_bytes: int | None = None  # what a finished job keeps on disk (its output and its run)
 
     def changed(self, **changes: Any) -> JobRecord:

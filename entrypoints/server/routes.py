@@ -80,7 +80,7 @@ def job_view(job: JobRecord, caller: Caller, store_root: str | Path, retention_s
         "seconds": f"{output.frames / output.fps:.3f}",
         "output": output.model_dump(mode="json", exclude={"sample_aspect"} if output.sample_aspect is None else None),
         "tiles": job.tiles.model_dump(mode="json"),
-        "quality": job.quality,  # the output's quality report, once completed (README, "Quality report")
+        "quality": job.quality,  # the output's quality report, once completed (docs/processing.md)
         "source": source,
     }
 
