@@ -129,24 +129,29 @@ async def dask_setup(worker):
     await worker.plugin_add(FleetAudit(), name="fleet-audit")
 """
 
-# Run inside the control host: every flow run the Prefect API holds, with its flow's name and its state.
-FLOW_RUNS = """\
+# Run inside the control host: every flow run and task run the Prefect API holds, with its flow's name and state.
+PREFECT_RUNS = """\
 import json, sys, urllib.request
 api = sys.argv[1]
 def post(path, body):
     request = urllib.request.Request(api + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as answer:
         return json.load(answer)
+def every(path):
+    found, offset = [], 0
+    while True:
+        page = post(path, {"limit": 200, "offset": offset, "sort": "EXPECTED_START_TIME_ASC"})
+        found += page
+        if len(page) < 200:
+            return found
+        offset += 200
 flows = {f["id"]: f["name"] for f in post("/flows/filter", {"limit": 200})}
-runs, offset = [], 0
-while True:
-    page = post("/flow_runs/filter", {"limit": 200, "offset": offset})
-    runs += [{"flow": flows.get(r["flow_id"]), "name": r["name"], "state": r["state_type"],
-              "created": r["created"]} for r in page]
-    if len(page) < 200:
-        break
-    offset += 200
-print(json.dumps(runs))
+print(json.dumps({
+    "flow_runs": [{"flow": flows.get(r["flow_id"]), "name": r["name"], "state": r["state_type"],
+                   "created": r["created"]} for r in every("/flow_runs/filter")],
+    "task_runs": [{"name": r["name"], "state": r["state_type"], "created": r["created"]}
+                  for r in every("/task_runs/filter")],
+}))
 """
 
 
@@ -476,16 +481,27 @@ def differing(reference: dict[str, bytes], got: dict[str, bytes]) -> list[str]:
     return sorted(name for name in reference.keys() | got.keys() if reference.get(name) != got.get(name))
 
 
-def flow_runs(hosts: Fleet) -> list[dict]:
+def prefect_runs(hosts: Fleet) -> dict[str, list[dict]]:
     env = hosts.env("control")
-    return json.loads(hosts.run("control", [sys.executable, "-c", FLOW_RUNS, env["PREFECT_API_URL"]], env, 120))
+    return json.loads(hosts.run("control", [sys.executable, "-c", PREFECT_RUNS, env["PREFECT_API_URL"]], env, 180))
 
 
-def clip_runs_completed(runs: list[dict], since: str, clips: Sequence[str]) -> dict[str, object]:
-    """The clips whose flow run, created since `since`, completed; and those with none."""
-    mine = [run for run in runs if run["created"] >= since and run["flow"] == "upscale-clip"]
+def prefect_view(runs: dict[str, list[dict]], since: str, clips: Sequence[str]) -> dict[str, object]:
+    """What the Prefect UI shows of one archive (the runs created since `since`): the clips whose flow run
+    completed, those with none, and its task runs by state (a task run whose host was lost stays as it was last
+    reported)."""
+    mine = [run for run in runs["flow_runs"] if run["created"] >= since and run["flow"] == "upscale-clip"]
     completed = {run["name"].removeprefix("upscale-") for run in mine if run["state"] == "COMPLETED"}
-    return {"clip_runs": len(mine), "completed": len(completed & set(clips)), "missing": sorted(set(clips) - completed)}
+    states: dict[str, int] = {}
+    for run in runs["task_runs"]:
+        if run["created"] >= since:
+            states[run["state"]] = states.get(run["state"], 0) + 1
+    return {
+        "clip_runs": len(mine),
+        "completed": len(completed & set(clips)),
+        "missing": sorted(set(clips) - completed),
+        "task_runs_by_state": dict(sorted(states.items())),
+    }
 
 
 # --------------------------------------------------------------------------------------------------- checks
@@ -608,8 +624,10 @@ def pause_store(hosts: Fleet) -> dict[str, object]:
 
 
 def kill_worker_host(hosts: Fleet) -> dict[str, object]:
+    """The host gone at once, as a machine that loses its power: its link first, so that none of its connections
+    is closed (no FIN or RST reaches the others: they find out by their timeouts), then all its processes."""
+    hosts.link("w2", up=False)
     hosts.kill_host("w2")
-    hosts.link("w2", up=False)  # its machine is gone: nothing answers at its address
     return {"host": "w2"}
 
 
@@ -647,7 +665,7 @@ def simulate(work: Path, clips_n: int, faults: Sequence[str], timeout: float, fa
         plain, wall = archive(hosts, "fleet", f"s3://{BUCKET}/store", True, timeout)
         result["fleet_archive"] = {"wall_s": round(wall, 1), "counts": plain["counts"]}
         result["files_outside_the_store"] = files_outside_the_store(hosts, since)
-        result["prefect"] = clip_runs_completed(flow_runs(hosts), created, list(clips))
+        result["prefect"] = prefect_view(prefect_runs(hosts), created, list(clips))
         result["fleet_archive"]["recomputed"] = recomputed(audit_lines(hosts), since, f"s3://{BUCKET}/store")
 
         reference, wall = archive(hosts, "one-host", f"{HOME}/one-host-store", False, timeout)
@@ -658,6 +676,7 @@ def simulate(work: Path, clips_n: int, faults: Sequence[str], timeout: float, fa
 
         for fault in faults:
             store = f"s3://{BUCKET}/store-{fault}"
+            created = datetime.now(UTC).isoformat()
             ran = during(hosts, fault, store, timeout, FAULTS[fault])
             result[f"fault_{fault}"] = {
                 "wall_s": ran["wall_s"],
@@ -665,6 +684,7 @@ def simulate(work: Path, clips_n: int, faults: Sequence[str], timeout: float, fa
                 "differs": differing(expected, outputs(hosts, fault)),
                 **ran["notes"],
                 "recomputed": recomputed(audit_lines(hosts), ran["since"], store),  # type: ignore[arg-type]
+                "prefect": prefect_view(prefect_runs(hosts), created, list(clips)),
             }
             if fault == "link":
                 workers_connected(hosts, len(WORKERS), 120)  # the cut-off host's worker is back
