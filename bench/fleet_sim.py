@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SUBNET = "10.213.77"
-PREFIX = "k6fleet"  # every namespace and link this script makes starts with it (links: "k6f")
+PREFIX = "k6fleet"  # namespaces: k6fleet-<pid>-<host>; links: k6f-<pid>-<n>, the bridge k6f-<pid>-br
 HOSTS = {"prefect": 2, "store": 3, "control": 4, "w1": 11, "w2": 12}
 WORKERS = ("w1", "w2")
 PORTS = {"prefect": 4200, "store": 5000, "control": 8786}
@@ -212,7 +212,7 @@ class Fleet:
     """The namespaces, their links and the processes started in them; `down()` removes all of it."""
 
     work: Path
-    tag: str = field(default_factory=lambda: f"{os.getpid() % 100000:05d}")
+    tag: str = field(default_factory=lambda: str(os.getpid()))  # the names of a run whose process is gone are stale
     hosts: dict[str, Host] = field(default_factory=dict)
     processes: list[tuple[str, str, subprocess.Popen]] = field(default_factory=list)
     bridge: str = ""
@@ -222,11 +222,11 @@ class Fleet:
         return python_env(host, **self.settings, **extra)
 
     def up(self) -> None:
-        self.bridge = f"k6fb{self.tag}"
+        self.bridge = f"k6f-{self.tag}-br"
         sh("ip", "link", "add", self.bridge, "type", "bridge")
         sh("ip", "link", "set", self.bridge, "up")
         for name, last in HOSTS.items():
-            host = Host(name, f"{PREFIX}-{self.tag}-{name}", f"k6f{self.tag}{last}", f"{SUBNET}.{last}",
+            host = Host(name, f"{PREFIX}-{self.tag}-{name}", f"k6f-{self.tag}-{last}", f"{SUBNET}.{last}",
                         self.work / "hosts" / name)  # fmt: skip
             self.hosts[name] = host
             for folder, mode in ((host.home, 0o755), (host.tmp, 0o1777)):
@@ -327,11 +327,40 @@ class Fleet:
 
 
 def leftovers(tag: str = "") -> list[str]:
-    """Namespaces and links of this script still there (of one run's tag, or of any run)."""
+    """Namespaces and links of this script still there: of one run's tag, or of every run."""
     namespaces = [line.split()[0] for line in sh("ip", "netns", "list").stdout.splitlines() if line.strip()]
     links = [line.split(":")[1].strip().split("@")[0] for line in sh("ip", "-o", "link").stdout.splitlines()]
-    found = [ns for ns in namespaces if ns.startswith(f"{PREFIX}-{tag}")]
-    return found + [link for link in links if link.startswith(f"k6f{tag}") or link.startswith(f"k6fb{tag}")]
+    mark = f"{tag}-" if tag else ""
+    found = [ns for ns in namespaces if ns.startswith(f"{PREFIX}-{mark}")]
+    return found + [link for link in links if link.startswith(f"k6f-{mark}")]
+
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, PermissionError):
+        return True
+    return True
+
+
+def clean_stale() -> list[str]:
+    """Remove what a run of this script killed outright (SIGKILL gives it no teardown) left: the namespaces and
+    links of every run whose process is gone, with every process in those namespaces. Returns what it removed."""
+    stale = {name.split("-")[1] for name in leftovers() if not _alive(name.split("-")[1])}
+    removed = []
+    for tag in sorted(stale):
+        for name in leftovers(tag):
+            if name.startswith(PREFIX):
+                for pid in sh("ip", "netns", "pids", name, check=False).stdout.split():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+                sh("ip", "netns", "del", name, check=False)
+            else:
+                sh("ip", "link", "del", name, check=False)
+            removed.append(name)
+    return removed
 
 
 @contextlib.contextmanager
@@ -735,9 +764,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work folder (the hosts' disks and logs)")
     parser.add_argument("--append", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--clean", action="store_true", help="only remove what a killed run of this script left")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         parser.error("the fleet's namespaces need root")
+    if args.clean:
+        print(json.dumps({"removed": clean_stale()}))
+        return 0
     faults = [f for f in args.faults.split(",") if f and f != "none"]
     if unknown := set(faults) - set(FAULTS):
         parser.error(f"--faults: unknown {sorted(unknown)}; choose from {sorted(FAULTS)}")

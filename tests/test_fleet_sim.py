@@ -56,6 +56,27 @@ def test_hosts_see_only_their_own_folders_reach_each_other_and_leave_nothing(tmp
     assert not any(_ns_processes(ns) for ns in namespaces)
 
 
+def test_what_a_killed_run_left_is_removed_by_clean_and_a_live_run_is_not(tmp_path: Path) -> None:
+    """A run killed outright (no teardown) leaves its namespaces, links and processes: `--clean` removes them, and
+    leaves those of a run whose process still runs."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = fleet_sim.Fleet(tmp_path / "left", tag=str(gone.pid))  # named as the run of a process now gone
+    (tmp_path / "left" / "logs").mkdir(parents=True)
+    with fleet_sim.fleet(tmp_path / "live") as live:
+        try:
+            left.up()
+            server = left.start("store", "http", SERVE, left.env("store"))
+            removed = fleet_sim.clean_stale()
+        finally:
+            left.down()
+        made = {host.ns for host in left.hosts.values()} | {host.veth for host in left.hosts.values()}
+        assert set(removed) == made | {left.bridge}
+        assert fleet_sim.leftovers(left.tag) == [] and server.wait(timeout=30) == -signal.SIGKILL
+        assert len(fleet_sim.leftovers(live.tag)) == 2 * len(fleet_sim.HOSTS) + 1  # the live run's are all there
+    assert live.left == []  # type: ignore[attr-defined]
+
+
 def _task(host: str, key: str, start: str, finish: str, t: float) -> dict:
     return {"t": t, "host": host, "event": "task", "key": key, "start": start, "finish": finish}
 
