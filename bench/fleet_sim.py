@@ -1,6 +1,7 @@
 """A fleet on one machine: hosts that share nothing but a network and the object store, one archive across them.
 
-    python bench/fleet_sim.py [--clips 20] [--faults link,store,kill] [--work DIR] [--keep] [--append]
+    python bench/fleet_sim.py [--clips 20] [--faults link,store,kill] [--fake-ms 20] [--work DIR] [--keep] [--append]
+    python bench/fleet_sim.py --clean     # what a run killed outright (no teardown) left
 
 Needs root (network and mount namespaces). Every host is a network namespace of its own, joined to the others by a
 bridge through a veth pair, on a private /24 that only these namespaces use, and every process of a host runs in a
