@@ -49,6 +49,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import fake_model  # noqa: E402 - after the checkout is on the path
+
 SUBNET = "10.213.77"
 PREFIX = "k6fleet"  # namespaces: k6fleet-<pid>-<host>; links: k6f-<pid>-<n>, the bridge k6f-<pid>-br
 HOSTS = {"prefect": 2, "store": 3, "control": 4, "w1": 11, "w2": 12}
@@ -676,7 +678,7 @@ def simulate(work: Path, clips_n: int, faults: Sequence[str], timeout: float, fa
 
     result: dict[str, object] = {}
     # The stand-in on every host alike: the run keys, and so the store's items, carry its mark.
-    settings = {"K6VSR_FAKE_MODEL_MS": f"{fake_ms:g}", "K6VSR_BENCH_ONLY": "1"} if fake_ms > 0 else {}
+    settings = fake_model.environment(fake_ms) if fake_ms > 0 else {}
     with fleet(work, settings) as hosts:
         began = time.monotonic()
         clips = make_clips(hosts.hosts["control"].home / "in", clips_n)
@@ -720,6 +722,28 @@ def simulate(work: Path, clips_n: int, faults: Sequence[str], timeout: float, fa
                 workers_connected(hosts, len(WORKERS), 120)  # the cut-off host's worker is back
     result["left_behind"] = hosts.left  # type: ignore[attr-defined]
     return result
+
+
+def failures(result: dict) -> list[str]:
+    """What in `result` breaks the fleet's promises: an output differing from the one-host run's, a clip not done or
+    without a completed flow run, a file written outside the store, a record written twice, anything left behind."""
+    runs = {"fleet": result["fleet_archive"] | {"differs": result["fleet_differs"], "prefect": result["prefect"]}}
+    runs |= {name: result[f"fault_{name}"] for name in FAULTS if f"fault_{name}" in result}
+    found = []
+    for name, run in runs.items():
+        if run["differs"]:
+            found.append(f"{name}: {len(run['differs'])} outputs differ from the one-host run's")
+        if run["counts"].get("done", 0) + run["counts"].get("reused", 0) != result["clips"]:
+            found.append(f"{name}: clips {run['counts']} of {result['clips']}")
+        if run["prefect"]["missing"]:
+            found.append(f"{name}: no completed flow run for {run['prefect']['missing']}")
+        if twice := run.get("recomputed", {}).get("records_written_twice"):
+            found.append(f"{name}: records written twice {twice}")
+    if outside := {host: files for host, files in result["files_outside_the_store"].items() if files}:
+        found.append(f"files written outside the store: {outside}")
+    if result["left_behind"]:
+        found.append(f"left behind: {result['left_behind']}")
+    return found
 
 
 def table(result: dict) -> str:
@@ -797,7 +821,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.append:
         with (ROOT / "bench" / "RESULTS.md").open("a") as handle:
             handle.write("\n" + table(result) + "\n")
-    return 0
+    for failure in (broken := failures(result)):
+        print(f"fleet_sim: FAILED: {failure}", file=sys.stderr)
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":

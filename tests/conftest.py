@@ -18,6 +18,8 @@ from k6vsr_core.bundle import ModelBundle, load_bundle, make_tiny_bundle
 # workers in collection order; a long file left for the end would keep one worker busy after the other has finished.
 LONGEST_FILES = (
     "test_long_videos.py",
+    "test_fleet_sim.py",
+    "test_media_matrix.py",
     "test_object_store.py",
     "test_warm_workers.py",
     "test_output_controls.py",

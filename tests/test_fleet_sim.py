@@ -1,11 +1,12 @@
 """The fleet bench's pieces (bench/fleet_sim.py): hosts as network and mount namespaces that see only their own
 folders and reach each other over the bridge, a cut link, and a teardown that leaves nothing, also when the run
-inside fails; and the counts it reads from the workers' logs. The whole fleet (Prefect on PostgreSQL, moto, Dask,
-an archive of 20 clips and its faults) takes about half an hour on two cores: `.ci/run` runs the bench after the
-tests."""
+inside fails; the counts it reads from the workers' logs; and the whole fleet (Prefect on PostgreSQL, moto, Dask)
+running a short archive across its hosts, once plainly and once with a worker host killed whole, to the one-host
+run's bytes. The bench's own size (20 clips, every fault) takes 13-30 minutes on two cores: bench/RESULTS.md."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -108,3 +109,18 @@ def test_lost_tasks_and_items_computed_twice_are_counted_from_the_workers_logs()
     assert counted["lost_tasks_rerun_elsewhere"] == 1  # decode-b finished on w1; blend-c finished nowhere
     assert counted["records_written_twice"] == {"0123456789ab blend 0": ["w1", "w2"]}
     assert counted["records_written_by_host"] == {"w1": 2, "w2": 2} and counted["items"] == 3
+
+
+def test_a_short_archive_across_the_fleet_gives_the_one_host_bytes_through_a_killed_host(tmp_path: Path) -> None:
+    """Two clips across the hosts (the bench-only network stand-in), then again while a worker host is killed
+    whole: every output the one-host run's bytes, every clip's flow run completed, no file of a run outside the
+    store, no record written twice, nothing left behind (the bench's own checks, `failures`)."""
+    assert os.geteuid() == 0, "the fleet's namespaces need root"
+    out = tmp_path / "fleet.json"
+    assert (
+        fleet_sim.main(["--clips", "2", "--faults", "kill", "--work", str(tmp_path / "work"), "--json-out", str(out)])
+        == 0
+    )
+    result = json.loads(out.read_text())
+    assert fleet_sim.failures(result) == []
+    assert result["outputs"] == 2 and result["fleet_differs"] == [] and result["fault_kill"]["differs"] == []
