@@ -38,7 +38,7 @@ from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner
 from runtime.schedule import DENOISE_DECODE, Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
-from storage.disk import disk_full, is_no_space
+from storage.disk import DiskFull, disk_full, is_no_space
 from storage.location import is_url
 from storage.progress import ProgressCounter, StageCount, read_progress, run_finished, stage_counts, tile_count
 from tasks import ingest as ingest_tasks
@@ -227,7 +227,7 @@ def _full_disk_named(store: RunStore) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        if is_no_space(err) and not getattr(err, "filename", None):
+        if is_no_space(err) and not isinstance(err, DiskFull) and not getattr(err, "filename", None):
             raise disk_full(tempfile.gettempdir() if store.remote else store.path, err) from err
         raise
 

@@ -58,8 +58,6 @@ def mount_point(path: Path) -> Path:
 
 def disk_full(folder: str | Path, err: BaseException) -> DiskFull:
     """The error to show for `err`, a write under `folder` that found no room."""
-    if isinstance(err, DiskFull):
-        return err
     where = str(folder)
     try:
         local = Path(folder)
