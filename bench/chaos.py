@@ -219,7 +219,14 @@ class Runner:
 
 
 def clean_run(campaign: Campaign, runner: Runner, outcome: Outcome) -> None:
+    """The reference archive, and what it cost; kept in the work folder (`clean.json`) for the next campaign there."""
     work = campaign.work
+    kept = work / "clean.json"
+    rows = archive_scale.manifest_rows(work / "clean-out")
+    if kept.exists() and len(rows) == campaign.clips and all(row["status"] == "done" for row in rows):
+        timings = json.loads(kept.read_text())
+        outcome.clean_s, outcome.fixed_s = timings["clean_s"], timings["fixed_s"]
+        return
     started = time.perf_counter()
     process = runner.start("clean", work / "clean-out", work / "clean-store")
     rc = runner.finish(process, LAST_RUN_S, outcome)
@@ -235,6 +242,7 @@ def clean_run(campaign: Campaign, runner: Runner, outcome: Outcome) -> None:
     outcome.fixed_s = time.perf_counter() - started
     if rc != 0:
         raise RuntimeError(f"the rerun of the clean archive ended {rc}; see {runner.logs}")
+    kept.write_text(json.dumps({"clean_s": outcome.clean_s, "fixed_s": outcome.fixed_s}))
 
 
 def inject(campaign: Campaign, runner: Runner, outcome: Outcome, rng: random.Random) -> None:
@@ -252,35 +260,42 @@ def inject(campaign: Campaign, runner: Runner, outcome: Outcome, rng: random.Ran
         runs_left -= 1
         process = runner.start("chaos", out, store)
         run_started = time.perf_counter()
-        fault: Fault | None = None
-        if len(outcome.faults) < campaign.faults:
+        hits: list[Fault] = []
+        # Faults one after another while the command runs: a killed worker or server leaves it running (or it ends
+        # of its own), a killed command ends the run.
+        while len(outcome.faults) < campaign.faults:
             left = work_s * (1.0 - archive_scale.done_rows(out) / campaign.clips)
             at = rng.uniform(0.5, 0.9 * outcome.fixed_s + min(left, 2.0 * work_s / campaign.faults))
             target, name = rng.choice(targets), rng.choice(sorted(SIGNALS))
             try:
                 process.wait(timeout=at)
+                break  # it ended before the moment
             except subprocess.TimeoutExpired:
-                pid = {
-                    "command": process.pid,
-                    "server": server_pid(runner.env),
-                    "worker": rng.choice(workers_of(process.pid) or [None]),
-                }[target]
-                if pid is not None:
-                    done = archive_scale.done_rows(out)
-                    try:
-                        os.kill(pid, SIGNALS[name])
-                    except ProcessLookupError:
-                        pid = None
-                    if pid is not None:
-                        fault = Fault(runner.count, round(time.perf_counter() - run_started, 2), target, name, pid)
-                        fault.done_before = done
-                        outcome.faults.append(fault)
-        rc = runner.finish(process, AFTER_FAULT_S if fault else LAST_RUN_S, outcome)
-        if fault is not None:
+                pass
+            pid = {
+                "command": process.pid,
+                "server": server_pid(runner.env),
+                "worker": rng.choice(workers_of(process.pid) or [None]),
+            }[target]
+            if pid is None:
+                continue  # no such process at this moment: the next one
+            done = archive_scale.done_rows(out)
+            try:
+                os.kill(pid, SIGNALS[name])
+            except ProcessLookupError:
+                continue
+            fault = Fault(runner.count, round(time.perf_counter() - run_started, 2), target, name, pid)
+            fault.done_before = done
+            outcome.faults.append(fault)
+            hits.append(fault)
+            if target == "command":
+                break
+        rc = runner.finish(process, AFTER_FAULT_S if hits else LAST_RUN_S, outcome)
+        for fault in hits:
             fault.exit_code = rc
             fault.done_after = archive_scale.done_rows(out)
-            print(f"fault {len(outcome.faults)}: {asdict(fault)}", flush=True)
-        if rc == 0 and fault is None and len(outcome.faults) >= campaign.faults:
+            print(f"fault {outcome.faults.index(fault) + 1}: {asdict(fault)}", flush=True)
+        if rc == 0 and not hits and len(outcome.faults) >= campaign.faults:
             break
     outcome.campaign_s = time.perf_counter() - started
     outcome.runs = runner.count
@@ -407,12 +422,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fake-ms", type=float, default=5.0)
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument(
+        "--reuse-clean", action="store_true", help="take the clean archive (and its times) a kept --work folder holds"
+    )
     parser.add_argument("--append", action="store_true", help="append the table to bench/RESULTS.md")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
     work = args.work or Path(f"/tmp/k6vsr-chaos-{args.clips}")
-    if work.exists():
+    if work.exists() and not args.reuse_clean:
         shutil.rmtree(work)
+    for name in ("out", "store"):
+        shutil.rmtree(work / name, ignore_errors=True)
     campaign = Campaign(work, args.clips, args.faults, args.seed, args.workers, args.fake_ms)
     outcome = run_campaign(campaign)
     result = summary(campaign, outcome)
