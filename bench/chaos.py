@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import archive_scale  # noqa: E402 - the bench folder is put on the path above
 
 TARGETS = ("command", "worker", "server")
+FINISHED = ("done", "reused")  # a manifest row's status once its clip's output is written (by this run or before)
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
 # A run of the command that outlives these after its fault (or, with no fault left, at all) is a hang: a finding.
 AFTER_FAULT_S = 600.0
@@ -149,6 +150,10 @@ def server_url(env: dict[str, str]) -> str | None:
         return None
 
 
+def finished(out: Path) -> int:
+    return sum(1 for row in archive_scale.manifest_rows(out) if row["status"] in FINISHED)
+
+
 def workers_of(pid: int) -> list[int]:
     """The command's worker processes: its descendants (Dask's nannies and workers)."""
     import psutil
@@ -223,7 +228,7 @@ def clean_run(campaign: Campaign, runner: Runner, outcome: Outcome) -> None:
     work = campaign.work
     kept = work / "clean.json"
     rows = archive_scale.manifest_rows(work / "clean-out")
-    if kept.exists() and len(rows) == campaign.clips and all(row["status"] == "done" for row in rows):
+    if kept.exists() and len(rows) == campaign.clips and all(row["status"] in FINISHED for row in rows):
         timings = json.loads(kept.read_text())
         outcome.clean_s, outcome.fixed_s = timings["clean_s"], timings["fixed_s"]
         return
@@ -264,7 +269,7 @@ def inject(campaign: Campaign, runner: Runner, outcome: Outcome, rng: random.Ran
         # Faults one after another while the command runs: a killed worker or server leaves it running (or it ends
         # of its own), a killed command ends the run.
         while len(outcome.faults) < campaign.faults:
-            left = work_s * (1.0 - archive_scale.done_rows(out) / campaign.clips)
+            left = work_s * (1.0 - finished(out) / campaign.clips)
             at = rng.uniform(0.5, 0.9 * outcome.fixed_s + min(left, 2.0 * work_s / campaign.faults))
             target, name = rng.choice(targets), rng.choice(sorted(SIGNALS))
             try:
@@ -279,7 +284,7 @@ def inject(campaign: Campaign, runner: Runner, outcome: Outcome, rng: random.Ran
             }[target]
             if pid is None:
                 continue  # no such process at this moment: the next one
-            done = archive_scale.done_rows(out)
+            done = finished(out)
             try:
                 os.kill(pid, SIGNALS[name])
             except ProcessLookupError:
@@ -293,7 +298,7 @@ def inject(campaign: Campaign, runner: Runner, outcome: Outcome, rng: random.Ran
         rc = runner.finish(process, AFTER_FAULT_S if hits else LAST_RUN_S, outcome)
         for fault in hits:
             fault.exit_code = rc
-            fault.done_after = archive_scale.done_rows(out)
+            fault.done_after = finished(out)
             print(f"fault {outcome.faults.index(fault) + 1}: {asdict(fault)}", flush=True)
         if rc == 0 and not hits and len(outcome.faults) >= campaign.faults:
             break
@@ -330,7 +335,7 @@ def check(campaign: Campaign, runner: Runner, outcome: Outcome) -> None:
         outcome.manifest_problems.append(f"{len(rows)} rows, {len(clean_rows)} in the clean archive's")
     for name, row in rows.items():
         want = clean_rows.get(name, {})
-        if row["status"] != "done":
+        if row["status"] not in FINISHED:
             outcome.manifest_problems.append(f"{name}: {row['status']} {row.get('reason', '')[:200]}")
         elif row.get("run_key") != want.get("run_key") or Path(row["output"]).name != Path(want["output"]).name:
             outcome.manifest_problems.append(f"{name}: run key or output differs from the clean archive's")
