@@ -65,8 +65,8 @@ class Campaign:
     workers: int = 1
     fake_ms: float = 5.0
     targets: tuple[str, ...] = TARGETS
-    # Measure the command's fixed cost with a rerun of the finished clean archive; without it (a short campaign,
-    # where the archive's work is small beside that cost) most of the clean archive's time is taken for it.
+    # Measure the command's fixed cost with a rerun of the finished clean archive; without it (a short campaign) its
+    # start before any work stands for it.
     measure_fixed: bool = True
 
 
@@ -86,6 +86,7 @@ class Fault:
 class Outcome:
     clean_s: float = 0.0
     fixed_s: float = 0.0  # a rerun of the finished clean archive: what every run of the command costs
+    start_s: float = 0.0  # from the clean archive's start to its first clip's run folder: before any work
     campaign_s: float = 0.0
     runs: int = 0
     faults: list[Fault] = field(default_factory=list)
@@ -230,16 +231,19 @@ def clean_run(campaign: Campaign, runner: Runner, outcome: Outcome) -> None:
     rows = archive_scale.manifest_rows(work / "clean-out")
     if kept.exists() and len(rows) == campaign.clips and all(row["status"] in FINISHED for row in rows):
         timings = json.loads(kept.read_text())
-        outcome.clean_s, outcome.fixed_s = timings["clean_s"], timings["fixed_s"]
+        outcome.clean_s, outcome.fixed_s, outcome.start_s = timings["clean_s"], timings["fixed_s"], timings["start_s"]
         return
     started = time.perf_counter()
     process = runner.start("clean", work / "clean-out", work / "clean-store")
+    while process.poll() is None and not any((work / "clean-store" / "runs").glob("*")):
+        time.sleep(0.5)
+    outcome.start_s = time.perf_counter() - started
     rc = runner.finish(process, LAST_RUN_S, outcome)
     outcome.clean_s = time.perf_counter() - started
     if rc != 0:
         raise RuntimeError(f"the clean archive ended {rc}; see {runner.logs}")
     if not campaign.measure_fixed:
-        outcome.fixed_s = 0.8 * outcome.clean_s
+        outcome.fixed_s = outcome.start_s
         return
     started = time.perf_counter()
     process = runner.start("clean-rerun", work / "clean-out", work / "clean-store")
@@ -247,7 +251,7 @@ def clean_run(campaign: Campaign, runner: Runner, outcome: Outcome) -> None:
     outcome.fixed_s = time.perf_counter() - started
     if rc != 0:
         raise RuntimeError(f"the rerun of the clean archive ended {rc}; see {runner.logs}")
-    kept.write_text(json.dumps({"clean_s": outcome.clean_s, "fixed_s": outcome.fixed_s}))
+    kept.write_text(json.dumps({"clean_s": outcome.clean_s, "fixed_s": outcome.fixed_s, "start_s": outcome.start_s}))
 
 
 def inject(campaign: Campaign, runner: Runner, outcome: Outcome, rng: random.Random) -> None:
@@ -255,10 +259,10 @@ def inject(campaign: Campaign, runner: Runner, outcome: Outcome, rng: random.Ran
     work = campaign.work
     out, store = work / "out", work / "store"
     targets = [t for t in campaign.targets if t != "worker" or campaign.workers > 1]
-    # A fault's moment: anywhere in the command's fixed cost (start-up, the server, the skip of finished clips) or in
-    # a share of the work left, so that the runs together still finish the archive, and a run of a finished archive
-    # is hit too.
-    work_s = max(1.0, outcome.clean_s - outcome.fixed_s)
+    # A fault's moment: anywhere in the command's start (imports, the server, the workers, the plan) or in a share of
+    # the work left, so that the runs together still finish the archive; in a run of a finished archive, anywhere in
+    # it.
+    work_s = max(1.0, outcome.clean_s - outcome.start_s)
     started = time.perf_counter()
     runs_left = 4 * campaign.faults + 10  # a campaign that makes no progress ends, as a finding
     while runs_left:
@@ -270,7 +274,8 @@ def inject(campaign: Campaign, runner: Runner, outcome: Outcome, rng: random.Ran
         # of its own), a killed command ends the run.
         while len(outcome.faults) < campaign.faults:
             left = work_s * (1.0 - finished(out) / campaign.clips)
-            at = rng.uniform(0.5, 0.9 * outcome.fixed_s + min(left, 2.0 * work_s / campaign.faults))
+            before = outcome.start_s if left > 0 else outcome.fixed_s
+            at = rng.uniform(0.5, before + min(left, 2.0 * work_s / campaign.faults))
             target, name = rng.choice(targets), rng.choice(sorted(SIGNALS))
             try:
                 process.wait(timeout=at)
@@ -407,6 +412,7 @@ def summary(campaign: Campaign, outcome: Outcome) -> dict[str, object]:
         "manifest_problems": len(outcome.manifest_problems),
         "hangs": len(outcome.hangs),
         "clean_s": round(outcome.clean_s, 1),
+        "start_s": round(outcome.start_s, 1),
         "fixed_s_per_run": round(outcome.fixed_s, 1),
         "campaign_s": round(outcome.campaign_s, 1),
         "seconds_lost_per_fault": round(lost / injected, 1) if injected else None,
