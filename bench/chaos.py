@@ -287,8 +287,8 @@ def inject(campaign: Campaign, runner: Runner, outcome: Outcome, rng: random.Ran
                 "server": server_pid(runner.env),
                 "worker": rng.choice(workers_of(process.pid) or [None]),
             }[target]
-            if pid is None:
-                continue  # no such process at this moment: the next one
+            if pid is None or pid in {hit.pid for hit in hits}:
+                continue  # no such process at this moment (or one this run already hit, perhaps still exiting)
             done = finished(out)
             try:
                 os.kill(pid, SIGNALS[name])
