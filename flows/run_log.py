@@ -16,10 +16,18 @@ from prefect.logging.formatters import PrefectFormatter
 RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
 
+class _RunLogHandler(logging.FileHandler):
+    """A line that cannot be written (the store's disk is full) is left out: the run's own error says why, where
+    logging's default would print a traceback per line on the terminal."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
+
+
 @contextmanager
 def run_log(path: Path, flow_run_id: str) -> Iterator[None]:
     """Append the lines of flow run `flow_run_id` and its tasks to `path` while the block runs."""
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = _RunLogHandler(path, encoding="utf-8")
     handler.setFormatter(
         PrefectFormatter(
             format="%(asctime)s | %(levelname)-7s | %(name)s - %(message)s",

@@ -10,9 +10,10 @@ deleted) while later windows are on the GPU.
 
 from __future__ import annotations
 
+import tempfile
 import uuid
-from collections.abc import Callable, Iterable
-from contextlib import nullcontext, suppress
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from runtime.schedule import Item, Scheduler, clip_graph
 from runtime.service_errors import WorkersUnavailable
 from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
 from storage import RunStore, StoreUnreachable, default_store_root
+from storage.disk import DiskFull, disk_full, is_no_space
 from storage.location import is_url
 from storage.progress import ProgressCounter, StageCount, read_progress, run_finished, stage_counts, tile_count
 from tasks import ingest as ingest_tasks
@@ -162,7 +164,7 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
         return result
 
     attempt = _attempt_id()
-    with store.in_use(), store.log_file(attempt) as log_file, run_log(log_file, attempt):
+    with _full_disk_named(store), store.in_use(), store.log_file(attempt) as log_file, run_log(log_file, attempt):
         frames, windows = prepared.plan.num_frames, prepared.plan.num_windows
         logger.info(
             "run %s: %d frame%s in %d window%s of %d tiles, store %s",
@@ -219,6 +221,18 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
     return summary
 
 
+@contextmanager
+def _full_disk_named(store: RunStore) -> Iterator[None]:
+    """A write that found no room, wherever it was, fails the run once with the store's disk named (an error that
+    names its own file, as a failed publish's names the output, is left as it is)."""
+    try:
+        yield
+    except Exception as err:
+        if is_no_space(err) and not isinstance(err, DiskFull) and not getattr(err, "filename", None):
+            raise disk_full(tempfile.gettempdir() if store.remote else store.path, err) from err
+        raise
+
+
 def _windows(
     run: RunRef,
     model: ModelSpec,
@@ -238,6 +252,7 @@ def _windows(
     denoised: list[StageResult] = []
     failures: dict[tuple[int, int], str] = {}  # (window, tile or -1 for the window's own stages) -> cause
     unreachable: StoreUnreachable | None = None  # the store, not a tile, is at fault: said once, not per tile
+    full: BaseException | None = None  # so is its disk
     with lanes_for(context.task_runner if context else None) as lanes:
         get_run_logger().info("lanes: %s", lanes.where)
 
@@ -259,6 +274,8 @@ def _windows(
                         _stop_blends(store, [item.window], attempt)
                     if isinstance(err, StoreUnreachable):
                         unreachable = err
+                    if is_no_space(err):
+                        full = err
                     if isinstance(err, WindowStopped):
                         continue  # a blend told that a tile it waited for failed: that tile's failure says why
                     message = f"{type(err).__name__}: {err}"
@@ -279,6 +296,8 @@ def _windows(
                 _stop_blends(store, range(plan.num_windows), attempt)
     if unreachable is not None:
         raise unreachable
+    if full is not None:
+        raise full
     if failures:
         raise TileFailure(_failure_message(run, plan, failures))
     return denoised

@@ -2,14 +2,18 @@
 
 A stage is done only when its record exists. The record is written last, atomically (temporary file, fsync,
 rename; in an object store, one whole object), and carries the SHA-256 of the bytes it covers, so a torn or
-corrupted chunk is detected on read and recomputed instead of being blended. Zarr attributes are never used for
-this: concurrent attribute writes lose keys.
+corrupted chunk is detected on read and recomputed instead of being blended. The record is sealed with the SHA-256
+of its own fields, so a flipped bit that leaves it valid JSON (a digit of its checksum, of its attempt) is caught
+too; records of older stores, written before the seal, are read as they are. A damaged record or chunk is logged as
+a warning on `k6vsr.store` naming it, then treated as not done. Zarr attributes are never used for this: concurrent
+attribute writes lose keys.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -21,6 +25,8 @@ from pydantic import BaseModel, ValidationError
 
 from k6vsr_core.stage_names import Stage
 from storage.location import LocalLocation, Location, atomic_write_bytes, file_checksum
+
+log = logging.getLogger("k6vsr.store")
 
 __all__ = [
     "CompletionRecord",
@@ -55,6 +61,17 @@ class CompletionRecord(BaseModel):
     seconds: float = 0.0
     written_at: float
     attempt: str = ""  # the run attempt that wrote it (a flow-run id): what this attempt computed, not reused
+    seal: str = ""  # SHA-256 of the other fields (`sealed`); empty in records written before seals
+
+    def sealed(self) -> CompletionRecord:
+        return self.model_copy(update={"seal": _seal(self)})
+
+    def intact(self) -> bool:
+        return not self.seal or self.seal == _seal(self)
+
+
+def _seal(record: CompletionRecord) -> str:
+    return hashlib.sha256(_json(record.model_dump(exclude={"seal"}))).hexdigest()
 
 
 def _cuda_peak_gib() -> float | None:
@@ -88,7 +105,7 @@ class RecordBook:
     ) -> CompletionRecord:
         record = CompletionRecord(
             stage=stage, item=item, checksum=checksum, seconds=seconds, written_at=time.time(), attempt=attempt
-        )
+        ).sealed()
         self.location(stage, item).write_bytes(_json(record.model_dump()))
         if seconds > 0:
             line = {"stage": stage, "item": item, "start": record.written_at - seconds, "end": record.written_at}
@@ -139,14 +156,32 @@ class RecordBook:
         return lines
 
     def read(self, stage: Stage, item: str) -> CompletionRecord | None:
-        """The record, or None when it is missing or unreadable (a damaged record means 'not done')."""
+        """The record, or None when it is missing or damaged (a damaged record means 'not done', with a warning)."""
+        where = self.location(stage, item)
         try:
-            return CompletionRecord.model_validate_json(self.location(stage, item).read_bytes())
-        except (OSError, ValidationError, ValueError):
+            data = where.read_bytes()
+        except FileNotFoundError:
             return None
+        except OSError as err:
+            damaged(where, f"the completion record of {stage} {item} cannot be read ({err})")
+            return None
+        try:
+            record = CompletionRecord.model_validate_json(data)
+        except (ValidationError, ValueError):
+            damaged(where, f"the completion record of {stage} {item} is damaged (not a record)")
+            return None
+        if not record.intact() or (record.stage, record.item) != (stage, item):
+            damaged(where, f"the completion record of {stage} {item} is damaged (its seal does not match)")
+            return None
+        return record
 
     def drop(self, stage: Stage, item: str) -> None:
         self.location(stage, item).remove()
 
     def items(self, stage: Stage) -> list[str]:
         return sorted(name.removesuffix(".json") for name in (self.root / stage).names(".json"))
+
+
+def damaged(where: Location | Path, what: str) -> None:
+    """Say that stored bytes failed their check and will be computed again."""
+    log.warning("%s: %s; computing it again", where, what)

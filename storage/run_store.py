@@ -61,7 +61,7 @@ from storage.location import (
 )
 from storage.manifest import RunManifest
 from storage.processes import alive
-from storage.records import RecordBook, array_checksum
+from storage.records import RecordBook, array_checksum, damaged
 
 RUNS = "runs"
 OUTPUT = "output.mp4"
@@ -171,14 +171,37 @@ class RunStore:
         record = self.records.read(stage, item)
         if record is None:
             return None
+        return self._verified(name, (), record.checksum, stage, item)
+
+    def _verified(self, name: str, key: tuple[int, ...], checksum: str, stage: Stage, item: str) -> np.ndarray | None:
+        """Part `key` of array `name` (all of it for `()`) if it matches `checksum`; a stored chunk that does not is
+        reported as damaged. One that is not there (deleted with its window, never written) is not."""
         try:
             with self.where.reaching():
-                value = np.asarray(self._stored(name)[...])
+                value = np.asarray(self._stored(name)[key if key else ...])
         except StoreUnreachable:
             raise  # not an answer about the chunk
-        except Exception:  # noqa: BLE001 - a damaged chunk can fail in many ways; all mean 'recompute'
+        except Exception as err:  # noqa: BLE001 - a damaged chunk can fail in many ways; all mean 'recompute'
+            if self._chunk_stored(name, key):
+                damaged(self._chunk_folder(name, key), f"the stored {name} of {stage} {item} cannot be read ({err})")
             return None
-        return value if array_checksum(value) == record.checksum else None
+        if array_checksum(value) == checksum:
+            return value
+        if self._chunk_stored(name, key):
+            damaged(self._chunk_folder(name, key), f"the stored {name} of {stage} {item} does not match its checksum")
+        return None
+
+    def _chunk_folder(self, name: str, key: tuple[int, ...]) -> Location:
+        # Zarr v3's default chunk keys: c/<i>/<j>/... under the array's folder.
+        folder = self.where / "data.zarr" / name / "c"
+        for part in key:
+            folder = folder / str(part)
+        return folder
+
+    def _chunk_stored(self, name: str, key: tuple[int, ...]) -> bool:
+        """Whether any chunk of part `key` is stored (a deleted or unwritten one reads as the fill value)."""
+        folder = self._chunk_folder(name, key)
+        return folder.name in folder.parent.names("")
 
     def put_tile(
         self,
@@ -203,14 +226,7 @@ class RunStore:
         record = self.records.read(stage, item_name(key))
         if record is None:
             return None
-        try:
-            with self.where.reaching():
-                value = np.asarray(self._stored(name)[key])
-        except StoreUnreachable:
-            raise
-        except Exception:  # noqa: BLE001 - see get()
-            return None
-        return value if array_checksum(value) == record.checksum else None
+        return self._verified(name, key, record.checksum, stage, item_name(key))
 
     def tile_done(self, name: str, key: tuple[int, ...], *, stage: Stage) -> bool:
         """Recorded, stored and intact. Without a record (a first run) it reads nothing."""
@@ -235,8 +251,7 @@ class RunStore:
     def drop_window(self, names: Collection[str], window: int) -> None:
         """Delete window `window`'s chunks of the arrays `names` (records stay: they say the work was done)."""
         for name in names:
-            # Zarr v3's default chunk keys: c/<i>/<j>/... under the array's folder.
-            (self.where / "data.zarr" / name / "c" / str(window)).remove_tree()
+            self._chunk_folder(name, (window,)).remove_tree()
 
     # ------------------------------------------------------------------------------------------- files
 
@@ -285,7 +300,12 @@ class RunStore:
     def file_done(self, path: Location, stage: Stage, item: str) -> bool:
         """Recorded, present and intact (its bytes match the record)."""
         record = self.records.read(stage, item)
-        return record is not None and path.checksum() == record.checksum
+        if record is None:
+            return False
+        checksum = path.checksum()
+        if checksum is not None and checksum != record.checksum:
+            damaged(path, f"{stage} {item} does not match its checksum")
+        return checksum == record.checksum
 
     def segment_done(self, window: int) -> bool:
         return self.file_done(self.segment_path(window), Stage.SEGMENT, str(window))

@@ -266,6 +266,8 @@ DAMAGE = {
     "garbage-tile-record": ("garbage JSON in done/decode/0-1.json", {"denoise_chunk": 0, "decode_tile": 1}),
     "garbage-chunk-record": ("garbage JSON in done/denoise/0-0.json", {"denoise_chunk": 1, "decode_tile": 0}),
     "garbage-manifest": ("garbage manifest.json", {"encode_clip": 0, "denoise_chunk": 0, "decode_tile": 0}),
+    "truncated-tile-record": ("truncate done/decode/0-1.json", {"denoise_chunk": 0, "decode_tile": 1}),
+    "flipped-chunk-record": ("flip a bit of done/denoise/0-0.json", {"denoise_chunk": 1, "decode_tile": 0}),
     "missing-latent-record": (
         "encode record deleted and tile 0 latent truncated",
         {"encode_clip": 1, "denoise_chunk": 1},
@@ -289,6 +291,17 @@ def _damage(name: str, run_dir: Path) -> None:
         (run_dir / "done" / "decode" / "0-1.json").write_text('{"stage": "decode", "check')
     elif name == "garbage-chunk-record":
         (run_dir / "done" / "denoise" / "0-0.json").write_bytes(b"\x00\xff garbage")
+    elif name == "truncated-tile-record":
+        record = run_dir / "done" / "decode" / "0-1.json"
+        record.write_bytes(record.read_bytes()[:40])
+    elif name == "flipped-chunk-record":
+        # A bit of a digit of its time: the record stays valid JSON, and only its seal tells.
+        record = run_dir / "done" / "denoise" / "0-0.json"
+        data = bytearray(record.read_bytes())
+        digit = data.index(b'"written_at": ') + len(b'"written_at": ') + 1
+        data[digit] ^= 0x01
+        record.write_bytes(bytes(data))
+        json.loads(data)
     elif name == "garbage-manifest":
         (run_dir / "manifest.json").write_text("{ not json")
     elif name == "missing-latent-record":
@@ -297,22 +310,51 @@ def _damage(name: str, run_dir: Path) -> None:
         chunk.write_bytes(b"")
 
 
+# What the warning of each damage names (a chunk's folder, or a record's file); the manifest is not a checked item.
+WARNED = {
+    "truncated-latent-chunk": "data.zarr/tile_latents/c/0/0",
+    "truncated-pixel-chunk": "data.zarr/tiles/c/0/1",
+    "flipped-pixel-byte": "data.zarr/tiles/c/0/0",
+    "garbage-tile-record": "done/decode/0-1.json",
+    "garbage-chunk-record": "done/denoise/0-0.json",
+    "truncated-tile-record": "done/decode/0-1.json",
+    "flipped-chunk-record": "done/denoise/0-0.json",
+    "missing-latent-record": "data.zarr/tile_latents/c/0/0",
+}
+
+
 @pytest.mark.parametrize("name", list(DAMAGE))
 def test_damaged_store_is_detected_and_recomputed(
-    name: str, baseline, decoded, argv, tmp_path: Path, stage_calls: dict[str, int], capsys: pytest.CaptureFixture
+    name: str,
+    baseline,
+    decoded,
+    argv,
+    tmp_path: Path,
+    stage_calls: dict[str, int],
+    capsys: pytest.CaptureFixture,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     store, run_dir = _unfinished_copy(decoded, tmp_path)
     _damage(name, run_dir)
     out = tmp_path / "out"
-    rc, summary, err = run(argv(store, out), capsys)
+    with caplog.at_level("WARNING", logger="k6vsr.store"):
+        rc, summary, err = run(argv(store, out), capsys)
     assert rc == 0, err[-3000:]
     assert (out / NAME).read_bytes() == baseline["bytes"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "k6vsr.store"]
     for stage, count in DAMAGE[name][1].items():
-        assert stage_calls[stage] == count, (stage, stage_calls)
+        assert stage_calls[stage] == count, (stage, stage_calls, warnings)
     assert RunStore(store, run_dir.name).output_done()
+    warnings = [r.getMessage() for r in caplog.records if r.name == "k6vsr.store"]
+    if name in WARNED:
+        assert any(str(run_dir / WARNED[name]) in w and "computing it again" in w for w in warnings), warnings
+    else:
+        assert warnings == []
 
 
-def test_damaged_output_in_store_is_muxed_again(baseline, argv, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_damaged_output_in_store_is_muxed_again(
+    baseline, argv, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
     """A finished run whose stored MP4 no longer matches its record: muxed again, never published damaged."""
     store = tmp_path / "store"
     shutil.copytree(baseline["store"], store)
@@ -320,9 +362,11 @@ def test_damaged_output_in_store_is_muxed_again(baseline, argv, tmp_path: Path, 
     data = bytearray(output.read_bytes())
     data[-10] ^= 0xFF
     output.write_bytes(bytes(data))
-    rc, summary, err = run(argv(store, tmp_path / "out"), capsys)
+    with caplog.at_level("WARNING", logger="k6vsr.store"):
+        rc, summary, err = run(argv(store, tmp_path / "out"), capsys)
     assert rc == 0, err[-3000:]
     assert summary["tiles_computed"] == 0 and summary["reused_output"] is False
+    assert any(f"{output}: mux all does not match its checksum" in r.getMessage() for r in caplog.records)
     assert (tmp_path / "out" / NAME).read_bytes() == baseline["bytes"]
 
 

@@ -7,25 +7,20 @@ memory until it can be (`records.JobStore`), and `/health` says the disk is full
 
 from __future__ import annotations
 
-import errno
 import threading
 import time
 
-# Out of space, or out of the user's quota of it: the same to a client.
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+from storage.disk import is_no_space
+
+__all__ = ["DISK_FULL_MESSAGE", "DiskState", "is_disk_full"]
 
 DISK_FULL_MESSAGE = "the server's disk is full"
 
 
 def is_disk_full(err: BaseException | None) -> bool:
-    """Whether `err`, or an error it was raised from, is a write that found no space."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in NO_SPACE:
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+    """Whether `err`, or an error it was raised from, is a write that found no space (`storage.disk.DiskFull`
+    included: what a job's run raises for its store's full disk)."""
+    return is_no_space(err)
 
 
 class DiskState:
