@@ -44,7 +44,8 @@ def test_a_record_is_stored_as_the_same_bytes_as_with_a_plain_string(tmp_path: P
     book = RecordBook(tmp_path / "done")
     record = book.write(Stage.DECODE, "3", "ab", seconds=1.5, attempt="x")
     plain = {"stage": "decode", "item": "3", "checksum": "ab", "seconds": 1.5, "written_at": record.written_at}
-    expected = json.dumps({**plain, "attempt": "x"}, indent=2, sort_keys=True).encode()
+    assert record.seal and record.intact()  # sealed over the same fields, the stage among them as its string
+    expected = json.dumps({**plain, "attempt": "x", "seal": record.seal}, indent=2, sort_keys=True).encode()
     assert (tmp_path / "done" / "decode" / "3.json").read_bytes() == expected
     line = (tmp_path / "timeline.jsonl").read_text()
     assert line.startswith('{"stage": "decode", "item": "3", ')
