@@ -546,6 +546,11 @@ ALLOWED = tuple(f"{HOME}/{name}" for name in ("in/", "out/", "models/", ".prefec
 ALLOWED += ("/tmp/dask", "/tmp/k6vsr-sources/", "/tmp/pg/")
 
 
+# Folders of the checkout that are no run's: its git and virtualenv, and the caches Python and the linters write
+# (a fresh checkout's first imports, on any host or in a test beside the bench, compile its modules).
+CACHES = frozenset({".git", ".venv", "__pycache__", ".mypy_cache", ".ruff_cache"})
+
+
 def files_outside_the_store(hosts: Fleet, since: float) -> dict[str, list[str]]:
     """Per host, every file on its disk (its HOME and /tmp) that is none of `ALLOWED`; and every file of the
     checkout (shared by the hosts, as the same install) changed since `since`. None is expected."""
@@ -559,7 +564,7 @@ def files_outside_the_store(hosts: Fleet, since: float) -> dict[str, list[str]]:
     written = [
         str(p.relative_to(ROOT))
         for p in ROOT.rglob("*")
-        if ".git" not in p.parts and ".venv" not in p.parts and p.is_file() and p.stat().st_mtime > since
+        if not CACHES.intersection(p.parts) and p.is_file() and p.stat().st_mtime > since
     ]
     if written:
         found["checkout"] = sorted(written)
