@@ -75,19 +75,25 @@ AWS = {
 }
 
 # Inside a host: its own folders as HOME and /tmp, a fresh /dev/shm, then the command. The folders are bound
-# before /tmp is covered (the work folder, under the machine's /tmp, is then out of the host's sight).
+# before /tmp is covered (the work folder, under the machine's /tmp, is then out of the host's sight). A checkout
+# under /tmp (a CI clone in `mktemp -d`), with its virtualenv, is bound back at its own path ("$3"): every host runs
+# the same install.
 ENTER = """\
 set -e
 mount -t tmpfs -o size=1m,mode=755 fleet-home /home
-mkdir /home/fleet
+mkdir /home/fleet /home/.checkout
 mount --bind "$1" /home/fleet
+if [ -n "$3" ]; then mount --bind "$3" /home/.checkout; fi
 mount --bind "$2" /var/tmp
 mount --bind "$2" /tmp
+if [ -n "$3" ]; then mkdir -p "$3"; mount --bind /home/.checkout "$3"; fi
 mount -t tmpfs -o size=512m,mode=1777 fleet-shm /dev/shm
-shift 2
+shift 3
 cd /home/fleet
 exec "$@"
 """
+# The checkout, where the hosts' own /tmp would hide it.
+HIDDEN_CHECKOUT = str(ROOT) if any(ROOT.is_relative_to(top) for top in ("/tmp", "/var/tmp")) else ""
 
 # Each worker's preload: every task it starts and ends, and every record it writes, one JSON line each in its own
 # host's HOME (read by the bench after the run, from the machine's side).
@@ -245,7 +251,7 @@ class Fleet:
 
     def argv(self, host: Host, command: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", host.ns, "unshare", "--mount", "--propagation", "private", "--",
-                "sh", "-c", ENTER, "enter", str(host.home), str(host.tmp), *command]  # fmt: skip
+                "sh", "-c", ENTER, "enter", str(host.home), str(host.tmp), HIDDEN_CHECKOUT, *command]  # fmt: skip
 
     def start(self, host: str, label: str, command: Sequence[str], env: dict[str, str]) -> subprocess.Popen:
         where = self.hosts[host]

@@ -335,8 +335,9 @@ def test_the_send_deadline_drops_never_reading_connections() -> None:
             deadline = time.monotonic() + 30  # the 1 s send deadline, on a busy machine
             while server.server_state.connections and time.monotonic() < deadline:
                 time.sleep(0.2)
+            # The server holds none of them; whether a client sees the drop depends on where its unread answers
+            # were at the deadline (asyncio's buffer: a reset; the kernel's: a close queued behind them).
             assert not server.server_state.connections
-            assert any(closed_by_server(sock) for sock in flood)  # reset: the answers were never taken
         finally:
             for sock in flood:
                 sock.close()
