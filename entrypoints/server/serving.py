@@ -21,9 +21,10 @@ such idle connections too and answers 503 to every real request once they fill i
   the holder with the most open connections: the one of them that has been waiting the longest, for a request head or
   for its client to take its answer (for a second at least); else the one answered most often in a row without waiting
   for a request head (a client pipelining requests, which progresses as long as the server has time for it); else one
-  waiting for less (of the newcomer's own holder, only one whose answer is not draining: one just opened waits for its
-  head too, and is no more to give up than the newcomer); else, if it holds more than its share of the places (the cap
-  divided by the holders), the one of its busy connections answered most often in a row (cut mid-answer). A holder
+  waiting for less (of the newcomer's own holder, only one whose answer is not draining or idle after an answer: one
+  just opened waits for its head too, and is no more to give up than the newcomer); else, if it holds more than its
+  share of the places (the cap divided by the holders), the one of its busy connections answered most often in a row
+  (cut mid-answer). A holder
   with none of these gives nothing up and the next largest is asked, down to the newcomer's own holder: the newcomer
   is closed at once rather than take a place from a holder with fewer connections than its own. So a flood of idle,
   half-open, pipelining or never-reading connections, of one key or one address, costs the other keys and addresses
@@ -97,6 +98,7 @@ class BoundedH11Protocol(H11Protocol):
         self._idle = False  # waiting for a request head
         self._stalled = False  # bytes of its answer wait for the client to read
         self._in_a_row = 0  # requests answered since it last waited for a request head: pipelined ones
+        self._answered = False  # it has had an answer: no longer a connection just opened
         self._holder = ""  # who holds its place: a key's owner, else its client's address (`_hold`)
         self._held_cycle: object = None  # the request cycle whose head last set `_holder`
 
@@ -149,6 +151,7 @@ class BoundedH11Protocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         self._in_a_row += 1
+        self._answered = True
         super().on_response_complete()
         if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             # Idle again: uvicorn closes it after the keep-alive time unless data comes; a head begun then must
@@ -221,14 +224,16 @@ class BoundedH11Protocol(H11Protocol):
     def _given_up_among(self, held: set[BoundedH11Protocol], own: bool) -> BoundedH11Protocol | None:
         """Of `held`, the one waiting longest, if for `SETTLED_S` at least (a download whose client reads pauses
         too, each time for a moment); else the most pipelining one; else one waiting for less: its answer not
-        draining, or, of another holder's (`own` False), waiting for a request head. A connection just opened waits
-        for its head too, and one of the newcomer's own holder is no more to give up than the newcomer itself."""
+        draining, idle after an answer, or, of another holder's (`own` False), waiting for its first request head:
+        one of the newcomer's own holder just opened is no more to give up than the newcomer itself."""
         oldest = next(((other, since) for other, since in self.waiting.items() if other in held), None)
         if oldest is not None and self.loop.time() - oldest[1] >= SETTLED_S:
             return oldest[0]
         if (pipelining := self._most_pipelined(held)) is not None:
             return pipelining
-        return next((other for other in self.waiting if other in held and (other._stalled or not own)), None)
+        return next(
+            (other for other in self.waiting if other in held and (other._stalled or other._answered or not own)), None
+        )
 
     @staticmethod
     def _most_pipelined(held: set[BoundedH11Protocol]) -> BoundedH11Protocol | None:
