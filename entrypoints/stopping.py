@@ -15,6 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from runtime import interrupts
 MESSAGE = "interrupted; finished items are kept, rerun to resume"
 RESOURCE_TRACKER = b"multiprocessing.resource_tracker"
 QUIET_TRACKER = "ignore::UserWarning:multiprocessing.resource_tracker"
+STOPPED_OR_GONE = {"T", "t", "Z", "X"}  # /proc/<pid>/stat's state
 
 
 @contextlib.contextmanager
@@ -52,26 +55,57 @@ def stop(signum: int) -> NoReturn:
     for sig in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl-C must not break the stop into a traceback
         with contextlib.suppress(ValueError):  # outside the main thread, where no interrupt is raised anyway
             signal.signal(sig, signal.SIG_IGN)
-    # The one line is the last. What this command started is frozen before it is written (a Dask worker that was
-    # printing a warning went on below it), and killed after; a Dask scheduler in this process would log the workers
-    # it loses below it.
-    children = _freeze_descendants()
+    # The one line is the last. Whatever could write below it is silenced first: this process's other threads
+    # (the progress bar, a Dask scheduler logging the workers it loses) and every process it started, frozen.
+    # The helper outlives this process, apart from the rest; it writes nowhere.
+    helper = _end_runs_after_exit(signum) if "runtime.flow_leases" in sys.modules else None  # else no flow ran
+    _forbid_new_processes()
+    children = _freeze_descendants(apart=helper)
     logging.disable(logging.CRITICAL)
     warnings.simplefilter("ignore")
-    # Written past Python's buffers: this may run inside a signal handler that interrupted a write to them.
-    with contextlib.suppress(RuntimeError, ValueError, OSError):
-        sys.stdout.flush()
-        sys.stderr.flush()
     fresh_line = "\n" if sys.stderr.isatty() else ""  # after the progress bar or the terminal's ^C
+    terminal = _take_stderr()
     with contextlib.suppress(OSError):
-        os.write(2, f"{fresh_line}k6vsr: {MESSAGE}\n".encode())
-    # Started after the list of what to kill was taken, and kept off the second: it outlives this process.
-    helper = _end_runs_after_exit(signum) if "runtime.flow_leases" in sys.modules else None  # else no flow ran
+        os.write(terminal, f"{fresh_line}k6vsr: {MESSAGE}\n".encode())
     _send(children, signal.SIGKILL)
-    # A nanny thread of this process may have started a worker after the list was taken.
     _send([pid for pid in _descendants(os.getpid(), apart=helper) if pid not in children], signal.SIGKILL)
     # Not `sys.exit`: the interpreter would wait for the threads still computing tiles, which nothing can stop.
     os._exit(128 + signum)
+
+
+def _forbid_new_processes() -> None:
+    """From now on a thread of this process that starts a process waits forever instead, until the exit.
+
+    A Dask nanny's thread restarts the worker it sees killed, within milliseconds; started after the last list of
+    what to kill, that worker would outlive the command and write below its last line. Every way Python starts a
+    process ends in one of these."""
+    import _posixsubprocess
+
+    def never(*_: object, **__: object) -> NoReturn:
+        threading.Event().wait()
+        raise AssertionError("unreachable")
+
+    _posixsubprocess.fork_exec = never  # type: ignore[assignment]  # multiprocessing's spawn
+    subprocess._fork_exec = never  # type: ignore[attr-defined]  # subprocess's own name for it
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            setattr(os, name, never)
+
+
+def _take_stderr() -> int:
+    """A private copy of stderr, for the one line; stderr itself then leads nowhere, so that this process's other
+    threads (a progress bar, a thread's exception) write nothing below it. Flushed first: what Python holds for
+    the terminal was written before the stop."""
+    # Past Python's buffers: this may run inside a signal handler that interrupted a write to them.
+    with contextlib.suppress(RuntimeError, ValueError, OSError):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    try:
+        terminal = os.dup(2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    except OSError:
+        return 2
+    return terminal
 
 
 def _end_runs_after_exit(signum: int) -> int | None:
@@ -108,17 +142,41 @@ def _send(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def _freeze_descendants(rounds: int = 5) -> list[int]:
-    """Stop every process this one started, and theirs, listing them again until no new one appears: this process's
-    other threads (a Dask nanny's) keep running and may start a worker while the list is being taken."""
+def _freeze_descendants(rounds: int = 10, apart: int | None = None) -> list[int]:
+    """Stop every process this one started, and theirs (not `apart` or its own), listing them again until no new
+    one appears, and return once each is stopped: a process that is sent SIGSTOP in the middle of writing a line
+    finishes writing it first. This process's other threads (a Dask nanny's) keep running and may have started a
+    worker while the list was being taken."""
     frozen: list[int] = []
+    quiet = 0
     for _ in range(rounds):
-        new = [pid for pid in _descendants(os.getpid()) if pid not in frozen]
-        if not new:
-            break
+        new = [pid for pid in _descendants(os.getpid(), apart=apart) if pid not in frozen]
         _send(new, signal.SIGSTOP)
         frozen.extend(new)
+        quiet = 0 if new else quiet + 1
+        if quiet == 2:  # twice, a moment apart: a thread may have been starting one as new starts were forbidden
+            break
+        time.sleep(0.002)
+    _wait_stopped(frozen)
     return frozen
+
+
+def _wait_stopped(pids: list[int], timeout: float = 1.0) -> None:
+    """Until each of `pids` is stopped or gone (one in uninterruptible sleep may take long: it is given `timeout`)."""
+    deadline = time.monotonic() + timeout
+    waiting = list(pids)
+    while waiting and time.monotonic() < deadline:
+        waiting = [pid for pid in waiting if _state(pid) not in STOPPED_OR_GONE]
+        if waiting:
+            time.sleep(0.001)
+
+
+def _state(pid: int) -> str:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "X"
+    return stat[stat.rindex(")") + 2]
 
 
 def _descendants(root: int, apart: int | None = None) -> list[int]:

@@ -103,3 +103,56 @@ def test_python_s_resource_tracker_is_left_out(sleepers: list[subprocess.Popen[b
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert tracker_like.pid not in stopping._descendants(os.getpid())
+
+
+CHATTY = "import sys\nwhile True: sys.stderr.write('child says something\\n'); sys.stderr.flush()"
+COMMAND = f"""
+import signal, subprocess, sys, threading, time
+from entrypoints import stopping
+
+CHATTY = {CHATTY!r}
+for _ in range(2):
+    subprocess.Popen([sys.executable, "-c", CHATTY])
+
+def chatter():  # a progress bar, a Dask scheduler's log
+    while True:
+        sys.stderr.write("thread says something\\n")
+
+def restarter():  # a Dask nanny restarting its worker the moment it dies
+    while True:
+        subprocess.Popen([sys.executable, "-c", CHATTY])
+        time.sleep(0.002)
+
+for target in (chatter, restarter):
+    threading.Thread(target=target, daemon=True).start()
+time.sleep(0.5)
+stopping.stop(signal.SIGTERM)
+"""
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_the_one_line_is_the_last_and_nothing_the_command_started_outlives_it(attempt: int) -> None:
+    """Its threads, its children and a child one of its threads starts during the stop all write to stderr."""
+    marker = f"K6VSR_TEST_CHATTY={os.getpid()}-{attempt}-{time.monotonic_ns()}"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), marker.split("=")[0]: marker}
+    done = subprocess.run([sys.executable, "-c", COMMAND], env=env, capture_output=True, timeout=60, check=False)
+    stderr = done.stderr.decode()
+    try:
+        assert done.returncode == 143
+        assert stderr.splitlines()[-1] == f"k6vsr: {stopping.MESSAGE}", stderr[-500:]
+        assert _processes_with(marker) == [], "a process the command started outlived it"
+    finally:
+        for pid in _processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "environ").read_bytes().split(b"\0"):
+                if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
