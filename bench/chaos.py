@@ -18,7 +18,8 @@ that ends before its moment gets no fault. Once every fault is spent, the last r
 - no stray process: nothing started by the campaign's commands is alive once they have ended (the local server,
   meant to last, aside);
 - no flow run is left Running (nor Pending) on the server;
-- the archive's manifest lists every clip done, with the clean archive's run keys and outputs.
+- the archive's manifest lists every clip done, with the clean archive's run keys and outputs;
+- a run that fails says why in its last line (`k6vsr: ...`), never as an error nothing describes.
 
 It prints the faults, a summary table and the result as JSON (`--json-out`); `--append` adds the table to
 bench/RESULTS.md. `tests/test_chaos.py` runs a short campaign of the same code.
@@ -55,6 +56,7 @@ FINISHED = ("done", "reused")  # a manifest row's status once its clip's output 
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
 # A run of the command that outlives these after its fault (or, with no fault left, at all) is a hang: a finding.
 AFTER_FAULT_S = 600.0
+UNEXPECTED = "(rerun with --debug for details)"  # the command's word for an error nothing describes
 LAST_RUN_S = 1800.0
 
 
@@ -100,6 +102,8 @@ class Outcome:
     strays: list[str] = field(default_factory=list)
     flow_runs_left: dict[str, int] = field(default_factory=dict)
     manifest_problems: list[str] = field(default_factory=list)
+    # Runs that failed without a clear last line (a `k6vsr:` line that is not an unexpected error's): the log's tail.
+    unclear: list[str] = field(default_factory=list)
 
     @property
     def survived(self) -> bool:
@@ -112,6 +116,7 @@ class Outcome:
             and not self.strays
             and not any(self.flow_runs_left.values())
             and not self.manifest_problems
+            and not self.unclear
         )
 
 
@@ -195,10 +200,12 @@ class Runner:
         self.logs = campaign.work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.count = 0
+        self.log_path = self.logs / "none.log"
 
     def start(self, name: str, out: Path, store: Path) -> subprocess.Popen:
         self.count += 1
-        log = (self.logs / f"{name}-{self.count:03d}.log").open("w")
+        self.log_path = self.logs / f"{name}-{self.count:03d}.log"
+        log = self.log_path.open("w")
         return subprocess.Popen(
             archive_command(self.campaign, out, store),
             env=self.env,
@@ -222,7 +229,16 @@ class Runner:
         if left:
             outcome.strays += [f"run {self.count}: {entry}" for entry in left]
             _kill_session(process.pid)
+        if process.returncode > 0:  # not a SIGKILL of the command, which leaves no word
+            last = _last_line(self.log_path)
+            if not last.startswith("k6vsr: ") or UNEXPECTED in last:
+                outcome.unclear.append(f"run {self.count} ended {process.returncode}: {last}")
         return process.returncode
+
+
+def _last_line(log: Path) -> str:
+    lines = log.read_text(errors="replace").strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def clean_run(campaign: Campaign, runner: Runner, outcome: Outcome) -> None:
@@ -412,6 +428,7 @@ def summary(campaign: Campaign, outcome: Outcome) -> dict[str, object]:
         "flow_runs_left": outcome.flow_runs_left,
         "manifest_problems": len(outcome.manifest_problems),
         "hangs": len(outcome.hangs),
+        "failed_runs_without_a_clear_line": len(outcome.unclear),
         "clean_s": round(outcome.clean_s, 1),
         "start_s": round(outcome.start_s, 1),
         "fixed_s_per_run": round(outcome.fixed_s, 1),
@@ -461,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             "recomputed": outcome.recomputed,
             "strays": outcome.strays,
             "manifest": outcome.manifest_problems,
+            "unclear": outcome.unclear,
         },
     }
     text = json.dumps(details, indent=2)

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from runtime.flow_leases import mark_crashed_runs
-from runtime.prefect_server import HOME_ENV, server_auth, start_server
+from runtime.prefect_server import HOME_ENV, server_auth, server_home, start_server
+from runtime.service_errors import ServerError
 
 # Without it a Prefect client asks the server for a CSRF token on each new connection, one more request a clip run.
 CSRF_SETTING = "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED"
@@ -72,10 +73,54 @@ def prefect_api(home: Path | None = None, secured: bool = False) -> Iterator[str
         updates[PREFECT_API_AUTH_STRING] = auth
     try:
         with temporary_settings(updates=updates):
-            yield url
+            try:
+                yield url
+            except Exception as err:
+                lost = lost_api(err, url, server_home() if home is None else home) if ours else lost_api(err, url)
+                if lost is None:
+                    raise
+                raise lost from err
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def lost_api(err: BaseException, url: str, local_home: Path | None = None) -> ServerError | None:
+    """What to tell the user when `err` comes of the API at `url` no longer answering (a local server in
+    `local_home` that was killed, a remote one gone), None when it does not: the client's own retries (a minute)
+    are spent by then, and its last error, a bare `ConnectError`, names neither the server nor what to do."""
+    import httpx
+
+    seen: set[int] = set()
+    inner: BaseException | None = err
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        if isinstance(inner, httpx.TransportError) and _asked(inner, url):
+            said = f"{type(inner).__name__}: {inner}"
+            if local_home is not None:
+                return ServerError(
+                    f"the local Prefect server (state folder {local_home}) stopped answering at {url} during the "
+                    f"run ({said}); finished items are kept: rerun to resume, the next command starts the server "
+                    "again"
+                )
+            return ServerError(
+                f"the Prefect API at {url} stopped answering during the run ({said}); finished items are kept: "
+                "rerun to resume once it answers"
+            )
+        inner = inner.__cause__ or inner.__context__
+    return None
+
+
+def _asked(err: BaseException, url: str) -> bool:
+    """Whether `err` (an httpx error) was raised by a request to the API at `url`, not another server's."""
+    import httpx
+
+    try:
+        request = err.request  # type: ignore[attr-defined]  # httpx.RequestError's; raises where none was set
+    except RuntimeError:
+        return False
+    api = httpx.URL(url)
+    return (request.url.host, request.url.port) == (api.host, api.port)

@@ -90,7 +90,7 @@ def cluster_spec(workers: int, gpus: bool) -> tuple[str, dict[str, Any]]:
     processes."""
     if gpus:
         return "runtime.warm_workers.gpu_cluster", {"n_workers": workers if workers > 1 else 0}
-    return "distributed.LocalCluster", {
+    return "runtime.cluster_start.local_processes", {
         "n_workers": workers,
         "processes": True,
         "threads_per_worker": WORKER_THREADS,

@@ -42,6 +42,7 @@ from pydantic import BaseModel
 
 from k6vsr_core import settings
 from k6vsr_core.errors import ParameterError
+from runtime.cluster_start import started
 from runtime.service_errors import WorkersError
 from runtime.slots import CPU_THREADS, CPU_WORKER_RESOURCES, MODEL_WORKER_RESOURCES, MODEL_WORKER_SLOTS
 from runtime.state_folder import LaunchFailed, StateFolder, now, state_home
@@ -391,7 +392,7 @@ def make_cluster(devices: list[str], count: int, lanes: int | None = None, model
     # give up on it after its default 15 s and close the nanny, which would leave one worker fewer for good.
     settings = {"distributed.nanny.pre-spawn-environ": {}, "distributed.deploy.lost-worker-timeout": "7 days"}
     with dask.config.set(settings):
-        return SpecCluster(workers=workers, scheduler=scheduler, name="k6vsr-workers")
+        return started(lambda: SpecCluster(workers=workers, scheduler=scheduler, name="k6vsr-workers"))
 
 
 def gpu_cluster(n_workers: int = 0) -> Any:

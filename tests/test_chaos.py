@@ -3,7 +3,7 @@
 Real `k6vsr archive` commands on the CPU with the bench-only stand-in for the networks and their own local Prefect
 server; each fault is a SIGKILL or SIGTERM of the command or of the local server. After the last rerun every output
 is byte-identical to a clean archive's, no finished item was computed twice, nothing the commands started is left
-running, no flow run is left Running and the manifest lists every clip done.
+running, no flow run is left Running, the manifest lists every clip done and every failed run said why.
 """
 
 from __future__ import annotations
@@ -30,4 +30,5 @@ def test_a_short_campaign_of_kills_leaves_the_same_bytes_and_nothing_behind(tmp_
     assert outcome.strays == []
     assert outcome.flow_runs_left == {"running": 0, "pending": 0}
     assert outcome.manifest_problems == []
+    assert outcome.unclear == []
     assert outcome.survived

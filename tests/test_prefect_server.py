@@ -384,3 +384,60 @@ def test_the_local_server_takes_sqlite_s_lock_at_begin_and_its_commands_ask_no_c
         out, err = seen.communicate(timeout=120)
         assert seen.returncode == 0, err[-3000:]
         assert out.strip().splitlines()[-1] == expected, extra
+
+
+LOST_SERVER_FLOW = SLEEPY_FLOW.replace(
+    """with prefect_api():
+    sleepy(float(sys.argv[1]))
+""",
+    """try:
+    with prefect_api():
+        sleepy(3.0)
+        sleepy(3.0)  # a second run, which needs the server
+except Exception as err:
+    print("ERROR", type(err).__name__, err, flush=True)
+""",
+)
+
+
+def test_a_local_server_killed_during_a_run_is_named_with_what_to_do(tmp_path: Path) -> None:
+    """Not a bare `ConnectError` once the client's retries are spent (none here: the test does not wait a minute)."""
+    home = tmp_path / "home"
+    process = _python(LOST_SERVER_FLOW, _env(home, PREFECT_CLIENT_MAX_RETRIES="0"))
+    try:
+        seen = []
+        for line in process.stdout:  # type: ignore[union-attr]
+            seen.append(line)
+            if line.startswith("RUN "):
+                break
+        else:
+            raise AssertionError(f"the flow did not start: {seen} {process.communicate()[1][-3000:]}")
+        (server,) = _servers_of(home)
+        os.kill(server, signal.SIGKILL)
+        out, _ = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        for pid in _servers_of(home):
+            os.kill(pid, signal.SIGKILL)
+    (said,) = [line for line in out.splitlines() if line.startswith("ERROR ")]
+    assert said.startswith(f"ERROR ServerError the local Prefect server (state folder {home}) stopped answering")
+    assert "rerun to resume, the next command starts the server again" in said
+
+
+def test_only_the_api_s_own_connection_errors_are_named_as_its_loss() -> None:
+    import httpx
+
+    from runtime.prefect_api import lost_api
+
+    api = "http://127.0.0.1:4321/api"
+    refused = httpx.ConnectError("[Errno 111] Connection refused", request=httpx.Request("GET", f"{api}/flow_runs/"))
+    elsewhere = httpx.ConnectError("refused", request=httpx.Request("GET", "http://127.0.0.1:9000/bucket/key"))
+    try:
+        raise RuntimeError("the flow engine's own error") from refused
+    except RuntimeError as wrapped:
+        lost = lost_api(wrapped, api)
+    assert lost is not None and str(lost).startswith(f"the Prefect API at {api} stopped answering during the run")
+    assert lost_api(elsewhere, api) is None  # an object store's, a model download's: not the API's
+    assert lost_api(httpx.ConnectError("no request"), api) is None
+    assert lost_api(ValueError("bad"), api) is None
