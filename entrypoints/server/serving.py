@@ -26,7 +26,9 @@ such idle connections too and answers 503 to every real request once they fill i
   share of the places (the cap divided by the holders), the one of its busy connections answered most often in a row
   (cut mid-answer). A holder
   with none of these gives nothing up and the next largest is asked, down to the newcomer's own holder: the newcomer
-  is closed at once rather than take a place from a holder with fewer connections than its own. So a flood of idle,
+  is closed rather than take a place from a holder with fewer connections than its own. A newcomer whose head was not
+  in the socket as it opened counts as its address's until its head comes: it is given `PLACE_WAIT_S` for it (at
+  most `UNPLACED_MOST` such at once), and placed for the key it names, or closed. So a flood of idle,
   half-open, pipelining or never-reading connections, of one key or one address, costs the other keys and addresses
   nothing, a busy client of its own holder nothing but its turn, and the number of file descriptors the connections
   take stays under the process's limit (`fit_connections`).
@@ -78,6 +80,11 @@ Owners = Callable[[bytes], "str | None"]
 # Seconds a connection has been waiting (for a request head, or for its client to take its answer) before the cap
 # takes its place ahead of a pipelining connection's.
 SETTLED_S = 1.0
+# A new connection past the cap whose request head was not in the socket as it opened: how long its head is awaited
+# to learn whose it is, and how many such connections wait at once (more are closed at once: a flood of connections
+# that send nothing costs this many descriptors beyond the cap, for this long).
+PLACE_WAIT_S = 0.5
+UNPLACED_MOST = 32
 
 
 class BoundedH11Protocol(H11Protocol):
@@ -89,6 +96,8 @@ class BoundedH11Protocol(H11Protocol):
     # Connections that are not progressing: waiting for a request head, or their answer's bytes waiting for their
     # client; the one that stopped progressing first comes first, with the loop's time it stopped.
     waiting: OrderedDict[BoundedH11Protocol, float]
+    # New connections past the cap that have no place yet, their heads awaited (`PLACE_WAIT_S`), with the refusal.
+    unplaced: dict[BoundedH11Protocol, asyncio.TimerHandle]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -101,6 +110,7 @@ class BoundedH11Protocol(H11Protocol):
         self._answered = False  # it has had an answer: no longer a connection just opened
         self._holder = ""  # who holds its place: a key's owner, else its client's address (`_hold`)
         self._held_cycle: object = None  # the request cycle whose head last set `_holder`
+        self._peeked: bytes | None = None  # its first request head, whole, if it was in the socket as it opened
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -112,12 +122,30 @@ class BoundedH11Protocol(H11Protocol):
         if len(self.connections) > self.bounds.max_connections:
             if (given_up := self._place_to_take()) is not None:
                 given_up._close()
+            elif self._peeked is None and len(self.unplaced) < UNPLACED_MOST:
+                # Its head was not in the socket yet, so it counts as its address's, which has no place for it: it
+                # may name a key that has. Its first bytes are held back until its head is whole, within a moment.
+                self.unplaced[self] = self.loop.call_later(PLACE_WAIT_S, self._refuse)
+                self._peeked = b""
+                return
             else:  # no holder with more connections than its own gives one up: this one waits for none of them
                 self.transport.close()
                 return
         self._wait_for_head(self.bounds.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
+        if self in self.unplaced:
+            self._peeked = (self._peeked or b"") + data
+            if b"\r\n\r\n" not in self._peeked and len(self._peeked) < self.bounds.max_header_bytes:
+                return
+            self.unplaced.pop(self).cancel()
+            self._holder = self._holder_of(self._peeked)
+            if (given_up := self._place_to_take()) is None:
+                self.transport.close()
+                return
+            given_up._close()
+            self._wait_for_head(self.bounds.header_timeout_s)
+            data, self._peeked = self._peeked, None
         super().data_received(data)
         if self.cycle is not self._idle_cycle:  # a request head arrived: the connection is busy
             self._stop_waiting_for_head()
@@ -129,17 +157,26 @@ class BoundedH11Protocol(H11Protocol):
         the socket (looked at, not taken: h11 reads it as ever), else its client's address. A flood's new
         connections are then its key's from the start, not every client's of their address."""
         sock = transport.get_extra_info("socket")
-        waiting = b""
         if sock is not None:
             try:
                 with socket.socket(fileno=os.dup(sock.fileno())) as same:
                     waiting = same.recv(self.bounds.max_header_bytes, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    self._peeked = waiting if b"\r\n\r\n" in waiting else None
             except OSError:  # nothing there yet, or no descriptor to spare
                 pass
+        return self._holder_of(self._peeked or b"")
+
+    def _holder_of(self, waiting: bytes) -> str:
+        """The key's owner a whole request head names, else the client's address."""
         head = waiting.partition(b"\r\n\r\n")[0] if b"\r\n\r\n" in waiting else b""
         header = AUTHORIZATION.search(head)
         owner = self.owners(header.group(1).strip()) if header else None
         return owner if owner is not None else f"address {self.client[0] if self.client else ''}"
+
+    def _refuse(self) -> None:
+        """Its head did not come whole in time: it had no place, and is closed."""
+        self.unplaced.pop(self, None)
+        self.transport.close()
 
     def _hold(self, headers: Iterable[tuple[bytes, bytes]]) -> None:
         """The connection is held by the key its request names, if the server has it: a made-up key counts as
@@ -170,6 +207,8 @@ class BoundedH11Protocol(H11Protocol):
         self._stop_stalling()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if (refusal := self.unplaced.pop(self, None)) is not None:
+            refusal.cancel()
         self._stop_waiting_for_head()
         self._stop_stalling()
         super().connection_lost(exc)
@@ -274,7 +313,12 @@ def bound_unacknowledged(transport: asyncio.BaseTransport, seconds: float, send_
 def protocol_for(bounds: Connections, owners: Owners | None = None) -> type[BoundedH11Protocol]:
     """The protocol class of one server: its bounds, who holds its connections (`owners`; None: a server without
     keys, where connections are held by their addresses), and its own table of waiting connections."""
-    attributes = {"bounds": bounds, "owners": staticmethod(owners or no_owner), "waiting": OrderedDict()}
+    attributes = {
+        "bounds": bounds,
+        "owners": staticmethod(owners or no_owner),
+        "waiting": OrderedDict(),
+        "unplaced": {},
+    }
     return type("BoundedH11Protocol", (BoundedH11Protocol,), attributes)
 
 
