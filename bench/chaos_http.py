@@ -56,6 +56,7 @@ ENDED = ("completed", "failed", "cancelled")
 START_S = 180.0  # a server that does not answer /health in this long after its start is a finding
 JOB_S = 600.0  # an accepted job that has not ended this long after the last fault is a finding
 TARGETS = ("server", "child")
+CHILD_WAIT_S = 30.0  # how long a fault meant for a job child waits for one to run a job
 RESUBMIT = "worker_exited"  # a job whose child died: "resubmit the same request to resume from its finished tiles"
 
 
@@ -107,6 +108,15 @@ class HttpOutcome:
         )
 
 
+def _cmdline(process: object) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline()  # type: ignore[attr-defined]
+    except psutil.Error:
+        return []
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -150,26 +160,37 @@ class Serve:
         return self.process is not None and self.process.poll() is None
 
     def children(self) -> list[int]:
-        """The job children of this start of the server."""
-        assert self.process is not None
-        return [
-            int(member.split()[0])
-            for member in chaos.session_members(self.process.pid)
-            if "entrypoints.server.child" in member
-        ]
+        """The job children of this start of the server (each in a session of its own)."""
+        import psutil
 
-    def leftovers(self) -> list[str]:
-        """What the session of a server that has ended still holds (killed, once listed)."""
         assert self.process is not None
+        try:
+            found = psutil.Process(self.process.pid).children()
+        except psutil.Error:
+            return []
+        return [child.pid for child in found if "entrypoints.server.child" in " ".join(_cmdline(child))]
+
+    def leftovers(self, children: list[int]) -> list[str]:
+        """What a server that has ended left alive: its session's processes and the job `children` it had (killed,
+        once listed)."""
+        import psutil
+
+        assert self.process is not None
+        deadline = time.monotonic() + 10  # a child ends with its server (PR_SET_PDEATHSIG), within a moment
+        while any(psutil.pid_exists(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
         left = chaos.session_members(self.process.pid)
-        if left:
-            chaos._kill_session(self.process.pid)
+        for pid in children:
+            left += chaos.session_members(pid)
+        for session in [self.process.pid, *children]:
+            chaos._kill_session(session)
         return left
 
     def stop(self) -> list[str]:
-        """SIGTERM, as a supervisor stops it; what its session still holds a moment after is returned (and killed)."""
+        """SIGTERM, as a supervisor stops it; what it leaves alive is returned (and killed)."""
         if self.process is None:
             return []
+        children = self.children()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
@@ -177,8 +198,7 @@ class Serve:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        time.sleep(1.0)
-        return self.leftovers()
+        return self.leftovers(children)
 
     def upload(self, clip: Path) -> str | None:
         """The job id, or None where the server did not take it (down, going, or busy)."""
@@ -257,7 +277,7 @@ def inject(
     # A fault's moment: within about two jobs' worth of the clean run's time per clip, so that faults land while jobs
     # upload, queue and run.
     per_clip = max(1.0, outcome.clean_s / max(1, len(clips)))
-    next_fault = time.perf_counter() + rng.uniform(0.5, 2.0 * per_clip)
+    planned: tuple[float, str, str] | None = None  # the next fault: its moment, target and signal
     last_fault = started
     while True:
         now = time.perf_counter()
@@ -265,6 +285,8 @@ def inject(
             outcome.restarts += 1
             serve.start()
             continue
+        if planned is None and len(outcome.faults) < campaign.faults:  # drawn once the server answers again
+            planned = (now + rng.uniform(0.5, 2.0 * per_clip), rng.choice(TARGETS), rng.choice(sorted(chaos.SIGNALS)))
         if to_upload:
             job_id = serve.upload(to_upload[0])
             if job_id is None:
@@ -281,16 +303,17 @@ def inject(
                 if (job.get("error") or {}).get("code") == RESUBMIT:  # as its message advises
                     to_upload.append(clips_by_name[jobs[job_id]])
                     outcome.resubmitted += 1
-        if len(outcome.faults) < campaign.faults and now >= next_fault:
-            fault = strike(serve, rng, now - started, len(jobs), len(ended))
+        if planned is not None and now >= planned[0]:
+            children = serve.children()
+            fault = strike(serve, rng, planned, now - started, len(jobs), len(ended))
             if fault is not None:
-                if fault.target == "server":  # its job children end with it (PR_SET_PDEATHSIG)
-                    time.sleep(1.0)
-                    outcome.strays += [f"after fault {len(outcome.faults) + 1}: {m}" for m in serve.leftovers()]
+                if fault.target == "server":  # its job children end with it
+                    left = serve.leftovers(children)
+                    outcome.strays += [f"after fault {len(outcome.faults) + 1}: {entry}" for entry in left]
                 outcome.faults.append(fault)
                 print(f"fault {len(outcome.faults)}: {asdict(fault)}", flush=True)
                 last_fault = time.perf_counter()
-            next_fault = time.perf_counter() + rng.uniform(0.5, 2.0 * per_clip)
+                planned = None
         if not to_upload and len(outcome.faults) >= campaign.faults and len(ended) == len(jobs):
             break
         if len(outcome.faults) >= campaign.faults and time.perf_counter() - last_fault > JOB_S:
@@ -301,12 +324,18 @@ def inject(
     return jobs
 
 
-def strike(serve: Serve, rng: random.Random, at_s: float, accepted: int, ended: int) -> HttpFault | None:
-    target, name = rng.choice(TARGETS), rng.choice(sorted(chaos.SIGNALS))
+def strike(
+    serve: Serve, rng: random.Random, planned: tuple[float, str, str], at_s: float, accepted: int, ended: int
+) -> HttpFault | None:
+    """The planned fault, if its target is there: a job child is awaited (a job running) for `CHILD_WAIT_S`, then
+    the server takes its place; None: not yet."""
+    due, target, name = planned
+    assert serve.process is not None
     children = serve.children()
     if target == "child" and not children:
-        target = "server"  # no job running at this moment: the server it is
-    assert serve.process is not None
+        if time.perf_counter() - due < CHILD_WAIT_S:
+            return None
+        target = "server"
     pid = rng.choice(children) if target == "child" else serve.process.pid
     try:
         os.kill(pid, chaos.SIGNALS[name])
