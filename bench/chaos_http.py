@@ -7,7 +7,7 @@ What runs: N synthetic clips (`archive_scale.make_clips`) uploaded as jobs to a 
 the CPU with the tiny random bundle and the bench-only stand-in for the networks (`bench/fake_model.py`). First a
 clean server on a store of its own, the reference: every clip uploaded, every job awaited, every output fetched.
 Then the campaign, on a new store: the clips are uploaded one after another as a client would (one that retries an
-upload the server did not answer), while faults land at random moments (a seeded `random.Random`): SIGKILL or
+upload the server did not take: not answered, or its queue full), while faults land at random moments (a seeded `random.Random`): SIGKILL or
 SIGTERM of the server, or of one of its job children. A server that is gone is started again on the same store and
 port, as a supervisor (systemd, a container's restart policy) would. Once every fault is spent and every accepted
 job has ended, the server is stopped and:
@@ -85,7 +85,7 @@ class HttpOutcome:
     campaign_s: float = 0.0
     faults: list[HttpFault] = field(default_factory=list)
     restarts: int = 0
-    upload_retries: int = 0  # uploads the server did not answer (it was down or going): sent again
+    upload_retries: int = 0  # uploads the server did not take (it was down or going, or its queue full): sent again
     resubmitted: int = 0  # jobs failed because their child died, submitted again as their error advises
     accepted: int = 0
     completed: int = 0
@@ -236,9 +236,11 @@ def clean_run(campaign: HttpCampaign, clips: list[Path], env: dict[str, str], ou
         serve.start()
         ids = {}
         for clip in clips:
-            job_id = serve.upload(clip)
-            if job_id is None:
-                raise RuntimeError(f"the clean server refused {clip.name}")
+            deadline = time.monotonic() + JOB_S
+            while (job_id := serve.upload(clip)) is None:  # its queue is full (429): a place frees as a job ends
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the clean server did not take {clip.name}")
+                time.sleep(0.5)
             ids[clip.name] = job_id
         shas = {}
         for name, job_id in ids.items():
