@@ -39,9 +39,12 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -409,18 +412,19 @@ def run_campaign(campaign: Campaign) -> Outcome:
     return outcome
 
 
+def by_kind(faults: list[Any]) -> dict[str, int]:
+    """How many faults of each signal and target (`"SIGKILL server": 3`), in the order first met."""
+    return dict(Counter(f"{fault.signal} {fault.target}" for fault in faults))
+
+
 def summary(campaign: Campaign, outcome: Outcome) -> dict[str, object]:
-    by_target: dict[str, int] = {}
-    for fault in outcome.faults:
-        key = f"{fault.signal} {fault.target}"
-        by_target[key] = by_target.get(key, 0) + 1
     injected = len(outcome.faults)
     lost = outcome.campaign_s - outcome.clean_s
     return {
         "clips": campaign.clips,
         "faults_injected": injected,
         "faults_survived": injected if outcome.survived else 0,
-        "by_target": by_target,
+        "by_target": by_kind(outcome.faults),
         "runs_of_the_command": outcome.runs,
         "outputs_identical": f"{outcome.identical}/{outcome.outputs}",
         "finished_items_computed_twice": sum(outcome.recomputed.values()),
@@ -435,6 +439,31 @@ def summary(campaign: Campaign, outcome: Outcome) -> dict[str, object]:
         "campaign_s": round(outcome.campaign_s, 1),
         "seconds_lost_per_fault": round(lost / injected, 1) if injected else None,
     }
+
+
+def report(
+    script: str,
+    argv: list[str] | None,
+    result: dict[str, object],
+    faults: list[dict[str, object]],
+    problems: Mapping[str, object],
+    json_out: Path | None,
+) -> None:
+    """A campaign's whole result as JSON (printed, and written to `json_out`), then its summary as a table."""
+    details = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": archive_scale._commit(),
+        "command": shlex.join(["python", f"bench/{script}", *(argv or sys.argv[1:])]),
+        "machine": f"{platform.node()}, {os.cpu_count()} cores",
+        "summary": result,
+        "faults": faults,
+        "problems": problems,
+    }
+    text = json.dumps(details, indent=2)
+    print(text)
+    if json_out:
+        json_out.write_text(text)
+    print(table(result))
 
 
 def table(result: dict[str, object]) -> str:
@@ -465,27 +494,15 @@ def main(argv: list[str] | None = None) -> int:
     campaign = Campaign(work, args.clips, args.faults, args.seed, args.workers, args.fake_ms)
     outcome = run_campaign(campaign)
     result = summary(campaign, outcome)
-    details = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": archive_scale._commit(),
-        "command": shlex.join(["python", "bench/chaos.py", *(argv or sys.argv[1:])]),
-        "machine": f"{platform.node()}, {os.cpu_count()} cores",
-        "summary": result,
-        "faults": [asdict(fault) for fault in outcome.faults],
-        "problems": {
-            "hangs": outcome.hangs,
-            "different": outcome.different,
-            "recomputed": outcome.recomputed,
-            "strays": outcome.strays,
-            "manifest": outcome.manifest_problems,
-            "unclear": outcome.unclear,
-        },
+    problems = {
+        "hangs": outcome.hangs,
+        "different": outcome.different,
+        "recomputed": outcome.recomputed,
+        "strays": outcome.strays,
+        "manifest": outcome.manifest_problems,
+        "unclear": outcome.unclear,
     }
-    text = json.dumps(details, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text)
-    print(table(result))
+    report("chaos.py", argv, result, [asdict(fault) for fault in outcome.faults], problems, args.json_out)
     if args.append:
         with (ROOT / "bench" / "RESULTS.md").open("a") as handle:
             handle.write("\n" + table(result) + "\n")

@@ -7,10 +7,10 @@ What runs: N synthetic clips (`archive_scale.make_clips`) uploaded as jobs to a 
 the CPU with the tiny random bundle and the bench-only stand-in for the networks (`bench/fake_model.py`). First a
 clean server on a store of its own, the reference: every clip uploaded, every job awaited, every output fetched.
 Then the campaign, on a new store: the clips are uploaded one after another as a client would (one that retries an
-upload the server did not take: not answered, or its queue full), while faults land at random moments (a seeded `random.Random`): SIGKILL or
-SIGTERM of the server, or of one of its job children. A server that is gone is started again on the same store and
-port, as a supervisor (systemd, a container's restart policy) would. Once every fault is spent and every accepted
-job has ended, the server is stopped and:
+upload the server did not take: not answered, or its queue full), while faults land at random moments (a seeded
+`random.Random`): SIGKILL or SIGTERM of the server, or of one of its job children. A server that is gone is started
+again on the same store and port, as a supervisor (systemd, a container's restart policy) would. Once every fault
+is spent and every accepted job has ended, the server is stopped and:
 
 - every job the server accepted (answered 200 with an id) is found and ended: completed, or failed with a reason;
   none lost, none left queued or in progress; a job failed because its child died is submitted again, as its error
@@ -29,9 +29,7 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import random
-import shlex
 import shutil
 import signal
 import socket
@@ -39,7 +37,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -404,16 +401,12 @@ def run_campaign(campaign: HttpCampaign) -> HttpOutcome:
 
 
 def summary(campaign: HttpCampaign, outcome: HttpOutcome) -> dict[str, object]:
-    by_target: dict[str, int] = {}
-    for fault in outcome.faults:
-        key = f"{fault.signal} {fault.target}"
-        by_target[key] = by_target.get(key, 0) + 1
     injected = len(outcome.faults)
     return {
         "clips": campaign.clips,
         "faults_injected": injected,
         "faults_survived": injected if outcome.survived else 0,
-        "by_target": by_target,
+        "by_target": chaos.by_kind(outcome.faults),
         "server_restarts": outcome.restarts,
         "uploads_sent_again": outcome.upload_retries,
         "jobs_accepted": outcome.accepted,
@@ -448,29 +441,17 @@ def main(argv: list[str] | None = None) -> int:
     campaign = HttpCampaign(work, args.clips, args.faults, args.seed, args.fake_ms)
     outcome = run_campaign(campaign)
     result = summary(campaign, outcome)
-    details = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": archive_scale._commit(),
-        "command": shlex.join(["python", "bench/chaos_http.py", *(argv or sys.argv[1:])]),
-        "machine": f"{platform.node()}, {os.cpu_count()} cores",
-        "summary": result,
-        "faults": [asdict(fault) for fault in outcome.faults],
-        "problems": {
-            "failed": outcome.failed,
-            "unreasoned": outcome.unreasoned,
-            "lost": outcome.lost,
-            "unfinished": outcome.unfinished,
-            "different": outcome.different,
-            "torn": outcome.torn,
-            "strays": outcome.strays,
-            "hangs": outcome.hangs,
-        },
+    problems = {
+        "failed": outcome.failed,
+        "unreasoned": outcome.unreasoned,
+        "lost": outcome.lost,
+        "unfinished": outcome.unfinished,
+        "different": outcome.different,
+        "torn": outcome.torn,
+        "strays": outcome.strays,
+        "hangs": outcome.hangs,
     }
-    text = json.dumps(details, indent=2)
-    print(text)
-    if args.json_out:
-        args.json_out.write_text(text)
-    print(chaos.table(result))
+    chaos.report("chaos_http.py", argv, result, [asdict(fault) for fault in outcome.faults], problems, args.json_out)
     return 0 if outcome.survived and len(outcome.faults) >= campaign.faults else 1
 
 
