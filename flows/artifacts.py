@@ -85,12 +85,43 @@ def _logger() -> logging.Logger | logging.LoggerAdapter:
         return logging.getLogger(__name__)
 
 
+# A call that found the API unreachable costs the client's retries (about a minute): the UI's next updates are skipped
+# for this long rather than each paying that again while the work goes on (or stops, when its runs need the API).
+UNREACHABLE_PAUSE_S = 60.0
+_unreachable_until: dict[str, float] = {}  # API URL -> time.monotonic() until which its UI is not written
+
+
 def _best_effort(what: str, call: Callable[[], T]) -> T | None:
+    from prefect.settings import get_current_settings
+
+    api = str(get_current_settings().api.url)
+    if time.monotonic() < _unreachable_until.get(api, 0.0):
+        return None
     try:
         return call()
     except Exception as err:  # noqa: BLE001 - the UI is best effort; the run store is the record
-        _logger().warning("could not %s in the Prefect UI: %s", what, err)
+        if _unreachable(err):
+            _unreachable_until[api] = time.monotonic() + UNREACHABLE_PAUSE_S
+            _logger().warning(
+                "could not %s in the Prefect UI: %s; its updates pause for %.0f s", what, err, UNREACHABLE_PAUSE_S
+            )
+        else:
+            _logger().warning("could not %s in the Prefect UI: %s", what, err)
         return None
+
+
+def _unreachable(err: BaseException) -> bool:
+    """Whether `err` comes of no answer from the API at all (refused, reset, timed out), after the client's retries."""
+    import httpx
+
+    seen: set[int] = set()
+    inner: BaseException | None = err
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        if isinstance(inner, httpx.TransportError):
+            return True
+        inner = inner.__cause__ or inner.__context__
+    return False
 
 
 # Written on the client rather than with prefect.artifacts: its `create_*_artifact` functions take the task and flow

@@ -198,3 +198,19 @@ def _fault_states_under_the_session(tmp_path_factory: pytest.TempPathFactory) ->
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(ENV_STATE_ROOT, str(tmp_path_factory.mktemp("fault-states")))
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_under_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every state folder a test's command would keep in the user's home (the local Prefect server, the warm workers,
+    the flow-run leases) under the session's temporary folder instead: a command run without the `prefect_server`
+    fixture starts a server of its own there, never the user's, and it is stopped as the session ends."""
+    from runtime import prefect_server
+
+    home = tmp_path_factory.mktemp("state-home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("K6VSR_STATE_HOME", str(home))
+        # Run logs stay local, as with `prefect_server`: the server may be stopped before this process's last flush.
+        patch.setenv("PREFECT_LOGGING_TO_API_ENABLED", "false")
+        yield
+    prefect_server.stop_server(home / "prefect-server")

@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, cast
 
@@ -72,7 +72,6 @@ def run_clips(
     updated as its clip ends, and the manifest written and shown again."""
     logger = get_run_logger()
     clip_runs: dict[str, str] = {}  # relative path -> the clip's flow run id
-    last_table = time.monotonic()
 
     # A thread pool, not Prefect's own fan-out: a subflow runs in the thread that calls it (prefect 3.9), and
     # `Flow.submit` sends a flow to a work pool's infrastructure, a new process per run that loads the model again;
@@ -99,6 +98,8 @@ def run_clips(
                 break
             logger.warning("clip %s: the Prefect API was busy (%s); running it again", row.relative_path, outcome)
             time.sleep(API_BUSY_PAUSE_S)
+        if isinstance(outcome, BaseException) and api_lost(outcome):
+            raise outcome
         seconds = time.perf_counter() - started
         return index, _finished_row(row, seconds, outcome), seconds, clip_run
 
@@ -109,26 +110,47 @@ def run_clips(
     ):
         # Each clip runs in a copy of this flow run's context, so its flow run is a subflow of this run.
         futures = [pool.submit(contextvars.copy_context().run, run, index) for index in pending]
-        for finished, future in enumerate(as_completed(futures), start=1):
-            index, row, seconds, clip_run = future.result()
-            rows[index] = row
-            if clip_run is not None:
-                clip_runs[row.relative_path] = clip_run
-            progress.finished(row.relative_path, failed=row.status == "failed")
-            if row.status == "failed":
-                logger.error("clip %s failed: %s", row.relative_path, row.reason)
-            else:
-                logger.info(
-                    "clip %s done in %.1f s (%s tiles computed, %s reused)",
-                    row.relative_path,
-                    seconds,
-                    row.tiles_computed,
-                    row.tiles_reused,
-                )
-            write_manifest(out_dir, header, rows)
-            if time.monotonic() - last_table >= TABLE_EVERY_S or finished == len(pending):
-                manifest_artifact.show(rows, clip_runs)
-                last_table = time.monotonic()
+        try:
+            _collect(futures, rows, clip_runs, manifest_artifact, progress, out_dir, header, len(pending))
+        except BaseException:
+            for future in futures:  # the clips not started yet: the archive stops (its API is gone, or an interrupt)
+                future.cancel()
+            raise
+
+
+def _collect(
+    futures: list[Future[tuple[int, ArchiveRow, float, str | None]]],
+    rows: list[ArchiveRow],
+    clip_runs: dict[str, str],
+    manifest_artifact: ManifestArtifact,
+    progress: artifacts.ArchiveProgress,
+    out_dir: Path,
+    header: dict[str, Any],
+    pending: int,
+) -> None:
+    """Each clip's row as its run ends: logged, the manifest written, the table shown now and then."""
+    logger = get_run_logger()
+    last_table = time.monotonic()
+    for finished, future in enumerate(as_completed(futures), start=1):
+        index, row, seconds, clip_run = future.result()
+        rows[index] = row
+        if clip_run is not None:
+            clip_runs[row.relative_path] = clip_run
+        progress.finished(row.relative_path, failed=row.status == "failed")
+        if row.status == "failed":
+            logger.error("clip %s failed: %s", row.relative_path, row.reason)
+        else:
+            logger.info(
+                "clip %s done in %.1f s (%s tiles computed, %s reused)",
+                row.relative_path,
+                seconds,
+                row.tiles_computed,
+                row.tiles_reused,
+            )
+        write_manifest(out_dir, header, rows)
+        if time.monotonic() - last_table >= TABLE_EVERY_S or finished == pending:
+            manifest_artifact.show(rows, clip_runs)
+            last_table = time.monotonic()
 
 
 def clip_flow_of_archive(dask_address: str | None = None) -> Flow[..., ClipSummary]:
@@ -175,6 +197,17 @@ def upscale_one(
         return str(state.state_details.flow_run_id), state.result()
     except Exception as err:  # noqa: BLE001 - the clip failed: its row says why, the others go on
         return str(state.state_details.flow_run_id), err
+
+
+def api_lost(outcome: BaseException) -> bool:
+    """The error is the Prefect API no longer answering (its server killed, or gone): every clip after it would
+    fail the same way, each after the client's minute of retries, so the archive stops there instead, and the
+    command says so in one line (`runtime.prefect_api.lost_api`)."""
+    from prefect.settings import get_current_settings
+
+    from runtime.prefect_api import lost_api
+
+    return lost_api(outcome, str(get_current_settings().api.url)) is not None
 
 
 def api_busy(outcome: Any) -> bool:
