@@ -112,16 +112,9 @@ def _best_effort(what: str, call: Callable[[], T]) -> T | None:
 
 def _unreachable(err: BaseException) -> bool:
     """Whether `err` comes of no answer from the API at all (refused, reset, timed out), after the client's retries."""
-    import httpx
+    from runtime.api_loss import transport_errors
 
-    seen: set[int] = set()
-    inner: BaseException | None = err
-    while inner is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        if isinstance(inner, httpx.TransportError):
-            return True
-        inner = inner.__cause__ or inner.__context__
-    return False
+    return next(transport_errors(err), None) is not None
 
 
 # Written on the client rather than with prefect.artifacts: its `create_*_artifact` functions take the task and flow

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 from pydantic import BaseModel
 
 from runtime import interrupts
+from runtime.api_loss import lost_api
 from runtime.prefect_server import ServerRecord, server_auth, server_folder
 from runtime.state_folder import StateFolder, now
 from storage.processes import alive, process_start
@@ -83,8 +84,11 @@ def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterato
         log.warning("could not write the flow run lease %s: %s", path, err)
     try:
         yield
-    except Exception:
-        path.unlink(missing_ok=True)
+    except Exception as err:
+        # Prefect reports the failure next, unless the error is its API gone: then the lease stays, and the run is
+        # marked Crashed by the next command that finds this process gone, never left Running.
+        if api_url is None or lost_api(err, api_url) is None:
+            path.unlink(missing_ok=True)
         raise
     except BaseException:
         # An interrupt or an exit: the process is going down, and its run is not final yet. Prefect reports the

@@ -6,13 +6,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from runtime.api_loss import lost_api
 from runtime.flow_leases import mark_crashed_runs
 from runtime.prefect_server import HOME_ENV, server_auth, server_home, start_server
-from runtime.service_errors import ServerError
 
 # Without it a Prefect client asks the server for a CSRF token on each new connection, one more request a clip run.
 CSRF_SETTING = "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED"
@@ -79,6 +80,12 @@ def prefect_api(home: Path | None = None, secured: bool = False) -> Iterator[str
                 lost = lost_api(err, url, server_home() if home is None else home) if ours else lost_api(err, url)
                 if lost is None:
                     raise
+                # The process ends with this error's one line. As it exits, Prefect's services would log below it the
+                # events and logs they could not send to the server that is gone: logging is turned off, and with it
+                # the stdlib's switch for errors in logging handlers, which Prefect's log worker honours.
+                logging.disable(logging.CRITICAL)
+                logging.raiseExceptions = False
+                logging.shutdown()  # what the handlers still hold is written now, above the line
                 raise lost from err
     finally:
         for name, value in saved.items():
@@ -86,41 +93,3 @@ def prefect_api(home: Path | None = None, secured: bool = False) -> Iterator[str
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def lost_api(err: BaseException, url: str, local_home: Path | None = None) -> ServerError | None:
-    """What to tell the user when `err` comes of the API at `url` no longer answering (a local server in
-    `local_home` that was killed, a remote one gone), None when it does not: the client's own retries (a minute)
-    are spent by then, and its last error, a bare `ConnectError`, names neither the server nor what to do."""
-    import httpx
-
-    seen: set[int] = set()
-    inner: BaseException | None = err
-    while inner is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        if isinstance(inner, httpx.TransportError) and _asked(inner, url):
-            said = f"{type(inner).__name__}: {inner}"
-            if local_home is not None:
-                return ServerError(
-                    f"the local Prefect server (state folder {local_home}) stopped answering at {url} during the "
-                    f"run ({said}); finished items are kept: rerun to resume, the next command starts the server "
-                    "again"
-                )
-            return ServerError(
-                f"the Prefect API at {url} stopped answering during the run ({said}); finished items are kept: "
-                "rerun to resume once it answers"
-            )
-        inner = inner.__cause__ or inner.__context__
-    return None
-
-
-def _asked(err: BaseException, url: str) -> bool:
-    """Whether `err` (an httpx error) was raised by a request to the API at `url`, not another server's."""
-    import httpx
-
-    try:
-        request = err.request  # type: ignore[attr-defined]  # httpx.RequestError's; raises where none was set
-    except RuntimeError:
-        return False
-    api = httpx.URL(url)
-    return (request.url.host, request.url.port) == (api.host, api.port)

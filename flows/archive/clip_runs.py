@@ -205,7 +205,7 @@ def api_lost(outcome: BaseException) -> bool:
     command says so in one line (`runtime.prefect_api.lost_api`)."""
     from prefect.settings import get_current_settings
 
-    from runtime.prefect_api import lost_api
+    from runtime.api_loss import lost_api
 
     return lost_api(outcome, str(get_current_settings().api.url)) is not None
 
