@@ -80,12 +80,7 @@ def prefect_api(home: Path | None = None, secured: bool = False) -> Iterator[str
                 lost = lost_api(err, url, server_home() if home is None else home) if ours else lost_api(err, url)
                 if lost is None:
                     raise
-                # The process ends with this error's one line. As it exits, Prefect's services would log below it the
-                # events and logs they could not send to the server that is gone: logging is turned off, and with it
-                # the stdlib's switch for errors in logging handlers, which Prefect's log worker honours.
-                logging.disable(logging.CRITICAL)
-                logging.raiseExceptions = False
-                logging.shutdown()  # what the handlers still hold is written now, above the line
+                _quiet_prefect()
                 raise lost from err
     finally:
         for name, value in saved.items():
@@ -93,3 +88,20 @@ def prefect_api(home: Path | None = None, secured: bool = False) -> Iterator[str
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _quiet_prefect() -> None:
+    """The process ends with the lost API's one line. As it exits, Prefect's services would log below it the events
+    and logs they could not send to the server that is gone: its loggers are turned off (its internal ones ignore
+    `logging.disable`), and with them the stdlib's switch for errors in logging handlers, which its log worker
+    honours. What the terminal's handlers still hold is written first, above the line."""
+    for name in (None, "prefect"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler):  # not Prefect's API handler: it would wait on the server
+                with contextlib.suppress(Exception):
+                    handler.flush()
+    logging.disable(logging.CRITICAL)
+    logging.raiseExceptions = False
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and name.split(".")[0] == "prefect":
+            logger.disabled = True
