@@ -65,6 +65,9 @@ def configure_terminal(verbose: bool) -> None:
             handler.setLevel(level)
     if verbose:
         return
+    # A logging handler that fails (Prefect's, sending run logs to a server that went away) would write its own error
+    # onto the terminal, half a line each, into the middle of the command's lines: the stdlib's production setting.
+    logging.raiseExceptions = False
     warnings.showwarning = _show_once
     # Notes for developers, not users: torch's about its kernels, diffusers' about the configs' native key names.
     warnings.filterwarnings("ignore", message=".*flex attention.*")

@@ -73,3 +73,42 @@ def test_a_clip_that_found_the_api_gone_stops_the_archive_and_a_clip_s_own_failu
     assert api_lost(gone)
     assert not api_lost(_refused("http://127.0.0.1:9000/bucket/key"))  # the object store's, not the API's
     assert not api_lost(ValueError("the clip's own failure"))
+
+
+def test_a_failing_logging_handler_writes_nothing_on_the_command_s_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Prefect's log worker writes "--- Error logging to API ---" and its error, without a newline, when it cannot
+    send (it honours the stdlib's `logging.raiseExceptions`): the command's next line would be glued to it."""
+    import logging
+    import os
+    import warnings
+
+    from entrypoints import console
+
+    monkeypatch.setattr(logging, "raiseExceptions", True)
+    # What configure_terminal sets besides, put back after the test.
+    for name in ("DIFFUSERS_VERBOSITY", console.CONSOLE_LEVEL_ENV, console.TELEMETRY_ENV, console.CONSOLE_CLASS_ENV):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])
+        else:
+            monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+    monkeypatch.setattr(warnings, "filters", list(warnings.filters))
+    monkeypatch.setattr(logging.getLogger("diffusers"), "level", logging.getLogger("diffusers").level)
+
+    class Failing(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            try:
+                raise ConnectionError("the server went away")
+            except ConnectionError:
+                self.handleError(record)  # as every stdlib handler does
+
+    logger = logging.getLogger("k6vsr-test-failing-handler")
+    monkeypatch.setattr(logger, "handlers", [Failing()])
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.error("a run log")
+    assert "the server went away" in capsys.readouterr().err  # the stdlib's development default
+    console.configure_terminal(verbose=False)
+    logger.error("a run log")
+    assert capsys.readouterr().err == ""
