@@ -390,7 +390,10 @@ LOST_SERVER_FLOW = SLEEPY_FLOW.replace(
     """with prefect_api():
     sleepy(float(sys.argv[1]))
 """,
-    """try:
+    """from entrypoints.console import configure_terminal
+
+configure_terminal(verbose=False)  # the terminal as the k6vsr command sets it up
+try:
     with prefect_api():
         sleepy(3.0)
         sleepy(3.0)  # a second run, which needs the server

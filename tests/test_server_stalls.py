@@ -339,7 +339,8 @@ def test_new_connections_past_the_cap_that_send_nothing_cost_a_bounded_moment(mo
             extra = [
                 socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(serving.UNPLACED_MOST + 8)
             ]
-            assert len(server.server_state.connections) <= PLACES + serving.UNPLACED_MOST
+            open_now = [c for c in server.server_state.connections if not c.transport.is_closing()]  # type: ignore[attr-defined]
+            assert len(open_now) <= PLACES + serving.UNPLACED_MOST  # (one being closed may not be gone yet)
             deadline = time.monotonic() + 30
             while not all(closed_by_server(sock) for sock in extra) and time.monotonic() < deadline:
                 time.sleep(0.05)
