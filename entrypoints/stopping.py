@@ -105,6 +105,8 @@ def _take_stderr() -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     except OSError:
         return 2
+    # A thread caught inside its write to the old stderr finishes that write; a moment lets it land above the line.
+    time.sleep(0.05)
     return terminal
 
 
