@@ -39,7 +39,7 @@ from flows.archive.report import ManifestArtifact, archive_header, write_manifes
 from flows.archive.rows import ArchiveRow, ArchiveSummary, counts_of, message_of
 from flows.archive.sources import VIDEO_GLOBS, find_sources
 from k6vsr_core.params import UpscaleParams
-from runtime.flow_leases import leased
+from runtime.flow_leases import LEASE_HOOKS, leased
 from runtime.runners import own_processes
 from runtime.slots import ARCHIVE_CLIPS_IN_FLIGHT
 from service.runs import ModelSpec
@@ -68,7 +68,7 @@ def _flow_run_name() -> str:
     return f"archive-{len(parameters.get('paths') or [])}-paths"
 
 
-@flow(name="upscale-archive", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True)
+@flow(name="upscale-archive", flow_run_name=_flow_run_name, log_prints=False, validate_parameters=True, **LEASE_HOOKS)
 @leased  # a run whose process is killed is marked Crashed by the next command
 def upscale_archive(
     input_dir: str | None = None,

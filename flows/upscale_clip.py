@@ -32,7 +32,7 @@ from k6vsr_core.params import UpscaleParams, output_name
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.quality import QualityReport
 from k6vsr_core.stage_names import Stage, TaskKind
-from runtime.flow_leases import leased
+from runtime.flow_leases import LEASE_HOOKS, leased
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
 from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner
 from runtime.schedule import Item, Scheduler, clip_graph
@@ -121,6 +121,7 @@ def _clip_flow(name: str) -> Any:
         log_prints=False,
         validate_parameters=True,
         task_runner=WarmOrThreadsTaskRunner(),
+        **LEASE_HOOKS,
     )
 
 

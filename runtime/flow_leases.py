@@ -1,12 +1,12 @@
 """Flow-run leases: which process on this host runs which flow run, so that a run whose process died is ended.
 
-A flow run holds a lease (`leased`) while its body runs, and past it when the body ends by an interrupt (the process
-is going down before its run is final: SIGTERM to a job's child, whose SIGKILL follows): a file in the local
-server's state folder (`runtime.prefect_server`, `leases/`) naming the process (pid and start time) and the API the
-run reports to. A process killed outright (SIGKILL, OOM) cannot tell the API its run ended, so the run would show
-"Running" forever; the next command that reaches the API finds the lease's process dead and marks the run Crashed,
-with its task runs that were in flight (`mark_crashed_runs`). A command stopped by Ctrl-C leaves a helper that marks
-its runs Cancelled as soon as it is gone (`end_leased_runs`).
+A flow run holds a lease (`leased`) from the start of its body until the API has its final state (`LEASE_HOOKS`, the
+flow's state hooks, which Prefect calls only once the server took that state): a file in the local server's state
+folder (`runtime.prefect_server`, `leases/`) naming the process (pid and start time) and the API the run reports to.
+A run whose end never reached the API keeps it: its server went away, or its process was killed outright (SIGKILL,
+OOM), and the run would show "Running" forever. The next command that reaches the API finds the lease's process
+dead and marks the run Crashed, with its task runs that were in flight (`mark_crashed_runs`). A command stopped by
+Ctrl-C leaves a helper that marks its runs Cancelled as soon as it is gone (`end_leased_runs`).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 from pydantic import BaseModel
 
 from runtime import interrupts
-from runtime.api_loss import lost_api
 from runtime.prefect_server import ServerRecord, server_auth, server_folder
 from runtime.state_folder import StateFolder, now
 from storage.processes import alive, process_start
 from storage.records import atomic_write_bytes
 
 if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
     from prefect.states import State
 
 log = logging.getLogger("k6vsr.prefect_server")
@@ -57,15 +57,17 @@ def _leases(folder: StateFolder) -> Path:
     return folder.path / "leases"
 
 
-@contextlib.contextmanager
-def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterator[None]:
-    """While the block runs, a lease names this process as the one running `flow_run_id`."""
-    if not flow_run_id:
-        yield
-        return
+def take_lease(flow_run_id: str) -> None:
+    """Name this process as the one running `flow_run_id`, until the API has the run's final state.
+
+    The lease outlives the body whatever its end: Prefect reports that end next, and the report may never land (the
+    server killed meanwhile; an interrupt, where Prefect first waits for the tasks in flight and a SIGKILL may cut it
+    short). The state hooks drop it once the server has the final state; otherwise the run is marked Crashed once
+    this process is gone, by whoever looks first (`mark_crashed_runs`; a final run is left as it is).
+    """
     from prefect.settings import PREFECT_API_URL
 
-    folder = server_folder(home)
+    folder = server_folder()
     path = _leases(folder) / f"{flow_run_id}.json"
     api_url = PREFECT_API_URL.value() or None
     lease = Lease(
@@ -82,22 +84,24 @@ def flow_run_lease(flow_run_id: str | None, home: Path | None = None) -> Iterato
         atomic_write_bytes(path, lease.model_dump_json().encode())
     except OSError as err:  # a lease only helps the next command: never fail a run over it
         log.warning("could not write the flow run lease %s: %s", path, err)
-    try:
-        yield
-    except Exception as err:
-        # Prefect reports the failure next, unless the error is its API gone: then the lease stays, and the run is
-        # marked Crashed by the next command that finds this process gone, never left Running.
-        if api_url is None or lost_api(err, api_url) is None:
+
+
+def _lease_reached_the_api(flow: object, flow_run: FlowRun, state: State) -> None:
+    """A flow's state hook: its run's final state is on the API (Prefect calls hooks after the server took the
+    state), so its lease has done its job."""
+    path = _leases(server_folder()) / f"{flow_run.id}.json"
+    with contextlib.suppress(OSError, ValueError):
+        if Lease.model_validate_json(path.read_bytes()).pid == os.getpid():
             path.unlink(missing_ok=True)
-        raise
-    except BaseException:
-        # An interrupt or an exit: the process is going down, and its run is not final yet. Prefect reports the
-        # crash only after waiting for the tasks in flight, which a SIGKILL may cut short (a job's child gets one a
-        # few seconds after its SIGTERM): the lease stays, so the run is marked Crashed once the process is gone,
-        # whoever looks first (`mark_crashed_runs`; a run Prefect did end is left as it is).
-        raise
-    else:
-        path.unlink(missing_ok=True)
+
+
+# Every leased flow is declared with these (`@flow(..., **LEASE_HOOKS)`), or its leases would stay until the next
+# command reads each run's state; `leased` refuses a flow without them.
+LEASE_HOOKS: dict[str, list[Callable[..., None]]] = {
+    "on_completion": [_lease_reached_the_api],
+    "on_failure": [_lease_reached_the_api],
+    "on_crashed": [_lease_reached_the_api],
+}
 
 
 # Kept beside Prefect's flow heartbeats: those are events sent every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (30 at
@@ -109,9 +113,15 @@ def leased(fn: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(fn)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from prefect.context import FlowRunContext
         from prefect.runtime import flow_run
 
-        with flow_run_lease(flow_run.id), interrupts.noting_signals():
+        context = FlowRunContext.get()
+        if context is not None and _lease_reached_the_api not in context.flow.on_completion_hooks:
+            raise TypeError(f"flow {context.flow.name!r} is leased but not declared with **LEASE_HOOKS")
+        if flow_run.id:
+            take_lease(flow_run.id)
+        with interrupts.noting_signals():
             try:
                 return fn(*args, **kwargs)
             except BaseException as exc:

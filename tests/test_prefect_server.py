@@ -121,14 +121,14 @@ SLEEPY_FLOW = """
 import sys, time
 from prefect import flow, task
 from prefect.runtime import flow_run
-from runtime.flow_leases import leased
+from runtime.flow_leases import LEASE_HOOKS, leased
 from runtime.prefect_api import prefect_api
 
 @task(name="k6vsr-test-nap")
 def nap(seconds: float) -> None:
     time.sleep(seconds)
 
-@flow(name="k6vsr-test-sleepy")
+@flow(name="k6vsr-test-sleepy", **LEASE_HOOKS)
 @leased
 def sleepy(seconds: float) -> None:
     napping = nap.submit(seconds)
@@ -220,13 +220,57 @@ def test_a_lease_follows_the_local_server_to_another_port(home: Path, url: str) 
     assert not (home / "leases" / f"{run.id}.json").exists()
 
 
-def test_a_run_that_ends_leaves_no_lease(home: Path, url: str) -> None:
-    done = _python(SLEEPY_FLOW.replace("sleepy(float(sys.argv[1]))", "sleepy(0.0)"), _env(home))
+@pytest.mark.parametrize("body", ["returns", "raises"])
+def test_a_run_that_ends_leaves_no_lease(home: Path, url: str, body: str) -> None:
+    script = SLEEPY_FLOW.replace("sleepy(float(sys.argv[1]))", "sleepy(0.0)")
+    if body == "raises":
+        script = script.replace("sleepy(0.0)", "sleepy(float('nan'))").replace("napping.wait()", "napping.result()")
+    done = _python(script, _env(home))
     out, err = done.communicate(timeout=120)
-    assert done.returncode == 0, err[-3000:]
+    assert done.returncode == (0 if body == "returns" else 1), err[-3000:]
     run_id = next(line.split()[1] for line in out.splitlines() if line.startswith("RUN "))
     assert not (home / "leases" / f"{run_id}.json").exists()
     assert flow_leases.mark_crashed_runs(url, home) == []
+
+
+# The server goes away between the body's end and the report of the run's final state: Prefect's client cannot set it.
+UNREPORTED_END = SLEEPY_FLOW.replace(
+    "with prefect_api():",
+    """import os, httpx
+import prefect.flow_engine as engine
+proposed = engine.propose_state_sync
+
+def propose(client, state, **kwargs):
+    if state.is_final():
+        request = httpx.Request("POST", os.environ["PREFECT_API_URL"] + "/flow_runs/set_state")
+        raise httpx.ConnectError("All connection attempts failed", request=request)
+    return proposed(client, state, **kwargs)
+
+engine.propose_state_sync = propose
+with prefect_api():""",
+)
+
+
+def test_a_run_whose_end_never_reached_the_api_keeps_its_lease_and_is_marked_crashed(home: Path, url: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    ended = _python(UNREPORTED_END.replace("sleepy(float(sys.argv[1]))", "sleepy(0.0)"), _env(home))
+    out, err = ended.communicate(timeout=120)
+    assert ended.returncode == 1 and "stopped answering" in err, err[-3000:]  # the lost API's line (api_loss)
+    run_id = next(line.split()[1] for line in out.splitlines() if line.startswith("RUN "))
+    assert (home / "leases" / f"{run_id}.json").is_file()
+    with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        assert client.read_flow_run(UUID(run_id)).state.name == "Running"  # the body ended; the API never heard
+        assert flow_leases.mark_crashed_runs(url, home) == [run_id]
+        assert client.read_flow_run(UUID(run_id)).state.name == "Crashed"
+    assert not (home / "leases" / f"{run_id}.json").exists()
+
+
+def test_a_leased_flow_without_the_lease_hooks_is_refused(home: Path, url: str) -> None:
+    unhooked = _python(SLEEPY_FLOW.replace(", **LEASE_HOOKS)", ")").replace("sys.argv[1]", "0.0"), _env(home))
+    _, err = unhooked.communicate(timeout=120)
+    assert unhooked.returncode == 1 and "not declared with **LEASE_HOOKS" in err, err[-3000:]
 
 
 def _descendants(pid: int) -> set[int]:
