@@ -83,7 +83,7 @@ def main() -> int:
     try:
         with prefect_api(home):
             warm = make_sample_clip(work / "warm.mp4", width=64, height=64, num_frames=1)
-            run_clip(prepare_run(warm, params, model, work / "warm-store"), str(work / "warm-out.mp4"), model)
+            run_clip(prepare_run(warm, params, model, work / "warm-store"), str(work / "warm-out.mp4"), model).summary()
             long_clip = tuple(int(part) for part in args.long.split("x"))
             for frames, width, height in ((9, 128, 96), long_clip):
                 clip = work / f"clip-{frames}x{width}x{height}.mp4"
@@ -97,7 +97,7 @@ def main() -> int:
                     for attempt in ("first", "rerun"):
                         out = work / f"out-{label}-{len(seconds)}.mp4"
                         started = time.perf_counter()
-                        summary = run_clip(prepare_run(clip, params, model, store), str(out), model)
+                        summary = run_clip(prepare_run(clip, params, model, store), str(out), model).summary()
                         seconds[kind, attempt] = time.perf_counter() - started
                         digests.add(hashlib.sha256(out.read_bytes()).hexdigest())
                         print(f"{frames} frames, {kind}, {attempt}: {seconds[kind, attempt]:.1f} s", flush=True)

@@ -310,7 +310,7 @@ def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]
     # Prefect is imported (seconds). The weights are checked against the architecture where the model loads.
     prepared = prepare_run(source, params, spec, store, latent_fps, tensors=False)
     status.say("loading Prefect")  # seconds, before the bar can show
-    from flows.orchestrate import run_clip
+    from flows.orchestrate import run_clip, tile_runner
     from runtime.runners import resolve_address
 
     # With warm workers (or a cluster given), they hold the model and the devices: this process only plans and
@@ -322,7 +322,8 @@ def _upscale(args: argparse.Namespace, source_url: str | None) -> dict[str, Any]
         check_device(spec.device)
     destination = _destination(args, source, source_url, params, prepared.plan)
     with run_progress(prepared, enabled=not args.json):
-        summary = run_clip(prepared, destination, spec, workers=args.workers, gpus=args.gpus, dask_address=address)
+        runner = tile_runner(spec, prepared, args.workers, args.gpus, address)
+        summary = run_clip(prepared, destination, spec, runner).summary()
     return summary.model_dump(mode="json")
 
 
@@ -369,12 +370,12 @@ def cmd_preview(args: argparse.Namespace) -> dict[str, Any]:
     model_info(spec)
     check_device(spec.device)
     from entrypoints.progress_bars import run_progress
-    from flows.orchestrate import prefect_api
+    from flows.orchestrate import prefect_api, tile_runner
     from flows.preview import preview_clip
 
     # A bar from the start: the model's load and its first windows take minutes on a CPU, and said nothing.
     with prefect_api(), run_progress(prepared, enabled=not args.json, time_left=False):
-        summary = preview_clip(
+        summary = preview_clip.with_options(task_runner=tile_runner(spec))(
             prepared=prepared,
             model=spec,
             count=args.preview_windows,

@@ -42,5 +42,5 @@ def run_demo(out_dir: Path, params: UpscaleParams, quiet: bool = False) -> dict[
     prepared = prepare_run(clip, params, model, out_dir / "store")
     # The local server first (10-30 s, said by a line of its own): a bar shown while it starts said `ingest`.
     with prefect_api(), run_progress(prepared, enabled=not quiet):
-        summary = run_clip(prepared, str(out_dir / output_name(clip, params)), model)
+        summary = run_clip(prepared, str(out_dir / output_name(clip, params)), model).summary()
     return {**summary.model_dump(mode="json"), "note": NOTE, "next": next_step(bundle)}

@@ -33,7 +33,7 @@ from k6vsr_core.errors import MissingInput
 from k6vsr_core.plan import ClipPlan, representative_windows
 from k6vsr_core.stage_names import Stage, TaskKind
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
-from runtime.runners import WarmOrThreadsTaskRunner
+from runtime.runners import local_threads
 from runtime.schedule import MODEL_ITEMS, Graph, Item, Scheduler, clip_graph
 from service.runs import ModelSpec, PreparedRun, RunRef
 from storage import RunStore
@@ -71,7 +71,7 @@ def _flow_run_name() -> str:
     flow_run_name=_flow_run_name,
     log_prints=False,
     validate_parameters=True,
-    task_runner=WarmOrThreadsTaskRunner(),
+    task_runner=local_threads(),  # the command picks its own (`tile_runner`)
 )
 def preview_clip(
     prepared: PreparedRun, model: ModelSpec, count: int, out_dir: str, command_started: float | None = None
@@ -169,13 +169,13 @@ def _windows(
     work: list[ModelWork] = []
     error: Exception | None = None
     with lanes_for(context.task_runner if context else None) as lanes:
-        model_slots, cpu_slots, rank = shared_queues(lanes)
+        model_slots, cpu_slots = shared_queues(lanes)
 
         def start(lane: SubmitTask) -> Callable[[Item], Any]:
             return lambda item: lane(*_task_of(item, run, model, attempt))
 
         graph = preview_graph(plan, chosen, lanes.stream_blend, lanes.fuses(plan))
-        scheduler = Scheduler(graph, start(lanes.model), start(lanes.cpu), model_slots, rank, cpu_slots)
+        scheduler = Scheduler(graph, start(lanes.model), start(lanes.cpu), model_slots, 0, cpu_slots)
         started = time.time()  # the wall clock: the model stages' spans come from other processes of this host
         for item, future in scheduler.run():
             try:

@@ -23,22 +23,22 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from flows import artifacts
+from flows import artifacts, clip_context
 from flows.run_log import run_log
 from flows.stage_clock import StageClock
 from k6vsr_core import media, settings
 from k6vsr_core.errors import TileFailure, WindowStopped
-from k6vsr_core.params import UpscaleParams, output_name
+from k6vsr_core.params import output_name
 from k6vsr_core.plan import ClipPlan
 from k6vsr_core.quality import QualityReport
 from k6vsr_core.stage_names import Stage, TaskKind
 from runtime.flow_leases import LEASE_HOOKS, leased
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
-from runtime.runners import WarmOrThreadsTaskRunner, is_dask_runner
+from runtime.runners import is_dask_runner, local_threads
 from runtime.schedule import Item, Scheduler, clip_graph
 from runtime.service_errors import WorkersUnavailable
-from service.runs import ModelSpec, PreparedRun, RunRef, prepare_run
-from storage import RunStore, StoreUnreachable, default_store_root
+from service.runs import ModelSpec, PreparedRun, RunRef
+from storage import RunStore, StoreUnreachable
 from storage.disk import DiskFull, disk_full, is_no_space
 from storage.location import is_url
 from storage.progress import ProgressCounter, StageCount, read_progress, run_finished, stage_counts, tile_count
@@ -104,6 +104,10 @@ def _attempt_id() -> str:
 
 
 def _flow_run_name() -> str:
+    """The run context's name, else `upscale-<source's file name>`."""
+    named = clip_context.current().name
+    if named:
+        return named
     prepared = flow_run.parameters.get("prepared")
     if prepared is None:  # the request flow names its run after the source it was given
         source = flow_run.parameters.get("source", "clip")
@@ -112,36 +116,21 @@ def _flow_run_name() -> str:
     return f"upscale-{Path(str(source)).name}"
 
 
-def _clip_flow(name: str) -> Any:
-    """The flow decorator of both clip flows. Deployments run a flow with its default runner: the warm workers while
-    they run (runtime.warm_workers), else threads."""
+def clip_flow(name: str) -> Any:
+    """The flow decorator of the clip flows (this one, and the deployment's `flows.orchestrate.upscale_request`).
+    Their default runner is this process's threads: `run_clip` (flows.orchestrate) picks where a clip's tiles
+    compute and runs it there."""
     return flow(
         name=name,
         flow_run_name=_flow_run_name,
         log_prints=False,
         validate_parameters=True,
-        task_runner=WarmOrThreadsTaskRunner(),
+        task_runner=local_threads(),
         **LEASE_HOOKS,
     )
 
 
-@_clip_flow("upscale-request")
-@leased  # a run whose process is killed is marked Crashed by the next command
-def upscale_request(
-    source: str,
-    output: str | None = None,
-    params: UpscaleParams = UpscaleParams(),
-    model: ModelSpec = ModelSpec(),
-    store_root: str | None = None,
-    latent_fps: str | None = None,
-) -> ClipSummary:
-    """Plan a clip from the request's fields and run it: what the `upscale-clip` deployment starts, where no caller
-    planned the clip before (`upscale_clip` is the run itself, its subflow)."""
-    prepared = prepare_run(source, params, model, store_root or default_store_root(), latent_fps)
-    return upscale_clip(prepared=prepared, output=output, model=model)
-
-
-@_clip_flow("upscale-clip")
+@clip_flow("upscale-clip")
 @leased  # a run whose process is killed is marked Crashed by the next command
 def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelSpec = ModelSpec()) -> ClipSummary:
     """Upscale one planned clip into `output` (a file path; default: `<stem>_sr<scale>x_<timestamp>.mp4` beside it).
@@ -260,9 +249,10 @@ def _windows(
         def start(lane: SubmitTask) -> Callable[[Item], Any]:
             return lambda item: lane(*_task_of(item, run, model, attempt))
 
-        model_slots, cpu_slots, rank = shared_queues(lanes)
+        clip_run = clip_context.current()
+        model_slots, cpu_slots = shared_queues(lanes, clip_run.queue)
         graph = clip_graph(plan, stream_blend=lanes.stream_blend, fused=lanes.fuses(plan))
-        scheduler = Scheduler(graph, start(lanes.model), start(lanes.cpu), model_slots, rank, cpu_slots)
+        scheduler = Scheduler(graph, start(lanes.model), start(lanes.cpu), model_slots, clip_run.rank, cpu_slots)
         finished = False
         try:
             # Every task is recorded as it ends, so the stage clock sees when each one finished.

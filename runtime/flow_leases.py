@@ -21,7 +21,7 @@ import time
 import typing
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypedDict, TypeVar
 
 from pydantic import BaseModel
 
@@ -33,6 +33,7 @@ from storage.records import atomic_write_bytes
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
+    from prefect.flows import FlowStateHook
     from prefect.states import State
 
 log = logging.getLogger("k6vsr.prefect_server")
@@ -95,13 +96,17 @@ def _lease_reached_the_api(flow: object, flow_run: FlowRun, state: State) -> Non
             path.unlink(missing_ok=True)
 
 
+class LeaseHooks(TypedDict):
+    on_completion: list[FlowStateHook[..., Any]]
+    on_failure: list[FlowStateHook[..., Any]]
+    on_crashed: list[FlowStateHook[..., Any]]
+
+
 # Every leased flow is declared with these (`@flow(..., **LEASE_HOOKS)`), or its leases would stay until the next
 # command reads each run's state; `leased` refuses a flow without them.
-LEASE_HOOKS: dict[str, list[Callable[..., None]]] = {
-    "on_completion": [_lease_reached_the_api],
-    "on_failure": [_lease_reached_the_api],
-    "on_crashed": [_lease_reached_the_api],
-}
+LEASE_HOOKS = LeaseHooks(
+    on_completion=[_lease_reached_the_api], on_failure=[_lease_reached_the_api], on_crashed=[_lease_reached_the_api]
+)
 
 
 # Kept beside Prefect's flow heartbeats: those are events sent every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (30 at
@@ -117,8 +122,9 @@ def leased(fn: Callable[P, R]) -> Callable[P, R]:
         from prefect.runtime import flow_run
 
         context = FlowRunContext.get()
-        if context is not None and _lease_reached_the_api not in context.flow.on_completion_hooks:
-            raise TypeError(f"flow {context.flow.name!r} is leased but not declared with **LEASE_HOOKS")
+        running = context.flow if context is not None else None
+        if running is not None and _lease_reached_the_api not in running.on_completion_hooks:
+            raise TypeError(f"flow {running.name!r} is leased but not declared with **LEASE_HOOKS")
         if flow_run.id:
             take_lease(flow_run.id)
         with interrupts.noting_signals():

@@ -19,7 +19,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,17 +119,10 @@ class SharedQueue:
             return self._queues
 
 
-# Set by the archive flow in each clip's context: the queues its clips share, and this clip's place among them.
-ARCHIVE_QUEUE: ContextVar[tuple[SharedQueue, int] | None] = ContextVar("k6vsr_archive_queue", default=None)
-
-
-def shared_queues(lanes: Lanes) -> tuple[ModelQueue, ModelQueue | None, int]:
-    """The model queue and CPU queue (None: unbounded) a clip's scheduler takes slots from, and the clip's rank in
-    them: the archive's, else its own."""
-    shared = ARCHIVE_QUEUE.get()
-    if shared is None:
-        return *_queues(lanes), 0
-    return *shared[0].for_lanes(lanes), shared[1]
+def shared_queues(lanes: Lanes, shared: SharedQueue | None = None) -> tuple[ModelQueue, ModelQueue | None]:
+    """The model queue and CPU queue (None: unbounded) a clip's scheduler takes slots from: `shared`'s (an archive's
+    clips), else its own."""
+    return shared.for_lanes(lanes) if shared is not None else _queues(lanes)
 
 
 def _queues(lanes: Lanes) -> tuple[ModelQueue, ModelQueue | None]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from typing import Any, cast
 
 from prefect.futures import PrefectFuture
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
@@ -75,6 +75,12 @@ class CountedThreadPool(ThreadPoolTaskRunner):
         return type(self)(self.threads)
 
 
+def local_threads() -> TaskRunner[PrefectFuture[Any]]:
+    """This process's threads, one per model slot (so a decode overlaps the next denoise): the clip flows' default
+    runner, where no caller picks another."""
+    return cast("TaskRunner[PrefectFuture[Any]]", CountedThreadPool(max_workers=MODEL_SLOTS))
+
+
 def thread_count(runner: object) -> int | None:
     """A flow run's threads for tasks: the count of ours, else Prefect's setting for its default pool; None: a
     thread per task (Prefect's default pool is unbounded)."""
@@ -125,39 +131,10 @@ def make_task_runner(workers: int = 1, dask_address: str | None = None, gpus: bo
     """
     dask_address = resolve_address(workers, gpus, dask_address)
     if not uses_processes(workers, gpus, dask_address):
-        return CountedThreadPool(max_workers=MODEL_SLOTS)
+        return local_threads()
     from prefect_dask import DaskTaskRunner
 
     if dask_address:
         return DaskTaskRunner(address=dask_address)
     cluster_class, cluster_kwargs = cluster_spec(workers, gpus)
     return DaskTaskRunner(cluster_class=cluster_class, cluster_kwargs=cluster_kwargs)
-
-
-class WarmOrThreadsTaskRunner(TaskRunner[PrefectFuture[Any]]):
-    """A flow's default runner that picks at each run: the warm workers while they run, else two threads.
-
-    A flow run started by a deployment (prefect.yaml) gets its flow's default runner; this one chooses when the run
-    starts, not when the flow is imported. The engine keeps what `__enter__` returns as the run's runner, so tasks
-    are submitted to the chosen runner itself (a DaskTaskRunner or a ThreadPoolTaskRunner) and nothing else can tell
-    the difference.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._chosen: Any = None
-
-    def duplicate(self) -> WarmOrThreadsTaskRunner:
-        return type(self)()
-
-    def __enter__(self) -> Any:
-        self._chosen = make_task_runner()
-        return self._chosen.__enter__()
-
-    def __exit__(self, *exc_info: Any) -> None:
-        if self._chosen is not None:
-            self._chosen.__exit__(*exc_info)
-            self._chosen = None
-
-    def submit(self, task: Any, parameters: dict[str, Any], wait_for: Any = None, dependencies: Any = None) -> Any:
-        raise RuntimeError("WarmOrThreadsTaskRunner submits through the runner it chose when the run started")

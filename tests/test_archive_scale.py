@@ -254,18 +254,21 @@ def test_a_clip_the_busy_api_failed_runs_again_and_another_failure_does_not(
     monkeypatch.setattr(clip_runs, "API_BUSY_PAUSE_S", 0.0)
     folder = tmp_path / "in"
     _clips(folder, 2)
-    calls: list[str] = []
-    original = clip_runs.upscale_one
+    from flows.orchestrate import ClipRun
 
-    def flaky(relative_path, *args, **kwargs):
+    calls: list[str] = []
+    original = clip_runs.run_clip
+
+    def flaky(prepared, output, model, runner, context):
+        relative_path = context.name.removeprefix("upscale-")
         calls.append(relative_path)
         if relative_path == "c00.mp4" and calls.count(relative_path) == 1:
-            return None, _status_error(503, "Service Unavailable")
+            return ClipRun("", _status_error(503, "Service Unavailable"))
         if relative_path == "c01.mp4":
             raise _status_error(404, "Not Found")
-        return original(relative_path, *args, **kwargs)
+        return original(prepared, output, model, runner, context)
 
-    monkeypatch.setattr(clip_runs, "upscale_one", flaky)
+    monkeypatch.setattr(clip_runs, "run_clip", flaky)
     state = archive.upscale_archive(
         input_dir=str(folder),
         output_dir=str(tmp_path / "out"),
@@ -305,17 +308,19 @@ def test_a_finished_clip_s_summary_is_not_kept_while_the_archive_runs(
     _clips(folder, 3)
     handed: list[weakref.ref] = []
     alive_at_start: list[int] = []
-    original = clip_runs.upscale_one
+    from flows.orchestrate import ClipRun
+
+    original = clip_runs.run_clip
 
     def watched(*args, **kwargs):
         gc.collect()
         alive_at_start.append(sum(ref() is not None for ref in handed))
-        clip_run, outcome = original(*args, **kwargs)
-        copy = outcome.model_copy()
+        ended = original(*args, **kwargs)
+        copy = ended.summary().model_copy()
         handed.append(weakref.ref(copy))
-        return clip_run, copy
+        return ClipRun(ended.flow_run_id, copy)
 
-    monkeypatch.setattr(clip_runs, "upscale_one", watched)
+    monkeypatch.setattr(clip_runs, "run_clip", watched)
     state = archive.upscale_archive(
         input_dir=str(folder),
         output_dir=str(tmp_path / "out"),

@@ -243,7 +243,7 @@ def test_every_run_tells_its_own_story(prefect_server: str, tiny_bundle_path: Pa
 
     # A clip on its own (2 tiles), then an archive with a copy of it, another clip and a broken file.
     clip = make_sample_clip(tmp_path / "harbour.mp4", width=96, height=64, num_frames=1, tone_hz=590.0)
-    alone = run_clip(prepare_run(clip, PARAMS, model, store), str(tmp_path / "harbour_sr2x.mp4"), model)
+    alone = run_clip(prepare_run(clip, PARAMS, model, store), str(tmp_path / "harbour_sr2x.mp4"), model).summary()
     folder = tmp_path / "nightly"
     (folder / "copies").mkdir(parents=True)
     shutil.copyfile(clip, folder / "copies" / "harbour.mp4")

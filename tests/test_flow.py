@@ -37,11 +37,13 @@ def reference(tiny_bundle: ModelBundle, clip_1f: Path, tmp_path_factory: pytest.
     return out.read_bytes()
 
 
-def _run(clip: Path, out: Path, bundle_path: Path, store: Path, **kwargs):
-    from flows.orchestrate import run_clip
+def _run(clip: Path, out: Path, bundle_path: Path, store: Path, **where):
+    """`k6vsr upscale`'s way: the tiles where `where` (workers, gpus, dask_address) says."""
+    from flows.orchestrate import run_clip, tile_runner
 
     model = ModelSpec(model=str(bundle_path), device="cpu")
-    return run_clip(prepare_run(clip, PARAMS, model, store), str(out), model, **kwargs)
+    prepared = prepare_run(clip, PARAMS, model, store)
+    return run_clip(prepared, str(out), model, tile_runner(model, prepared, **where)).summary()
 
 
 @contextmanager
@@ -165,6 +167,32 @@ def test_flow_output_equals_runner_and_reuses_everything(
     assert (tmp_path / "b.mp4").read_bytes() == reference
     assert (again.tiles_computed, again.tiles_reused, again.dit_calls) == (0, first.tiles_total, 0)
     assert not list(tmp_path.glob(".*partial"))
+
+
+def test_run_clip_names_its_run_from_its_context_and_returns_a_failure(
+    prefect_server: str, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
+) -> None:
+    """The one way to run a planned clip: its run context names the flow run (as the archive and an HTTP job name
+    theirs), and a run that fails comes back with its error and its flow run, which the UI shows Failed."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    from flows.orchestrate import ClipRunContext, run_clip, tile_runner
+
+    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
+    prepared = prepare_run(clip_1f, PARAMS, model, tmp_path / "store")
+    ended = run_clip(prepared, str(tmp_path / "a.mp4"), model, tile_runner(model), ClipRunContext(name="job-42"))
+    assert (tmp_path / "a.mp4").read_bytes() == reference and ended.summary().run_key == prepared.run.run_key
+    unwritable = tmp_path / "a-file" / "out.mp4"  # its folder is a file: publishing fails
+    unwritable.parent.write_bytes(b"")
+    failed = run_clip(prepared, str(unwritable), model, tile_runner(model), ClipRunContext(name="job-43"))
+    assert isinstance(failed.outcome, OSError)
+    with pytest.raises(OSError):
+        failed.summary()
+    with get_client(sync_client=True) as client:
+        runs = {run_id: client.read_flow_run(UUID(run_id)) for run_id in (ended.flow_run_id, failed.flow_run_id)}
+    assert [(run.name, run.state.name) for run in runs.values()] == [("job-42", "Completed"), ("job-43", "Failed")]
 
 
 def test_resume_after_kill_recomputes_only_unfinished_tiles(

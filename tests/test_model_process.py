@@ -87,7 +87,7 @@ def test_a_one_shot_on_its_own_split_cluster_gives_the_in_memory_runner_s_bytes(
     monkeypatch.setenv("K6VSR_WARM_WORKERS", "off")
     model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
     prepared = prepare_run(clip_1f, UpscaleParams(scale=2), model, tmp_path / "store")
-    run_clip(prepared, str(tmp_path / "out.mp4"), model)
+    run_clip(prepared, str(tmp_path / "out.mp4"), model).summary()
     assert (tmp_path / "out.mp4").read_bytes() == reference.read_bytes()
     lines = lines_of([RunStore(prepared.run.store_root, prepared.run.run_key).path])
     model_pids = {line["pid"] for line in lines if line["stage"] in MODEL_STAGES}

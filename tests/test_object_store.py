@@ -103,7 +103,7 @@ def _run(clip: Path, out: Path, bundle_path: Path, store: str):
     from flows.orchestrate import run_clip
 
     model = ModelSpec(model=str(bundle_path), device="cpu")
-    return run_clip(prepare_run(clip, PARAMS, model, store), str(out), model)
+    return run_clip(prepare_run(clip, PARAMS, model, store), str(out), model).summary()
 
 
 def _objects(url: str) -> list[str]:
@@ -750,7 +750,7 @@ def test_workers_killed_mid_tile_read_the_source_from_the_store_and_write_only_i
     from prefect import task
 
     import tasks.ingest as ingest_tasks
-    from flows.orchestrate import run_clip
+    from flows.orchestrate import run_clip, tile_runner
 
     client_dir, workers_dir = tmp_path / "client", tmp_path / "workers"
     client_dir.mkdir()
@@ -778,10 +778,9 @@ def test_workers_killed_mid_tile_read_the_source_from_the_store_and_write_only_i
         try:
             with Client(cluster.scheduler_address) as client:
                 client.wait_for_workers(2, timeout=120)
-                summary = run_clip(
-                    prepare_run(clip, PARAMS, model, bucket), str(client_dir / "out.mp4"), model,
-                    dask_address=cluster.scheduler_address,
-                )  # fmt: skip
+                prepared = prepare_run(clip, PARAMS, model, bucket)
+                runner = tile_runner(model, prepared, dask_address=cluster.scheduler_address)
+                summary = run_clip(prepared, str(client_dir / "out.mp4"), model, runner).summary()
                 survivors = client.run(os.getpid)
         finally:
             exits = [worker.poll() for worker in workers]

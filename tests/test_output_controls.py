@@ -239,7 +239,7 @@ def test_flow_and_runner_agree_on_ffv1_with_original_audio_and_it_holds_the_blen
 
     model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
     out = tmp_path / "flow.mkv"
-    summary = run_clip(prepare_run(clip_1f, params, model, tmp_path / "store"), str(out), model)
+    summary = run_clip(prepare_run(clip_1f, params, model, tmp_path / "store"), str(out), model).summary()
     assert out.read_bytes() == reference.read_bytes()
     assert summary.output_format["codec"] == "ffv1" and summary.output_format["container"] == "mkv"
     assert [a[:3] for a in _streams(out)["audio"]] == [("aac", 48000, 2)]

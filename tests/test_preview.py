@@ -190,6 +190,6 @@ def test_a_preview_is_reused_by_the_whole_run(
     assert _run_estimate(prepare_run(three_shots, SCENES, model, store)) == estimate.model_dump()
     assert "whole run     about" in preview_lines(preview.model_dump(mode="json"))[-1]
     # The whole run computes only the window the preview did not.
-    summary = run_clip(prepare_run(three_shots, SCENES, model, store), str(tmp_path / "out.mp4"), model)
+    summary = run_clip(prepare_run(three_shots, SCENES, model, store), str(tmp_path / "out.mp4"), model).summary()
     assert (summary.tiles_computed, summary.tiles_reused) == (1, 2)
     assert summary.quality is not None and summary.quality.frames == 39

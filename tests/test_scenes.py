@@ -336,14 +336,14 @@ def test_the_flow_runs_scene_windows_as_the_runner_does(
     reference, _ = scene_run
     model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
     store = tmp_path / "store"
-    summary = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "flow.mp4"), model)
+    summary = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "flow.mp4"), model).summary()
     assert (tmp_path / "flow.mp4").read_bytes() == reference.read_bytes()
     assert RunStore(store, summary.run_key).read_manifest().plan.cuts == (15,)
     # The run's quality report: measured on the output, kept in the store, found there by the next run.
     quality = summary.quality
     assert quality is not None and quality.frames == 24 and quality.joins == 0 and quality.join_warping_error is None
     assert (store / "runs" / summary.run_key / "quality.json").is_file()
-    again = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "again.mp4"), model)
+    again = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "again.mp4"), model).summary()
     assert again.quality == quality and again.reused_output
     # Measured window by window while the run went on, the parts joined give the report of the whole output.
     run_store = RunStore(store, summary.run_key)
@@ -355,7 +355,7 @@ def test_the_flow_runs_scene_windows_as_the_runner_does(
     assert quality_tasks.measure_window(summary_ref(summary, store), 0, "later").computed is False
     # A report lost is joined again from the parts in the store: none is measured again.
     (store / "runs" / summary.run_key / "quality.json").unlink()
-    third = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "third.mp4"), model)
+    third = run_clip(prepare_run(two_shots[0], SCENES, model, store), str(tmp_path / "third.mp4"), model).summary()
     assert third.quality.model_dump(exclude={"seconds"}) == quality.model_dump(exclude={"seconds"})
     assert {w: run_store.records.read("quality", str(w)) for w in parts} == parts
     planned = procs.run(

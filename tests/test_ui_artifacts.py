@@ -309,7 +309,7 @@ def test_each_clip_run_owns_its_artifacts(
     summaries = [
         run_clip(
             prepare_run(source, UpscaleParams(scale=2), model, tmp_path / "s"), str(tmp_path / f"out-{n}.mp4"), model
-        )
+        ).summary()
         for n, source in enumerate((clip_1f, copy))
     ]
     assert summaries[0].run_key == summaries[1].run_key and summaries[1].tiles_reused == summaries[1].tiles_total

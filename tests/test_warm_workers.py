@@ -77,7 +77,7 @@ def _run(clip: Path, out: Path, bundle_path: Path, store: Path):
     from flows.orchestrate import run_clip
 
     model = ModelSpec(model=str(bundle_path), device="cpu")
-    return run_clip(prepare_run(clip, PARAMS, model, store), str(out), model)
+    return run_clip(prepare_run(clip, PARAMS, model, store), str(out), model).summary()
 
 
 def test_start_is_idempotent_and_status_names_each_worker(cluster, capsys) -> None:
@@ -118,7 +118,7 @@ def test_start_is_idempotent_and_status_names_each_worker(cluster, capsys) -> No
 def test_runs_use_the_warm_workers_and_keep_the_model(
     cluster, tiny_bundle_path: Path, clip_1f: Path, reference: bytes, tmp_path: Path
 ) -> None:
-    from flows.upscale_clip import upscale_request
+    from flows.orchestrate import upscale_request
     from tasks import model_cache
 
     model_cache.clear()
@@ -258,7 +258,7 @@ def test_weights_that_do_not_match_fail_on_the_warm_workers_before_any_tile(
     model = ModelSpec(model=str(bundle), device="cpu")
     prepared = prepare_run(clip_1f, PARAMS, model, tmp_path / "store", tensors=False)
     with pytest.raises(BundleError, match=r"^vae: weights do not match the architecture"):
-        run_clip(prepared, str(tmp_path / "out.mp4"), model)
+        run_clip(prepared, str(tmp_path / "out.mp4"), model).summary()
     store = RunStore(prepared.run.store_root, prepared.run.run_key)
     assert not store.tile_done("latent", (0,), stage="encode") and not (tmp_path / "out.mp4").exists()
 

@@ -73,7 +73,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
 
     configure_terminal(verbose=os.environ.get(CONSOLE_LEVEL_ENV) == "INFO")  # as the server that started it
     try:
-        from flows.upscale_clip import upscale_clip
+        from flows.orchestrate import ClipRunContext, run_clip
         from k6vsr_core.params import UpscaleParams
         from runtime.runners import make_task_runner, warm_address
         from service.runs import ModelSpec, prepare_run
@@ -109,9 +109,9 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
                     job["latent_fps"],
                     tensors=False,
                 )
-                summary = upscale_clip.with_options(flow_run_name=job["id"], task_runner=make_task_runner())(
-                    prepared=prepared, output=job["output"], model=spec
-                )
+                # Its tiles here (the model is loaded) or on the warm workers; its flow run named after the job.
+                ended = run_clip(prepared, job["output"], spec, make_task_runner(), ClipRunContext(name=job["id"]))
+                summary = ended.summary()
             has_audio = RunRef(store_root=job["store_root"], run_key=summary.run_key).open().read_manifest().has_audio
             reply(event="done", id=job["id"], summary=summary.model_dump(mode="json"), has_audio=has_audio)
         except Exception as err:  # noqa: BLE001 - the job fails, the process serves the next one

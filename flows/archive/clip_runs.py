@@ -8,16 +8,16 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
-from prefect import Flow, get_run_logger
-from prefect.states import State
+from prefect import get_run_logger
 
 from flows import artifacts
 from flows.archive.report import ManifestArtifact, write_manifest
 from flows.archive.rows import ArchiveRow, reason_of
-from flows.upscale_clip import ClipSummary, upscale_clip
-from runtime.lanes import ARCHIVE_QUEUE, SharedQueue
+from flows.clip_context import ClipRunContext
+from flows.orchestrate import run_clip
+from runtime.lanes import SharedQueue
 from runtime.runners import make_task_runner, resolve_address, start_cluster, uses_processes
 from runtime.warm_workers import split_cluster
 from service.runs import ModelSpec, PreparedRun
@@ -30,8 +30,6 @@ TABLE_EVERY_S = 10.0
 API_BUSY_RETRIES = 2
 API_BUSY_PAUSE_S = 5.0
 API_BUSY_STATUSES = (429, 502, 503, 504)
-# The name of the clip run a thread of the archive is starting: the clip's path relative to the archive's input.
-CLIP_RUN_NAME: contextvars.ContextVar[str] = contextvars.ContextVar("k6vsr_clip_run_name", default="upscale-clip")
 
 
 @contextlib.contextmanager
@@ -78,22 +76,23 @@ def run_clips(
     # a concurrency limit bounds runs but starts none; and a clip run started from a task would file its artifacts
     # under that task (flows.artifacts).
     shared = SharedQueue()
-    clip_flow = clip_flow_of_archive(address)
+    runner = make_task_runner(1, address, False)  # every clip's tiles: the shared cluster, else this process's threads
 
     def run(index: int) -> tuple[int, ArchiveRow, float, str | None]:
         """The clip's finished row. Its summary (its quality report with it) or its error (with the frames of its
         traceback) is dropped here, not kept by the list of futures for as long as the archive runs."""
         row = rows[index]
-        ARCHIVE_QUEUE.set((shared, index))  # this clip's model work after every earlier clip's, before later ones'
+        # Named after the clip; its model work after every earlier clip's, before later ones'.
+        context = ClipRunContext(name=f"upscale-{row.relative_path}", queue=shared, rank=index)
         progress.started(row.relative_path, plans[row.relative_path].run.open())
         started = time.perf_counter()
         for attempt in range(1 + API_BUSY_RETRIES):
+            clip_run: str | None = None
             try:
-                clip_run, outcome = upscale_one(
-                    row.relative_path, row.output, plans[row.relative_path], model, clip_flow
-                )
+                ended = run_clip(plans[row.relative_path], row.output, model, runner, context)
+                clip_run, outcome = ended.flow_run_id, ended.outcome
             except Exception as err:  # noqa: BLE001 - one bad clip never stops the others
-                clip_run, outcome = None, err
+                outcome = err
             if attempt == API_BUSY_RETRIES or not api_busy(outcome):
                 break
             logger.warning("clip %s: the Prefect API was busy (%s); running it again", row.relative_path, outcome)
@@ -153,16 +152,6 @@ def _collect(
             last_table = time.monotonic()
 
 
-def clip_flow_of_archive(dask_address: str | None = None) -> Flow[..., ClipSummary]:
-    """The clip flow as an archive runs it, made once per archive: a flow's options rebuild its parameters' schema
-    (55 ms a clip); the run's name comes from `CLIP_RUN_NAME`."""
-    return upscale_clip.with_options(flow_run_name=_clip_run_name, task_runner=make_task_runner(1, dask_address, False))
-
-
-def _clip_run_name() -> str:
-    return CLIP_RUN_NAME.get()
-
-
 @contextlib.contextmanager
 def clip_runs_without_heartbeats() -> Iterator[None]:
     """Clip runs started in the block (in threads that copy its context) send no heartbeats of their own.
@@ -176,27 +165,6 @@ def clip_runs_without_heartbeats() -> Iterator[None]:
 
     with temporary_settings(updates={"flows.heartbeat_frequency": None}):
         yield
-
-
-def upscale_one(
-    relative_path: str, output: str, prepared: PreparedRun, model: ModelSpec, clip_flow: Flow[..., ClipSummary]
-) -> tuple[str, ClipSummary | Exception]:
-    """Run `clip_flow` (`clip_flow_of_archive`) on the clip's plan, as a subflow of this flow run, named after the
-    clip.
-
-    Returns the clip's flow run id and its summary, or the error it failed with. Called straight from the archive
-    flow, not from a task: the clip run's artifacts then belong to the clip run alone.
-    """
-    named = CLIP_RUN_NAME.set(f"upscale-{relative_path}")
-    try:
-        # A state, as `return_state` asks; Prefect's overloads give a flow of unnamed parameters its result's type.
-        state = cast("State[ClipSummary]", clip_flow(prepared=prepared, output=output, model=model, return_state=True))
-    finally:
-        CLIP_RUN_NAME.reset(named)
-    try:
-        return str(state.state_details.flow_run_id), state.result()
-    except Exception as err:  # noqa: BLE001 - the clip failed: its row says why, the others go on
-        return str(state.state_details.flow_run_id), err
 
 
 def api_lost(outcome: BaseException) -> bool:
