@@ -161,3 +161,34 @@ def test_the_readme_s_cpu_only_install_takes_the_pinned_torch_from_pytorch_s_cpu
     assert SpecifierSet(f"=={_constraints()['torch']}").contains(f"{_constraints()['torch']}+cpu")
     [ci_install] = _pip_installs((ROOT / ".ci" / "run").read_text())
     assert project_install == ci_install
+
+
+ROOMS = ("k6vsr_core", "storage", "service", "tasks", "runtime", "flows", "entrypoints")
+
+
+def test_a_wheel_holds_every_package_and_the_released_configs(tmp_path: Path) -> None:
+    """A non-editable install (a wheel, as a deployment's image takes) has every package of the rooms, their
+    subpackages too, and the released checkpoint's config files that the model's code reads."""
+    import shutil
+    import subprocess
+    import zipfile
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copyfile(ROOT / name, source / name)
+    for room in ROOMS:
+        shutil.copytree(ROOT / room, source / room, ignore=shutil.ignore_patterns("__pycache__"))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w",
+         str(tmp_path / "dist"), str(source)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("k6vsr-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    packages = {str(init.relative_to(ROOT)) for room in ROOMS for init in (ROOT / room).rglob("__init__.py")}
+    assert {"flows/archive/__init__.py", "entrypoints/server/__init__.py"} <= packages
+    assert packages <= names, sorted(packages - names)
+    configs = {str(path.relative_to(ROOT)) for path in (ROOT / "k6vsr_core" / "released").rglob("*.json")}
+    assert len(configs) == 5 and configs <= names, sorted(configs - names)
