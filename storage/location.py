@@ -11,18 +11,20 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import socket
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from functools import wraps
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ClassVar, ParamSpec, TypeVar
 
 import fsspec
 from fsspec.spec import AbstractFileSystem
 
 from k6vsr_core.errors import StoreError
+from storage.processes import alive
 
 BLOCK = 1 << 20
 
@@ -48,6 +50,30 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def owner() -> str:
+    """`<host>-<pid>`: who wrote a temporary file, so a later run can tell a dead writer's leftovers."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_stale_temps(folder: Path, prefix: str, suffix: str) -> list[Path]:
+    """Delete `<prefix><host>-<pid>.*<suffix>` files in `folder` left by dead processes of this host."""
+    removed: list[Path] = []
+    mine = f"{prefix}{socket.gethostname()}-"
+    try:
+        candidates = [p for p in folder.iterdir() if p.name.startswith(mine) and p.name.endswith(suffix)]
+    except OSError:
+        return removed
+    for path in candidates:
+        pid = path.name[len(mine) :].split(".", 1)[0]
+        if pid.isdigit() and not alive(int(pid)):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
 
 
 def file_checksum(path: Path, block: int = BLOCK) -> str:
@@ -82,6 +108,8 @@ def location(root: str | Path) -> Location:
 
 class Location(ABC):
     """A file or folder in a store; `/` names a child."""
+
+    remote: ClassVar[bool]  # in an object store: no locks, no appends, no renames (`storage.leases` stands in)
 
     @abstractmethod
     def __truediv__(self, name: str) -> Location: ...
@@ -153,8 +181,34 @@ class Location(ABC):
             self.copy_to(file)
             yield file
 
+    def scratch_file(self, suffix: str) -> Path:
+        """A private local file to write this one's content into before `put`: in the system's temporary folder
+        here (an object store uploads it whole); a folder's is beside it, so that `put`'s rename is atomic."""
+        fd, tmp = tempfile.mkstemp(prefix=f".part.{owner()}.", suffix=suffix)
+        os.close(fd)
+        return Path(tmp)
+
+    @contextmanager
+    def appended(self, suffix: str) -> Iterator[Path]:
+        """A local file whose content becomes this one's: the file itself in a folder (appended to in place); for
+        an object, a private file uploaded whole when the block ends, even by an error (which is raised, not the
+        upload's own: often the same unreachable store)."""
+        tmp = self.scratch_file(suffix)
+        try:
+            yield tmp
+        except BaseException:
+            with suppress(StoreError):
+                self.put(tmp)
+            raise
+        else:
+            self.put(tmp)
+        finally:
+            tmp.unlink(missing_ok=True)
+
 
 class LocalLocation(Location):
+    remote = False
+
     def __init__(self, path: Path) -> None:
         self.path = path
 
@@ -211,6 +265,19 @@ class LocalLocation(Location):
     def fetch(self) -> Iterator[Path]:
         yield self.path
 
+    def scratch_file(self, suffix: str) -> Path:
+        # The next writer here removes those of dead processes: the name carries host and pid.
+        folder = self.path.parent
+        folder.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(folder, ".part.", suffix)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".part.{owner()}.", suffix=suffix)
+        os.close(fd)
+        return Path(tmp)
+
+    @contextmanager
+    def appended(self, suffix: str) -> Iterator[Path]:
+        yield self.path
+
 
 def _connection_errors() -> tuple[type[BaseException], ...]:
     """What s3fs's client raises when no endpoint answers (botocore comes with s3fs, an optional dependency)."""
@@ -232,6 +299,8 @@ def _reached(method: Callable[P, R]) -> Callable[P, R]:
 
 
 class RemoteLocation(Location):
+    remote = True
+
     def __init__(self, fs: AbstractFileSystem, path: str) -> None:
         self.fs = fs
         self.path = path

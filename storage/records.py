@@ -114,9 +114,9 @@ class RecordBook:
         return record
 
     def _log(self, line: dict[str, Any]) -> None:
-        if isinstance(self.root, LocalLocation):
+        if not self.root.remote:
             # One write of one short line in append mode: lines from concurrent tasks never interleave.
-            with open(self.root.path.parent / "timeline.jsonl", "a", encoding="utf-8") as log:
+            with open(self.root.local().parent / "timeline.jsonl", "a", encoding="utf-8") as log:
                 log.write(json.dumps(line) + "\n")
         else:
             name = f"{line['stage']}-{line['item']}-{line['attempt'] or line['pid']}.json"
@@ -136,9 +136,9 @@ class RecordBook:
         return self._lines(".json")
 
     def _lines(self, suffix: str) -> list[dict[str, Any]]:
-        if isinstance(self.root, LocalLocation):
+        if not self.root.remote:
             try:
-                text = (self.root.path.parent / "timeline.jsonl").read_text(encoding="utf-8")
+                text = (self.root.local().parent / "timeline.jsonl").read_text(encoding="utf-8")
             except FileNotFoundError:
                 return []
             blobs = text.splitlines()

@@ -33,7 +33,6 @@ import fcntl
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Collection, Iterator
@@ -57,10 +56,11 @@ from storage.location import (
     StoreUnreachable,
     file_checksum,
     location,
+    owner,
     parse_store_root,
+    remove_stale_temps,
 )
 from storage.manifest import RunManifest
-from storage.processes import alive
 from storage.records import RecordBook, array_checksum, damaged
 
 RUNS = "runs"
@@ -108,7 +108,7 @@ class RunStore:
 
     @property
     def remote(self) -> bool:
-        return not isinstance(self.where, LocalLocation)
+        return self.where.remote
 
     @property
     def path(self) -> Path:
@@ -263,18 +263,8 @@ class RunStore:
         return self.where / SEGMENTS / f"{window:06d}.mp4"
 
     def temp_file(self, destination: Location, suffix: str) -> Path:
-        """A private local file to write `destination`'s content into before `commit_file`: beside it in a local
-        store, so that the rename into place is atomic (the next writer removes those of dead processes: the name
-        carries host and pid); in the system's temporary folder for an object store, which uploads it whole."""
-        if isinstance(destination, LocalLocation):
-            folder = destination.path.parent
-            folder.mkdir(parents=True, exist_ok=True)
-            remove_stale_temps(folder, ".part.", suffix)
-        else:
-            folder = None
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".part.{_owner()}.", suffix=suffix)
-        os.close(fd)
-        return Path(tmp)
+        """A private local file to write `destination`'s content into before `commit_file`."""
+        return destination.scratch_file(suffix)
 
     def commit_file(
         self,
@@ -368,22 +358,8 @@ class RunStore:
     def log_file(self, attempt: str) -> Iterator[Path]:
         """The local file that attempt `attempt` logs into: the log itself in a folder; for an object store a
         private file, uploaded whole when the block ends."""
-        destination = self.log_location(attempt)
-        if isinstance(destination, LocalLocation):
-            yield destination.path
-            return
-        tmp = self.temp_file(destination, ".log")
-        try:
-            yield tmp
-        except BaseException:
-            # The run's own error says more than a failed upload of its log (often the same unreachable store).
-            with suppress(StoreError):
-                destination.put(tmp)
-            raise
-        else:
-            destination.put(tmp)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with self.log_location(attempt).appended(".log") as file:
+            yield file
 
     def output_done(self) -> bool:
         return self.file_done(self.output_path, Stage.MUX, "all")
@@ -448,11 +424,6 @@ def item_name(key: tuple[int, ...]) -> str:
     return "-".join(str(part) for part in key)
 
 
-def _owner() -> str:
-    """`<host>-<pid>`: who wrote a temporary file, so a later run can tell a dead writer's leftovers."""
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
 def _keep_newest(folder: Path, count: int) -> None:
     """Delete all but the `count` most recently used files of `folder` (other processes may delete them too)."""
     used = {}
@@ -461,25 +432,6 @@ def _keep_newest(folder: Path, count: int) -> None:
             used[path] = path.stat().st_mtime
     for path in sorted(used, key=used.__getitem__, reverse=True)[count:]:
         path.unlink(missing_ok=True)
-
-
-def remove_stale_temps(folder: Path, prefix: str, suffix: str) -> list[Path]:
-    """Delete `<prefix><host>-<pid>.*<suffix>` files in `folder` left by dead processes of this host."""
-    removed: list[Path] = []
-    mine = f"{prefix}{socket.gethostname()}-"
-    try:
-        candidates = [p for p in folder.iterdir() if p.name.startswith(mine) and p.name.endswith(suffix)]
-    except OSError:
-        return removed
-    for path in candidates:
-        pid = path.name[len(mine) :].split(".", 1)[0]
-        if pid.isdigit() and not alive(int(pid)):
-            try:
-                path.unlink()
-                removed.append(path)
-            except OSError:
-                pass
-    return removed
 
 
 def _umask() -> int:
@@ -506,7 +458,7 @@ def publish(source: Location | Path, destination: Path) -> Path:
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_temps(destination.parent, f".{destination.name}.", ".partial")
-        fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.{_owner()}.", suffix=".partial")
+        fd, tmp = tempfile.mkstemp(dir=destination.parent, prefix=f".{destination.name}.{owner()}.", suffix=".partial")
         os.close(fd)
         os.chmod(tmp, 0o666 & ~_umask())
         (source if isinstance(source, Location) else LocalLocation(source)).copy_to(Path(tmp))

@@ -40,7 +40,7 @@ def test_a_group_of_zombies_is_not_alive() -> None:
 def test_a_dead_writers_temporary_files_are_removed(tmp_path) -> None:
     import socket
 
-    from storage.run_store import remove_stale_temps
+    from storage.location import remove_stale_temps
 
     host = socket.gethostname()
     child = subprocess.Popen([sys.executable, "-c", "pass"])
