@@ -106,15 +106,7 @@ def prepare_run(
         deinterlace=plan.deinterlace,
         on_timestamps=plan.kept is not None,
     )
-    run = RunRef(store_root=str(store_root), run_key=key)
-    return PreparedRun(
-        run=run,
-        source=str(Path(source).resolve()),
-        model_info=info,
-        probe=probe,
-        plan=plan,
-        finished=run.open().output_done(),
-    )
+    return _prepared(source, store_root, key, info, plan, probe)
 
 
 def latent_channels(info: BundleInfo) -> int:
@@ -140,13 +132,26 @@ def prepare_latent_run(
     latent, rate = read_latent(source, latent_channels(info), params, fps)
     plan = plan_latent(latent.shape, rate, params, model_traits(info))
     key = run_key(source_info(source).sha256, plan.params, info.identity, str(rate))
+    return _prepared(source, store_root, key, info, plan, None, str(rate))
+
+
+def _prepared(
+    source: str | Path,
+    store_root: str | Path,
+    key: str,
+    info: BundleInfo,
+    plan: ClipPlan,
+    probe: media.VideoProbe | None,
+    latent_fps: str | None = None,
+) -> PreparedRun:
+    """The prepared run of `key` in `store_root`: finished if its store already holds the output."""
     run = RunRef(store_root=str(store_root), run_key=key)
     return PreparedRun(
         run=run,
         source=str(Path(source).resolve()),
         model_info=info,
-        probe=None,
+        probe=probe,
         plan=plan,
         finished=run.open().output_done(),
-        latent_fps=str(rate),
+        latent_fps=latent_fps,
     )
