@@ -204,7 +204,9 @@ def runner_child(clip: Path, out_dir: Path) -> int:
     import torch
 
     from bench.check_kit import as_run, md5, readme_gpu_command
-    from entrypoints.cli import build_parser, model_from, params_from
+    from entrypoints.cli import build_parser
+    from entrypoints.command_inputs import model_from
+    from entrypoints.request_inputs import params_from
     from k6vsr_core.bundle import load_bundle
     from k6vsr_core.fast import compile_bundle
     from k6vsr_core.runner import upscale

@@ -106,7 +106,7 @@ def model_flags(parser: argparse.ArgumentParser, at_start: bool = False) -> None
 
 
 def input_flags(parser: argparse.ArgumentParser) -> None:
-    """A video, or a latent: exactly one of them (`entrypoints.cli.input_from`)."""
+    """A video, or a latent: exactly one of them (`entrypoints.request_inputs.input_from`)."""
     parser.add_argument(
         "input", nargs="?", default=None, help="the video, a file or an object-store URL (or give --latent instead)"
     )

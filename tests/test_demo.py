@@ -25,6 +25,9 @@ def test_the_demo_starts_the_server_before_its_bar(tmp_path: Path, monkeypatch) 
         def model_dump(self, mode: str) -> dict:
             return {}
 
+        def summary(self) -> Summary:  # the ended run's (`ClipRun.summary`)
+            return self
+
     monkeypatch.setattr(demo, "prefect_api", context("server"))
     monkeypatch.setattr(demo, "run_progress", context("bar"))
     monkeypatch.setattr(demo, "run_clip", lambda *args, **kwargs: entered.append("run") or Summary())

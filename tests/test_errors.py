@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from entrypoints import cli
+from entrypoints.commands import gc as gc_command
 from k6vsr_core.errors import (
     ParameterError,
     describe_error,
@@ -33,7 +34,7 @@ def test_an_internal_invariant_failure_exits_1_as_an_internal_error(
     def broken(_: Any) -> dict[str, Any]:
         return {"tensor": stages.frames_to_tensor(np.zeros((2, 4, 4), dtype=np.uint8))}
 
-    monkeypatch.setattr(cli, "cmd_gc", broken)
+    monkeypatch.setattr(gc_command, "run", broken)
     assert cli.main(["gc"]) == cli.EXIT_FAILED
     line = capsys.readouterr().err.strip()
     assert line.startswith("k6vsr: error: ValueError: frames must be uint8") and "--debug" in line
@@ -58,7 +59,7 @@ def test_an_error_without_a_message_still_names_its_cause(
         (_wait_for_the_scheduler, "TimeoutError (no message) raised in _wait_for_the_scheduler at test_errors.py:"),
         (_wrapped, "TimeoutError, from OSError: Timed out trying to connect to tcp://127.0.0.1:8786 after 30 s"),
     ):
-        monkeypatch.setattr(cli, "cmd_gc", lambda _, raising=raising: raising())
+        monkeypatch.setattr(gc_command, "run", lambda _, raising=raising: raising())
         assert cli.main(["gc"]) == cli.EXIT_FAILED
         line = capsys.readouterr().err.strip()
         assert line.startswith(f"k6vsr: error: {said}") and line.endswith("(rerun with --debug for details)"), line

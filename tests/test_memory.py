@@ -278,7 +278,8 @@ def test_a_pairing_that_does_not_fit_waits_at_the_gate(tiny_bundle_path: Path) -
 
 
 def test_memory_flag_reaches_the_model_spec_and_bad_values_are_refused(capsys) -> None:
-    from entrypoints.cli import build_parser, model_from
+    from entrypoints.cli import build_parser
+    from entrypoints.command_inputs import model_from
 
     args = build_parser().parse_args(["plan", "clip.mp4", "--memory", "16g"])
     assert model_from(args).memory == "16g"

@@ -132,7 +132,7 @@ def test_the_pace_leaves_out_the_seconds_every_model_task_stood_compiling() -> N
 
 def test_the_commands_head_counts_from_its_process_start() -> None:
     """`k6vsr preview` hands its flow the process's start: the imports before any of its code ran count too."""
-    from entrypoints.cli import _command_started
+    from entrypoints.commands.preview import _command_started
 
     assert _command_started() < IMPORTED_AT <= time.time()
 
@@ -185,7 +185,7 @@ def test_a_preview_is_reused_by_the_whole_run(
     estimate = preview.estimate
     assert estimate is not None and 0 < estimate.seconds_left < estimate.seconds
     # `k6vsr plan` says the same time left as the preview did: one estimator, the store's work left out.
-    from entrypoints.cli import _run_estimate
+    from entrypoints.commands.plan import _run_estimate
 
     assert _run_estimate(prepare_run(three_shots, SCENES, model, store)) == estimate.model_dump()
     assert "whole run     about" in preview_lines(preview.model_dump(mode="json"))[-1]
