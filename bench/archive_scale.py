@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             if postgres_database(args.database)["rows"].get("flow_run"):
                 parser.error(f"--database {server_database.masked(args.database)} holds flow runs: give an empty one")
 
-    from k6vsr_core.bundle import make_tiny_bundle
+    from k6vsr_core.tiny_bundle import make_tiny_bundle
 
     work = args.work or Path(f"/tmp/k6vsr-archive-scale-{args.clips}")
     if work.exists() and not args.keep:

@@ -352,7 +352,7 @@ class Check:
         if (self.work / "bundle" / "model_index.json").exists():
             return
         if self.args.tiny:
-            from k6vsr_core.bundle import make_tiny_bundle
+            from k6vsr_core.tiny_bundle import make_tiny_bundle
 
             make_tiny_bundle(self.work / "bundle")
             return

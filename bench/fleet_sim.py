@@ -685,7 +685,7 @@ def _commit() -> str:
 
 
 def simulate(work: Path, clips_n: int, faults: Sequence[str], timeout: float, fake_ms: float) -> dict[str, object]:
-    from k6vsr_core.bundle import make_tiny_bundle
+    from k6vsr_core.tiny_bundle import make_tiny_bundle
 
     result: dict[str, object] = {}
     # The stand-in on every host alike: the run keys, and so the store's items, carry its mark.

@@ -274,7 +274,7 @@ def ensure_bundle(bench: Bench) -> None:
         return
     started = time.perf_counter()
     if bench.tiny:
-        from k6vsr_core.bundle import make_tiny_bundle
+        from k6vsr_core.tiny_bundle import make_tiny_bundle
 
         make_tiny_bundle(bench.bundle_path)
         bench.record("write_bundle", None, time.perf_counter() - started, kind="tiny")

@@ -27,9 +27,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from k6vsr_core import UpscaleParams, stages  # noqa: E402
-from k6vsr_core.bundle import load_bundle, make_tiny_bundle, model_traits  # noqa: E402
+from k6vsr_core.bundle import load_bundle, model_traits  # noqa: E402
 from k6vsr_core.runner import read_source, read_window  # noqa: E402
 from k6vsr_core.sample import make_sample_clip  # noqa: E402
+from k6vsr_core.tiny_bundle import make_tiny_bundle  # noqa: E402
 from k6vsr_core.windows import segment_frames, segment_range  # noqa: E402
 
 

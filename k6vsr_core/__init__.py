@@ -24,17 +24,11 @@ compute_defaults()
 hide_torchao_from_diffusers()
 
 if TYPE_CHECKING:
-    from k6vsr_core.bundle import (
-        DEFAULT_MODEL,
-        DEFAULT_REVISION,
-        BundleError,
-        ModelBundle,
-        load_bundle,
-        make_tiny_bundle,
-    )
+    from k6vsr_core.bundle import DEFAULT_MODEL, DEFAULT_REVISION, BundleError, ModelBundle, load_bundle
     from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
     from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
     from k6vsr_core.runner import UpscaleResult, upscale
+    from k6vsr_core.tiny_bundle import make_tiny_bundle
 
 _HOMES = {
     "DEFAULT_MODEL": "bundle",
@@ -42,7 +36,7 @@ _HOMES = {
     "BundleError": "errors",
     "ModelBundle": "bundle",
     "load_bundle": "bundle",
-    "make_tiny_bundle": "bundle",
+    "make_tiny_bundle": "tiny_bundle",
     "ParameterError": "errors",
     "UpscaleParams": "params",
     "parse_params": "params",

@@ -1,7 +1,7 @@
 """The released checkpoint's configuration, in its native spelling (contract §H): the one statement of the release.
 
 Its config files are data, `released/`, laid out as on the hub (`model_index.json`, `transformer/config.json`, ...).
-The bench writes a full-size bundle from them, and the tiny test bundles (`k6vsr_core.bundle.make_tiny_bundle`) are
+The bench writes a full-size bundle from them, and the tiny test bundles (`k6vsr_core.tiny_bundle.make_tiny_bundle`) are
 them at smaller sizes. tests/test_bundle.py states the release again on its own, to check them against.
 """
 

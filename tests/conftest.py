@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from k6vsr_core.bundle import ModelBundle, load_bundle, make_tiny_bundle
+from k6vsr_core.bundle import ModelBundle, load_bundle
+from k6vsr_core.tiny_bundle import make_tiny_bundle
 
 # The files that take longest, in that order, start first. The README's test command shares the files between two
 # workers in collection order; a long file left for the end would keep one worker busy after the other has finished.

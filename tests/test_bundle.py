@@ -13,17 +13,16 @@ from safetensors.torch import load_file, save_file
 
 from k6vsr_core.bundle import (
     DEFAULT_MODEL,
-    TINY_TILE_SIZES,
     WEIGHTS,
     BundleError,
     ModelBundle,
     fingerprint,
     latent_upscaler_kwargs,
     load_bundle,
-    make_tiny_bundle,
     transformer_kwargs,
     vae_kwargs,
 )
+from k6vsr_core.tiny_bundle import TINY_TILE_SIZES, make_tiny_bundle
 
 
 def _copy(source: Path, tmp_path: Path, name: str = "copy") -> Path:

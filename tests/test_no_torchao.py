@@ -23,7 +23,8 @@ RUN = """
 import sys, tempfile, torch
 import entrypoints.cli, flows.upscale_clip, tasks.stage_tasks, tasks.model_cache
 from k6vsr_core import upscale
-from k6vsr_core.bundle import load_bundle, make_tiny_bundle
+from k6vsr_core.bundle import load_bundle
+from k6vsr_core.tiny_bundle import make_tiny_bundle
 from k6vsr_core.fast import compile_bundle
 from k6vsr_core.sample import make_sample_clip
 folder = tempfile.mkdtemp()

@@ -12,7 +12,6 @@ from itertools import pairwise
 import pytest
 import torch
 
-from k6vsr_core.bundle import TINY_TILE_SIZES
 from k6vsr_core.pixels import TileBlender, crop_output, hann_window_2d, pad_video
 from k6vsr_core.tiling import (
     RESOLUTIONS,
@@ -26,6 +25,7 @@ from k6vsr_core.tiling import (
     tile_chunks,
     tile_grid,
 )
+from k6vsr_core.tiny_bundle import TINY_TILE_SIZES
 
 # --------------------------------------------------------------------------------------------------- grid
 

@@ -12,9 +12,9 @@ import numpy as np
 
 from flows import artifacts
 from flows.stage_clock import PIPELINE, StageClock
-from k6vsr_core.bundle import TINY_TILE_SIZES
 from k6vsr_core.params import parse_params
 from k6vsr_core.plan import ModelTraits, make_plan
+from k6vsr_core.tiny_bundle import TINY_TILE_SIZES
 from service.runs import ModelSpec
 from storage import RunStore
 from storage.progress import RunProgress, StageCount, run_finished

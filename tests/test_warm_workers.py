@@ -18,8 +18,9 @@ import procs
 import pytest
 
 from k6vsr_core import UpscaleParams, upscale
-from k6vsr_core.bundle import ModelBundle, make_tiny_bundle
+from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.errors import ParameterError
+from k6vsr_core.tiny_bundle import make_tiny_bundle
 from service.runs import ModelSpec, prepare_run
 from storage import RunStore
 
