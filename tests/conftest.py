@@ -39,6 +39,10 @@ LONGEST_FILES = (
     "test_latent_input.py",
     "test_bad_inputs.py",
     "test_memory.py",
+    "test_chaos_http.py",
+    "test_chaos.py",
+    "test_server_stalls.py",
+    "test_archive_media.py",
 )
 
 
@@ -50,9 +54,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("K6VSR_CPU_THREADS", "1")
 
 
+# What puts a test outside the fast tier: a Prefect server (each flow run costs seconds), a file among the longest.
+HEAVY_FIXTURES = {"prefect_server"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects: the fast tier is marked here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    for item in items:
+        heavy = HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in rank
+        if not heavy and not any(item.get_closest_marker(name) for name in ("slow", "timed")):
+            item.add_marker(pytest.mark.fast)
 
 
 @pytest.fixture(scope="session")

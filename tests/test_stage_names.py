@@ -19,7 +19,8 @@ OTHER_MEANINGS = {
     "k6vsr_core/media/streams.py": {"encode"},  # a stream's plan: re-encoded, not copied
     "storage/__init__.py": {"publish"},  # a function's name in `__all__`
     "tasks/quality.py": {"quality"},  # the folder of the report's parts
-    "entrypoints/cli.py": {"segment", "preview"},  # a window's frames in the printed plan; a command's name
+    "entrypoints/cli.py": {"preview"},  # a command's name
+    "entrypoints/commands/plan.py": {"segment"},  # a window's frames in the printed plan
     "entrypoints/console.py": {"segment"},  # a word of the plan's printed summary
     "entrypoints/server/worker_slots.py": {"quality"},  # a job's quality report
     "entrypoints/server/routes.py": {"quality"},  # a job's quality report
