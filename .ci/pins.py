@@ -1,7 +1,7 @@
 """The pins of constraints.txt: every distribution the project and its `test` extra need on any Python the project
 accepts, at the version installed in the running interpreter's environment.
 
-Run by `.ci/lock` inside a freshly resolved virtualenv; `tests/test_install.py` runs it in the test environment
+Run by `.ci/lock` inside a freshly resolved virtualenv; `tests/house/test_install.py` runs it in the test environment
 (installed from constraints.txt) and compares, so a dependency added without its pin fails there.
 
 A dependency that only some of the accepted Pythons take (redis takes async-timeout below 3.11.3; dask takes
@@ -25,7 +25,7 @@ from packaging.utils import canonicalize_name
 PROJECT = "k6vsr"
 EXTRAS = ("test",)
 # One interpreter on each side of every Python boundary the dependency closure's markers draw, within
-# requires-python (>=3.11,<3.13); tests/test_install.py checks that no marker tells two of the same minor apart
+# requires-python (>=3.11,<3.13); tests/house/test_install.py checks that no marker tells two of the same minor apart
 # in a way these miss.
 PYTHONS = ("3.11.0", "3.11.2", "3.11.3", "3.11.9", "3.12.0", "3.12.9")
 CONSTRAINTS = Path(__file__).resolve().parents[1] / "constraints.txt"

@@ -22,7 +22,7 @@ that ends before its moment gets no fault. Once every fault is spent, the last r
 - a run that fails says why in its last line (`k6vsr: ...`), never as an error nothing describes.
 
 It prints the faults, a summary table and the result as JSON (`--json-out`); `--append` adds the table to
-bench/RESULTS.md. `tests/test_chaos.py` runs a short campaign of the same code.
+bench/RESULTS.md. `tests/flows/test_chaos.py` runs a short campaign of the same code.
 """
 
 from __future__ import annotations

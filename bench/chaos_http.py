@@ -20,7 +20,7 @@ is spent and every accepted job has ended, the server is stopped and:
 - nothing a server started outlives its stop (its Prefect server, meant to last, is stopped by the campaign).
 
 It prints the faults, a summary table and the result as JSON (`--json-out`); it exits 1 when a check fails.
-`tests/test_chaos_http.py` runs a short campaign of the same code.
+`tests/server/test_chaos_http.py` runs a short campaign of the same code.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ value, a missing model) are printed as one line naming the cause, with exit code
 the warm workers) is one line too, with exit code 1, as is an internal failure (with its type). Each command is a
 module of `entrypoints.commands`, imported only when it runs, after its request flags are checked
 (`entrypoints.request_inputs`): `--help` and a refused flag import none of the store, media or the model's code
-(tests/test_command_start.py), and the commands that run flows import them (and Prefect, which takes seconds to
+(tests/command/test_command_start.py), and the commands that run flows import them (and Prefect, which takes seconds to
 import) only once the run is planned, so `plan`, `gc` and `--help` answer at once.
 """
 

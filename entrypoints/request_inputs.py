@@ -1,5 +1,5 @@
 """A command's request and input flags, checked as the run checks them: a refused value answers at once, before
-the store's, the media's or the model's code is imported (tests/test_command_start.py)."""
+the store's, the media's or the model's code is imported (tests/command/test_command_start.py)."""
 
 from __future__ import annotations
 

@@ -213,8 +213,8 @@ def x264_instructions(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
 
     With its AVX-512 code, x264 (as built into PyAV's wheels) reads memory it never wrote: the same frames then give
     different bytes from one encode to the next, depending on what the process allocated before. Every instruction
-    set below AVX-512 gives the same bytes every time (tests/test_encoding_determinism.py). So on a CPU with AVX-512
-    x264 is told the CPU's other instruction sets; elsewhere it detects them itself.
+    set below AVX-512 gives the same bytes every time (tests/contract/test_encoding_determinism.py). So on a CPU
+    with AVX-512 x264 is told the CPU's other instruction sets; elsewhere it detects them itself.
     """
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None

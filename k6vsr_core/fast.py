@@ -83,7 +83,7 @@ def _cudnn_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """cuDNN's fused attention on (B, heads, S, D) inputs; the same function as SDPA, another kernel.
 
     The aten op, not the public `sdpa_kernel(SDPBackend.CUDNN_ATTENTION)` around SDPA: that one picks its kernel by
-    the tensors' device, so the CPU test of this path's memory (`tests/test_attention_memory.py`, fake tensors)
+    the tensors' device, so the CPU test of this path's memory (`tests/model/test_attention_memory.py`, fake tensors)
     could not run it, and on CUDA it dispatches to this same op."""
     return torch.ops.aten._scaled_dot_product_cudnn_attention(query, key, value, None, False, 0.0, False, False)[0]
 

@@ -6,7 +6,7 @@ feed 1 + 16 pixel frames a call this way; here the first frame goes alone and th
 pixel frames) a call, so activation memory follows the chunk, not the clip. `chunk=None` is the KVAE's own call.
 
 The values are the same; the rounding may not be. A convolution backend may pick another kernel for an input of
-another length (cuDNN, Inductor, and oneDNN or BLAS on a CPU), which changes the last bits: `tests/test_kvae.py`
+another length (cuDNN, Inductor, and oneDNN or BLAS on a CPU), which changes the last bits: `tests/model/test_kvae.py`
 shows the chunked results bit-identical under fixed CPU kernels, and `bench/memory_bench.py` measures the GPU
 difference.
 """

@@ -2,7 +2,7 @@
 
 Its config files are data, `released/`, laid out as on the hub (`model_index.json`, `transformer/config.json`, ...).
 The bench writes a full-size bundle from them, and the tiny test bundles (`k6vsr_core.tiny_bundle.make_tiny_bundle`) are
-them at smaller sizes. tests/test_bundle.py states the release again on its own, to check them against.
+them at smaller sizes. tests/model/test_bundle.py states the release again on its own, to check them against.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each group is a pydantic-settings model read from the environment when it is ask
 import: a test or a parent process that sets a variable before calling sees it, whatever was imported first. A
 value that does not parse fails with a `SettingsError` naming the variable. `child_env` is the one place that turns
 settings into the environment of a process k6vsr starts. The table of docs/settings.md is `settings_table()`
-(tests/test_settings.py keeps them equal).
+(tests/house/test_settings.py keeps them equal).
 
 Variables outside k6vsr's own (Prefect's `PREFECT_*`, torch's, `CUDA_VISIBLE_DEVICES`, `XDG_*`) keep their owners'
 names and readers.

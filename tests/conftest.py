@@ -39,6 +39,7 @@ LONGEST_FILES = (
     "test_latent_input.py",
     "test_bad_inputs.py",
     "test_memory.py",
+    "test_same_bytes.py",
     "test_chaos_http.py",
     "test_chaos.py",
     "test_server_stalls.py",
@@ -202,6 +203,18 @@ def clip_1f(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from k6vsr_core.sample import make_sample_clip
 
     return make_sample_clip(tmp_path_factory.mktemp("clips") / "one.mp4", width=128, height=96, num_frames=1)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_bundle: ModelBundle, clip_1f: Path, tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """`clip_1f` upscaled x2 by the in-memory runner with the tiny bundle: the bytes every way of running it gives
+    (tests/flows/test_same_bytes.py)."""
+    from k6vsr_core import upscale
+    from k6vsr_core.params import UpscaleParams
+
+    out = tmp_path_factory.mktemp("reference") / "ref.mp4"
+    upscale(clip_1f, out, tiny_bundle, UpscaleParams(scale=2))
+    return out.read_bytes()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,7 +10,7 @@ black and dissolves (a gradual change over many frames), flashes (one to three f
 shot again) and fast pans (a fifth of the frame a frame). Each clip is written at 96x64 and 192x128, H.264 at CRF 28
 (through PyAV, as a run's sources are), so the detector sees compression noise.
 
-`python bench/scene_accuracy.py` prints recall and precision on the set; tests/test_scenes.py asserts them.
+`python bench/scene_accuracy.py` prints recall and precision on the set; tests/contract/test_scenes.py asserts them.
 """
 
 from __future__ import annotations
