@@ -183,7 +183,7 @@ FRAMES_FOR_WINDOWS = {1: 1, 2: 122, 3: 250}  # 121-frame windows, as the plan cu
 def make_clips(folder: Path, n: int, windows_each: int = 0, size: tuple[int, int] = (64, 64)) -> tuple[int, int]:
     """N distinct clips (a tone of its own each, so a run key each), each `windows_each` windows long, or with 0
     every fifth two windows and the others one; returns (clips, windows)."""
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     folder.mkdir(parents=True, exist_ok=True)
     windows = 0
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             if postgres_database(args.database)["rows"].get("flow_run"):
                 parser.error(f"--database {server_database.masked(args.database)} holds flow runs: give an empty one")
 
-    from k6vsr_core.tiny_bundle import make_tiny_bundle
+    from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 
     work = args.work or Path(f"/tmp/k6vsr-archive-scale-{args.clips}")
     if work.exists() and not args.keep:

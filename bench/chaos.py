@@ -391,7 +391,7 @@ def server_command(env: dict[str, str], action: str) -> None:
 
 
 def run_campaign(campaign: Campaign) -> Outcome:
-    from k6vsr_core.tiny_bundle import make_tiny_bundle
+    from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 
     work = campaign.work
     work.mkdir(parents=True, exist_ok=True)

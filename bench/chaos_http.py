@@ -375,7 +375,7 @@ def check(serve: Serve, jobs: dict[str, str], reference: dict[str, str], outcome
 
 
 def run_campaign(campaign: HttpCampaign) -> HttpOutcome:
-    from k6vsr_core.tiny_bundle import make_tiny_bundle
+    from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 
     work = campaign.work
     (work / "logs").mkdir(parents=True, exist_ok=True)

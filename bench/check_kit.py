@@ -54,8 +54,8 @@ COST = {
 def tiny_inputs(work: Path | None, prefix: str, frames: int, size: int) -> tuple[Path, Path, Path]:
     """A work folder (`work`, else a new one named with `prefix`), the tiny random bundle and a `size`-square
     synthetic clip of `frames` frames in it: each made once, and reused by a later run on the same folder."""
-    from k6vsr_core.sample import make_sample_clip
-    from k6vsr_core.tiny_bundle import make_tiny_bundle
+    from k6vsr_core.media.sample import make_sample_clip
+    from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 
     work = (work or Path(tempfile.mkdtemp(prefix=prefix))).resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -33,12 +33,12 @@ VARIANTS = ("compiled", "strict", "eager")
 def child(variant: str, bundle_path: str, device_name: str = "cuda") -> dict[str, object]:
     import torch
 
-    from k6vsr_core import stages
-    from k6vsr_core.bundle import load_bundle, model_traits
-    from k6vsr_core.fast import compile_bundle
-    from k6vsr_core.memory import apply_budget, budget_for
-    from k6vsr_core.params import UpscaleParams
-    from k6vsr_core.plan import make_plan
+    from k6vsr_core.contract.params import UpscaleParams
+    from k6vsr_core.contract.plan import make_plan
+    from k6vsr_core.model import stages
+    from k6vsr_core.model.bundle import load_bundle, model_traits
+    from k6vsr_core.model.fast import compile_bundle
+    from k6vsr_core.model.memory import apply_budget, budget_for
 
     device = torch.device(device_name)
     bundle = load_bundle(bundle_path, device=device)

@@ -81,7 +81,7 @@ from bench.check_kit import (  # noqa: E402
     readme_gpu_command,
     timeline_lines,
 )
-from k6vsr_core.stage_names import MODEL_STAGES  # noqa: E402
+from k6vsr_core.contract.stage_names import MODEL_STAGES  # noqa: E402
 
 # W1-long: W1's size for three windows (121 + 2 x 105 frames: the window stride at the default overlap of 16).
 WORKLOADS = {"W1": (768, 512, 121), "W2": (384, 256, 33), "W1-long": (768, 512, 331)}
@@ -173,7 +173,8 @@ def timeline(store: Path, started: float) -> tuple[dict[str, list[float]], float
     return {k: [round(v[0], 1), round(v[1], 1), int(v[2])] for k, v in stages.items()}, peak
 
 
-# The command's compile lines (`k6vsr_core.compile_cache`): a shape's first compile on the machine, and a compile of
+# The command's compile lines (`k6vsr_core.device.compile_cache`): a shape's first compile on the machine, and a
+# compile of
 # a shape the machine or the process had run before.
 COMPILE_LINES = ("compiling GPU kernels for the ", " ran this shape before: ")
 
@@ -342,7 +343,7 @@ class Check:
         width, height, frames = self.workloads[workload]
         path = self.work / f"clip-{workload}.mp4"
         if not path.exists():
-            from k6vsr_core.sample import make_sample_clip
+            from k6vsr_core.media.sample import make_sample_clip
 
             make_sample_clip(path.with_suffix(".part.mp4"), width=width, height=height, num_frames=frames, fps=24)
             path.with_suffix(".part.mp4").rename(path)
@@ -352,7 +353,7 @@ class Check:
         if (self.work / "bundle" / "model_index.json").exists():
             return
         if self.args.tiny:
-            from k6vsr_core.tiny_bundle import make_tiny_bundle
+            from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 
             make_tiny_bundle(self.work / "bundle")
             return
@@ -549,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     if "reimport" in runs and check.fits("oneshot"):
         exported = check.out / "compile-cache.zip"
         check.cli("cache-export", "cache", "export", str(exported))
-        from k6vsr_core.compile_cache import compile_cache_dir
+        from k6vsr_core.device.compile_cache import compile_cache_dir
 
         shutil.rmtree(compile_cache_dir(), ignore_errors=True)
         for stray in Path("/tmp").glob("torchinductor_*"):

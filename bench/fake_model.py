@@ -1,6 +1,6 @@
 """A stand-in for the three networks, for measuring the orchestration around them: NOT a model.
 
-The benchmarks inject it through the product's networks hook (`k6vsr_core.networks`):
+The benchmarks inject it through the product's networks hook (`k6vsr_core.model.networks`):
 
     K6VSR_NETWORKS=bench.fake_model:networks K6VSR_FAKE_MODEL_MS=N
 
@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from k6vsr_core.contract.plan import TEMPORAL_FACTOR
+from k6vsr_core.contract.tiling import SPATIAL_FACTOR
 from k6vsr_core.errors import ParameterError
-from k6vsr_core.plan import TEMPORAL_FACTOR
-from k6vsr_core.tiling import SPATIAL_FACTOR
 
 if TYPE_CHECKING:
     import torch
 
-    from k6vsr_core.bundle import ModelBundle
-    from k6vsr_core.plan import ClipPlan, TileChunk
+    from k6vsr_core.contract.plan import ClipPlan, TileChunk
+    from k6vsr_core.model.bundle import ModelBundle
 
 SPEC = "bench.fake_model:networks"  # the value of K6VSR_NETWORKS that injects it
 FAKE_ENV = "K6VSR_FAKE_MODEL_MS"
@@ -72,7 +72,7 @@ def _pause(ms: float) -> None:
 
 
 class FakeNetworks:
-    """`encode_clip`, `denoise_chunk` and `decode_tile` of `k6vsr_core.stages`, with their signatures and output
+    """`encode_clip`, `denoise_chunk` and `decode_tile` of `k6vsr_core.model.stages`, with their signatures and output
     shapes, each a fixed pause. The bundle is read for its configuration only (latent channels)."""
 
     def __init__(self, ms: float) -> None:

@@ -475,7 +475,7 @@ FRAMES_FOR_WINDOWS = {1: 1, 2: 122}  # 121-frame windows, as the plan cuts them
 
 def make_clips(folder: Path, n: int) -> dict[str, int]:
     """N distinct 64x64 clips, every fourth two windows long: their names and windows."""
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     folder.mkdir(parents=True)
     clips = {}
@@ -685,7 +685,7 @@ def _commit() -> str:
 
 
 def simulate(work: Path, clips_n: int, faults: Sequence[str], timeout: float, fake_ms: float) -> dict[str, object]:
-    from k6vsr_core.tiny_bundle import make_tiny_bundle
+    from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 
     result: dict[str, object] = {}
     # The stand-in on every host alike: the run keys, and so the store's items, carry its mark.

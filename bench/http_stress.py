@@ -54,8 +54,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from k6vsr_core.sample import make_sample_clip  # noqa: E402
-from k6vsr_core.tiny_bundle import make_tiny_bundle  # noqa: E402
+from k6vsr_core.media.sample import make_sample_clip  # noqa: E402
+from k6vsr_core.model.tiny_bundle import make_tiny_bundle  # noqa: E402
 
 HOST = "127.0.0.1"  # the only address this script connects to
 KEY_A, KEY_B = "stress-key-a-0123456789", "stress-key-b-0123456789"

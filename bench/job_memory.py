@@ -23,8 +23,8 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from entrypoints.server.host_memory import computes_on_cpu, job_bytes  # noqa: E402
-from k6vsr_core.params import parse_params  # noqa: E402
-from k6vsr_core.sample import make_sample_clip  # noqa: E402
+from k6vsr_core.contract.params import parse_params  # noqa: E402
+from k6vsr_core.media.sample import make_sample_clip  # noqa: E402
 from service.runs import ModelSpec, prepare_run  # noqa: E402
 
 

@@ -106,7 +106,7 @@ def main() -> int:
     import torch
 
     from bench import run_bench
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     bundle = args.work / "bundle"
     if not (bundle / "model_index.json").is_file():

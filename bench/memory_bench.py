@@ -77,8 +77,8 @@ def bench_for(args: argparse.Namespace, label: str) -> run_bench.Bench:
 
 
 def plan_of(bench: run_bench.Bench) -> Any:
-    from k6vsr_core.bundle import inspect_bundle
-    from k6vsr_core.plan import ModelTraits, make_plan
+    from k6vsr_core.contract.plan import ModelTraits, make_plan
+    from k6vsr_core.model.bundle import inspect_bundle
 
     info = inspect_bundle(bench.bundle_path).info
     traits = ModelTraits(tile_sizes=info.tile_sizes, scheduler=info.scheduler, trained_steps=info.trained_steps)
@@ -97,7 +97,7 @@ class StagePeaks:
     """
 
     def __init__(self, device: torch.device) -> None:
-        from k6vsr_core import stages
+        from k6vsr_core.model import stages
 
         self.device = device
         self.peaks: dict[str, dict[str, float]] = {}
@@ -124,7 +124,7 @@ class StagePeaks:
         return {key: max(p[key] for p in self.peaks.values()) for key in ("alloc_gib", "reserved_gib")}
 
     def remove(self) -> None:
-        from k6vsr_core import stages
+        from k6vsr_core.model import stages
 
         for name, original in self.originals.items():
             setattr(stages, name, original)
@@ -135,10 +135,10 @@ class StagePeaks:
 
 def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """One budget: choose it as a worker would, load, compile, warm, then W1 hot end to end."""
-    from k6vsr_core.bundle import load_bundle
-    from k6vsr_core.fast import compile_bundle
-    from k6vsr_core.memory import apply_budget, budget_for
-    from k6vsr_core.runner import upscale
+    from k6vsr_core.model.bundle import load_bundle
+    from k6vsr_core.model.fast import compile_bundle
+    from k6vsr_core.model.memory import apply_budget, budget_for
+    from k6vsr_core.model.runner import upscale
 
     bench = bench_for(args, mode)
     device = bench.device
@@ -149,7 +149,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         record["cap_gib"] = gib(CAPS[mode])
     plan = plan_of(bench)
     asked = "auto" if mode == "default" or mode in SMALLER_CARDS else "fast" if mode in FORCED_DECODE else mode
-    # As every path chooses it (k6vsr_core.memory.budget_for): from the card, capped above, and the plan.
+    # As every path chooses it (k6vsr_core.model.memory.budget_for): from the card, capped above, and the plan.
     budget = budget_for(asked, device, plan)  # type: ignore[arg-type]
     if mode in FORCED_DECODE:
         budget = budget.model_copy(update={"decode_chunk": FORCED_DECODE[mode], "reason": f"forced by {mode}"})
@@ -180,10 +180,10 @@ def run_mode(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
 def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     """Eager KVAE on one denoised W1 tile: the KVAE's own call against chunks of 3, 2 and 1 latent frames."""
-    from k6vsr_core import kvae, stages
-    from k6vsr_core.bundle import load_bundle, model_traits
-    from k6vsr_core.memory import frames_per_call
-    from k6vsr_core.runner import read_source, read_window
+    from k6vsr_core.model import kvae, stages
+    from k6vsr_core.model.bundle import load_bundle, model_traits
+    from k6vsr_core.model.memory import frames_per_call
+    from k6vsr_core.model.runner import read_source, read_window
 
     bench = bench_for(args, "decode")
     device = bench.device
@@ -212,7 +212,8 @@ def run_decode(args: argparse.Namespace) -> dict[str, Any]:
             run_bench.sync(device)
             entry: dict[str, Any] = {"seconds": round(time.perf_counter() - started, 3), **run_bench.peak(device)}
             if device.type == "cuda":
-                # What k6vsr_core.memory's decode_per_pixel_frame should be: activations per pixel and frame of one
+                # What k6vsr_core.model.memory's decode_per_pixel_frame should be: activations per pixel and frame of
+                # one
                 # call, the causal caches counted as one more frame.
                 activations = torch.cuda.max_memory_allocated(device) - before
                 frames = frames_per_call(chunk, plan.window_frames) + 1
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         torch.manual_seed(0)
         if torch.cuda.is_available() and not args.tiny:
-            from k6vsr_core.compile_cache import enable_compile_cache
+            from k6vsr_core.device.compile_cache import enable_compile_cache
 
             enable_compile_cache()
         try:

@@ -86,7 +86,7 @@ def main() -> int:
     args = parser.parse_args()
     from archive_scale import make_clips
 
-    from k6vsr_core.tiny_bundle import make_tiny_bundle
+    from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 
     width, height = (int(v) for v in args.size.split("x"))
     with tempfile.TemporaryDirectory(prefix="k6vsr-model-lane-") as folder:

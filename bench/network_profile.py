@@ -9,15 +9,16 @@ functions (`stages.denoise_chunk`: latent upscaler and 2 DiT calls; `stages.deco
   (PSNR, share of equal bytes), and the end to end pixels of a variant's own latents through its own decoder.
 - `fast`: the shipped fast path (compiled blocks and decoder, the decoder's fast forms): hot times (median of 3),
   and a torch.profiler kernel table of one denoise chunk and one decode (by kernel, and by kind).
-- `unfused`: the compiled decoder in diffusers' forms (the path before `k6vsr_core.fast_decoder`).
+- `unfused`: the compiled decoder in diffusers' forms (the path before `k6vsr_core.model.fast_decoder`).
 - `flex`: one layer's NABLA attention at the tile shape (its inputs and block mask taken from the reference's first
   layer) with the shipped kernel options and others.
 - `convs`: every distinct convolution of the reference decode timed alone: as recorded, with height and width padded
   by the convolution, channels-last, cuDNN's benchmark search, and as 2-D convolutions over frames.
-- `fp8`: the DiT with FP8 linear layers (`--precision fp8`, k6vsr_core.precision), compiled.
+- `fp8`: the DiT with FP8 linear layers (`--precision fp8`, k6vsr_core.device.precision), compiled.
 - `attention`: one layer's attention at the tile shape, every maintained kernel this torch has, on the reference's
   layer-0 inputs: flex attention on NABLA's real mask (shipped options, then Inductor's max-autotune), on fixed
-  block densities (`k6vsr_core.fast.fixed_density_block_mask`: 40 % and 27 %, and the STA floor), on a mask of every
+  block densities (`k6vsr_core.model.fast.fixed_density_block_mask`: 40 % and 27 %, and the STA floor), on a mask of
+  every
   block; dense SDPA through cuDNN, FlashAttention 2 and memory-efficient kernels; FP8 inputs where a kernel takes
   them. Each with its milliseconds and its deviation from the shipped kernel's output.
 - `density`: the shipped fast path's DiT with a fixed block density (the STA floor, 40 %) in place of NABLA's
@@ -215,16 +216,16 @@ class Session:
 
     def plan(self, precision: str = "bf16") -> Any:
         """W1's plan (`load` reads the bundle's traits first)."""
-        from k6vsr_core.bundle import model_traits
-        from k6vsr_core.params import UpscaleParams
-        from k6vsr_core.plan import make_plan
+        from k6vsr_core.contract.params import UpscaleParams
+        from k6vsr_core.contract.plan import make_plan
+        from k6vsr_core.model.bundle import model_traits
 
         return make_plan((512, 768), 121, 24.0, UpscaleParams(scale=2, precision=precision), model_traits(self.info))
 
     def load(self, *, compiled: bool, fuse: bool) -> Any:
-        from k6vsr_core.bundle import load_bundle
-        from k6vsr_core.fast import compile_bundle
-        from k6vsr_core.memory import apply_budget, budget_for
+        from k6vsr_core.model.bundle import load_bundle
+        from k6vsr_core.model.fast import compile_bundle
+        from k6vsr_core.model.memory import apply_budget, budget_for
 
         self.ensure_bundle()
         bundle = load_bundle(str(self.bundle_path), device=self.device)
@@ -247,7 +248,7 @@ class Session:
 
 
 def denoise_fn(session: Session, bundle: Any, precision: str = "bf16") -> Callable[[], torch.Tensor]:
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     lr, chunk = session.lr_tiles()
     plan = session.plan(precision)
@@ -255,7 +256,7 @@ def denoise_fn(session: Session, bundle: Any, precision: str = "bf16") -> Callab
 
 
 def decode_fn(bundle: Any, latent: torch.Tensor) -> Callable[[], torch.Tensor]:
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     return lambda: stages.decode_tile(bundle, latent)
 
@@ -381,7 +382,7 @@ def section_flex(session: Session) -> None:
     from diffusers.models.transformers.transformer_kandinsky6_sr import nabla_block_mask  # noqa: F401
     from torch.nn.attention.flex_attention import flex_attention
 
-    from k6vsr_core.fast import FLEX_KERNEL_OPTIONS
+    from k6vsr_core.model.fast import FLEX_KERNEL_OPTIONS
 
     if "q" not in session.captured:
         session.record("flex", skipped="needs the reference section in the same process (the block mask)")
@@ -418,7 +419,7 @@ def _conv_shapes(session: Session) -> list[dict[str, Any]]:
     """The distinct convolutions of one reference decode (diffusers' forms), with their counts."""
     from torch.overrides import TorchFunctionMode
 
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     seen: dict[tuple[Any, ...], int] = {}
 
@@ -518,7 +519,7 @@ def section_convs(session: Session) -> None:
 
 
 def section_fp8(session: Session) -> None:
-    from k6vsr_core.precision import dit_for, fp8_unavailable
+    from k6vsr_core.device.precision import dit_for, fp8_unavailable
 
     reason = fp8_unavailable(session.device)
     if reason is not None:
@@ -542,7 +543,7 @@ def attention_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masks: 
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import flex_attention
 
-    from k6vsr_core.fast import FLEX_KERNEL_OPTIONS, _cudnn_attention
+    from k6vsr_core.model.fast import FLEX_KERNEL_OPTIONS, _cudnn_attention
 
     flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     options = dict(FLEX_KERNEL_OPTIONS)
@@ -573,7 +574,7 @@ def section_attention(session: Session) -> None:
     from diffusers.models.transformers.transformer_kandinsky6_sr import nabla_block_mask
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    from k6vsr_core.fast import FLEX_KERNEL_OPTIONS, fixed_density_block_mask
+    from k6vsr_core.model.fast import FLEX_KERNEL_OPTIONS, fixed_density_block_mask
 
     if "q" not in session.captured:
         session.record("attention", skipped="needs the reference section in the same process (the block mask)")
@@ -637,7 +638,7 @@ def block_density(mask: Any) -> float:
 
 def encode_seconds(session: Session, bundle: Any) -> float:
     """One W1 window's KVAE encode, hot (the median of three after a warm call)."""
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     plan = session.plan()
     height, width = plan.grid.padded_size
@@ -715,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     session = Session(args)
     if args.cache_import:
-        from k6vsr_core.compile_cache import import_cache
+        from k6vsr_core.device.compile_cache import import_cache
 
         session.results["cache_import"] = import_cache(Path(args.cache_import))
     for name in args.sections.split(","):

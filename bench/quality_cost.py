@@ -30,8 +30,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from k6vsr_core import UpscaleParams  # noqa: E402
-from k6vsr_core.plan import ModelTraits, make_plan  # noqa: E402
-from k6vsr_core.quality import QualityMeter, tile_borders  # noqa: E402
+from k6vsr_core.contract.plan import ModelTraits, make_plan  # noqa: E402
+from k6vsr_core.contract.quality import QualityMeter, tile_borders  # noqa: E402
 
 
 def large_frames_per_second(frames: int = 24) -> float:

@@ -142,7 +142,7 @@ class Bench:
         return self._bundle
 
     def load(self, record: bool = True) -> Any:
-        from k6vsr_core.bundle import load_bundle
+        from k6vsr_core.model.bundle import load_bundle
 
         ensure_bundle(self)
         sync(self.device)
@@ -163,14 +163,14 @@ class Bench:
         width, height, frames, _ = self.workloads[workload]
         path = self.work / f"clip-{width}x{height}x{frames}.mp4"
         if not path.exists():
-            from k6vsr_core.sample import make_sample_clip
+            from k6vsr_core.media.sample import make_sample_clip
 
             make_sample_clip(path.with_suffix(".part.mp4"), width=width, height=height, num_frames=frames, fps=24)
             path.with_suffix(".part.mp4").rename(path)
         return path
 
     def params(self, workload: str, attention: str = "dense") -> Any:
-        from k6vsr_core.params import parse_params
+        from k6vsr_core.contract.params import parse_params
 
         return parse_params(scale=self.workloads[workload][3], attention=attention, seed=42)
 
@@ -230,8 +230,8 @@ def write_full_bundle(path: Path, device: torch.device, seed: int = 0) -> dict[s
     from diffusers import Kandinsky6SRLatentUpscalerBank, Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE
     from safetensors.torch import save_file
 
-    from k6vsr_core.bundle import MODEL_INDEX, WEIGHTS, latent_upscaler_kwargs, transformer_kwargs, vae_kwargs
-    from k6vsr_core.release_config import released_configs
+    from k6vsr_core.contract.release_config import released_configs
+    from k6vsr_core.model.bundle import MODEL_INDEX, WEIGHTS, latent_upscaler_kwargs, transformer_kwargs, vae_kwargs
 
     configs = released_configs()
     tmp = path.with_name(path.name + ".part")
@@ -274,7 +274,7 @@ def ensure_bundle(bench: Bench) -> None:
         return
     started = time.perf_counter()
     if bench.tiny:
-        from k6vsr_core.tiny_bundle import make_tiny_bundle
+        from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 
         make_tiny_bundle(bench.bundle_path)
         bench.record("write_bundle", None, time.perf_counter() - started, kind="tiny")
@@ -323,7 +323,7 @@ def run_ours(
     bench: Bench, bundle: Any, workload: str, output: Path, attention: str = "dense", split: bool = False
 ) -> dict[str, Any]:
     """One request through the in-memory runner, end to end (decode source ... MP4 written)."""
-    from k6vsr_core.runner import upscale
+    from k6vsr_core.model.runner import upscale
 
     clip = bench.clip(workload)
     clock = StageClock(bundle, bench.device) if split else None
@@ -373,9 +373,9 @@ def all_frames(path: Path) -> np.ndarray:
 def contract_frames(path: Path) -> np.ndarray:
     """The frames a run keeps of `path` under the contract's selection, read as a run reads them."""
     from k6vsr_core import media
-    from k6vsr_core.params import parse_params
-    from k6vsr_core.plan import ModelTraits
-    from k6vsr_core.source import read_source
+    from k6vsr_core.contract.params import parse_params
+    from k6vsr_core.contract.plan import ModelTraits
+    from k6vsr_core.contract.source import read_source
 
     clip = read_source(path, parse_params(scale=2, frames="contract"), ModelTraits())
     return media.read_frames(path, clip.plan.source_indices(), clip.frame_pts)
@@ -399,9 +399,9 @@ def frames_diff(a: Path, b: Path) -> dict[str, Any]:
 
 def warm_shapes(bench: Bench, bundle: Any, workload: str, attention: str) -> float:
     """Compile and warm at a workload's tile shapes: one chunk (upscaler + DiT steps) and one tile decode."""
-    from k6vsr_core import stages
-    from k6vsr_core.bundle import model_traits
-    from k6vsr_core.plan import make_plan
+    from k6vsr_core.contract.plan import make_plan
+    from k6vsr_core.model import stages
+    from k6vsr_core.model.bundle import model_traits
 
     width, height, frames, _ = bench.workloads[workload]
     plan = make_plan((height, width), frames, 24, bench.params(workload, attention), model_traits(bundle.info))
@@ -431,7 +431,7 @@ def phase_baseline(bench: Bench) -> None:
     # The module itself: diffusers' top-level name is a placeholder wherever `transformers` is not installed.
     from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_sr import Kandinsky6SRPipeline
 
-    from k6vsr_core.attention import set_attention
+    from k6vsr_core.model.attention import set_attention
 
     if bench.fast_bundle:
         bench.skip("baseline", None, "the loaded bundle is already compiled; run baseline first")
@@ -503,7 +503,7 @@ def phase_plain(bench: Bench) -> None:
 
 
 def make_fast(bench: Bench) -> Any:
-    from k6vsr_core.fast import compile_bundle
+    from k6vsr_core.model.fast import compile_bundle
 
     bundle = bench.bundle()
     if not bench.fast_bundle:
@@ -661,9 +661,9 @@ def phase_density(bench: Bench) -> None:
         nabla_block_mask,
     )
 
-    from k6vsr_core import stages
-    from k6vsr_core.bundle import model_traits
-    from k6vsr_core.plan import make_plan
+    from k6vsr_core.contract.plan import make_plan
+    from k6vsr_core.model import stages
+    from k6vsr_core.model.bundle import model_traits
 
     if bench.fast_bundle:
         bench.skip("nabla density", "W1", "needs the plain bundle")
@@ -732,7 +732,7 @@ def phase_density(bench: Bench) -> None:
             )
         except Exception as err:  # noqa: BLE001
             bench.fail(f"block density {label}", "W1", err)
-    from k6vsr_core.attention import set_attention
+    from k6vsr_core.model.attention import set_attention
 
     for module in layers:
         module.set_processor(Kandinsky6SRAttnProcessor())
@@ -815,10 +815,10 @@ def _worker(rank: int, device: str, bundle_path: str, fast: bool, warm: dict, ta
         fast_path = getattr(bundle, "fast_path", None)
         started = time.perf_counter()
         if warm:
-            from k6vsr_core import stages
-            from k6vsr_core.bundle import model_traits
-            from k6vsr_core.params import parse_params
-            from k6vsr_core.plan import make_plan
+            from k6vsr_core.contract.params import parse_params
+            from k6vsr_core.contract.plan import make_plan
+            from k6vsr_core.model import stages
+            from k6vsr_core.model.bundle import model_traits
 
             plan = make_plan(
                 tuple(warm["size"]), warm["frames"], 24, parse_params(**warm["params"]), model_traits(bundle.info)
@@ -866,8 +866,8 @@ def _run_job(
     import shutil
 
     from k6vsr_core import media
-    from k6vsr_core.bundle import model_traits
-    from k6vsr_core.plan import make_plan
+    from k6vsr_core.contract.plan import make_plan
+    from k6vsr_core.model.bundle import model_traits
     from service.runs import PreparedRun
     from storage import RunStore
     from tasks import stage_tasks
@@ -930,7 +930,7 @@ def _run_job(
 def phase_multi(bench: Bench) -> None:
     import multiprocessing as mp
 
-    from k6vsr_core.bundle import inspect_bundle
+    from k6vsr_core.model.bundle import inspect_bundle
 
     ensure_bundle(bench)
     if not bench.fits("multi"):
@@ -1192,7 +1192,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     torch.manual_seed(0)
     if bench.device.type == "cuda":
-        from k6vsr_core.compile_cache import enable_compile_cache
+        from k6vsr_core.device.compile_cache import enable_compile_cache
 
         enable_compile_cache()
     print(json.dumps(bench.results["env"]), flush=True)

@@ -12,7 +12,7 @@ In one call, each run with a store and an output folder of its own, the README's
   not committed, each resumed by the same command;
 - the in-memory runner in a process of its own, on a bundle loaded and compiled as the command does, run twice;
 - the same runner with `K6VSR_DETERMINISTIC=0` (the libraries' kernel choices by timing), run twice: the second
-  runs of the two, hot, time what determinism costs (`k6vsr_core.determinism`).
+  runs of the two, hot, time what determinism costs (`k6vsr_core.device.determinism`).
 
 The first group runs `--parallel` at a time (their md5s do not depend on it); the two timed runners run after them,
 alone. Every row carries its md5; the verdict is one md5 for all of them but the non-deterministic runner's.
@@ -207,9 +207,9 @@ def runner_child(clip: Path, out_dir: Path) -> int:
     from entrypoints.cli import build_parser
     from entrypoints.command_inputs import model_from
     from entrypoints.request_inputs import params_from
-    from k6vsr_core.bundle import load_bundle
-    from k6vsr_core.fast import compile_bundle
-    from k6vsr_core.runner import upscale
+    from k6vsr_core.model.bundle import load_bundle
+    from k6vsr_core.model.fast import compile_bundle
+    from k6vsr_core.model.runner import upscale
     from tasks.model_cache import resolve_device
 
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import scene_set  # noqa: E402
 
-from k6vsr_core.scenes import source_cuts  # noqa: E402
+from k6vsr_core.contract.scenes import source_cuts  # noqa: E402
 
 
 def measure(folder: Path, verbose: bool = False) -> dict[str, tuple[int, int, int]]:

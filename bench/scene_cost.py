@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from k6vsr_core import media
-from k6vsr_core.sample import make_sample_clip
-from k6vsr_core.scenes import DETECT_WIDTH, source_cuts
+from k6vsr_core.contract.scenes import DETECT_WIDTH, source_cuts
+from k6vsr_core.media.sample import make_sample_clip
 
 MINUTE = 24 * 60
 

@@ -26,12 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from k6vsr_core import UpscaleParams, stages  # noqa: E402
-from k6vsr_core.bundle import load_bundle, model_traits  # noqa: E402
-from k6vsr_core.runner import read_source, read_window  # noqa: E402
-from k6vsr_core.sample import make_sample_clip  # noqa: E402
-from k6vsr_core.tiny_bundle import make_tiny_bundle  # noqa: E402
-from k6vsr_core.windows import segment_frames, segment_range  # noqa: E402
+from k6vsr_core import UpscaleParams  # noqa: E402
+from k6vsr_core.contract.windows import segment_frames, segment_range  # noqa: E402
+from k6vsr_core.media.sample import make_sample_clip  # noqa: E402
+from k6vsr_core.model import stages  # noqa: E402
+from k6vsr_core.model.bundle import load_bundle, model_traits  # noqa: E402
+from k6vsr_core.model.runner import read_source, read_window  # noqa: E402
+from k6vsr_core.model.tiny_bundle import make_tiny_bundle  # noqa: E402
 
 
 def render_windows(

@@ -62,9 +62,9 @@ def main() -> int:
     import s3fs
 
     from flows.orchestrate import prefect_api, run_clip
-    from k6vsr_core.params import UpscaleParams
-    from k6vsr_core.sample import make_sample_clip
-    from k6vsr_core.tiny_bundle import make_tiny_bundle
+    from k6vsr_core.contract.params import UpscaleParams
+    from k6vsr_core.media.sample import make_sample_clip
+    from k6vsr_core.model.tiny_bundle import make_tiny_bundle
     from runtime.prefect_server import stop_server
     from service.runs import ModelSpec, prepare_run
 

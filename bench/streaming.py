@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench import same_bytes
-from k6vsr_core.stage_names import MODEL_STAGES
+from k6vsr_core.contract.stage_names import MODEL_STAGES
 
 if TYPE_CHECKING:
     from bench.check_kit import Check
@@ -145,7 +145,7 @@ def per_window(wall: float, flow: float | None, gpu: tuple[int, float | None]) -
 
 def archive_input(check: Check, clips: int) -> Path:
     """A fresh input folder holding `clips` W1 clips, each with a tone of its own (made once per machine)."""
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     width, height, frames = check.workloads["W1"]
     made = check.work / "archive-clips"

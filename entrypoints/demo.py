@@ -7,9 +7,9 @@ from typing import Any
 
 from entrypoints.progress_bars import run_progress
 from flows.orchestrate import prefect_api, run_clip
-from k6vsr_core.params import UpscaleParams, output_name
-from k6vsr_core.sample import make_sample_clip
-from k6vsr_core.tiny_bundle import make_tiny_bundle
+from k6vsr_core.contract.params import UpscaleParams, output_name
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 from service.runs import ModelSpec, prepare_run
 
 NOTE = (

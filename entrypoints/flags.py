@@ -12,9 +12,9 @@ import argparse
 from typing import Any
 
 from k6vsr_core import settings
-from k6vsr_core.memory_modes import MEMORY_MODES
-from k6vsr_core.params import UpscaleParams
-from k6vsr_core.release_config import DEFAULT_MODEL
+from k6vsr_core.contract.params import UpscaleParams
+from k6vsr_core.contract.release_config import DEFAULT_MODEL
+from k6vsr_core.device.memory_modes import MEMORY_MODES
 
 # Request fields whose flags are not `--field-name`, and SGLang's aliases (`--sr-...`, `--model-path`).
 REQUEST_FLAGS: dict[str, tuple[str, ...]] = {

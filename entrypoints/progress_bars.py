@@ -16,7 +16,7 @@ from typing import IO
 
 from tqdm import tqdm
 
-from k6vsr_core.plan import ClipPlan
+from k6vsr_core.contract.plan import ClipPlan
 from service.runs import PreparedRun
 from storage import RunRef, RunStore
 from storage.progress import (

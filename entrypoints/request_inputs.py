@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from k6vsr_core.contract.params import FPS_MODES, UpscaleParams, parse_params
 from k6vsr_core.errors import ParameterError
-from k6vsr_core.params import FPS_MODES, UpscaleParams, parse_params
 
 
 def params_from(args: argparse.Namespace) -> UpscaleParams:

@@ -30,8 +30,8 @@ import numpy as np
 from PIL import Image
 
 from flows.stage_clock import StageSpan
-from k6vsr_core.plan import ClipPlan
-from k6vsr_core.quality import Comparison, QualityReport
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.contract.quality import Comparison, QualityReport
 from runtime.runners import is_dask_runner, thread_count
 from storage import RunStore
 from storage.progress import (

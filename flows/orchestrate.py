@@ -24,7 +24,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.clip_context import STANDALONE, ClipRunContext, clip_run_context
 from flows.upscale_clip import ClipSummary, clip_flow, upscale_clip
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.contract.params import UpscaleParams
 from runtime.flow_leases import leased
 from runtime.prefect_api import prefect_api
 from runtime.runners import make_task_runner, own_processes, split_runner

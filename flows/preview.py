@@ -29,9 +29,9 @@ from pydantic import BaseModel
 
 from flows.upscale_clip import _task_of
 from k6vsr_core import media
+from k6vsr_core.contract.plan import ClipPlan, representative_windows
+from k6vsr_core.contract.stage_names import Stage, TaskKind
 from k6vsr_core.errors import MissingInput
-from k6vsr_core.plan import ClipPlan, representative_windows
-from k6vsr_core.stage_names import Stage, TaskKind
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
 from runtime.runners import local_threads
 from runtime.schedule import MODEL_ITEMS, Graph, Item, Scheduler, clip_graph

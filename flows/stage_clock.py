@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from k6vsr_core.stage_names import PIPELINE, Stage
+from k6vsr_core.contract.stage_names import PIPELINE, Stage
 
 # The report's order: the pipeline's, with the windows' parts of the quality report where they run (after each
 # window's segment, before the mux); the join of the parts after the publish adds to the same row.

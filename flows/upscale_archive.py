@@ -38,7 +38,7 @@ from flows.archive.planning import SourceStamp, plan_clips
 from flows.archive.report import ManifestArtifact, archive_header, write_manifest
 from flows.archive.rows import ArchiveRow, ArchiveSummary, counts_of, message_of
 from flows.archive.sources import VIDEO_GLOBS, find_sources
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.contract.params import UpscaleParams
 from runtime.flow_leases import LEASE_HOOKS, leased
 from runtime.runners import own_processes
 from runtime.slots import ARCHIVE_CLIPS_IN_FLIGHT

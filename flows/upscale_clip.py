@@ -27,11 +27,11 @@ from flows import artifacts, clip_context
 from flows.run_log import run_log
 from flows.stage_clock import StageClock
 from k6vsr_core import media, settings
+from k6vsr_core.contract.params import output_name
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.contract.quality import QualityReport
+from k6vsr_core.contract.stage_names import Stage, TaskKind
 from k6vsr_core.errors import TileFailure, WindowStopped
-from k6vsr_core.params import output_name
-from k6vsr_core.plan import ClipPlan
-from k6vsr_core.quality import QualityReport
-from k6vsr_core.stage_names import Stage, TaskKind
 from runtime.flow_leases import LEASE_HOOKS, leased
 from runtime.lanes import SubmitTask, lanes_for, shared_queues
 from runtime.runners import is_dask_runner, local_threads
@@ -138,7 +138,8 @@ def upscale_clip(prepared: PreparedRun, output: str | None = None, model: ModelS
     `prepared` is the plan its caller made of this clip (`service.runs.prepare_run`): the flow hands it to ingest,
     which records it in the manifest (re-planned only if fewer frames decode than the probe counted); every later
     stage reads it from there. A latent run's `prepared.latent_fps` is set: its source is a safetensors file of one
-    unscaled KVAE latent `[T, C, H, W]` (`k6vsr_core.latent`), its encode stage reads the latent instead of frames.
+    unscaled KVAE latent `[T, C, H, W]` (`k6vsr_core.contract.latent`), its encode stage reads the latent instead of
+    frames.
     """
     clock = StageClock()
     logger = get_run_logger()

@@ -93,7 +93,8 @@ class Compute(_Group):
     cpu_threads: int | None = Field(None, ge=1, description="torch's CPU threads (default: the cores this may use)")
     networks: str | None = Field(
         None,
-        description="`module:function` giving other calls than the model's for its networks (`k6vsr_core.networks`)",
+        description="`module:function` giving other calls than the model's for its networks "
+        "(`k6vsr_core.model.networks`)",
     )
 
     @field_validator("deterministic", "decoder_layout", mode="before")

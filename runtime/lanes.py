@@ -24,7 +24,7 @@ from typing import Any
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from k6vsr_core.plan import ClipPlan
+from k6vsr_core.contract.plan import ClipPlan
 from runtime.runners import is_dask_runner, warm_address
 from runtime.schedule import ModelQueue
 from runtime.slots import CPU_RESOURCE, CPU_THREADS, MODEL_RESOURCE, MODEL_SLOTS

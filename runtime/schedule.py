@@ -40,8 +40,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from k6vsr_core.plan import ClipPlan
-from k6vsr_core.stage_names import TaskKind
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.contract.stage_names import TaskKind
 
 # The model lane's items, within a window the most urgent first: a decode, a chunk (denoised, or denoised and
 # decoded as one task where that spreads no less work), an encode.

@@ -1,6 +1,6 @@
 """How many tasks of each kind one process runs at once (the lanes of `runtime.lanes`), and where.
 
-Model tasks (encode, denoise, decode): two at once, which the memory budget (k6vsr_core.memory) allows for, so one
+Model tasks (encode, denoise, decode): two at once, which the memory budget (k6vsr_core.model.memory) allows for, so one
 task's store reads and writes overlap the other's model work. Blends and segments: three more threads beside them,
 since a blend holds its thread from its window's first decoded tile to its last: the blends of a window and of the
 next one (or of the next clip's first window, in an archive) and the segment of the window before.
@@ -19,7 +19,8 @@ CPU_THREADS = 3  # two windows' blends and the segment of the window before them
 WORKER_THREADS = MODEL_SLOTS + CPU_THREADS
 WORKER_RESOURCES = {MODEL_RESOURCE: MODEL_SLOTS}
 # A model worker of a split cluster takes one task more than the device computes at once: while one computes and
-# the next waits at the memory gate (k6vsr_core.gate) with its inputs read, a third reads its inputs from the store,
+# the next waits at the memory gate (k6vsr_core.device.gate) with its inputs read, a third reads its inputs from the
+# store,
 # so the device never waits for a read, a write or a scheduler's round trip.
 MODEL_WORKER_SLOTS = MODEL_SLOTS + 1
 MODEL_WORKER_RESOURCES = {MODEL_RESOURCE: MODEL_WORKER_SLOTS}

@@ -13,13 +13,13 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core import media
-from k6vsr_core.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
+from k6vsr_core.contract.latent import plan_latent, read_latent
+from k6vsr_core.contract.params import ParameterError, UpscaleParams
+from k6vsr_core.contract.plan import ClipPlan, select_kept_frames
+from k6vsr_core.contract.source import plan_probed
+from k6vsr_core.device.memory_modes import MemoryMode
 from k6vsr_core.errors import BundleError, MediaError
-from k6vsr_core.latent import plan_latent, read_latent
-from k6vsr_core.memory_modes import MemoryMode
-from k6vsr_core.params import ParameterError, UpscaleParams
-from k6vsr_core.plan import ClipPlan, select_kept_frames
-from k6vsr_core.source import plan_probed
+from k6vsr_core.model.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
 from storage import RunRef, run_key, source_info
 
 __all__ = ["RunRef"]  # the run's handle lives with the store; the runs planned here carry it
@@ -30,7 +30,7 @@ class ModelSpec(BaseModel):
 
     `device` "auto" means the worker's first GPU if it has one, else the CPU. `compile` (on CUDA only) compiles the
     DiT blocks and the KVAE decoder; off, they run eagerly (NABLA's flex attention is compiled either way).
-    `memory` is the GPU memory budget (`k6vsr_core.memory`); "auto" takes the fastest that fits the clip on the
+    `memory` is the GPU memory budget (`k6vsr_core.model.memory`); "auto" takes the fastest that fits the clip on the
     worker's kind of card (its memory, not what is free), the same choice in every process.
     """
 
@@ -58,7 +58,7 @@ def model_info(spec: ModelSpec, weights: bool = True, tensors: bool = True) -> B
     """The model's identity and traits, from its configs and weight headers only; from its configs alone when not
     `weights` (a local bundle's identity then covers the configs only, so its run keys are not those of the full
     bundle). Without `tensors`, the weights are not checked against the architecture, which imports torch: the
-    warm workers that load the model check them (`k6vsr_core.bundle.inspect_bundle`)."""
+    warm workers that load the model check them (`k6vsr_core.model.bundle.inspect_bundle`)."""
     return locate_bundle(spec.model, spec.revision, spec.model_id, weights, tensors).info
 
 
@@ -78,7 +78,8 @@ def prepare_run(
     plans every clip before the first computes, and looking for cuts decodes each source once more.
 
     With `latent_fps` (a number or `a/b`), `source` is a safetensors file holding one unscaled KVAE latent
-    `[T, C, H, W]` (`k6vsr_core.latent`) played at that rate, instead of a video. Without `weights`, the model's
+    `[T, C, H, W]` (`k6vsr_core.contract.latent`) played at that rate, instead of a video. Without `weights`, the
+    model's
     configs are enough (`model_info`); without `tensors`, the weights are not checked against the architecture.
     """
     if latent_fps is not None:

@@ -11,9 +11,9 @@ from collections.abc import Collection, Mapping
 
 from pydantic import BaseModel
 
-from k6vsr_core.plan import ClipPlan
-from k6vsr_core.stage_names import Stage
-from k6vsr_core.tiling import SPATIAL_FACTOR
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.contract.stage_names import Stage
+from k6vsr_core.contract.tiling import SPATIAL_FACTOR
 from storage.run_store import RunStore
 
 # Windows whose intermediates coexist: the one being blended, the one on the GPU and the one being encoded.

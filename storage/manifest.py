@@ -17,11 +17,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from k6vsr_core.bundle import BundleInfo
-from k6vsr_core.compute import ComputeProfile
-from k6vsr_core.networks import identity_mark
-from k6vsr_core.params import UpscaleParams
-from k6vsr_core.plan import ClipPlan
+from k6vsr_core.contract.params import UpscaleParams
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.device.compute import ComputeProfile
+from k6vsr_core.model.bundle import BundleInfo
+from k6vsr_core.model.networks import identity_mark
 
 # Bump whenever what a stage stores, or how, changes: old runs then stop matching instead of being misread.
 STAGE_FORMAT_VERSION = 4
@@ -99,7 +99,8 @@ def run_key(
     on_timestamps: bool = False,
 ) -> str:
     """The run's name, the one recipe of it: the source's content, the request's output fields, the model's identity
-    (with the mark of other network calls while they are injected, `k6vsr_core.networks`, so their runs never share
+    (with the mark of other network calls while they are injected, `k6vsr_core.model.networks`, so their runs never
+    share
     a store's items with the model's) and the store's format. `latent_fps` (a latent source's frame rate) and
     `deinterlace` (the field order a plan deinterlaces its frames with, `ClipPlan.deinterlace`) are keyed only when
     given, so the runs of progressive videos keep their keys; so is `on_timestamps`, a variable-rate source's frames

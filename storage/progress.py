@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel
 
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.contract.stage_names import CPU_STAGES, Stage
 from k6vsr_core.errors import StoreError
-from k6vsr_core.plan import ClipPlan
-from k6vsr_core.stage_names import CPU_STAGES, Stage
 from storage.run_store import RunStore
 
 SEPARATOR = " · "

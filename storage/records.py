@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from k6vsr_core.stage_names import Stage
+from k6vsr_core.contract.stage_names import Stage
 from storage.location import LocalLocation, Location, atomic_write_bytes, file_checksum
 
 log = logging.getLogger("k6vsr.store")

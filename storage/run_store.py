@@ -46,8 +46,8 @@ from pydantic import BaseModel, ConfigDict
 from zarr.errors import ContainsArrayError
 
 from k6vsr_core import settings
+from k6vsr_core.contract.stage_names import Stage
 from k6vsr_core.errors import StoreError
-from k6vsr_core.stage_names import Stage
 from storage import leases
 from storage.location import (
     LocalLocation,

@@ -38,8 +38,8 @@ import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from k6vsr_core.plan import ClipPlan
-from k6vsr_core.stage_names import MODEL_STAGES, Stage
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.contract.stage_names import MODEL_STAGES, Stage
 from storage.progress import stage_items
 from storage.records import CompletionRecord
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from k6vsr_core.plan import ClipPlan
-from k6vsr_core.stage_names import Stage
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.contract.stage_names import Stage
 
 
 class StageResult(BaseModel):

@@ -14,14 +14,14 @@ import numpy as np
 from prefect import task
 
 from k6vsr_core import media
-from k6vsr_core.bundle import BundleInfo, model_traits
-from k6vsr_core.compute import ComputeProfile, apply_profile, default_profile
+from k6vsr_core.contract.latent import latent_clip, read_latent
+from k6vsr_core.contract.params import UpscaleParams
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.contract.source import audio_input, read_source
+from k6vsr_core.contract.stage_names import Stage, TaskKind
+from k6vsr_core.device.compute import ComputeProfile, apply_profile, default_profile
 from k6vsr_core.errors import ParameterError
-from k6vsr_core.latent import latent_clip, read_latent
-from k6vsr_core.params import UpscaleParams
-from k6vsr_core.plan import ClipPlan
-from k6vsr_core.source import audio_input, read_source
-from k6vsr_core.stage_names import Stage, TaskKind
+from k6vsr_core.model.bundle import BundleInfo, model_traits
 from service.runs import PreparedRun, latent_channels
 from storage import RunManifest, RunStore, SourceInfo, source_info
 from storage.manifest import library_versions
@@ -119,7 +119,7 @@ def ingest(prepared: PreparedRun, attempt: str) -> IngestResult:
 def ingest_latent(prepared: PreparedRun, attempt: str) -> IngestResult:
     """A latent run's ingest: check the latent, store the audio of `--audio FILE` if given, and write the manifest
     with the run's plan. There are no source frames to index, and the latent itself is read by the encode stage,
-    from its file. The plan's params are the run's (`k6vsr_core.latent.latent_params`)."""
+    from its file. The plan's params are the run's (`k6vsr_core.contract.latent.latent_params`)."""
     run, source, plan, info = prepared.run, prepared.source, prepared.plan, prepared.model_info
     store = run.open()
     manifest = _readable_manifest(store)

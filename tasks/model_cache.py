@@ -10,7 +10,8 @@ A warm worker sees several models over its life (a distilled and a full one, ano
 and a third evicts the least recently used, whose weights are freed (host memory and the GPU's cache) before the
 new one is loaded, so two models never exceed what the budget of each assumed for long.
 
-Each clip's memory budget is `k6vsr_core.memory.budget_for`: a function of the memory mode, the card and the clip's
+Each clip's memory budget is `k6vsr_core.model.memory.budget_for`: a function of the memory mode, the card and the
+clip's
 plan, the same in every process, never of the free memory, the thread count or the clip this worker ran before. A
 loaded bundle is placed under one budget, so the cache keys it by model and budget: a clip whose budget differs
 from the one of the bundle in hand gets a bundle of its own (loaded once, then kept like another model).
@@ -29,13 +30,13 @@ import torch
 from pydantic import BaseModel
 
 from k6vsr_core import settings, status
-from k6vsr_core.bundle import ModelBundle, load_bundle
-from k6vsr_core.fast import compile_bundle
-from k6vsr_core.memory import GIB, apply_budget, budget_for, free_gpu_bytes
-from k6vsr_core.memory_modes import BudgetName
-from k6vsr_core.network_imports import import_networks
-from k6vsr_core.plan import ClipPlan
-from k6vsr_core.precision import check_precision
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.device.memory_modes import BudgetName
+from k6vsr_core.device.precision import check_precision
+from k6vsr_core.model.bundle import ModelBundle, load_bundle
+from k6vsr_core.model.fast import compile_bundle
+from k6vsr_core.model.memory import GIB, apply_budget, budget_for, free_gpu_bytes
+from k6vsr_core.model.network_imports import import_networks
 from service.runs import ModelSpec
 
 SIZE_ENV = settings.env_name("model_cache_size")
@@ -140,7 +141,7 @@ def _cached(key: CacheKey, device: torch.device) -> ModelBundle:
             # torch's advice to compile it, once per process, is for GPUs, and filled every CPU worker's log.
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         bundle = load_bundle(spec.model, spec.revision, model_id=spec.model_id, device=device)
-        # On CUDA always: eager NABLA without it would build the whole attention matrix (k6vsr_core.fast).
+        # On CUDA always: eager NABLA without it would build the whole attention matrix (k6vsr_core.model.fast).
         compile_bundle(bundle, compiled=spec.compile)
         _BUNDLES[key] = bundle
         _LOADS.append(_identity(key))

@@ -1,4 +1,5 @@
-"""The quality report of a run's output (`k6vsr_core.quality`), measured window by window and kept in the run store.
+"""The quality report of a run's output (`k6vsr_core.contract.quality`), measured window by window and kept in the run
+store.
 
 Each window's part is measured on the CPU lane as soon as its segment is written (`measure_window`, the last step of the
 window's `blend-segment` task), from the segment file and the source, while the model computes the windows after it, and
@@ -17,8 +18,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 
-from k6vsr_core.quality import Measures, QualityReport, combine, measure_files, measure_segment, tile_borders
-from k6vsr_core.stage_names import Stage, TaskKind
+from k6vsr_core.contract.quality import Measures, QualityReport, combine, measure_files, measure_segment, tile_borders
+from k6vsr_core.contract.stage_names import Stage, TaskKind
 from service.runs import RunRef
 from storage import RunStore
 from storage.location import Location

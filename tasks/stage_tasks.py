@@ -25,13 +25,15 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE, CachePolicy
 
-from k6vsr_core import media, networks, segments, settings
-from k6vsr_core.compute import apply_profile
+from k6vsr_core import media, settings
+from k6vsr_core.contract import segments
+from k6vsr_core.contract.latent import fit_latent, read_latent
+from k6vsr_core.contract.plan import ClipPlan
+from k6vsr_core.contract.stage_names import Stage, TaskKind
+from k6vsr_core.contract.windows import segment_frames, shares_frames
+from k6vsr_core.device.compute import apply_profile
 from k6vsr_core.errors import MissingInput, ParameterError, UserFacingError, WindowStopped
-from k6vsr_core.latent import fit_latent, read_latent
-from k6vsr_core.plan import ClipPlan
-from k6vsr_core.stage_names import Stage, TaskKind
-from k6vsr_core.windows import segment_frames, shares_frames
+from k6vsr_core.model import networks
 from service.runs import ModelSpec, RunRef
 from storage import RunManifest, RunStore, source_info
 from storage import publish as publish_file
@@ -42,7 +44,7 @@ from tasks.descriptors import StageResult
 if TYPE_CHECKING:
     import torch
 
-    from k6vsr_core.bundle import ModelBundle
+    from k6vsr_core.model.bundle import ModelBundle
 
 # Errors that another attempt cannot fix: the user's (a MemoryBudgetError is one), and a window the flow stopped.
 # Anything else, a broken invariant (a ValueError) included, may be a fault of this attempt (a damaged stored chunk,
@@ -79,7 +81,7 @@ def _store(run: RunRef) -> RunStore:
 
 
 def _plan(store: RunStore) -> ClipPlan:
-    """The run's plan, with this process set to compute as the run's manifest says (see k6vsr_core.compute)."""
+    """The run's plan, with this process set to compute as the run's manifest says (see k6vsr_core.device.compute)."""
     manifest = store.read_manifest()
     apply_profile(manifest.compute)
     return manifest.plan
@@ -137,7 +139,7 @@ WINDOW_INTERMEDIATES = ("latent", "tile_latents", "tiles")
 @task(name=TaskKind.ENCODE, task_run_name="encode-window-{window}", **STAGE_TASK)
 def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageResult:
     """KVAE encode of one window's frames, read from the source."""
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     store = _store(run)
     plan = _plan(store)
@@ -181,9 +183,9 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
 
 @contextmanager
 def _compile_spans() -> Iterator[list[tuple[float, float]]]:
-    """The spans in which the block compiled kernels (`k6vsr_core.compile_cache.compile_spans`), imported where a
+    """The spans in which the block compiled kernels (`k6vsr_core.device.compile_cache.compile_spans`), imported where a
     model stage computes."""
-    from k6vsr_core.compile_cache import compile_spans
+    from k6vsr_core.device.compile_cache import compile_spans
 
     with compile_spans() as spans:
         yield spans
@@ -192,7 +194,7 @@ def _compile_spans() -> Iterator[list[tuple[float, float]]]:
 def _given_latent(bundle: ModelBundle, manifest: RunManifest, path: Path) -> torch.Tensor:
     """A latent run's one window: the latent file, scaled and padded onto the tile grid as the video's encode would
     leave it. A file changed since ingest is refused: the run and its key are of the content ingest planned."""
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     if source_info(path).sha256 != manifest.source.sha256:
         raise ParameterError(f"latent={manifest.source.path!r} changed since the run was planned; start it again")
@@ -207,7 +209,7 @@ def denoise(
     """Latent upscaler, seeded noise and DiT steps for one chunk of tiles (the seeding unit) of one window."""
     import torch
 
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     store = _store(run)
     plan = _plan(store)
@@ -327,7 +329,7 @@ def blend(run: RunRef, window: int, attempt: str) -> StageResult:
     """
     import torch
 
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     store = _store(run)
     plan = _plan(store)

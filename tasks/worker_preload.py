@@ -2,7 +2,8 @@
 
 `runtime.warm_workers` sets `K6VSR_WARM_MODEL` (a ModelSpec as JSON) when `k6vsr workers start --model` names one;
 each worker then loads it in the background as it starts and, when the model runs compiled on CUDA, warms it: one
-call of every shape a default run compiles (`k6vsr_core.warm_plan`, `k6vsr_core.warmup`), with the bundle placed
+call of every shape a default run compiles (`k6vsr_core.contract.warm_plan`, `k6vsr_core.model.warmup`), with the
+bundle placed
 under the budget such a run gets, so the first run after the start compiles nothing. On a CPU nothing is compiled
 and nothing is warmed. The supervisor asks every worker for `preload_state()` and reports the workers ready once
 each has finished; a tile that comes sooner waits for the same load (the model cache holds its lock while loading).
@@ -23,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from k6vsr_core import settings
-from k6vsr_core.plan import ClipPlan
+from k6vsr_core.contract.plan import ClipPlan
 from service.runs import ModelSpec
 
 # A ModelSpec as JSON, set by `runtime.warm_workers` for the workers it starts.
@@ -70,9 +71,9 @@ def warms(spec: ModelSpec) -> bool:
 def preload(spec: ModelSpec, state: PreloadState, plan: ClipPlan | None = None) -> None:
     """Load `spec` into the worker's model cache and, where it compiles, warm it for `plan` (default: the shapes a
     default run compiles); `state` says how it went."""
-    from k6vsr_core.bundle import model_traits
-    from k6vsr_core.warm_plan import warm_plan
-    from k6vsr_core.warmup import warm_up
+    from k6vsr_core.contract.warm_plan import warm_plan
+    from k6vsr_core.model.bundle import model_traits
+    from k6vsr_core.model.warmup import warm_up
     from tasks.model_cache import get_bundle
 
     started = time.perf_counter()
@@ -118,7 +119,7 @@ def dask_setup(worker: Any) -> None:
     """Before the worker takes a task: the networks' modules imported in one thread (`import_networks`: its threads
     would otherwise import them at once), then the model's load begun in the background, when one is asked."""
     global _STATE
-    from k6vsr_core.network_imports import import_networks
+    from k6vsr_core.model.network_imports import import_networks
 
     import_networks()
     import tasks.model_cache  # noqa: F401 - imports the compiled paths' modules in this thread, before any task

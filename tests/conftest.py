@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from k6vsr_core.bundle import ModelBundle, load_bundle
-from k6vsr_core.tiny_bundle import make_tiny_bundle
+from k6vsr_core.model.bundle import ModelBundle, load_bundle
+from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 
 # The files that take longest, in that order, start first. The README's test command shares the files between two
 # workers in collection order; a long file left for the end would keep one worker busy after the other has finished.
@@ -98,17 +98,17 @@ def flow_bundle(flow_bundle_path: Path) -> ModelBundle:
 @pytest.fixture
 def plan_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every `make_plan` call from here on, wherever it is made (each module holds its own name for it)."""
-    import k6vsr_core.latent
-    import k6vsr_core.plan
-    import k6vsr_core.source
+    import k6vsr_core.contract.latent
+    import k6vsr_core.contract.plan
+    import k6vsr_core.contract.source
 
     calls: list[int] = []
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return k6vsr_core.plan.make_plan(*args, **kwargs)
+        return k6vsr_core.contract.plan.make_plan(*args, **kwargs)
 
-    for module in (k6vsr_core.source, k6vsr_core.latent):
+    for module in (k6vsr_core.contract.source, k6vsr_core.contract.latent):
         monkeypatch.setattr(module, "make_plan", counted)
     return calls
 
@@ -200,7 +200,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def clip_1f(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 1-frame 128x96 clip with audio: 6 tiles at x2 with the tiny bundle, each stage well under a second."""
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     return make_sample_clip(tmp_path_factory.mktemp("clips") / "one.mp4", width=128, height=96, num_frames=1)
 
@@ -210,7 +210,7 @@ def reference(tiny_bundle: ModelBundle, clip_1f: Path, tmp_path_factory: pytest.
     """`clip_1f` upscaled x2 by the in-memory runner with the tiny bundle: the bytes every way of running it gives
     (tests/flows/test_same_bytes.py)."""
     from k6vsr_core import upscale
-    from k6vsr_core.params import UpscaleParams
+    from k6vsr_core.contract.params import UpscaleParams
 
     out = tmp_path_factory.mktemp("reference") / "ref.mp4"
     upscale(clip_1f, out, tiny_bundle, UpscaleParams(scale=2))

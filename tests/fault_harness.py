@@ -147,7 +147,9 @@ def _wrap_before(fault: Fault, original: Callable[..., Any], what: str) -> Calla
 
 def _patch(fault: Fault) -> Callable[[], None]:
     """Install one fault; returns its undo."""
-    from k6vsr_core import media, segments, stages
+    from k6vsr_core import media
+    from k6vsr_core.contract import segments
+    from k6vsr_core.model import stages
     from storage import run_store
 
     if fault.point == "ingest":

@@ -22,7 +22,7 @@ import cv2
 import numpy as np
 
 from k6vsr_core import media
-from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core.media.encoding import VideoEncoding
 
 SIZES = ((64, 96), (128, 192))  # (H, W)
 ENCODING = VideoEncoding(codec="h264", crf=28)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from k6vsr_core import compile_cache
+from k6vsr_core.device import compile_cache
 from k6vsr_core.errors import UserFacingError
 
 

@@ -8,9 +8,9 @@ from typing import Any
 
 from entrypoints.command_inputs import local_input, model_from, store_from
 from entrypoints.request_inputs import input_from, params_from
-from k6vsr_core.bundle import weights_present
-from k6vsr_core.stage_names import Stage
-from k6vsr_core.windows import WINDOW_FRAMES, plan_shots
+from k6vsr_core.contract.stage_names import Stage
+from k6vsr_core.contract.windows import WINDOW_FRAMES, plan_shots
+from k6vsr_core.model.bundle import weights_present
 from service.runs import prepare_run
 from storage.estimate import run_estimate, store_estimate
 

@@ -20,9 +20,9 @@ from entrypoints.devices import check_device
 from entrypoints.progress_bars import run_progress
 from entrypoints.request_inputs import input_from, params_from
 from k6vsr_core import status
-from k6vsr_core.encoding import SUFFIXES
+from k6vsr_core.contract.params import UpscaleParams, output_name
 from k6vsr_core.errors import ParameterError, UserFacingError
-from k6vsr_core.params import UpscaleParams, output_name
+from k6vsr_core.media.encoding import SUFFIXES
 from service.runs import model_info, prepare_run
 from storage.urls import check_output_prefix, is_url, url_parent
 

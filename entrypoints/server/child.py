@@ -74,7 +74,7 @@ def _child_main(spec_json: str, parent_pid: int) -> int:
     configure_terminal(verbose=os.environ.get(CONSOLE_LEVEL_ENV) == "INFO")  # as the server that started it
     try:
         from flows.orchestrate import ClipRunContext, run_clip
-        from k6vsr_core.params import UpscaleParams
+        from k6vsr_core.contract.params import UpscaleParams
         from runtime.runners import make_task_runner, warm_address
         from service.runs import ModelSpec, prepare_run
         from storage import RunRef

@@ -6,8 +6,8 @@ from typing import Any
 
 from entrypoints.server.api_errors import ApiError
 from entrypoints.server.confine import quote
-from k6vsr_core.latent import parse_rate
-from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
+from k6vsr_core.contract.latent import parse_rate
+from k6vsr_core.contract.params import ParameterError, UpscaleParams, parse_params
 
 # SGLang request field -> UpscaleParams field.
 FIELDS = {

@@ -38,10 +38,10 @@ from entrypoints.server.job_records import (
     new_job_id,
 )
 from entrypoints.server.job_runner import JobRunner
-from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core.contract.latent import check_latent_scale
+from k6vsr_core.contract.params import UpscaleParams
 from k6vsr_core.errors import MediaError, ParameterError
-from k6vsr_core.latent import check_latent_scale
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.media.encoding import VideoEncoding
 from service.runs import ModelSpec, prepare_run
 from storage import RunRef
 

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from flows.archive.report import MANIFEST_NAME
 from flows.archive.rows import ArchiveRow, reason_of
-from k6vsr_core.params import UpscaleParams, output_name
+from k6vsr_core.contract.params import UpscaleParams, output_name
 from service.runs import ModelSpec, PreparedRun, model_info, prepare_run
 from storage import run_key, source_info
 

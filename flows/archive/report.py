@@ -12,7 +12,7 @@ from uuid import UUID
 
 from flows import artifacts
 from flows.archive.rows import ArchiveRow, counts_of, message_of
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.contract.params import UpscaleParams
 from service.runs import ModelSpec
 from storage.records import atomic_write_bytes
 

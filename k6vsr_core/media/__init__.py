@@ -20,23 +20,77 @@ Callers use this package as one namespace (`media.probe`, `media.write_video`): 
 would shadow a function or module imported by name.
 """
 
-from k6vsr_core.media.audio import AUDIO_SAMPLE_RATE, check_audio_file, decode_audio, trim_audio, write_audio_track
-from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, OutputMismatch, PlannedOutput, check_output
-from k6vsr_core.media.clock import MATROSKA_TICK, FrameRate, Timeline, span_s
-from k6vsr_core.media.colour import HdrMetadata, output_colour
-from k6vsr_core.media.fields import FieldInfo, FieldOrder, probe_fields
-from k6vsr_core.media.probing import MAX_SOURCE_PIXELS, MAX_SOURCE_SIDE, VideoProbe, probe
-from k6vsr_core.media.reading import iter_frames, read_frames, scan_frames
-from k6vsr_core.media.selection import (
-    MAX_NUM_FRAMES,
-    RESAMPLE_FPS_TOLERANCE,
-    TARGET_FPS,
-    aligned_frame_count,
-    select_all_frames,
-    select_frames,
-)
-from k6vsr_core.media.timing import FrameTiming, frame_times, frames_on_times, timeline_of, timing_of
-from k6vsr_core.media.writing import HEVC_MIN_SIDE, concat_segments, planned_output, write_segment, write_video
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Loaded on first use, as `media.probe` is reached: importing one module of the package (`media.encoding`, which the
+# request's model needs) must not import PyAV and every other module with it (`k6vsr --help` answers at once).
+if TYPE_CHECKING:
+    from k6vsr_core.media.audio import AUDIO_SAMPLE_RATE, check_audio_file, decode_audio, trim_audio, write_audio_track
+    from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, OutputMismatch, PlannedOutput, check_output
+    from k6vsr_core.media.clock import MATROSKA_TICK, FrameRate, Timeline, span_s
+    from k6vsr_core.media.colour import HdrMetadata, output_colour
+    from k6vsr_core.media.fields import FieldInfo, FieldOrder, probe_fields
+    from k6vsr_core.media.probing import MAX_SOURCE_PIXELS, MAX_SOURCE_SIDE, VideoProbe, probe
+    from k6vsr_core.media.reading import iter_frames, read_frames, scan_frames
+    from k6vsr_core.media.selection import (
+        MAX_NUM_FRAMES,
+        RESAMPLE_FPS_TOLERANCE,
+        TARGET_FPS,
+        aligned_frame_count,
+        select_all_frames,
+        select_frames,
+    )
+    from k6vsr_core.media.timing import FrameTiming, frame_times, frames_on_times, timeline_of, timing_of
+    from k6vsr_core.media.writing import HEVC_MIN_SIDE, concat_segments, planned_output, write_segment, write_video
+
+_HOMES = {
+    "AUDIO_SAMPLE_RATE": "audio",
+    "check_audio_file": "audio",
+    "decode_audio": "audio",
+    "trim_audio": "audio",
+    "write_audio_track": "audio",
+    "BT709_TV": "checking",
+    "UNTAGGED": "checking",
+    "ColourTags": "checking",
+    "OutputMismatch": "checking",
+    "PlannedOutput": "checking",
+    "check_output": "checking",
+    "MATROSKA_TICK": "clock",
+    "FrameRate": "clock",
+    "Timeline": "clock",
+    "span_s": "clock",
+    "HdrMetadata": "colour",
+    "output_colour": "colour",
+    "FieldInfo": "fields",
+    "FieldOrder": "fields",
+    "probe_fields": "fields",
+    "MAX_SOURCE_PIXELS": "probing",
+    "MAX_SOURCE_SIDE": "probing",
+    "VideoProbe": "probing",
+    "probe": "probing",
+    "iter_frames": "reading",
+    "read_frames": "reading",
+    "scan_frames": "reading",
+    "MAX_NUM_FRAMES": "selection",
+    "RESAMPLE_FPS_TOLERANCE": "selection",
+    "TARGET_FPS": "selection",
+    "aligned_frame_count": "selection",
+    "select_all_frames": "selection",
+    "select_frames": "selection",
+    "FrameTiming": "timing",
+    "frame_times": "timing",
+    "frames_on_times": "timing",
+    "timeline_of": "timing",
+    "timing_of": "timing",
+    "HEVC_MIN_SIDE": "writing",
+    "concat_segments": "writing",
+    "planned_output": "writing",
+    "write_segment": "writing",
+    "write_video": "writing",
+}
 
 __all__ = [
     "AUDIO_SAMPLE_RATE",
@@ -83,3 +137,10 @@ __all__ = [
     "write_segment",
     "write_video",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)

@@ -13,12 +13,12 @@ import av.container
 import numpy as np
 from av.video.reformatter import ColorRange, Colorspace
 
-from k6vsr_core.encoding import MIN_SIZES, VideoEncoding
 from k6vsr_core.errors import MediaError
 from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC, AUDIO_SAMPLE_RATE, samples_for, trim_audio
 from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, PlannedOutput
 from k6vsr_core.media.clock import FrameRate, Timeline, span_s
 from k6vsr_core.media.colour import MATRIX_CODES, PRIMARY_CODES, TRANSFER_CODES, HdrMetadata, x265_hdr_params
+from k6vsr_core.media.encoding import MIN_SIZES, VideoEncoding
 from k6vsr_core.media.probing import PathLike
 from k6vsr_core.media.streams import SourceStreams, carried_chapters, carried_streams
 from k6vsr_core.media.typed import stream_as, time_base

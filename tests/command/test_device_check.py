@@ -284,7 +284,7 @@ def test_the_runner_child_reports_the_runners_stage_timings(
     tmp_path: Path, tiny_bundle_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The in-memory runner in the child, for real on a one-tile, one-frame clip and the tiny bundle on the CPU."""
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     clip = make_sample_clip(tmp_path / "one.mp4", width=64, height=64, num_frames=1, audio=False)
     monkeypatch.setenv("K6VSR_MODEL", str(tiny_bundle_path))

@@ -14,7 +14,7 @@ from k6vsr_core.errors import (
     ParameterError,
     describe_error,
 )
-from k6vsr_core.memory import MemoryBudgetError
+from k6vsr_core.model.memory import MemoryBudgetError
 from runtime.service_errors import ServerError, WorkersError
 
 
@@ -29,7 +29,7 @@ def test_an_internal_invariant_failure_exits_1_as_an_internal_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A stage handed frames that do not match the plan is k6vsr's bug, not a usage error."""
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     def broken(_: Any) -> dict[str, Any]:
         return {"tensor": stages.frames_to_tensor(np.zeros((2, 4, 4), dtype=np.uint8))}
@@ -89,8 +89,8 @@ def test_a_service_that_cannot_start_is_one_clear_line(
 
 def test_a_request_the_clip_cannot_take_is_a_parameter_error() -> None:
     """hevc below x265's smallest side is the user's choice: refused as a ParameterError, for a latent run too."""
-    from k6vsr_core.params import parse_params
-    from k6vsr_core.plan import make_plan
+    from k6vsr_core.contract.params import parse_params
+    from k6vsr_core.contract.plan import make_plan
 
     with pytest.raises(ParameterError, match="codec=hevc needs an output of at least"):
         make_plan((32, 32), 9, 24.0, parse_params(scale=2, codec="hevc"))

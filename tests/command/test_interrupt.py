@@ -17,7 +17,7 @@ import procs
 import pytest
 
 from entrypoints.stopping import MESSAGE
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
 
 pytestmark = [pytest.mark.usefixtures("prefect_server", "interruptible"), pytest.mark.timed]
 

@@ -131,7 +131,7 @@ def test_an_archive_s_warnings_stand_above_its_bars_and_its_skipped_files_are_na
 ) -> None:
     """A damaged file's warning is a line of its own above the bars, never written into a bar's line; the summary
     names each skipped file with its reason, as it names each failed one."""
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     folder = tmp_path / "in"
     folder.mkdir()

@@ -1,4 +1,4 @@
-"""The process-wide kernel settings (k6vsr_core.determinism): applied where every computing process loads its
+"""The process-wide kernel settings (k6vsr_core.device.determinism): applied where every computing process loads its
 model, before its first kernel, and left at the libraries' defaults only when asked, to measure their cost."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch._inductor import config as inductor_config
 
-from k6vsr_core.bundle import load_bundle
-from k6vsr_core.compute import apply_profile, default_profile
-from k6vsr_core.determinism import CUBLAS_ENV, CUBLAS_WORKSPACE, SWITCH_ENV, apply_kernel_settings
+from k6vsr_core.device.compute import apply_profile, default_profile
+from k6vsr_core.device.determinism import CUBLAS_ENV, CUBLAS_WORKSPACE, SWITCH_ENV, apply_kernel_settings
+from k6vsr_core.model.bundle import load_bundle
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The same frames encode to the same bytes in every process, whatever the process did before.
 
 x264's AVX-512 code reads memory it never wrote, so on such a CPU its output followed the state of the heap: a
-resumed run (a fresh process) could write other bytes than the run it resumed. `k6vsr_core.encoding` keeps x264 to
+resumed run (a fresh process) could write other bytes than the run it resumed. `k6vsr_core.media.encoding` keeps x264 to
 the CPU's instruction sets below AVX-512 there.
 """
 
@@ -14,8 +14,8 @@ import av
 import numpy as np
 
 from k6vsr_core import media
-from k6vsr_core.encoding import VideoEncoding, x264_instructions
-from k6vsr_core.sample import make_sample_clip, sample_frames
+from k6vsr_core.media.encoding import VideoEncoding, x264_instructions
+from k6vsr_core.media.sample import make_sample_clip, sample_frames
 
 _AVX512_CPU = (
     "processor\t: 0\nflags\t\t: fpu sse sse2 pni ssse3 sse4_1 sse4_2 avx fma avx2 bmi1 bmi2 abm avx512f avx512bw\n"

@@ -1,11 +1,11 @@
-"""Tests for k6vsr_core.params: official defaults and one ParameterError per invalid request value."""
+"""Tests for k6vsr_core.contract.params: official defaults and one ParameterError per invalid request value."""
 
 from __future__ import annotations
 
 import pydantic
 import pytest
 
-from k6vsr_core.params import ParameterError, UpscaleParams, parse_params
+from k6vsr_core.contract.params import ParameterError, UpscaleParams, parse_params
 
 
 def test_defaults_are_the_official_ones() -> None:
@@ -115,7 +115,7 @@ def test_output_name_is_one_rule_with_or_without_the_timestamp() -> None:
     """The command's name (stamped: a rerun writes a new file) and the archive's (not: a rerun finds the output)."""
     from datetime import datetime
 
-    from k6vsr_core.params import output_name
+    from k6vsr_core.contract.params import output_name
 
     assert output_name("/clips/a.b.mov", parse_params(scale=2)) == "a.b_sr2x.mp4"
     assert output_name("clip.mp4", parse_params(scale=2.25, codec="ffv1")) == "clip_sr2.25x.mkv"

@@ -1,4 +1,5 @@
-"""Tests for k6vsr_core.plan: grid, per-chunk seeds, step counts and delivery sizes of one clip (contract §B-§F)."""
+"""Tests for k6vsr_core.contract.plan: grid, per-chunk seeds, step counts and delivery sizes of one clip (contract
+§B-§F)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import warnings
 
 import pytest
 
-from k6vsr_core.params import parse_params
-from k6vsr_core.plan import ModelTraits, make_plan
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.contract.plan import ModelTraits, make_plan
 
 FLOW = ModelTraits(scheduler="FlowMatchEulerDiscreteScheduler", trained_steps=4)
 

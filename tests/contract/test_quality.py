@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from k6vsr_core import UpscaleParams
-from k6vsr_core.plan import ModelTraits, make_plan
-from k6vsr_core.quality import QualityMeter, join_pairs, measure, tile_borders
-from k6vsr_core.windows import plan_scene_windows, plan_windows, segment_frames
+from k6vsr_core.contract.plan import ModelTraits, make_plan
+from k6vsr_core.contract.quality import QualityMeter, join_pairs, measure, tile_borders
+from k6vsr_core.contract.windows import plan_scene_windows, plan_windows, segment_frames
 
 FRAMES = 250
 PLAN = make_plan((32, 48), FRAMES, 24.0, UpscaleParams(scale=2), ModelTraits())
@@ -174,8 +174,8 @@ def test_the_report_artifact_has_a_quality_section(truth) -> None:
 
 def _parts(outputs: np.ndarray, sources: np.ndarray, windows, cuts, borders) -> list:
     """Each window's segment measured on its own, as the flow's quality items do, and kept as bytes."""
-    from k6vsr_core.quality import Measures
-    from k6vsr_core.windows import segment_range
+    from k6vsr_core.contract.quality import Measures
+    from k6vsr_core.contract.windows import segment_range
 
     parts = []
     for window in range(len(windows)):
@@ -191,7 +191,7 @@ def _parts(outputs: np.ndarray, sources: np.ndarray, windows, cuts, borders) -> 
 def test_the_windows_parts_joined_give_the_whole_outputs_report(truth, cut) -> None:
     """Measured segment by segment (in any order) and joined, the report is the one of a pass over the whole
     output, to the last digit, the pairs across each segment's start included; a cut's pair counts in neither."""
-    from k6vsr_core.quality import combine
+    from k6vsr_core.contract.quality import combine
 
     ideal, source = truth
     windows, cuts = PLAN.windows, ()

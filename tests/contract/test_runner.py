@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from k6vsr_core import media
-from k6vsr_core.bundle import ModelBundle
-from k6vsr_core.params import parse_params
-from k6vsr_core.runner import UpscaleResult, upscale
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model.bundle import ModelBundle
+from k6vsr_core.model.runner import UpscaleResult, upscale
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_a_window_is_blended_and_written_while_the_next_is_decoded(
 
     import torch
 
-    from k6vsr_core import runner, stages
+    from k6vsr_core.model import runner, stages
 
     events: list[tuple[str, int, float, float, str]] = []
     window = {"index": -1, "frames": 0}

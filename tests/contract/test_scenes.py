@@ -13,15 +13,12 @@ import scene_set
 
 from entrypoints.console import plan_lines
 from k6vsr_core import UpscaleParams, media, upscale
-from k6vsr_core.bundle import ModelBundle
-from k6vsr_core.encoding import VideoEncoding
-from k6vsr_core.errors import ParameterError
-from k6vsr_core.latent import plan_latent
-from k6vsr_core.params import parse_params
-from k6vsr_core.plan import ModelTraits, make_plan
-from k6vsr_core.quality import measure_files
-from k6vsr_core.scenes import LAG, find_cuts, source_cuts
-from k6vsr_core.windows import (
+from k6vsr_core.contract.latent import plan_latent
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.contract.plan import ModelTraits, make_plan
+from k6vsr_core.contract.quality import measure_files
+from k6vsr_core.contract.scenes import LAG, find_cuts, source_cuts
+from k6vsr_core.contract.windows import (
     WINDOW_FRAMES,
     plan_scene_windows,
     plan_shots,
@@ -31,6 +28,9 @@ from k6vsr_core.windows import (
     shares_frames,
     shot_ranges,
 )
+from k6vsr_core.errors import ParameterError
+from k6vsr_core.media.encoding import VideoEncoding
+from k6vsr_core.model.bundle import ModelBundle
 from service.runs import ModelSpec, RunRef, prepare_run
 from storage import RunStore
 from storage.manifest import output_params, run_key
@@ -157,7 +157,7 @@ def test_the_detector_holds_a_few_frames_only() -> None:
             read.append(i)
             yield frame
 
-    from k6vsr_core.scenes import _cuts, detection_frame
+    from k6vsr_core.contract.scenes import _cuts, detection_frame
 
     found = _cuts(detection_frame(frame) for frame in lazily())
     assert next(found) == 30 and read[-1] == 30 + LAG
@@ -396,7 +396,7 @@ def test_an_archive_finds_each_clips_cuts_as_it_ingests_it_not_while_planning_th
     import traceback
 
     from flows.upscale_archive import upscale_archive
-    from k6vsr_core import plan as plan_module
+    from k6vsr_core.contract import plan as plan_module
 
     callers: list[list[str]] = []
     found = plan_module.source_cuts

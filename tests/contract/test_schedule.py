@@ -9,8 +9,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
-from k6vsr_core.params import UpscaleParams
-from k6vsr_core.plan import ClipPlan, make_plan
+from k6vsr_core.contract.params import UpscaleParams
+from k6vsr_core.contract.plan import ClipPlan, make_plan
 from runtime.schedule import Item, ModelQueue, Scheduler, clip_graph
 
 

@@ -1,4 +1,4 @@
-"""Tests for k6vsr_core.stages against diffusers' own model calls, written out in the tests (bitwise where the
+"""Tests for k6vsr_core.model.stages against diffusers' own model calls, written out in the tests (bitwise where the
 arithmetic is the same), on the tiny bundles and fixed random inputs."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k6vsr_core import stages
-from k6vsr_core.attention import DenseSdpaProcessor, set_attention
-from k6vsr_core.bundle import ModelBundle, model_traits
-from k6vsr_core.params import parse_params
-from k6vsr_core.pixels import crop_output, hann_window_2d
-from k6vsr_core.plan import ClipPlan, make_plan
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.contract.plan import ClipPlan, make_plan
+from k6vsr_core.model import stages
+from k6vsr_core.model.attention import DenseSdpaProcessor, set_attention
+from k6vsr_core.model.bundle import ModelBundle, model_traits
+from k6vsr_core.model.pixels import crop_output, hann_window_2d
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""Tests for k6vsr_core.tiling against the contract's rules and worked examples (§A.4, §A.5, §B, §E, §F).
+"""Tests for k6vsr_core.contract.tiling against the contract's rules and worked examples (§A.4, §A.5, §B, §E, §F).
 
 Every expected value below was computed by hand from the contract's formulas and is written literally.
 """
@@ -12,8 +12,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from k6vsr_core.pixels import TileBlender, crop_output, hann_window_2d, pad_video
-from k6vsr_core.tiling import (
+from k6vsr_core.contract.tiling import (
     RESOLUTIONS,
     TileGrid,
     axis_positions,
@@ -25,7 +24,8 @@ from k6vsr_core.tiling import (
     tile_chunks,
     tile_grid,
 )
-from k6vsr_core.tiny_bundle import TINY_TILE_SIZES
+from k6vsr_core.model.pixels import TileBlender, crop_output, hann_window_2d, pad_video
+from k6vsr_core.model.tiny_bundle import TINY_TILE_SIZES
 
 # --------------------------------------------------------------------------------------------------- grid
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from k6vsr_core import media, upscale
-from k6vsr_core.bundle import ModelBundle
-from k6vsr_core.params import UpscaleParams
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.contract.params import UpscaleParams
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model.bundle import ModelBundle
 from service.runs import ModelSpec
 from storage import RunStore
 
@@ -333,7 +333,7 @@ def test_the_next_clip_computes_while_the_one_before_is_finished(
     vain were the other clip held back until the first is finished); each output is the in-memory runner's. Which
     clip goes first among ready items is `tests/contract/test_schedule.py`'s."""
     from flows.upscale_archive import upscale_archive
-    from k6vsr_core import segments
+    from k6vsr_core.contract import segments
     from service.runs import prepare_run
 
     folder = tmp_path / "in"

@@ -23,8 +23,8 @@ import pytest
 
 from entrypoints.cli import main
 from k6vsr_core import media, upscale
-from k6vsr_core.params import UpscaleParams
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.contract.params import UpscaleParams
+from k6vsr_core.media.sample import make_sample_clip
 from storage import RunStore, collect_garbage, source_info
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
@@ -158,7 +158,7 @@ import psutil
 import torch
 
 from entrypoints.cli import main
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
 
 root, bundle, clips = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 process = psutil.Process()

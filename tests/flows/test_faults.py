@@ -19,7 +19,7 @@ import fault_harness
 import pytest
 
 from entrypoints.cli import main
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
 from storage import RunStore
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
@@ -244,7 +244,7 @@ def _chunk(run_dir: Path, array: str, tile: int) -> Path:
 @pytest.fixture
 def stage_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """How many times each model stage runs in this process."""
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     calls = {"encode_clip": 0, "denoise_chunk": 0, "decode_tile": 0}
     for name in calls:

@@ -20,8 +20,8 @@ import timelines
 
 from entrypoints.console import summary_lines
 from k6vsr_core import UpscaleParams
-from k6vsr_core.bundle import model_traits
-from k6vsr_core.compute import default_profile
+from k6vsr_core.device.compute import default_profile
+from k6vsr_core.model.bundle import model_traits
 from service.runs import ModelSpec, prepare_run
 from storage import RunStore, run_key
 from storage.records import RecordBook, array_checksum
@@ -253,7 +253,7 @@ def test_a_run_resumed_from_a_moved_source_reads_it_where_it_is_now(tiny_bundle_
     one is gone, the manifest (which every later stage reads the source from) names the copy."""
     import shutil
 
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
     from tasks.ingest import ingest
 
     (tmp_path / "a").mkdir()
@@ -313,7 +313,7 @@ def test_tile_failing_once_is_retried(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import tasks.stage_tasks as stage_tasks
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     plain, failed = stages.decode_tile, []
 
@@ -340,9 +340,9 @@ def test_truncated_tile_chunk_is_detected_and_recomputed(
     # latent chunk torn on disk, by putting back what such a run would have stored.
     manifest = store.read_manifest()
     plan = manifest.plan
-    from k6vsr_core import stages
-    from k6vsr_core.bundle import load_bundle
-    from k6vsr_core.runner import read_source, read_window
+    from k6vsr_core.model import stages
+    from k6vsr_core.model.bundle import load_bundle
+    from k6vsr_core.model.runner import read_source, read_window
 
     bundle = load_bundle(str(tiny_bundle_path))
     clip = read_source(clip_1f, plan.params, model_traits(bundle.info))
@@ -425,7 +425,7 @@ def test_unready_dask_workers_fail_the_run_instead_of_hanging(
 def test_default_command_prints_a_bar_warnings_and_six_lines(tiny_bundle_path: Path, tmp_path: Path) -> None:
     """The real command without a configured Prefect API: it starts the local server (analytics off, so no telemetry
     errors offline), and prints warnings, one line each, and a six-line summary; the task lines go to the run's log."""
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
     from runtime.prefect_server import stop_server
 
     clip = make_sample_clip(tmp_path / "slow.mp4", width=64, height=64, num_frames=1, fps=12)

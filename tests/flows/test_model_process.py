@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from bench import fake_model
-from k6vsr_core.params import UpscaleParams
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.contract.params import UpscaleParams
+from k6vsr_core.media.sample import make_sample_clip
 from service.runs import ModelSpec
 from storage import RunStore
 from tests.timelines import MODEL_STAGES, covered, lines_of, next_ready

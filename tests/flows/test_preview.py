@@ -15,8 +15,8 @@ from test_scenes import clip_frames
 from entrypoints.cli import build_parser
 from entrypoints.console import preview_lines
 from k6vsr_core import UpscaleParams, media
-from k6vsr_core.encoding import VideoEncoding
-from k6vsr_core.plan import ModelTraits, make_plan, representative_windows
+from k6vsr_core.contract.plan import ModelTraits, make_plan, representative_windows
+from k6vsr_core.media.encoding import VideoEncoding
 from service.runs import ModelSpec, prepare_run
 from storage import RunStore
 from storage.estimate import StageRates, estimate_run, read_rates

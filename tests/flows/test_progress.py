@@ -13,9 +13,9 @@ import pytest
 import timelines
 
 from entrypoints import progress_bars as terminal
-from k6vsr_core.params import parse_params
-from k6vsr_core.plan import ModelTraits, make_plan
-from k6vsr_core.tiny_bundle import TINY_TILE_SIZES
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.contract.plan import ModelTraits, make_plan
+from k6vsr_core.model.tiny_bundle import TINY_TILE_SIZES
 from storage import RunStore
 from storage.progress import ProgressCounter, RunProgress, read_progress, run_finished, stage_counts
 from storage.records import CompletionRecord

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from k6vsr_core.params import UpscaleParams
+from k6vsr_core.contract.params import UpscaleParams
 from service.runs import ModelSpec, prepare_run
 
 PARAMS = UpscaleParams(scale=2)

@@ -12,9 +12,9 @@ import numpy as np
 
 from flows import artifacts
 from flows.stage_clock import PIPELINE, StageClock
-from k6vsr_core.params import parse_params
-from k6vsr_core.plan import ModelTraits, make_plan
-from k6vsr_core.tiny_bundle import TINY_TILE_SIZES
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.contract.plan import ModelTraits, make_plan
+from k6vsr_core.model.tiny_bundle import TINY_TILE_SIZES
 from service.runs import ModelSpec
 from storage import RunStore
 from storage.progress import RunProgress, StageCount, run_finished
@@ -277,7 +277,7 @@ def test_each_clip_run_owns_its_artifacts(
 
     from flows.orchestrate import run_clip
     from flows.upscale_clip import PROGRESS_EVERY_S
-    from k6vsr_core.params import UpscaleParams
+    from k6vsr_core.contract.params import UpscaleParams
     from service.runs import prepare_run
 
     updates: list[tuple[str, object, str]] = []

@@ -8,6 +8,11 @@ runtime runs no flow: it is what flows run on and what outlives them (the local 
 the warm workers, task runners, lanes and the scheduler); only the entry points see argparse. `bench/` stands above
 them all and no room imports it. No module, the benchmarks' included, imports itself back through others, whether
 the import is at the top or inside a function.
+
+Inside k6vsr_core, rooms by job, each importing only the ones it stands on (and the core's own errors, settings and
+status at its top):
+
+    model -> {contract, device};  contract -> media;  device, media -> nothing of the others
 """
 
 from __future__ import annotations
@@ -70,6 +75,33 @@ def test_room_imports_only_what_it_may(room: str) -> None:
         if module.split(".")[0] == room
         for name in names
         if name.split(".")[0] in FORBIDDEN[room]
+    )
+    assert bad == []
+
+
+# The rooms inside k6vsr_core and what each may import of the others.
+CORE_ROOMS = {
+    "model": {"contract", "device", "media"},
+    "contract": {"media"},
+    "device": set(),
+    "media": set(),
+}
+
+
+def test_the_core_s_rooms_import_only_what_they_stand_on() -> None:
+    def room_of(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 2 and parts[0] == "k6vsr_core" and parts[1] in CORE_ROOMS else None
+
+    core = [m for m, path in MODULES.items() if m.startswith("k6vsr_core.") and path.stem != "__init__"]
+    flat = sorted(m for m in core if m.count(".") == 1)
+    assert flat == ["k6vsr_core.errors", "k6vsr_core.settings", "k6vsr_core.status"]  # every other module in a room
+    bad = sorted(
+        f"{module} imports {name}"
+        for module, names in IMPORTS.items()
+        if (room := room_of(module)) is not None
+        for name in names
+        if (other := room_of(name)) is not None and other != room and other not in CORE_ROOMS[room]
     )
     assert bad == []
 

@@ -1,4 +1,5 @@
-"""Stage and task names: one `Stage` and one `TaskKind` (`k6vsr_core.stage_names`), used by every product module
+"""Stage and task names: one `Stage` and one `TaskKind` (`k6vsr_core.contract.stage_names`), used by every product
+module
 in place of string literals, and stored as the same strings as before."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from k6vsr_core.stage_names import Stage, TaskKind
+from k6vsr_core.contract.stage_names import Stage, TaskKind
 from storage.records import CompletionRecord, RecordBook
 from tasks import ingest, quality, stage_tasks
 
@@ -33,7 +34,7 @@ def test_product_modules_name_stages_through_the_enums() -> None:
     for room in PRODUCT:
         for path in sorted((ROOT / room).rglob("*.py")):
             name = str(path.relative_to(ROOT))
-            if name == "k6vsr_core/stage_names.py":
+            if name == "k6vsr_core/contract/stage_names.py":
                 continue
             words = set(pattern.findall(path.read_text("utf-8"))) - OTHER_MEANINGS.get(name, set())
             if words:

@@ -17,10 +17,10 @@ from media_kit import FONT, anamorphic_source, broadcast_source_file, prores_mas
 
 from entrypoints.cli import main
 from k6vsr_core import media
-from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core.contract.params import parse_params
 from k6vsr_core.errors import ParameterError
-from k6vsr_core.params import parse_params
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.encoding import VideoEncoding
+from k6vsr_core.media.sample import make_sample_clip
 
 # (encoding, container suffix, codec read back, pixel format read back, profile read back)
 MEZZANINE = [
@@ -85,9 +85,10 @@ def test_prores_4444_keeps_its_profile_tag_through_the_join(tmp_path: Path) -> N
 
 
 def test_av1_encodes_without_printing_svt_av1s_configuration(tmp_path: Path) -> None:
-    """Each window's segment starts an encoder; SVT-AV1 would print a dozen lines for each (k6vsr_core.process_env)."""
+    """Each window's segment starts an encoder; SVT-AV1 would print a dozen lines for each
+    (k6vsr_core.device.process_env)."""
     code = (
-        "import numpy as np; from k6vsr_core import media; from k6vsr_core.encoding import VideoEncoding; "
+        "import numpy as np; from k6vsr_core import media; from k6vsr_core.media.encoding import VideoEncoding; "
         f"media.write_video({str(tmp_path / 'a.mp4')!r}, np.zeros((2, 64, 64, 3), np.uint8), 24, None, 0, "
         "VideoEncoding(codec='av1'))"
     )

@@ -29,12 +29,12 @@ import pytest
 
 from entrypoints.cli import main
 from k6vsr_core import media, upscale
+from k6vsr_core.contract.params import UpscaleParams, parse_params
+from k6vsr_core.contract.plan import ModelTraits
+from k6vsr_core.contract.source import read_source
 from k6vsr_core.errors import MediaError
 from k6vsr_core.media import probing
-from k6vsr_core.params import UpscaleParams, parse_params
-from k6vsr_core.plan import ModelTraits
-from k6vsr_core.sample import make_sample_clip
-from k6vsr_core.source import read_source
+from k6vsr_core.media.sample import make_sample_clip
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 

@@ -15,10 +15,10 @@ from media_kit import PATCH, colour_source, hdr_source
 
 from entrypoints.cli import main
 from k6vsr_core import media
-from k6vsr_core.bundle import model_traits
-from k6vsr_core.encoding import VideoEncoding
 from k6vsr_core.errors import UnsupportedColour
 from k6vsr_core.media.checking import ColourTags
+from k6vsr_core.media.encoding import VideoEncoding
+from k6vsr_core.model.bundle import model_traits
 
 
 # A Rec. 2020 mastering display of 1000 cd/m² (x265's units: 0.00002 for xy, 0.0001 cd/m² for luminance).
@@ -237,7 +237,7 @@ def test_the_model_sees_a_bt601_sources_code_values_and_its_output_decodes_as_ha
     frames the pipeline handed to the encoder, within 3, decoded by a player that follows the output's tags (written
     with BT.709's matrix instead, saturated pixels would be off by tens)."""
     from k6vsr_core import UpscaleParams, upscale
-    from k6vsr_core.runner import read_source, read_window
+    from k6vsr_core.model.runner import read_source, read_window
 
     clip = read_source(sources["ntsc"], UpscaleParams(scale=2), model_traits(tiny_bundle.info))
     assert clip.plan.colour == _tags("smpte170m", "smpte170m", "smpte170m")

@@ -13,11 +13,11 @@ from media_kit import interlaced_frames, write_interlaced
 
 from entrypoints.cli import main
 from k6vsr_core import UpscaleParams, media
-from k6vsr_core.bundle import model_traits
+from k6vsr_core.contract.params import parse_params
 from k6vsr_core.errors import ParameterError
-from k6vsr_core.params import parse_params
-from k6vsr_core.runner import read_source, read_window
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model.bundle import model_traits
+from k6vsr_core.model.runner import read_source, read_window
 from storage import run_key, source_info
 
 SIZE = 64
@@ -101,7 +101,7 @@ def test_bwdif_deinterlaces_a_progressive_source_when_asked(sources: dict[str, P
 
 
 def test_bwdif_refuses_frames_too_small_for_it(tiny_bundle) -> None:
-    from k6vsr_core.plan import make_plan
+    from k6vsr_core.contract.plan import make_plan
 
     fields = media.FieldInfo(stream="tff", analysed=1)
     with pytest.raises(ParameterError, match=r"^deinterlace=auto needs frames of at least 3 lines.*64x2"):

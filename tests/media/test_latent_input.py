@@ -20,12 +20,13 @@ from http_harness import Server, completed, error_of
 from safetensors.torch import save_file
 
 from entrypoints.cli import main
-from k6vsr_core import UpscaleParams, stages
-from k6vsr_core.bundle import ModelBundle, model_traits
+from k6vsr_core import UpscaleParams
+from k6vsr_core.contract.latent import fit_latent, load_latent
 from k6vsr_core.errors import ParameterError
-from k6vsr_core.latent import fit_latent, load_latent
-from k6vsr_core.runner import read_source, read_window
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model import stages
+from k6vsr_core.model.bundle import ModelBundle, model_traits
+from k6vsr_core.model.runner import read_source, read_window
 from service.runs import ModelSpec, prepare_run
 from storage import RunStore
 

@@ -18,10 +18,10 @@ import pytest
 import timelines
 
 from k6vsr_core import UpscaleParams, media, upscale
-from k6vsr_core.bundle import ModelBundle, model_traits
-from k6vsr_core.plan import make_plan
-from k6vsr_core.sample import make_sample_clip
-from k6vsr_core.windows import WINDOW_FRAMES, crossfade, fade_in, plan_windows, segment_frames, segment_range
+from k6vsr_core.contract.plan import make_plan
+from k6vsr_core.contract.windows import WINDOW_FRAMES, crossfade, fade_in, plan_windows, segment_frames, segment_range
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model.bundle import ModelBundle, model_traits
 from storage import RunStore
 
 X2 = UpscaleParams(scale=2)
@@ -321,7 +321,7 @@ def _long_clip(path: Path, seconds: int) -> Path:
 
 _INGEST_RSS = """
 import sys
-from k6vsr_core.bundle import load_bundle
+from k6vsr_core.model.bundle import load_bundle
 from service.runs import ModelSpec, prepare_run
 from tasks.ingest import ingest
 source, bundle, store = sys.argv[1:4]

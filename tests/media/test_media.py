@@ -317,9 +317,9 @@ def read_kept(path: Path) -> tuple[np.ndarray, int]:
     """The frames a run keeps of `path` under the contract's selection, and their rate: `read_source` scans and plans
     the file, `read_frames` reads the planned frames."""
     from k6vsr_core import media
-    from k6vsr_core.params import parse_params
-    from k6vsr_core.plan import ModelTraits
-    from k6vsr_core.source import read_source
+    from k6vsr_core.contract.params import parse_params
+    from k6vsr_core.contract.plan import ModelTraits
+    from k6vsr_core.contract.source import read_source
 
     clip = read_source(path, parse_params(scale=2, frames="contract"), ModelTraits())
     return media.read_frames(path, clip.plan.source_indices(), clip.frame_pts), clip.plan.fps

@@ -30,7 +30,7 @@ from media_kit import (
 from entrypoints.cli import main
 from k6vsr_core import UpscaleParams, media, upscale
 from k6vsr_core.media.checking import ColourTags
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
 
 PHONE_FRAMES = 8
 

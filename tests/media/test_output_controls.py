@@ -13,15 +13,16 @@ import pytest
 import torch
 
 from entrypoints.cli import main
-from k6vsr_core import UpscaleParams, media, stages, upscale
-from k6vsr_core.bundle import ModelBundle, model_traits
-from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core import UpscaleParams, media, upscale
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.contract.plan import make_plan
+from k6vsr_core.contract.windows import segment_frames
 from k6vsr_core.errors import MediaError, ParameterError
-from k6vsr_core.params import parse_params
-from k6vsr_core.plan import make_plan
-from k6vsr_core.runner import read_source, read_window
-from k6vsr_core.sample import make_sample_clip
-from k6vsr_core.windows import segment_frames
+from k6vsr_core.media.encoding import VideoEncoding
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model import stages
+from k6vsr_core.model.bundle import ModelBundle, model_traits
+from k6vsr_core.model.runner import read_source, read_window
 from storage import run_key
 
 NTSC = Fraction(30000, 1001)

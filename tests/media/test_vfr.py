@@ -15,12 +15,12 @@ from media_kit import phone_times_ms, write_vfr
 
 from entrypoints.cli import main
 from k6vsr_core import UpscaleParams, media
-from k6vsr_core.bundle import model_traits
-from k6vsr_core.encoding import VideoEncoding
+from k6vsr_core.contract.plan import make_plan
 from k6vsr_core.errors import ParameterError
-from k6vsr_core.plan import make_plan
-from k6vsr_core.runner import read_source, read_window
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.encoding import VideoEncoding
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model.bundle import model_traits
+from k6vsr_core.model.runner import read_source, read_window
 
 SIZE = 64
 # A phone's pace: frames 25 to 50 ms apart, never regular.

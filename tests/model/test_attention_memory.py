@@ -33,7 +33,7 @@ from torch.nn.attention import flex_attention as flex_attention_module
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from k6vsr_core import fast
+from k6vsr_core.model import fast
 
 # The released DiT (diffusers' class defaults): 1792 channels, 64 per head (28 heads), NABLA window and threshold.
 MODEL_DIM, HEAD_DIM = 1792, 64

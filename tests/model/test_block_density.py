@@ -1,4 +1,4 @@
-"""The benchmark's fixed block density (`k6vsr_core.fast.fixed_density_block_mask`): which blocks it keeps.
+"""The benchmark's fixed block density (`k6vsr_core.model.fast.fixed_density_block_mask`): which blocks it keeps.
 
 The kernels' arithmetic under such a mask is measured on the GPU (`bench/network_profile.py --sections attention`):
 PyTorch's eager flex attention on the CPU applies only a mask's `mask_mod`, not its block pattern."""
@@ -12,7 +12,7 @@ import torch
 from diffusers.models.transformers.transformer_kandinsky6_sr import sliding_tile_mask
 
 from bench.run_bench import dense_block_mask
-from k6vsr_core import fast
+from k6vsr_core.model import fast
 
 BLOCK = 64
 

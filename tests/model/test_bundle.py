@@ -1,4 +1,4 @@
-"""Tests for k6vsr_core.bundle: loading tiny bundles, their identity, and every refusal with its own message."""
+"""Tests for k6vsr_core.model.bundle: loading tiny bundles, their identity, and every refusal with its own message."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from k6vsr_core.bundle import (
+from k6vsr_core.model.bundle import (
     DEFAULT_MODEL,
     WEIGHTS,
     BundleError,
@@ -22,7 +22,7 @@ from k6vsr_core.bundle import (
     transformer_kwargs,
     vae_kwargs,
 )
-from k6vsr_core.tiny_bundle import TINY_TILE_SIZES, make_tiny_bundle
+from k6vsr_core.model.tiny_bundle import TINY_TILE_SIZES, make_tiny_bundle
 
 
 def _copy(source: Path, tmp_path: Path, name: str = "copy") -> Path:
@@ -233,7 +233,7 @@ def test_upscale_refuses_weights_that_do_not_match_before_it_runs(
 ) -> None:
     """Without warm workers the command computes, and checks the weights itself before any flow starts."""
     from entrypoints.cli import main
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     monkeypatch.setenv("K6VSR_WARM_WORKERS", "off")
     path = _copy(tiny_bundle_path, tmp_path)
@@ -542,8 +542,8 @@ def test_released_transformer_config_without_tile_sizes_uses_the_trained_tiles(
     tiny_bundle_path: Path, tmp_path: Path
 ) -> None:
     """The released transformer/config.json has no `tile_sizes`: the class default (the release's) applies."""
-    from k6vsr_core.bundle import inspect_bundle
-    from k6vsr_core.tiling import RESOLUTIONS
+    from k6vsr_core.contract.tiling import RESOLUTIONS
+    from k6vsr_core.model.bundle import inspect_bundle
 
     path = _copy(tiny_bundle_path, tmp_path)
     config_file = path / "transformer" / "config.json"
@@ -558,8 +558,8 @@ def test_plan_defaults_are_the_diffusers_classes_defaults() -> None:
     they must be the classes' own (read through the signature: diffusers wraps `__init__`)."""
     from diffusers import Kandinsky6SRTransformer3DModel, Kandinsky6SRVAE
 
-    from k6vsr_core.bundle import DEFAULT_LATENT_CHANNELS
-    from k6vsr_core.tiling import RESOLUTIONS
+    from k6vsr_core.contract.tiling import RESOLUTIONS
+    from k6vsr_core.model.bundle import DEFAULT_LATENT_CHANNELS
 
     def default(cls: type, name: str) -> object:
         return inspect.signature(cls.__init__).parameters[name].default
@@ -576,8 +576,8 @@ def test_a_plan_without_the_tensor_check_imports_no_torch(tiny_bundle_path: Path
 
     import procs
 
-    from k6vsr_core.params import parse_params
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.contract.params import parse_params
+    from k6vsr_core.media.sample import make_sample_clip
     from service.runs import ModelSpec, prepare_run
 
     clip = make_sample_clip(tmp_path / "clip.mp4", width=64, height=64, num_frames=1)
@@ -585,7 +585,7 @@ def test_a_plan_without_the_tensor_check_imports_no_torch(tiny_bundle_path: Path
     checked = prepare_run(clip, parse_params(scale=2), spec, tmp_path / "store")
     code = (
         "import sys\n"
-        "from k6vsr_core.params import parse_params\n"
+        "from k6vsr_core.contract.params import parse_params\n"
         "from service.runs import ModelSpec, prepare_run\n"
         "from tasks.ingest import ingest\n"
         f"spec = ModelSpec(model={str(tiny_bundle_path)!r}, device='cpu')\n"
@@ -609,9 +609,9 @@ def test_the_model_is_checked_once_per_content(
 ) -> None:
     """Two clips planned with one bundle (an archive, the HTTP server): the weights are hashed and checked against
     the architecture for the first only; new weights are hashed and checked again."""
-    from k6vsr_core import bundle as bundle_module
-    from k6vsr_core.params import parse_params
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.contract.params import parse_params
+    from k6vsr_core.media.sample import make_sample_clip
+    from k6vsr_core.model import bundle as bundle_module
     from service.runs import ModelSpec, prepare_run
 
     path = _copy(tiny_bundle_path, tmp_path)  # a folder no earlier test has checked
@@ -644,9 +644,10 @@ def test_the_model_is_checked_once_per_content(
 
 
 def test_the_release_config_states_the_release_as_this_file_does() -> None:
-    """k6vsr_core.release_config, which the bench and the tiny bundles build on, against this file's own statement
+    """k6vsr_core.contract.release_config, which the bench and the tiny bundles build on, against this file's own
+    statement
     of the released checkpoint."""
-    from k6vsr_core.release_config import released_configs
+    from k6vsr_core.contract.release_config import released_configs
 
     release = released_configs()
     private = ("_class_name", "_diffusers_version")

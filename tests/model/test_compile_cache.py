@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from k6vsr_core import compile_cache, process_env
+from k6vsr_core.device import compile_cache, process_env
 
 # Compiles a small function with Inductor (C++ on the CPU) under the watch, as a stage would call a network.
 COMPILE_ONCE = """
 import json, sys, warnings
 import torch
 from torch._dynamo.utils import counters
-from k6vsr_core import compile_cache
+from k6vsr_core.device import compile_cache
 compile_cache.import_configured_artifacts()  # what compile_bundle does first: $K6VSR_COMPILE_ARTIFACTS, if set
 root = compile_cache.compile_cache_dir()
 compile_cache.enable_compile_cache(root)
@@ -142,7 +142,7 @@ COMPILE_BESIDE = """
 import json, threading, time, warnings
 import torch
 from torch._dynamo.utils import counters
-from k6vsr_core import compile_cache
+from k6vsr_core.device import compile_cache
 root = compile_cache.compile_cache_dir()
 compile_cache.enable_compile_cache(root)
 watch = compile_cache.CompileWatch(root, {("DiT", None)}, "about 3 minutes")

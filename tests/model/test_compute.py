@@ -9,7 +9,7 @@ import procs
 import pytest
 import torch
 
-from k6vsr_core.compute import THREADS_ENV, ComputeProfile, apply_profile, default_profile
+from k6vsr_core.device.compute import THREADS_ENV, ComputeProfile, apply_profile, default_profile
 from k6vsr_core.errors import ParameterError
 
 
@@ -30,7 +30,7 @@ def test_threads_env_overrides_and_bad_values_are_refused(monkeypatch: pytest.Mo
 def test_apply_profile_sets_the_thread_count_of_a_one_thread_worker() -> None:
     """A process started as Dask's nanny starts workers computes with the run's thread count once applied."""
     code = (
-        "import torch; from k6vsr_core.compute import ComputeProfile, apply_profile;"
+        "import torch; from k6vsr_core.device.compute import ComputeProfile, apply_profile;"
         "before = torch.get_num_threads(); apply_profile(ComputeProfile(cpu_threads=2));"
         "print(before, torch.get_num_threads(), torch.backends.cudnn.benchmark)"
     )

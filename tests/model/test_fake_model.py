@@ -1,5 +1,6 @@
 """The bench-only stand-in for the networks (`bench.fake_model`): injected through the product's networks hook
-(`k6vsr_core.networks`) and nowhere else, shaped as the real calls, and never sharing a run key with the real model;
+(`k6vsr_core.model.networks`) and nowhere else, shaped as the real calls, and never sharing a run key with the real
+model;
 the product's modules never name it."""
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import torch
 
 from bench import fake_model
 from bench.fake_model import FAKE_ENV, FakeNetworks
-from k6vsr_core import media, networks, stages
-from k6vsr_core.bundle import ModelBundle
+from k6vsr_core import media
+from k6vsr_core.contract.params import UpscaleParams
 from k6vsr_core.errors import ParameterError
-from k6vsr_core.params import UpscaleParams
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model import networks, stages
+from k6vsr_core.model.bundle import ModelBundle
 from service.runs import ModelSpec, prepare_run
 
 ROOT = Path(__file__).resolve().parents[2]

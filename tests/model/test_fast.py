@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from k6vsr_core import compile_cache, fast, process_env, stages
-from k6vsr_core.attention import DenseSdpaProcessor
-from k6vsr_core.bundle import ModelBundle, load_bundle, model_traits
-from k6vsr_core.params import parse_params
-from k6vsr_core.plan import ClipPlan, make_plan
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.contract.plan import ClipPlan, make_plan
+from k6vsr_core.device import compile_cache, process_env
+from k6vsr_core.model import fast, stages
+from k6vsr_core.model.attention import DenseSdpaProcessor
+from k6vsr_core.model.bundle import ModelBundle, load_bundle, model_traits
 
 ROOT = Path(__file__).resolve().parents[2]
 

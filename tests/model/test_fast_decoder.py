@@ -1,4 +1,5 @@
-"""The KVAE decoder's fast forms (k6vsr_core.fast_decoder) compute diffusers' decoder: same values, same shapes."""
+"""The KVAE decoder's fast forms (k6vsr_core.model.fast_decoder) compute diffusers' decoder: same values, same
+shapes."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from k6vsr_core import fast_decoder, kvae
-from k6vsr_core.bundle import ModelBundle, vae_kwargs
-from k6vsr_core.release_config import released_configs
+from k6vsr_core.contract.release_config import released_configs
+from k6vsr_core.model import fast_decoder, kvae
+from k6vsr_core.model.bundle import ModelBundle, vae_kwargs
 
 
 def _keep(decoded: torch.Tensor) -> torch.Tensor:

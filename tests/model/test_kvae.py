@@ -1,4 +1,5 @@
-"""The KVAE in temporal chunks through its causal cache (k6vsr_core.kvae) against the KVAE's own encode and decode.
+"""The KVAE in temporal chunks through its causal cache (k6vsr_core.model.kvae) against the KVAE's own encode and
+decode.
 
 Under fixed CPU kernels (one thread, no oneDNN) every chunking gives the very same bits as the KVAE's own call: the
 cache carries exactly what the next piece needs. With the default kernels the backend may pick another kernel for
@@ -14,8 +15,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from k6vsr_core import kvae
-from k6vsr_core.bundle import ModelBundle
+from k6vsr_core.model import kvae
+from k6vsr_core.model.bundle import ModelBundle
 
 
 @contextmanager

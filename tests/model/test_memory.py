@@ -1,4 +1,4 @@
-"""Memory budgets (k6vsr_core.memory): the choice from synthetic cards, the same choice on every path whatever the
+"""Memory budgets (k6vsr_core.model.memory): the choice from synthetic cards, the same choice on every path whatever the
 free memory, thread count or role of the process, and that no budget changes a byte of the output on the CPU, where
 the offload hooks and the chunked KVAE run exactly as on a GPU."""
 
@@ -14,9 +14,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from k6vsr_core.bundle import ModelBundle, load_bundle, model_traits
-from k6vsr_core.gate import MemoryGate
-from k6vsr_core.memory import (
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.contract.plan import ClipPlan, ModelTraits, make_plan
+from k6vsr_core.device.gate import MemoryGate
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model.bundle import ModelBundle, load_bundle, model_traits
+from k6vsr_core.model.memory import (
     BUDGETS,
     GIB,
     Footprint,
@@ -27,10 +30,7 @@ from k6vsr_core.memory import (
     card_bytes,
     choose_budget,
 )
-from k6vsr_core.params import parse_params
-from k6vsr_core.plan import ClipPlan, ModelTraits, make_plan
-from k6vsr_core.runner import upscale
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.model.runner import upscale
 from service.runs import ModelSpec
 from tests.model.test_kvae import fixed_cpu_kernels
 
@@ -340,7 +340,7 @@ def test_the_card_decides_the_budget_not_free_memory_threads_or_the_process_role
 def on_a_card(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every process sees an H200's worth of memory, also on the CPU: the budgets and chunks are then applied to
     the tiny bundle as they would be on the card (offload hooks and chunked KVAE run on the CPU too)."""
-    from k6vsr_core import memory
+    from k6vsr_core.model import memory
     from tasks import model_cache
 
     monkeypatch.setattr(memory, "card_bytes", lambda device: H200)
@@ -356,7 +356,7 @@ def test_the_command_a_worker_and_the_in_memory_runner_place_a_clip_under_one_bu
     the same budget and split the KVAE's work the same way for the same clip."""
     from distributed import Client, LocalCluster
 
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
     from tasks import model_cache
 
     spec = ModelSpec(model=str(tiny_bundle_path), device="cpu")
@@ -396,7 +396,7 @@ def test_a_worker_gives_a_clip_with_another_budget_a_bundle_of_its_own(
 ) -> None:
     """A worker never runs a clip under the budget chosen for the clip it ran before: on this card W1 takes `24g`,
     a short clip of small tiles `fast`, whichever came first."""
-    from k6vsr_core import memory
+    from k6vsr_core.model import memory
     from tasks import model_cache
 
     monkeypatch.setattr(memory, "card_bytes", lambda device: 23 * GIB)
@@ -418,7 +418,7 @@ def test_processes_get_expandable_segments_and_the_compile_cache_unless_the_envi
     import subprocess
     import sys
 
-    from k6vsr_core.process_env import ALLOC_ENV, ALLOCATOR_DEFAULT, COMPILE_CACHE_ENV, INDUCTOR_CACHE_ENV
+    from k6vsr_core.device.process_env import ALLOC_ENV, ALLOCATOR_DEFAULT, COMPILE_CACHE_ENV, INDUCTOR_CACHE_ENV
 
     code = f"import os, tasks.model_cache; print(os.environ[{ALLOC_ENV!r}], os.environ[{INDUCTOR_CACHE_ENV!r}])"
     bare = {key: value for key, value in os.environ.items() if key not in (ALLOC_ENV, INDUCTOR_CACHE_ENV)}

@@ -23,10 +23,10 @@ RUN = """
 import sys, tempfile, torch
 import entrypoints.cli, flows.upscale_clip, tasks.stage_tasks, tasks.model_cache
 from k6vsr_core import upscale
-from k6vsr_core.bundle import load_bundle
-from k6vsr_core.tiny_bundle import make_tiny_bundle
-from k6vsr_core.fast import compile_bundle
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.model.bundle import load_bundle
+from k6vsr_core.model.tiny_bundle import make_tiny_bundle
+from k6vsr_core.model.fast import compile_bundle
+from k6vsr_core.media.sample import make_sample_clip
 folder = tempfile.mkdtemp()
 path = make_tiny_bundle(folder + "/tiny")
 compile_bundle(load_bundle(str(path), dtype=torch.bfloat16))
@@ -92,7 +92,7 @@ def test_a_librarys_import_warning_stays_off_the_terminal(capsys) -> None:
 def test_k6vsr_s_own_warnings_reach_the_terminal(capsys) -> None:
     ours = str(ROOT / "k6vsr_core" / "plan.py")
     assert "k6vsr: warning: " in _shown("pattern = '\\d'\n", ours, capsys)
-    from k6vsr_core.compile_cache import CompileNotice
+    from k6vsr_core.device.compile_cache import CompileNotice
 
     console._show_once(CompileNotice("compiling"), CompileNotice, "/elsewhere/torch/x.py", 1)
     assert capsys.readouterr().err == "k6vsr: warning: compiling\n"

@@ -1,4 +1,5 @@
-"""`precision`: bf16 as released, or the DiT's linear layers in FP8 where the GPU has FP8 (k6vsr_core.precision)."""
+"""`precision`: bf16 as released, or the DiT's linear layers in FP8 where the GPU has FP8
+(k6vsr_core.device.precision)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from k6vsr_core import precision, stages
-from k6vsr_core.bundle import ModelBundle, load_bundle, model_traits, transformer_kwargs
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.contract.plan import ModelTraits, make_plan
+from k6vsr_core.contract.release_config import released_configs
+from k6vsr_core.device import precision
 from k6vsr_core.errors import ParameterError, UserFacingError
-from k6vsr_core.memory import BUDGETS
-from k6vsr_core.params import parse_params
-from k6vsr_core.plan import ModelTraits, make_plan
-from k6vsr_core.release_config import released_configs
+from k6vsr_core.model import stages
+from k6vsr_core.model.bundle import ModelBundle, load_bundle, model_traits, transformer_kwargs
+from k6vsr_core.model.memory import BUDGETS
 from storage.manifest import output_params, run_key
 
 

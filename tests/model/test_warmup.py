@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from k6vsr_core import UpscaleParams, make_plan, upscale
-from k6vsr_core.bundle import ModelBundle, model_traits
-from k6vsr_core.plan import ModelTraits
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.contract.plan import ModelTraits
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model.bundle import ModelBundle, model_traits
 from service.runs import ModelSpec
 
 Shape = tuple[str, tuple[int, ...], str]
@@ -70,7 +70,7 @@ class _ChunkedBudget:
 
 
 def test_the_warm_plan_is_a_default_request_on_one_full_window_of_the_largest_tile() -> None:
-    from k6vsr_core.warm_plan import warm_plan
+    from k6vsr_core.contract.warm_plan import warm_plan
 
     plan = warm_plan(ModelTraits())
     assert plan.params == UpscaleParams()
@@ -81,7 +81,7 @@ def test_the_warm_plan_is_a_default_request_on_one_full_window_of_the_largest_ti
 
 def test_a_largest_tile_that_its_own_aspect_does_not_choose_is_refused_with_the_sizes() -> None:
     """Two tiles of one aspect: a source of that aspect gets the first listed, never the larger one."""
-    from k6vsr_core.warm_plan import warm_plan
+    from k6vsr_core.contract.warm_plan import warm_plan
 
     traits = ModelTraits(tile_sizes=((512, 768), (1024, 1536)))
     with pytest.raises(ValueError, match=r"warm-up plan for tile 1536x1024 \(WxH\) came out as .* of 768x512"):
@@ -90,15 +90,15 @@ def test_a_largest_tile_that_its_own_aspect_does_not_choose_is_refused_with_the_
 
 def _compiled(plan) -> tuple:
     """What decides a plan's compiled shapes: the DiT sees (tiles a chunk, latent frames, upscaled tile), the
-    decoder one tile's latent (k6vsr_core.warm_plan)."""
-    from k6vsr_core.warm_plan import warm_chunks
+    decoder one tile's latent (k6vsr_core.contract.warm_plan)."""
+    from k6vsr_core.contract.warm_plan import warm_chunks
 
     upscaled = tuple(side * plan.grid.tiling_scale for side in plan.grid.latent_tile)
     return upscaled, plan.latent_frames, tuple(len(chunk.tiles) for chunk in warm_chunks(plan)), plan.params.attention
 
 
 def test_the_warm_plan_covers_every_scale_and_every_window_of_a_landscape_clip() -> None:
-    from k6vsr_core.warm_plan import warm_plan
+    from k6vsr_core.contract.warm_plan import warm_plan
 
     warm = _compiled(warm_plan(ModelTraits()))
     for scale in (2, 2.25, 4):  # W1 (768x512), one window and three, 1080p
@@ -114,8 +114,8 @@ def test_the_warm_plan_covers_every_scale_and_every_window_of_a_landscape_clip()
 def test_the_warm_plan_gets_the_budget_and_decode_chunks_of_a_landscape_run_on_every_card() -> None:
     """The worker's bundle is placed under the warm plan's budget: a run under another would load a bundle of its
     own (`tasks.model_cache`), and its decode would split into other, unwarmed shapes."""
-    from k6vsr_core.memory import GIB, choose_budget
-    from k6vsr_core.warm_plan import warm_plan
+    from k6vsr_core.contract.warm_plan import warm_plan
+    from k6vsr_core.model.memory import GIB, choose_budget
 
     warm = warm_plan(ModelTraits())
     runs = [
@@ -128,7 +128,7 @@ def test_the_warm_plan_gets_the_budget_and_decode_chunks_of_a_landscape_run_on_e
 
 
 def test_warm_chunks_take_one_chunk_of_each_size() -> None:
-    from k6vsr_core.warm_plan import warm_chunks
+    from k6vsr_core.contract.warm_plan import warm_chunks
 
     plan = make_plan((512, 768), 121, 24.0, UpscaleParams(scale=2, tiles_batch_size=4))  # 9 tiles: 4, 4, 1
     assert [chunk.tiles for chunk in warm_chunks(plan)] == [(0, 1, 2, 3), (8,)]
@@ -141,7 +141,7 @@ def test_warm_up_runs_each_shape_of_a_run_once(
     tiny_bundle: ModelBundle, clip_1f: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """clip_1f at x2 is 6 tiles: chunks of 4 and 2 tiles are two DiT shapes, every tile one decode shape."""
-    from k6vsr_core.warmup import warm_up
+    from k6vsr_core.model.warmup import warm_up
 
     params = UpscaleParams(scale=2, tiles_batch_size=4)
     with recording(tiny_bundle, monkeypatch) as run:
@@ -161,8 +161,8 @@ def test_warm_up_computes_with_the_threads_of_a_run_planned_here(
     cores) would leave a run, which applies its planning process's profile, to compile every graph again."""
     import torch
 
-    from k6vsr_core import warmup
-    from k6vsr_core.compute import default_profile
+    from k6vsr_core.device.compute import default_profile
+    from k6vsr_core.model import warmup
 
     seen: list[int] = []
 
@@ -188,8 +188,8 @@ def test_the_default_warm_up_leaves_nothing_to_compile_for_the_readme_command(
     """The warm plan (a 9-frame window of the smallest tile here, for the tiny decoder's speed) at the default
     x2.25, then the README's `--scale 2` on a clip of that tile's aspect under a budget that splits the decode: the
     run meets only warmed shapes, the decode's first single-frame call and its shorter last chunk included."""
-    from k6vsr_core import warm_plan as warm_plan_module
-    from k6vsr_core.warmup import warm_up
+    from k6vsr_core.contract import warm_plan as warm_plan_module
+    from k6vsr_core.model.warmup import warm_up
 
     monkeypatch.setattr(warm_plan_module, "WARM_FRAMES", 9)
     monkeypatch.setattr(tiny_bundle, "memory", _ChunkedBudget())
@@ -220,7 +220,7 @@ class _Calls:
         return self.bundle
 
     def warm_up(self, bundle: ModelBundle, plan: object):
-        from k6vsr_core.warmup import WarmUp
+        from k6vsr_core.model.warmup import WarmUp
 
         self.warmed.append(plan)
         return WarmUp(shapes=2, seconds=0.0)
@@ -233,8 +233,8 @@ class _Calls:
 def test_the_preload_warms_only_a_model_compiled_on_cuda(
     device: str, compiled: bool, warms: bool, tiny_bundle: ModelBundle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from k6vsr_core import warmup
-    from k6vsr_core.warm_plan import warm_plan
+    from k6vsr_core.contract.warm_plan import warm_plan
+    from k6vsr_core.model import warmup
     from tasks import model_cache, worker_preload
 
     calls = _Calls(tiny_bundle)
@@ -256,7 +256,7 @@ def test_the_preload_loads_places_and_warms_for_real(
     tiny_bundle_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Through the model cache, with the warm-up forced on the CPU: one DiT shape and one decode, logged."""
-    from k6vsr_core import warm_plan as warm_plan_module
+    from k6vsr_core.contract import warm_plan as warm_plan_module
     from tasks import model_cache, worker_preload
 
     monkeypatch.setattr(warm_plan_module, "WARM_FRAMES", 9)

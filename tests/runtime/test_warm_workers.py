@@ -18,9 +18,9 @@ import procs
 import pytest
 
 from k6vsr_core import UpscaleParams, upscale
-from k6vsr_core.bundle import ModelBundle
 from k6vsr_core.errors import ParameterError
-from k6vsr_core.tiny_bundle import make_tiny_bundle
+from k6vsr_core.model.bundle import ModelBundle
+from k6vsr_core.model.tiny_bundle import make_tiny_bundle
 from service.runs import ModelSpec, prepare_run
 from storage import RunStore
 
@@ -241,8 +241,8 @@ def test_weights_that_do_not_match_fail_on_the_warm_workers_before_any_tile(
     from safetensors.numpy import load_file, save_file
 
     from flows.orchestrate import run_clip
-    from k6vsr_core.bundle import WEIGHTS
     from k6vsr_core.errors import BundleError
+    from k6vsr_core.model.bundle import WEIGHTS
 
     bundle = shutil.copytree(tiny_bundle_path, tmp_path / "model")
     weights = bundle / "vae" / WEIGHTS

@@ -28,8 +28,8 @@ import procs
 import pytest
 
 from flows.stage_clock import REPORT_ORDER
-from k6vsr_core.params import UpscaleParams
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.contract.params import UpscaleParams
+from k6vsr_core.media.sample import make_sample_clip
 from service.runs import ModelSpec
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,8 @@ import pytest
 from http_harness import Server, completed, error_of, frames_of, has_audio_stream, modes_under
 
 from k6vsr_core import media
-from k6vsr_core.params import parse_params
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.contract.params import parse_params
+from k6vsr_core.media.sample import make_sample_clip
 from service.runs import ModelSpec, prepare_run
 
 KEY = "test-key-0123456789"

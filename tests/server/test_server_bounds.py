@@ -32,8 +32,8 @@ from entrypoints.server.job_runner import JobRunner
 from entrypoints.server.messages import MAX_MESSAGE_CHARS
 from entrypoints.server.worker_slots import job_message, tile_counts
 from k6vsr_core.errors import MediaError, ParameterError
-from k6vsr_core.memory import MemoryBudgetError
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
+from k6vsr_core.model.memory import MemoryBudgetError
 from service.runs import ModelSpec
 
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
@@ -582,7 +582,7 @@ def test_a_job_over_the_memory_budget_is_refused_at_submit(tmp_path: Path, tiny_
     assert big.stat().st_size < 100 << 10
     spec = ModelSpec(model=str(tiny_bundle_path), device="cpu")
     params = {"scale": 4.0}
-    from k6vsr_core.params import parse_params
+    from k6vsr_core.contract.params import parse_params
 
     big_bytes = job_bytes(prepare_run(big, parse_params(**params), spec, tmp_path / "plans").plan, on_cpu=True)
     small_bytes = job_bytes(prepare_run(small, parse_params(**params), spec, tmp_path / "plans").plan, on_cpu=True)

@@ -26,7 +26,7 @@ from entrypoints.server.child import _error_of
 from entrypoints.server.disk import is_disk_full
 from entrypoints.server.job_records import InputFile, JobStore
 from entrypoints.server.job_runner import JobRunner
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
 from service.runs import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[2]

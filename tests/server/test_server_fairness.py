@@ -19,7 +19,7 @@ from entrypoints.server.app import Limits, ServerConfig, create_app, key_owner
 from entrypoints.server.fair import OVERFLOW, FairQueue, FairShare, OverShare, PoolFull
 from entrypoints.server.job_records import JobStore, KeyQueueFull, QueueFull, UploadsBusy
 from entrypoints.server.job_runner import JobRunner
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
 from service.runs import ModelSpec
 
 KEY_A, KEY_B, KEY_C = "key-a-0123456789abcdef", "key-b-0123456789abcdef", "key-c-0123456789abcdef"

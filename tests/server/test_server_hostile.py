@@ -23,7 +23,7 @@ import pytest
 from fault_harness import child_environment, fired
 from http_harness import Server, completed
 
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"

@@ -21,7 +21,7 @@ import httpx
 import pytest
 from http_harness import Server, completed, error_of
 
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
 
 KEY_A, KEY_B, ADMIN = "key-a-0123456789abcdef", "key-b-0123456789abcdef", "admin-0123456789abcdef"
 QUOTA = 2 << 20

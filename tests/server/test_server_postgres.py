@@ -152,7 +152,7 @@ def _upscale(home: Path, clip: Path, out: Path, bundle: Path) -> None:
 
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     path = tmp_path_factory.mktemp("pg-clip") / "clip.mp4"
     make_sample_clip(path, width=64, height=64, num_frames=1)

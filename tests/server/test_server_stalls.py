@@ -30,7 +30,7 @@ from entrypoints.server import serving
 from entrypoints.server.auth import owners_of
 from entrypoints.server.config import Connections
 from entrypoints.server.serving import SETTLED_S, BoundedServer, Owners, uvicorn_config
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
 
 KEY_A, KEY_B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
 PLACES = 16  # --max-connections of both servers

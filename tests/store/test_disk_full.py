@@ -18,7 +18,7 @@ import fault_harness
 import pytest
 
 from entrypoints.cli import main
-from k6vsr_core.sample import make_sample_clip
+from k6vsr_core.media.sample import make_sample_clip
 from storage import RunStore
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
@@ -67,7 +67,7 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, dict[str,
 def test_disk_full_mid_run_fails_clearly_publishes_nothing_and_resumes(
     small_disk: Path, tiny_bundle_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     clip = make_sample_clip(tmp_path / "clip.mp4", width=96, height=64, num_frames=1)
 

@@ -274,8 +274,8 @@ def test_flow_in_a_bucket_writes_the_local_bytes_and_resumes_from_it(
     tile and writes the local store's bytes; a run after that reuses everything, and an output record whose
     checksum does not match makes it mux again (the same bytes, accepted by the conditional write)."""
     from flows.upscale_clip import TileFailure
-    from k6vsr_core import stages
     from k6vsr_core.errors import UserFacingError
+    from k6vsr_core.model import stages
 
     plain, decoded = stages.decode_tile, []
 
@@ -324,7 +324,7 @@ def test_endpoint_gone_mid_run_fails_clearly_and_the_run_resumes_when_it_is_back
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from k6vsr_core import stages
+    from k6vsr_core.model import stages
 
     plain, stopped = stages.decode_tile, threading.Event()
 
@@ -488,7 +488,7 @@ def test_archive_with_its_store_in_a_bucket_writes_the_local_bytes(
     """`k6vsr archive --store s3://...` of two tiny clips: the outputs of a local-store archive, byte for byte, and
     every run's files in the bucket, none in a local store."""
     from entrypoints.cli import main
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     monkeypatch.chdir(tmp_path)  # a store URL read as a folder would land here
     folder = tmp_path / "in"
@@ -570,8 +570,8 @@ def test_half_uploaded_objects_are_not_done_and_are_computed_again(
     cut in half and the failed tile's denoised latent cut in half. The rerun denoises the failed tile again, decodes
     those three tiles again, and writes the local store's bytes."""
     from flows.upscale_clip import TileFailure
-    from k6vsr_core import stages
     from k6vsr_core.errors import UserFacingError
+    from k6vsr_core.model import stages
 
     plain, decoded = stages.decode_tile, []
 
@@ -614,7 +614,7 @@ def test_two_runs_of_one_key_at_once_publish_the_output_once(
     as a version): both succeed with the same bytes, and the store's output object was written once."""
     import boto3
 
-    from k6vsr_core.sample import make_sample_clip
+    from k6vsr_core.media.sample import make_sample_clip
 
     clip = make_sample_clip(tmp_path / "square.mp4", width=64, height=64, num_frames=1)
     name = bucket.removeprefix("s3://").split("/")[0]
