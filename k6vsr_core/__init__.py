@@ -14,11 +14,11 @@ cache folder or starts CUDA. It also keeps diffusers from importing torchao, whi
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from k6vsr_core.device.process_env import compute_defaults
 from k6vsr_core.device.torchao_gate import hide_torchao_from_diffusers
+from k6vsr_core.lazy import lazy_attributes
 
 compute_defaults()
 hide_torchao_from_diffusers()
@@ -65,8 +65,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+__getattr__ = lazy_attributes(__name__, _HOMES)

@@ -22,8 +22,9 @@ would shadow a function or module imported by name.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from k6vsr_core.lazy import lazy_attributes
 
 # Loaded on first use, as `media.probe` is reached: importing one module of the package (`media.encoding`, which the
 # request's model needs) must not import PyAV and every other module with it (`k6vsr --help` answers at once).
@@ -139,8 +140,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+__getattr__ = lazy_attributes(__name__, _HOMES)
