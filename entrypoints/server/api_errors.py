@@ -58,23 +58,17 @@ def api_error(err: UserFacingError, param: str | None = None, message: str | Non
     return ApiError(status, message or str(err), param=param, code=code)
 
 
-def error_response(
-    status: int,
-    message: str,
-    kind: str | None = None,
-    param: str | None = None,
-    code: str | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
+def error_response(err: ApiError) -> JSONResponse:
+    """The JSON body (OpenAI's error shape, as SGLang answers) and status of `err`."""
     body = {
         "error": {
-            "message": short_message(message),
-            "type": kind or _KIND.get(status, "server_error"),
-            "param": param,
-            "code": code or _CODE.get(status, "http_error"),
+            "message": short_message(err.message),
+            "type": err.kind or _KIND.get(err.status, "server_error"),
+            "param": err.param,
+            "code": err.code or _CODE.get(err.status, "http_error"),
         }
     }
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def disk_full_response(request: Request) -> JSONResponse:
@@ -83,10 +77,12 @@ def disk_full_response(request: Request) -> JSONResponse:
     if videos is not None:
         videos.store.disk.hit()
     return error_response(
-        507,
-        f"{DISK_FULL_MESSAGE}: this request's files did not fit and were removed; retry later",
-        code="disk_full",
-        headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},  # the rest of the body is never read
+        ApiError(
+            507,
+            f"{DISK_FULL_MESSAGE}: this request's files did not fit and were removed; retry later",
+            code="disk_full",
+            headers={"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},  # the rest of the body is never read
+        )
     )
 
 
@@ -95,35 +91,34 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def api_error_handler(_: Request, err: ApiError) -> JSONResponse:
-        return error_response(err.status, err.message, err.kind, err.param, err.code, err.headers)
+        return error_response(err)
 
     @app.exception_handler(UserFacingError)
     async def user_error_handler(request: Request, err: UserFacingError) -> JSONResponse:
         if is_disk_full(err):  # e.g. the run store could not be written
             return disk_full_response(request)
-        answer = api_error(err)
-        return error_response(answer.status, answer.message, param=answer.param, code=answer.code)
+        return error_response(api_error(err))
 
     @app.exception_handler(PathRefused)
     async def path_refused(_: Request, err: PathRefused) -> JSONResponse:
-        return error_response(403 if err.forbidden else 400, err.message, param="video_path", code=err.code)
+        return error_response(ApiError(403 if err.forbidden else 400, err.message, param="video_path", code=err.code))
 
     async def busy(_: Request, err: Exception) -> JSONResponse:
         template, code = next(answer for kind, answer in BUSY_ANSWERS.items() if isinstance(err, kind))
         message = template.format(limit=getattr(err, "limit", "?"), why=getattr(err, "why", ""))
-        return error_response(429, message, code=code, headers=retry)
+        return error_response(ApiError(429, message, code=code, headers=retry))
 
     for kind in BUSY_ANSWERS:
         app.add_exception_handler(kind, busy)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        return error_response(err.status_code, str(err.detail), headers=getattr(err, "headers", None))
+        return error_response(ApiError(err.status_code, str(err.detail), headers=getattr(err, "headers", None)))
 
     @app.exception_handler(ClientDisconnect)
     async def disconnected(_: Request, err: ClientDisconnect) -> JSONResponse:
         return error_response(
-            400, "the client disconnected before the request body was complete", code="client_disconnected"
+            ApiError(400, "the client disconnected before the request body was complete", code="client_disconnected")
         )
 
     @app.exception_handler(OSError)
@@ -136,4 +131,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(_: Request, err: Exception) -> JSONResponse:
         log.error("internal error: %s: %s", type(err).__name__, err, exc_info=err)
-        return error_response(500, "internal server error; see the server log", "server_error", code="internal_error")
+        return error_response(
+            ApiError(500, "internal server error; see the server log", "server_error", code="internal_error")
+        )

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
-from entrypoints.server.api_errors import error_response
+from entrypoints.server.api_errors import ApiError, error_response
 from entrypoints.server.job_records import JobRecord
 
 
@@ -74,10 +74,12 @@ class KeyAuth:
             if found is None:
                 message = "missing API key" if not header else "invalid API key"
                 response = error_response(
-                    401,
-                    f"{message}: send the header 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
+                    ApiError(
+                        401,
+                        f"{message}: send the header 'Authorization: Bearer <key>'",
+                        code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
                 )
                 await response(scope, receive, send)
                 return

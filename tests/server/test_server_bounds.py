@@ -25,7 +25,8 @@ import uvicorn
 from fastapi.testclient import TestClient
 from http_harness import error_of, free_port
 
-from entrypoints.server.app import Limits, ServerConfig, create_app, error_response, key_owner
+from entrypoints.server.api_errors import ApiError, error_response
+from entrypoints.server.app import Limits, ServerConfig, create_app, key_owner
 from entrypoints.server.child import _error_of, results_beside
 from entrypoints.server.job_records import JobRecord, JobStore
 from entrypoints.server.job_runner import JobRunner
@@ -198,7 +199,7 @@ def test_error_messages_are_short_and_typed() -> None:
     assert internal["type"] == "server_error" and len(internal["message"]) <= MAX_MESSAGE_CHARS
     user = _error_of(MediaError("the clip", "no video stream"))
     assert user == {"message": user["message"], "type": "invalid_request_error", "code": "invalid_video"}
-    body = json.loads(error_response(400, huge).body)
+    body = json.loads(error_response(ApiError(400, huge)).body)
     assert len(body["error"]["message"]) <= MAX_MESSAGE_CHARS
 
 
