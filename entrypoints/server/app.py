@@ -68,18 +68,7 @@ PREFECT_HOME = "prefect-server"
 def create_app(config: ServerConfig, spec: ModelSpec) -> FastAPI:
     limits = config.limits
     store = JobStore(config.store_root, limits.input_quota_bytes, config.run_root)
-    runner = JobRunner(
-        store,
-        spec,
-        workers=config.workers,
-        max_queued=limits.max_queued,
-        retention_s=limits.retention_s,
-        uploads_per_key=limits.uploads_per_key,
-        queued_per_key=limits.queued_per_key,
-        finished_quota_bytes=limits.finished_quota_bytes,
-        finished_per_key=limits.finished_per_key,
-        memory_budget=limits.memory_budget_bytes,
-    )
+    runner = JobRunner(store, spec, config.workers, limits)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

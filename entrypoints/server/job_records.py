@@ -10,7 +10,7 @@ import secrets
 import shutil
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -238,15 +238,8 @@ class JobEntry:
 
     @classmethod
     def of(cls, job: JobRecord) -> JobEntry:
-        return cls(
-            id=job.id,
-            owner=job.owner,
-            status=job.status,
-            run_key=job.run_key,
-            created_ns=job.created_ns,
-            completed_at=job.completed_at,
-            disk_bytes=job.disk_bytes or 0,
-        )
+        kept = job.model_dump(include={field.name for field in fields(cls)})
+        return cls(**{**kept, "disk_bytes": job.disk_bytes or 0})
 
 
 class JobStore:

@@ -55,6 +55,7 @@ from entrypoints.server.job_records import (
 from entrypoints.server.worker_slots import TERMINATE_GRACE_S, SlotContext, WorkerSlot, _mark_crashed_runs
 
 if TYPE_CHECKING:
+    from entrypoints.server.config import Limits
     from service.runs import ModelSpec
 
 log = logging.getLogger("k6vsr.server")
@@ -77,28 +78,17 @@ class JobRunner:
     whose uploads stall never leaves another key without its share. One key holds at most `uploads_per_key`
     uploads, and `queued_per_key` places, whatever its share."""
 
-    def __init__(
-        self,
-        store: JobStore,
-        spec: ModelSpec,
-        workers: int,
-        max_queued: int,
-        retention_s: float,
-        uploads_per_key: int | None = None,
-        finished_quota_bytes: int | None = None,
-        queued_per_key: int | None = None,
-        finished_per_key: int | None = None,
-        memory_budget: int | None = None,
-    ) -> None:
+    def __init__(self, store: JobStore, spec: ModelSpec, workers: int, limits: Limits) -> None:
         self.store = store
         self.spec = spec
-        self.max_queued = max_queued
-        self.retention_s = retention_s
-        self.uploads_per_key = uploads_per_key or max(1, max_queued // 2)
-        self.places = FairShare(max_queued, cap=queued_per_key)
+        self.max_queued = max_queued = limits.max_queued
+        self.retention_s = limits.retention_s
+        self.uploads_per_key = limits.uploads_per_key or max(1, max_queued // 2)
+        self.places = FairShare(max_queued, cap=limits.queued_per_key)
         self.upload_slots = FairShare(max_queued, cap=self.uploads_per_key)
-        self.finished_quota_bytes = finished_quota_bytes
-        self.finished_per_key = finished_per_key
+        self.finished_quota_bytes = limits.finished_quota_bytes
+        self.finished_per_key = limits.finished_per_key
+        memory_budget = limits.memory_budget_bytes
         self.queue = FairQueue()  # queued jobs no worker has taken yet, by owner
         self._admitting: dict[str | None, int] = {}  # requests being read that will queue a job, by key
         # Deletions (a client's DELETE, the janitor's expiry) one at a time: two at once would race to remove the

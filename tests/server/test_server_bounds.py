@@ -491,9 +491,7 @@ def finished_record(
 
 def test_finished_jobs_keep_a_bounded_disk_oldest_deleted_first(tmp_path: Path) -> None:
     store = JobStore(tmp_path, 1 << 20)
-    runner = JobRunner(
-        store, ModelSpec(model="unused"), workers=1, max_queued=4, retention_s=3600.0, finished_quota_bytes=250
-    )
+    runner = JobRunner(store, ModelSpec(model="unused"), 1, replace(LIMITS, finished_quota_bytes=250))
     now = int(time.time())
     for index, (status, size) in enumerate([("completed", 100), ("failed", 0), ("completed", 100), ("completed", 100)]):
         job_id = f"video_{'abcdefghijklmnop'}{index}"
@@ -611,9 +609,8 @@ def test_the_memory_watch_stops_a_job_that_outgrows_the_budget(tmp_path: Path) -
     from entrypoints.server.host_memory import own_rss
 
     store = JobStore(tmp_path, 1 << 20)
-    runner = JobRunner(
-        store, ModelSpec(model="unused"), workers=1, max_queued=4, retention_s=60, memory_budget=own_rss() + (64 << 20)
-    )
+    limits = replace(LIMITS, retention_s=60, memory_budget_bytes=own_rss() + (64 << 20))
+    runner = JobRunner(store, ModelSpec(model="unused"), 1, limits)
     slot = runner.slots[0]
     # A stand-in for a job process that holds 200 MB.
     slot.process = subprocess.Popen(

@@ -12,6 +12,7 @@ import errno
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +145,7 @@ def test_the_workers_own_failure_record_never_takes_it_down(tmp_path: Path, monk
     """The worker's last resort, when a job's run raised and its failure record cannot be written either (a disk
     that fails otherwise than full): logged, never raised, so the worker takes the next job."""
     store = JobStore(tmp_path, 1 << 20)
-    runner = JobRunner(store, ModelSpec(model="unused"), workers=1, max_queued=4, retention_s=60)
+    runner = JobRunner(store, ModelSpec(model="unused"), 1, replace(LIMITS, retention_s=60))
     monkeypatch.setattr(store, "update", lambda *_, **__: _raise_eio())
     runner.slots[0]._fail("video_abcdefghijklmnopqr", OSError(errno.ENOSPC, "No space left on device"))
     assert store.disk.full

@@ -174,7 +174,16 @@ def test_more_keys_than_places_or_the_overflow_bound_fill_the_queue() -> None:
 
 def runner_for(tmp_path: Path, **limits: int) -> JobRunner:
     store = JobStore(tmp_path, input_quota_bytes=1 << 20)
-    return JobRunner(store, ModelSpec(model="unused"), workers=1, retention_s=60, **limits)
+    given = Limits(
+        max_upload_bytes=1 << 20,
+        max_fields=8,
+        max_fields_bytes=8 << 10,
+        input_quota_bytes=1 << 20,
+        max_output_pixels=2048 * 10**6,
+        retention_s=60,
+        **limits,
+    )
+    return JobRunner(store, ModelSpec(model="unused"), 1, given)
 
 
 def test_admission_shares_the_queue_and_the_upload_slots(tmp_path: Path) -> None:
