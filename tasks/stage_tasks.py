@@ -170,11 +170,27 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
         seconds=seconds,
         attempt=attempt,
     )
+    return _computed(Stage.ENCODE, str(window), window, seconds, started_at, compiling)
+
+
+def _computed(
+    stage: Stage,
+    item: str,
+    window: int,
+    seconds: float,
+    started_at: float,
+    compiling: list[tuple[float, float]],
+    tiles: tuple[int, ...] = (),
+    dit_calls: int = 0,
+) -> StageResult:
+    """What a model stage that computed its item returns: its seconds, when it began and when it compiled."""
     return StageResult(
-        stage=Stage.ENCODE,
-        item=str(window),
+        stage=stage,
+        item=item,
         computed=True,
         seconds=seconds,
+        dit_calls=dit_calls,
+        tiles=tiles,
         window=window,
         started_at=started_at,
         compile_spans=compiling,
@@ -246,17 +262,7 @@ def denoise(
             seconds=seconds,
             attempt=attempt,
         )
-    return StageResult(
-        stage=Stage.DENOISE,
-        item=str(chunk_index),
-        computed=True,
-        seconds=seconds,
-        dit_calls=calls,
-        tiles=chunk.tiles,
-        window=window,
-        started_at=started_at,
-        compile_spans=compiling,
-    )
+    return _computed(Stage.DENOISE, str(chunk_index), window, seconds, started_at, compiling, chunk.tiles, calls)
 
 
 @task(name=TaskKind.DECODE, task_run_name="decode-window-{window}-tile-{tile}", **STAGE_TASK)
@@ -282,16 +288,7 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
     store.put_tile(
         _array(plan, "tiles", window), key, counts, pixels.numpy(), stage=Stage.DECODE, seconds=seconds, attempt=attempt
     )
-    return StageResult(
-        stage=Stage.DECODE,
-        item=str(tile),
-        computed=True,
-        seconds=seconds,
-        tiles=(tile,),
-        window=window,
-        started_at=started_at,
-        compile_spans=compiling,
-    )
+    return _computed(Stage.DECODE, str(tile), window, seconds, started_at, compiling, (tile,))
 
 
 @task(name=TaskKind.DENOISE_DECODE, task_run_name="denoise-decode-window-{window}-tiles-{tiles_label}", **STAGE_TASK)

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -143,33 +143,39 @@ class InputQuotaFull(Exception):
         self.limit = limit
 
 
-class KeyQueueFull(Exception):
-    """One key already holds its share of the queue: jobs of its waiting plus its requests being read. `holders`:
-    the keys holding places, this one counted; `capped`: its share is --max-queued-per-key's."""
+class _ShareTaken(Exception):
+    """A key (or client address) already holds its share of a pool the keys share: `holders` the ones holding any,
+    this one counted; `capped`: its share is the per-key limit's, not the pool's split."""
+
+    said: ClassVar[str]  # the message, of the key's `limit`
+    cap: ClassVar[str]  # the per-key limit's option
+    pool: ClassVar[str]  # what the option --max-queued splits, and what the waiting keys do with it
 
     def __init__(self, limit: int, holders: int = 1, capped: bool = True) -> None:
-        super().__init__(f"this key already has {limit} jobs queued or being sent")
+        super().__init__(self.said.format(limit=limit))
         self.limit, self.holders, self.capped = limit, holders, capped
 
     @property
     def why(self) -> str:
         if self.capped:
-            return "its limit (--max-queued-per-key)"
-        return f"its share of the queue (--max-queued) while {self.holders} keys or client addresses wait"
+            return f"its limit ({self.cap})"
+        return f"its share of {self.pool.format(holders=self.holders)}"
 
 
-class UploadsBusy(Exception):
-    """One key already sends as many request bodies as its share of the upload slots (see `KeyQueueFull`)."""
+class KeyQueueFull(_ShareTaken):
+    """One key already holds its share of the queue: jobs of its waiting plus its requests being read."""
 
-    def __init__(self, limit: int, holders: int = 1, capped: bool = True) -> None:
-        super().__init__(f"this key already sends {limit} requests")
-        self.limit, self.holders, self.capped = limit, holders, capped
+    said = "this key already has {limit} jobs queued or being sent"
+    cap = "--max-queued-per-key"
+    pool = "the queue (--max-queued) while {holders} keys or client addresses wait"
 
-    @property
-    def why(self) -> str:
-        if self.capped:
-            return "its limit (--max-uploads-per-key)"
-        return f"its share of the upload slots (--max-queued) while {self.holders} keys or client addresses send"
+
+class UploadsBusy(_ShareTaken):
+    """One key already sends as many request bodies as its share of the upload slots."""
+
+    said = "this key already sends {limit} requests"
+    cap = "--max-uploads-per-key"
+    pool = "the upload slots (--max-queued) while {holders} keys or client addresses send"
 
 
 class InputQuota:

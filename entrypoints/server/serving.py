@@ -223,16 +223,14 @@ class BoundedH11Protocol(H11Protocol):
 
     def _stop_waiting_for_head(self) -> None:
         self._idle = False
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
+        _cancel(self._head_deadline)
+        self._head_deadline = None
         self._note_progress()
 
     def _stop_stalling(self) -> None:
         self._stalled = False
-        if self._send_deadline is not None:
-            self._send_deadline.cancel()
-            self._send_deadline = None
+        _cancel(self._send_deadline)
+        self._send_deadline = None
         self._note_progress()
 
     def _note_progress(self) -> None:
@@ -405,3 +403,8 @@ def uvicorn_config(
         server_header=False,
         **options,
     )
+
+
+def _cancel(deadline: asyncio.TimerHandle | None) -> None:
+    if deadline is not None:
+        deadline.cancel()
