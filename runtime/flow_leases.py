@@ -248,6 +248,10 @@ def _mark(
 
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
         TaskRunFilter,
         TaskRunFilterFlowRunId,
         TaskRunFilterState,
@@ -270,9 +274,19 @@ def _mark(
             if run.state is None or not run.state.is_final():
                 client.set_flow_run_state(run.id, end(lease), force=True)
                 marked.append(lease.flow_run_id)
+            # Its subflow runs ran in the same process: one created but not yet started (Pending) holds no lease of
+            # its own, and nothing else would ever end it.
+            children = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run.id]),
+                    state=FlowRunFilterState(type=FlowRunFilterStateType(any_=unfinished)),
+                )
+            )
+            for child in children:
+                client.set_flow_run_state(child.id, end(lease), force=True)
             tasks = client.read_task_runs(
                 task_run_filter=TaskRunFilter(
-                    flow_run_id=TaskRunFilterFlowRunId(any_=[run.id]),
+                    flow_run_id=TaskRunFilterFlowRunId(any_=[run.id, *(child.id for child in children)]),
                     state=TaskRunFilterState(type=TaskRunFilterStateType(any_=unfinished)),
                 )
             )

@@ -220,6 +220,38 @@ def test_a_lease_follows_the_local_server_to_another_port(home: Path, url: str) 
     assert not (home / "leases" / f"{run.id}.json").exists()
 
 
+def test_a_dead_run_s_subflow_left_pending_is_ended_with_it(home: Path, url: str) -> None:
+    """A clip run created under an archive (Pending, its body not started, so no lease of its own) when the
+    archive's process died: marked Crashed with the archive's run."""
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.states import Pending, Running
+
+    @flow(name="k6vsr-test-parent")
+    def parent() -> None:
+        pass
+
+    @task(name="k6vsr-test-subflow-holder")
+    def parent_task() -> None:
+        pass
+
+    with temporary_settings(updates={PREFECT_API_URL: url}), get_client(sync_client=True) as client:
+        run = client.create_flow_run(parent, state=Running())
+        holder = client.create_task_run(parent_task, flow_run_id=run.id, dynamic_key="0", state=Running())
+        child = client.create_flow_run(parent, parent_task_run_id=holder.id, state=Pending())
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        lease = flow_leases.Lease(
+            flow_run_id=str(run.id), pid=dead.pid, host=os.uname().nodename, api_url=url,
+            api=f"local:{home.resolve()}", started_at="2026-01-01T00:00:00+00:00",
+        )  # fmt: skip
+        (home / "leases").mkdir(exist_ok=True)
+        (home / "leases" / f"{run.id}.json").write_text(lease.model_dump_json())
+        assert flow_leases.mark_crashed_runs(url, home) == [str(run.id)]
+        assert client.read_flow_run(child.id).state.name == "Crashed"
+
+
 @pytest.mark.parametrize("body", ["returns", "raises"])
 def test_a_run_that_ends_leaves_no_lease(home: Path, url: str, body: str) -> None:
     script = SLEEPY_FLOW.replace("sleepy(float(sys.argv[1]))", "sleepy(0.0)")
