@@ -38,9 +38,11 @@ class StoreUnreachable(StoreError):
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the new one, never a part."""
+    """Write `data` to `path` so that readers see the old file or the new one, never a part.
+
+    The temporary file's name carries its writer (`owner`): a killed writer's is removed by `remove_dead_partials`."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{owner()}.", suffix=".partial")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -67,6 +69,26 @@ def remove_stale_temps(folder: Path, prefix: str, suffix: str) -> list[Path]:
         return removed
     for path in candidates:
         pid = path.name[len(mine) :].split(".", 1)[0]
+        if pid.isdigit() and not alive(int(pid)):
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
+
+
+def remove_dead_partials(folder: Path) -> list[Path]:
+    """Delete the `.<name>.<host>-<pid>.*.partial` files of `atomic_write_bytes` in `folder` whose writer, a process
+    of this host, is dead: one pass over a folder of many small records, where a pass per write would cost its square."""
+    removed: list[Path] = []
+    marker = f".{socket.gethostname()}-"
+    try:
+        candidates = [p for p in folder.iterdir() if p.name.endswith(".partial") and marker in p.name]
+    except OSError:
+        return removed
+    for path in candidates:
+        pid = path.name.rsplit(marker, 1)[1].split(".", 1)[0]
         if pid.isdigit() and not alive(int(pid)):
             try:
                 path.unlink()

@@ -58,6 +58,7 @@ from storage.location import (
     location,
     owner,
     parse_store_root,
+    remove_dead_partials,
     remove_stale_temps,
 )
 from storage.manifest import RunManifest
@@ -413,6 +414,8 @@ class RunStore:
             for folder in (self.path, self.path / SEGMENTS):
                 remove_stale_temps(folder, ".part.", ".mp4")
             remove_stale_temps(self.path, ".part.", ".f32")
+            for folder in (self.path, self.path / STOPS, *self.records.folders()):
+                remove_dead_partials(folder)
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)

@@ -72,30 +72,6 @@ def test_an_archive_keeps_the_model_process_computing_and_its_cpu_work_apart(
     assert any(any(s < c["start"] < e for s, e in spans) for c in cpu)
 
 
-def test_a_one_shot_on_its_own_split_cluster_gives_the_in_memory_runner_s_bytes(
-    prefect_server: str, tiny_bundle: object, tiny_bundle_path: Path, clip_1f: Path, tmp_path: Path, monkeypatch
-) -> None:
-    """The real model, not the stand-in: a one-shot whose tiles go to the command's own split cluster writes the
-    in-memory runner's bytes, its model items in the model worker, its blend in a CPU-lane worker."""
-    from flows.orchestrate import run_clip
-    from k6vsr_core import upscale
-    from service.runs import prepare_run
-
-    reference = tmp_path / "reference.mp4"
-    upscale(clip_1f, reference, tiny_bundle, UpscaleParams(scale=2))
-    monkeypatch.setenv("K6VSR_LANES", "processes")
-    monkeypatch.setenv("K6VSR_WARM_WORKERS", "off")
-    model = ModelSpec(model=str(tiny_bundle_path), device="cpu")
-    prepared = prepare_run(clip_1f, UpscaleParams(scale=2), model, tmp_path / "store")
-    run_clip(prepared, str(tmp_path / "out.mp4"), model).summary()
-    assert (tmp_path / "out.mp4").read_bytes() == reference.read_bytes()
-    lines = lines_of([RunStore(prepared.run.store_root, prepared.run.run_key).path])
-    model_pids = {line["pid"] for line in lines if line["stage"] in MODEL_STAGES}
-    cpu_pids = {line["pid"] for line in lines if line["stage"] in CPU_ITEMS}
-    assert len(model_pids) == 1 and cpu_pids and not model_pids & cpu_pids
-    assert os.getpid() not in model_pids | cpu_pids
-
-
 @pytest.mark.parametrize(
     ("setting", "device", "own"),
     [("threads", "cuda", False), ("processes", "cpu", True), ("", "cpu", False), ("auto", "cpu", False)],

@@ -1,26 +1,42 @@
 """Every way of running a clip gives the in-memory runner's bytes (`reference`, tests/conftest.py): `run_clip` on
 this process's threads, on two Dask worker processes and on a split cluster of its own (a model process that only
-computes, CPU-lane processes beside it), the `k6vsr upscale` command, and the archive flow."""
+computes, CPU-lane processes beside it: its model items in the one model process, its blends and segments in others), the
+`k6vsr upscale` command, and the archive flow."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from k6vsr_core.contract.params import UpscaleParams
+from k6vsr_core.contract.stage_names import MODEL_STAGES
 from service.runs import ModelSpec, prepare_run
+from storage import RunStore
+from tests.timelines import lines_of
 
 PARAMS = UpscaleParams(scale=2)
 
 
-def _run_clip(clip: Path, out: Path, model: ModelSpec, store: Path, **where: int) -> None:
+def _run_clip(clip: Path, out: Path, model: ModelSpec, store: Path, **where: int) -> Path:
+    """Run the clip; its run's folder."""
     from flows.orchestrate import run_clip, tile_runner
 
     prepared = prepare_run(clip, PARAMS, model, store)
     summary = run_clip(prepared, str(out), model, tile_runner(model, prepared, **where)).summary()
     assert summary.tiles_computed == summary.tiles_total  # computed here, not found in the store
+    return RunStore(prepared.run.store_root, prepared.run.run_key).path
+
+
+def _split_cluster(clip: Path, out: Path, model: ModelSpec, store: Path) -> None:
+    """Its model items in one process of their own, its blends and segments in others (K6VSR_LANES=processes)."""
+    lines = lines_of([_run_clip(clip, out, model, store)])
+    model_pids = {line["pid"] for line in lines if line["stage"] in MODEL_STAGES}
+    cpu_pids = {line["pid"] for line in lines if line["stage"] in ("blend", "segment")}
+    assert len(model_pids) == 1 and cpu_pids and not model_pids & cpu_pids
+    assert os.getpid() not in model_pids | cpu_pids
 
 
 def _command(clip: Path, out: Path, model: ModelSpec, store: Path) -> None:
@@ -47,7 +63,7 @@ def _archive(clip: Path, out: Path, model: ModelSpec, store: Path) -> None:
 RUNNERS = {
     "threads": lambda clip, out, model, store: _run_clip(clip, out, model, store),
     "dask-workers": lambda clip, out, model, store: _run_clip(clip, out, model, store, workers=2),
-    "split-cluster": lambda clip, out, model, store: _run_clip(clip, out, model, store),  # K6VSR_LANES=processes
+    "split-cluster": _split_cluster,
     "command": _command,
     "archive": _archive,
 }

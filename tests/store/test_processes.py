@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+from k6vsr_core.contract.stage_names import Stage
+from storage.location import owner
 from storage.processes import alive, group_alive, process_start
 
 
@@ -49,3 +53,27 @@ def test_a_dead_writers_temporary_files_are_removed(tmp_path) -> None:
     dead.touch()
     mine.touch()
     assert remove_stale_temps(tmp_path, "x-", ".tmp") == [dead] and mine.exists()
+
+
+def test_a_record_half_written_by_a_killed_process_is_removed_when_the_run_is_next_used(tmp_path) -> None:
+    # The writer dies between its temporary file and the rename, as a SIGKILL of a tile's task thread does.
+    from storage import RunStore
+
+    store = RunStore(tmp_path, "run")
+    record = store.records.path(Stage.DECODE, "0-0")
+    writer = (
+        "import os, signal, sys\n"
+        "from pathlib import Path\n"
+        "from storage.location import atomic_write_bytes\n"
+        "os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "atomic_write_bytes(Path(sys.argv[1]), b'{}')\n"
+    )
+    child = subprocess.run([sys.executable, "-c", writer, str(record)], cwd=Path(__file__).parents[2])
+    assert child.returncode == -signal.SIGKILL
+    left = list(record.parent.glob("*.partial"))
+    assert len(left) == 1 and not record.exists()
+    live = record.parent / f".0-1.json.{owner()}.abc.partial"  # a live writer's, this process's
+    live.touch()
+
+    with store.in_use():
+        assert not left[0].exists() and live.exists()
