@@ -80,7 +80,7 @@ def remove_stale_temps(folder: Path, prefix: str, suffix: str) -> list[Path]:
 
 def remove_dead_partials(folder: Path) -> list[Path]:
     """Delete the `.<name>.<host>-<pid>.*.partial` files of `atomic_write_bytes` in `folder` whose writer, a process
-    of this host, is dead: one pass over a folder of many small records, where a pass per write would cost its square."""
+    of this host, is dead: one pass over a folder of many small records (a pass per write would cost its square)."""
     removed: list[Path] = []
     marker = f".{socket.gethostname()}-"
     try:

@@ -1,7 +1,7 @@
 """Every way of running a clip gives the in-memory runner's bytes (`reference`, tests/conftest.py): `run_clip` on
 this process's threads, on two Dask worker processes and on a split cluster of its own (a model process that only
-computes, CPU-lane processes beside it: its model items in the one model process, its blends and segments in others), the
-`k6vsr upscale` command, and the archive flow."""
+computes, CPU-lane processes beside it: its model items in the one model process, its blends and segments in
+others), the `k6vsr upscale` command, and the archive flow."""
 
 from __future__ import annotations
 
