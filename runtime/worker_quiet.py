@@ -52,5 +52,11 @@ def exit_with_parent() -> threading.Thread | None:
 
 
 def dask_setup(worker: Any) -> None:
-    logging.getLogger("distributed.worker").addFilter(HeartbeatLost())
+    # On the handlers, not a logger: a filter on a logger sees only what that logger itself logs, and the worker's
+    # other loggers (`distributed.core`: "Connection to ... has been closed", seen below the line in CI) reach the
+    # same terminal through these handlers.
+    quiet = HeartbeatLost()
+    for name in (None, "distributed"):
+        for handler in logging.getLogger(name).handlers:
+            handler.addFilter(quiet)
     exit_with_parent()
