@@ -68,6 +68,9 @@ def s3_endpoint() -> Iterator[Endpoint]:
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
+        # The client's attempts per request (botocore's default 5 back off for seconds between them): a test that
+        # stops the endpoint waits for the requests in flight to give up.
+        "AWS_MAX_ATTEMPTS": "3",
     }
     saved = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
