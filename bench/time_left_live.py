@@ -87,6 +87,20 @@ def misses(figures: list[tuple[float, int]], wall: float) -> list[tuple[float, f
     return out
 
 
+def normalized(timeline: str) -> str:
+    """A run's timeline as the replay tests keep it: stage, item, start and end in seconds from its first line's
+    start, and its attempts numbered 0, 1, ... in the order they began."""
+    lines = [json.loads(line) for line in timeline.splitlines() if line.strip()]
+    origin = min(line["start"] for line in lines)
+    attempts: dict[str, int] = {}
+    out = []
+    for line in sorted(lines, key=lambda line: line["end"]):
+        number = attempts.setdefault(line.get("attempt") or str(line.get("pid")), len(attempts))
+        start, end = round(line["start"] - origin, 2), round(line["end"] - origin, 2)
+        out.append({"stage": line["stage"], "item": line["item"], "start": start, "end": end, "attempt": number})
+    return "".join(json.dumps(line) + "\n" for line in out)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True)
@@ -128,7 +142,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "entrypoints.cli", "server", "stop"], env=env, cwd=ROOT, check=False)
     report.update(attempts=attempts, load_after=os.getloadavg())
     (run,) = (store / "runs").iterdir()
-    shutil.copyfile(run / "timeline.jsonl", args.out / "timeline.jsonl")
+    (args.out / "timeline.jsonl").write_text(normalized((run / "timeline.jsonl").read_text()))
     (args.out / "report.json").write_text(json.dumps(report, indent=1))
     last = attempts[-1]
     print(

@@ -510,6 +510,33 @@ def test_time_left_after_a_resume_shows_at_once_and_keeps_its_bounds(killed_at: 
     assert _misses(replayed, since=since) == []
 
 
+# Recorded 2026-12-07 with bench/time_left_live.py on the two-core host with nothing else running: the same
+# 250-frame clip as `CLIP250` (`PLAN`), run whole (212 s; its decodes 17 to 19 s each), then run again killed at 117 s
+# and resumed (the run's `attempt` says which).
+QUIET = Path(__file__).parents[1] / "data" / "clip250-quiet-timeline.jsonl"
+QUIET_RESUMED = Path(__file__).parents[1] / "data" / "clip250-quiet-resumed-timeline.jsonl"
+
+
+def test_on_a_steady_host_the_time_left_holds_its_bounds_from_its_first_figure() -> None:
+    """Where the host's load holds, the figure is within the bounds from the first decode's end (23 s) to the end:
+    the misses of `CLIP250`'s replay are its host's load rising after the first decodes, which no record shows."""
+    replayed = timelines.replay(PLAN, _lines(QUIET), 0.0)  # its blends' lines as a streaming run writes them
+    first = next(at for at, _, estimate in replayed if estimate is not None)
+    assert first == 23.0
+    assert _misses(replayed, since=first) == []
+
+
+def test_on_a_steady_host_a_resumed_run_has_a_figure_at_once_within_its_bounds() -> None:
+    """The resumed attempt (its first line 5 s after the command started again; 111 s of work left), replayed from
+    its first line: a figure at once (106 s), and every figure within the bounds to the end (at worst 5 s off)."""
+    lines = _lines(QUIET_RESUMED)
+    first, second = [line for line in lines if line["attempt"] == 0], [line for line in lines if line["attempt"] == 1]
+    start = min(line["start"] for line in second)
+    replayed = timelines.replay(PLAN, second, start, first)
+    assert replayed[0][2] is not None
+    assert _misses(replayed) == []
+
+
 # A 97-frame 64x448 clip: one window of the tiny model's 5 tiles, each its own chunk.
 FIVE = make_plan((64, 448), 97, 24.0, parse_params(scale="2"), ModelTraits(tile_sizes=TINY_TILE_SIZES))
 
