@@ -61,34 +61,31 @@ def owner() -> str:
 
 def remove_stale_temps(folder: Path, prefix: str, suffix: str) -> list[Path]:
     """Delete `<prefix><host>-<pid>.*<suffix>` files in `folder` left by dead processes of this host."""
-    removed: list[Path] = []
     mine = f"{prefix}{socket.gethostname()}-"
-    try:
-        candidates = [p for p in folder.iterdir() if p.name.startswith(mine) and p.name.endswith(suffix)]
-    except OSError:
-        return removed
-    for path in candidates:
-        pid = path.name[len(mine) :].split(".", 1)[0]
-        if pid.isdigit() and not alive(int(pid)):
-            try:
-                path.unlink()
-                removed.append(path)
-            except OSError:
-                pass
-    return removed
+    return _remove_orphans(
+        folder, lambda name: name[len(mine) :] if name.startswith(mine) and name.endswith(suffix) else None
+    )
 
 
 def remove_dead_partials(folder: Path) -> list[Path]:
     """Delete the `.<name>.<host>-<pid>.*.partial` files of `atomic_write_bytes` in `folder` whose writer, a process
     of this host, is dead: one pass over a folder of many small records (a pass per write would cost its square)."""
-    removed: list[Path] = []
     marker = f".{socket.gethostname()}-"
+    return _remove_orphans(
+        folder, lambda name: name.rsplit(marker, 1)[1] if name.endswith(".partial") and marker in name else None
+    )
+
+
+def _remove_orphans(folder: Path, writer: Callable[[str], str | None]) -> list[Path]:
+    """Delete the files of `folder` whose name's `writer(name)` (None: not a temporary file; else `<pid>.<rest>`)
+    names a dead process."""
+    removed: list[Path] = []
     try:
-        candidates = [p for p in folder.iterdir() if p.name.endswith(".partial") and marker in p.name]
+        candidates = [(p, writer(p.name)) for p in folder.iterdir()]
     except OSError:
         return removed
-    for path in candidates:
-        pid = path.name.rsplit(marker, 1)[1].split(".", 1)[0]
+    for path, tail in candidates:
+        pid = tail.split(".", 1)[0] if tail is not None else ""
         if pid.isdigit() and not alive(int(pid)):
             try:
                 path.unlink()
