@@ -101,10 +101,11 @@ class RecordBook:
         return self.location(stage, item).local()
 
     def folders(self) -> list[Path]:
-        """The local folders that hold records (none in an object store, whose writes are whole objects)."""
+        """The local folders that hold records, a stage's each (none in an object store, whose writes are whole
+        objects)."""
         if self.root.remote or not self.root.local().is_dir():
             return []
-        return [self.root.local(), *(p for p in self.root.local().iterdir() if p.is_dir())]
+        return [p for p in self.root.local().iterdir() if p.is_dir()]
 
     def write(
         self, stage: Stage, item: str, checksum: str, seconds: float = 0.0, attempt: str = ""
