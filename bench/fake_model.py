@@ -106,10 +106,11 @@ class FakeNetworks:
                 on_step(step)
         return torch.zeros((n, channels, frames, height * scale, width * scale))
 
-    def decode_tile(self, bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
+    def decode_tile(self, bundle: ModelBundle, latent: torch.Tensor, depth: int = 8) -> torch.Tensor:
         import torch
 
         _pause(self.ms)
         _, frames, height, width = latent.shape
         pixels = 1 + (frames - 1) * TEMPORAL_FACTOR
-        return torch.zeros((3, pixels, height * SPATIAL_FACTOR, width * SPATIAL_FACTOR), dtype=torch.uint8)
+        dtype = torch.uint16 if depth == 16 else torch.uint8
+        return torch.zeros((3, pixels, height * SPATIAL_FACTOR, width * SPATIAL_FACTOR), dtype=dtype)

@@ -250,6 +250,15 @@ def _timing(found: dict[str, Any] | None) -> list[str]:
     return [f"timing    variable frame rate ({spread}): frames chosen on their timestamps at {found['output_fps']} fps"]
 
 
+def _pixel_lines(output: dict[str, Any]) -> list[str]:
+    """The 16-bit path and the HDR metadata written, where they apply (an 8-bit run says nothing more)."""
+    if output.get("pixel_depth", 8) == 8:
+        return []
+    hdr = output.get("hdr_metadata")
+    kept = f"; HDR metadata written: {hdr}" if hdr else ""
+    return [f"pixels    16 bits a sample from the source's decode to the encoder, never 8{kept}"]
+
+
 def plan_lines(plan: dict[str, Any]) -> list[str]:
     """`k6vsr plan` for people: what goes in and out, the tiles, the windows as a table, the disk and the progress."""
     size = plan["source_size"]
@@ -279,6 +288,7 @@ def plan_lines(plan: dict[str, Any]) -> list[str]:
         f"{output['codec']} {output['pix_fmt']} {quality}{preset} in {output['container']}{colour}, "
         f"audio {output['audio']}",
         *_aspect_lines(plan.get("aspect")),
+        *_pixel_lines(output),
         f"model     {plan['model']}{_weights_note(plan)}",
         f"tiles     {plan['tiles_per_window']} a window ({grid} tiles of {base} px after SR, padding "
         f"{padding['bottom']} px bottom and {padding['right']} px right), {len(plan['chunks'])} batches, seeds "

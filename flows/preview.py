@@ -238,7 +238,7 @@ def _window_frames(store: RunStore, plan: ClipPlan, window: int) -> np.ndarray:
     if store.output_done():
         span = plan.windows[window]
         with store.output_path.fetch() as output:
-            return media.read_frames(output, list(range(span.start, span.stop)))
+            return media.read_frames(output, list(range(span.start, span.stop)), depth=plan.depth)
     raise MissingInput(
         f"run {store.run_key}: window {window} is already written into its segments; finish the run "
         "(k6vsr upscale with the same parameters) to see it"
@@ -258,6 +258,7 @@ def _halves(store: RunStore, plan: ClipPlan, window: int, frames: np.ndarray) ->
         pts if pts is not None and len(pts) else None,
         plan.deinterlace,
     )
+    frames = media.eight_bits(frames)  # the side-by-side clip and the sheet are 8-bit, the source read so too
     height, width = frames.shape[1:3]
     scale = min(1.0, HALF_WIDTH / width)
     size = (max(2, round(width * scale / 2) * 2), max(2, round(height * scale / 2) * 2))
@@ -270,10 +271,10 @@ def _halves(store: RunStore, plan: ClipPlan, window: int, frames: np.ndarray) ->
 
 def _encoding_rate(folder: Path, plan: ClipPlan, frames: np.ndarray) -> tuple[float, float]:
     """Seconds and bytes of encoding one output frame as the run's segments will: timed on the preview's frames."""
-    probe = folder / f".k6vsr-preview-{uuid.uuid4().hex}{plan.params.encoding.suffix}"
+    probe = folder / f".k6vsr-preview-{uuid.uuid4().hex}{plan.encoding.suffix}"
     try:
         started = time.perf_counter()
-        media.write_segment(probe, frames, plan.frame_rate, plan.params.encoding)
+        media.write_segment(probe, frames, plan.frame_rate, plan.encoding, plan.colour, hdr=plan.hdr)
         return (time.perf_counter() - started) / len(frames), probe.stat().st_size / len(frames)
     finally:
         probe.unlink(missing_ok=True)

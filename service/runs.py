@@ -16,7 +16,7 @@ from k6vsr_core import media
 from k6vsr_core.contract.latent import plan_latent, read_latent
 from k6vsr_core.contract.params import ParameterError, UpscaleParams
 from k6vsr_core.contract.plan import ClipPlan, select_kept_frames
-from k6vsr_core.contract.source import plan_probed
+from k6vsr_core.contract.source import pixel_path, plan_probed
 from k6vsr_core.device.memory_modes import MemoryMode
 from k6vsr_core.errors import BundleError, MediaError
 from k6vsr_core.model.bundle import DEFAULT_MODEL, BundleInfo, locate_bundle, model_traits
@@ -85,7 +85,7 @@ def prepare_run(
     if latent_fps is not None:
         return prepare_latent_run(source, params, spec, store_root, latent_fps, weights, tensors)
     probe = media.probe(source)
-    colour = media.output_colour(str(source), probe.colour, probe.hdr)
+    pixels = pixel_path(str(source), probe, params)
     if params.audio_file is not None:
         media.check_audio_file(params.audio_file)
     try:
@@ -95,7 +95,7 @@ def prepare_run(
     info = model_info(spec, weights, tensors)
     fields = media.probe_fields(source)
     try:
-        plan = plan_probed(str(source), probe, probe.num_frames, params, model_traits(info), colour, fields, find_cuts)
+        plan = plan_probed(str(source), probe, probe.num_frames, params, model_traits(info), pixels, fields, find_cuts)
     except ParameterError:
         raise
     except ValueError as err:  # e.g. an `exact` target above this clip's result: the request, for this file
@@ -106,6 +106,7 @@ def prepare_run(
         info.identity,
         deinterlace=plan.deinterlace,
         on_timestamps=plan.kept is not None,
+        depth=plan.depth,
     )
     return _prepared(source, store_root, key, info, plan, probe)
 

@@ -38,9 +38,10 @@ def store_estimate(plan: ClipPlan) -> StoreEstimate:
     tile = (grid.base[0] // SPATIAL_FACTOR) * (grid.base[1] // SPATIAL_FACTOR)
     latent = LATENT_CHANNELS * plan.latent_frames * padded * FLOAT32
     tile_latents = plan.num_tiles * LATENT_CHANNELS * plan.latent_frames * tile * FLOAT32
-    tiles = plan.num_tiles * 3 * frames * grid.base[0] * grid.base[1]
+    sample = plan.depth // 8  # bytes a pixel's sample: uint8, or uint16 on the 16-bit path
+    tiles = plan.num_tiles * 3 * frames * grid.base[0] * grid.base[1] * sample
     height, width = plan.delivery_size
-    blended = frames * height * width * 3
+    blended = frames * height * width * 3 * sample
     window = latent + tile_latents + tiles + blended
     encoded = round(plan.num_frames * height * width * ENCODED_BYTES_PER_PIXEL)
     per_minute = round(60 * plan.fps * height * width * ENCODED_BYTES_PER_PIXEL)

@@ -97,6 +97,7 @@ def run_key(
     latent_fps: str | None = None,
     deinterlace: str | None = None,
     on_timestamps: bool = False,
+    depth: int = 8,
 ) -> str:
     """The run's name, the one recipe of it: the source's content, the request's output fields, the model's identity
     (with the mark of other network calls while they are injected, `k6vsr_core.model.networks`, so their runs never
@@ -104,7 +105,8 @@ def run_key(
     a store's items with the model's) and the store's format. `latent_fps` (a latent source's frame rate) and
     `deinterlace` (the field order a plan deinterlaces its frames with, `ClipPlan.deinterlace`) are keyed only when
     given, so the runs of progressive videos keep their keys; so is `on_timestamps`, a variable-rate source's frames
-    chosen on their timestamps (`ClipPlan.kept`), which are other frames than the constant-rate rule's."""
+    chosen on their timestamps (`ClipPlan.kept`), which are other frames than the constant-rate rule's; and `depth`
+    16, the 16-bit path's frames (`ClipPlan.depth`), which a 10-bit source's runs before it read at 8 bits."""
     fields: dict[str, Any] = {
         "source": source_sha256,
         "params": output_params(params),
@@ -117,6 +119,8 @@ def run_key(
         fields["deinterlace"] = deinterlace
     if on_timestamps:
         fields["frames_on"] = "timestamps"
+    if depth != 8:
+        fields["depth"] = depth
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -157,7 +157,11 @@ def encode(run: RunRef, model: ModelSpec, window: int, attempt: str) -> StageRes
             span = plan.windows[window]
             # From the store's copy in an object store: a worker on another host cannot see the client's disk.
             frames = media.read_frames(
-                store.source_file(manifest), plan.source_indices(span), pts if len(pts) else None, plan.deinterlace
+                store.source_file(manifest),
+                plan.source_indices(span),
+                pts if len(pts) else None,
+                plan.deinterlace,
+                plan.depth,
             )
             latent = networks.current().encode_clip(_bundle(model, plan), stages.prepare_window(frames, plan, span))
     seconds = time.perf_counter() - started
@@ -267,7 +271,8 @@ def denoise(
 
 @task(name=TaskKind.DECODE, task_run_name="decode-window-{window}-tile-{tile}", **STAGE_TASK)
 def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) -> StageResult:
-    """KVAE decode of one tile of one window to uint8 pixels; never recomputes the denoised latent it reads."""
+    """KVAE decode of one tile of one window to pixels (`ClipPlan.depth`); never recomputes the denoised latent it
+    reads."""
     import torch
 
     store = _store(run)
@@ -282,7 +287,7 @@ def decode(run: RunRef, model: ModelSpec, window: int, tile: int, attempt: str) 
         f"the denoised latent of window {window} tile {tile}",
     )
     with _compile_spans() as compiling:
-        pixels = networks.current().decode_tile(_bundle(model, plan), torch.from_numpy(latent))
+        pixels = networks.current().decode_tile(_bundle(model, plan), torch.from_numpy(latent), depth=plan.depth)
     seconds = time.perf_counter() - started
     counts = (plan.num_windows, plan.num_tiles)
     store.put_tile(

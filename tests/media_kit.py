@@ -16,6 +16,7 @@ from k6vsr_core.media.checking import ColourTags
 MS = Fraction(1, 1000)
 MASTER_DISPLAY = "G(8500,39850)B(6550,2300)R(35400,14600)WP(15635,16450)L(10000000,50)"
 PATCH = (200, 40, 60)
+SECOND_PATCH = (30, 90, 210)
 
 
 FONT = b"\x00\x01\x00\x00" + bytes(range(256)) * 4  # stands in for a TrueType font an ASS subtitle needs
@@ -76,8 +77,10 @@ def colour_source(
     size: int = 64,
     frames: int = 1,
     x265_params: str = "",
+    cut_at: int | None = None,
 ) -> Path:
-    """A flat `PATCH` clip, its YUV made with the tags' own matrix and range, and tagged with them."""
+    """A flat `PATCH` clip, its YUV made with the tags' own matrix and range, and tagged with them; from frame
+    `cut_at` on, if given, a flat `SECOND_PATCH` (a hard cut between two shots)."""
     from k6vsr_core.media.colour import MATRIX_CODES, PRIMARY_CODES, TRANSFER_CODES
 
     options = (
@@ -85,8 +88,10 @@ def colour_source(
         if codec == "libx264"
         else {"x265-params": f"log-level=error:frame-threads=1:pools=none:bframes=0{x265_params}"}
     )
-    rgb = np.zeros((size, size, 3), np.uint16 if "10" in pix_fmt else np.uint8)
-    rgb[:] = [value << 8 for value in PATCH] if rgb.dtype == np.uint16 else PATCH
+    first = np.zeros((size, size, 3), np.uint16 if "10" in pix_fmt else np.uint8)
+    second = first.copy()
+    for image, patch in ((first, PATCH), (second, SECOND_PATCH)):
+        image[:] = [value << 8 for value in patch] if image.dtype == np.uint16 else patch
     with av.open(str(path), "w") as out:
         video = out.add_stream(codec, rate=24, options=options)
         video.width = video.height = size
@@ -97,6 +102,7 @@ def colour_source(
         context.colorspace = MATRIX_CODES[tags.matrix]
         context.color_range = {"tv": 1, "pc": 2}[tags.range]
         for index in range(frames):
+            rgb = second if cut_at is not None and index >= cut_at else first
             frame = av.VideoFrame.from_ndarray(rgb, format="rgb48le" if rgb.dtype == np.uint16 else "rgb24")
             frame = frame.reformat(
                 format=pix_fmt, dst_colorspace=context.colorspace, dst_color_range=context.color_range
@@ -115,8 +121,9 @@ def mux_in_order(out: av.container.OutputContainer, packets: list[av.Packet]) ->
         out.mux(packet)
 
 
-def hdr_source(path: Path, transfer: str) -> Path:
-    """HEVC main10 BT.2020 with `transfer` (smpte2084: HDR10, arib-std-b67: HLG) and HDR10 metadata."""
+def hdr_source(path: Path, transfer: str, frames: int = 1, cut_at: int | None = None) -> Path:
+    """HEVC main10 BT.2020 with `transfer` (smpte2084: HDR10, arib-std-b67: HLG) and HDR10 metadata, `frames` long
+    (with a cut at `cut_at`, see `colour_source`)."""
     return colour_source(
         path,
         ColourTags(primaries="bt2020", transfer=transfer, matrix="bt2020nc", range="tv"),
@@ -124,6 +131,8 @@ def hdr_source(path: Path, transfer: str) -> Path:
         pix_fmt="yuv420p10le",
         size=media.HEVC_MIN_SIDE,
         x265_params=f":hdr10=1:master-display={MASTER_DISPLAY}:max-cll=1000,400",
+        frames=frames,
+        cut_at=cut_at,
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from fractions import Fraction
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -28,6 +29,7 @@ from k6vsr_core.contract.tiling import (
 )
 from k6vsr_core.contract.windows import Window, plan_scene_windows, plan_windows, segment_range
 from k6vsr_core.errors import ParameterError
+from k6vsr_core.media.encoding import VideoEncoding
 from k6vsr_core.media.fields import bwdif_args
 
 TEMPORAL_FACTOR = 4
@@ -90,6 +92,18 @@ class ClipPlan(BaseModel):
     delivery_size: Size  # (H, W) of the written video
     # The tags the output is written with: the source's where the path carries them faithfully (media.output_colour)
     colour: media.ColourTags = media.BT709_TV
+    # Bits a sample of every stage's frames, from the source's decode to the encoder: 16 (uint16) for a source of more
+    # than 8 bits to an output of more than 8, else 8 (`k6vsr_core.contract.source.pixel_path`); and the source's
+    # HDR metadata, written with the output.
+    depth: Literal[8, 16] = 8
+    hdr: media.HdrMetadata | None = None
+
+    @property
+    def encoding(self) -> VideoEncoding:
+        """How the output is encoded: the request's encoding, in its codec's 10-bit pixel format on the 16-bit path
+        where the request left the format to the default (`VideoEncoding.for_deep_source`)."""
+        encoding = self.params.encoding
+        return encoding.for_deep_source() if self.depth == 16 else encoding
 
     @property
     def frame_rate(self) -> int | Fraction:
@@ -167,12 +181,14 @@ class ClipPlan(BaseModel):
     def output_format(self) -> dict[str, object]:
         """What the output file holds: codec, quality, pixel format, container, audio and exact rate."""
         return {
-            **self.params.encoding.describe(),
+            **self.encoding.describe(),
             "audio": self.params.audio,
             "fps_mode": self.params.fps_mode,
             "frame_rate": str(self.frame_rate if self.timeline is None else round(float(self.timeline.mean_rate), 3)),
             "variable_rate": self.timeline is not None,
-            "colour": (media.UNTAGGED if self.params.encoding.is_rgb else self.colour).describe(),
+            "colour": (media.UNTAGGED if self.encoding.is_rgb else self.colour).describe(),
+            "pixel_depth": self.depth,
+            "hdr_metadata": None if self.hdr is None else self.hdr.describe(),
         }
 
     @property
@@ -333,12 +349,15 @@ def make_plan(
     source_aspect: Fraction | str | None = None,
     fields: media.FieldInfo | None = None,
     frame_times: FrameTimes | None = None,
+    depth: Literal[8, 16] = 8,
+    hdr: media.HdrMetadata | None = None,
 ) -> ClipPlan:
     """Plan a source of `source_frames` frames of `source_size` at `source_fps`; with `windows='scenes'`, its kept
     frames cut into shots before each of `cuts` (positions among the kept frames, `scene_cuts`); `cuts=None` when
     they are not looked for yet (the plan is then `cuts_pending`, its windows as if there were none); deinterlaced as
     `fields` (`media.probe_fields`) and the request say; a variable rate (`frame_times`, `media.frame_times`)
-    resampled on its timestamps.
+    resampled on its timestamps; its frames `depth` bits a sample, its output written with `hdr`
+    (`k6vsr_core.contract.source.pixel_path`).
 
     Raises ValueError when the selection keeps no frame, ParameterError when the request does not fit this clip.
     """
@@ -393,7 +412,8 @@ def make_plan(
         )
     sr_size = grid.output_size
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
-    if (problem := params.encoding.size_problem(*delivery, what="an output")) is not None:
+    encoding = params.encoding.for_deep_source() if depth == 16 else params.encoding
+    if (problem := encoding.size_problem(*delivery, what="an output")) is not None:
         raise ParameterError(f"{problem}: use h264 or ffv1")
     plan = ClipPlan(
         source_size=source_size,
@@ -420,6 +440,8 @@ def make_plan(
         sr_size=sr_size,
         delivery_size=delivery,
         colour=colour,
+        depth=depth,
+        hdr=hdr,
     )
     _check_aspect_fits(plan)
     _check_times_fit(plan)
@@ -430,7 +452,7 @@ def _check_times_fit(plan: ClipPlan) -> None:
     """Matroska keeps a frame's time to the millisecond: frames of a kept variable rate that would fall on one
     millisecond cannot be told apart there, so such a source is refused rather than written with frames merged."""
     timeline = plan.timeline
-    if timeline is None or plan.params.encoding.container != "matroska":
+    if timeline is None or plan.encoding.container != "matroska":
         return
     clock = media.MATROSKA_TICK
     rounded = [round(stamp * timeline.tick / clock) for stamp in timeline.stamps]
@@ -447,7 +469,7 @@ def _check_aspect_fits(plan: ClipPlan) -> None:
     """Matroska keeps a pixel shape only in the stream's header fields that PyAV cannot set: an FFV1 output of
     non-square pixels would play stretched, so it is refused rather than written wrong."""
     sar = plan.sample_aspect
-    if sar is not None and plan.params.encoding.container == "matroska":
+    if sar is not None and plan.encoding.container == "matroska":
         shape = plan.aspect()
         raise ParameterError(
             f"codec={plan.params.codec} writes Matroska, which cannot be given this output's pixel shape ({sar}, for "

@@ -18,14 +18,14 @@ def write_segment(
     """Window `window`'s segment. A one-window plan's only segment is the finished file, written as the contract
     writes it (video, audio, rotation), unless the source's own streams go in; otherwise it is video only, for
     `join_segments`. Kept frame times are the window's own, from its first frame."""
-    encoding = plan.params.encoding
+    encoding = plan.encoding
     clock = plan.clock
     if isinstance(clock, media.Timeline):
         clock = clock.part(*plan.segment_range(window))
     if _segment_is_output(plan):
-        media.write_video(path, frames, clock, audio, rotation, encoding, plan.colour, None, plan.sample_aspect)
+        media.write_video(path, frames, clock, audio, rotation, encoding, plan.colour, plan.hdr, plan.sample_aspect)
     else:
-        media.write_segment(path, frames, clock, encoding, plan.colour, plan.sample_aspect)
+        media.write_segment(path, frames, clock, encoding, plan.colour, plan.sample_aspect, plan.hdr)
 
 
 def join_segments(
@@ -52,12 +52,12 @@ def join_segments(
             audio,
             plan.num_frames,
             rotation,
-            plan.params.encoding,
+            plan.encoding,
             original,
             plan.sample_aspect,
         )
     planned = media.planned_output(
-        plan.params.encoding,
+        plan.encoding,
         plan.num_frames,
         plan.clock,
         plan.delivery_size,
@@ -67,7 +67,7 @@ def join_segments(
         plan.sample_aspect,
     )
     try:
-        media.check_output(path, planned)
+        media.check_output(path, planned, plan.hdr)
     except media.OutputMismatch:
         Path(path).unlink(missing_ok=True)
         raise

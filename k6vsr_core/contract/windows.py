@@ -145,12 +145,13 @@ def fade_in(length: int) -> np.ndarray:
 
 
 def crossfade(earlier: np.ndarray, later: np.ndarray) -> np.ndarray:
-    """Blend two renderings `(T, H, W, C)` uint8 of the same frames, from all `earlier` to all `later`."""
-    if earlier.shape != later.shape:
-        raise ValueError(f"cannot cross-fade frames of shape {earlier.shape} and {later.shape}")
+    """Blend two renderings `(T, H, W, C)` of the same frames (uint8, or uint16 on the 16-bit path), from all
+    `earlier` to all `later`."""
+    if earlier.shape != later.shape or earlier.dtype != later.dtype:
+        raise ValueError(f"cannot cross-fade frames of {earlier.dtype} {earlier.shape} and {later.dtype} {later.shape}")
     weight = fade_in(earlier.shape[0])[:, None, None, None]
     mixed = earlier.astype(np.float32) * (1.0 - weight) + later.astype(np.float32) * weight
-    return np.clip(np.rint(mixed), 0, 255).astype(np.uint8)
+    return np.clip(np.rint(mixed), 0, np.iinfo(earlier.dtype).max).astype(earlier.dtype)
 
 
 def segment_frames(

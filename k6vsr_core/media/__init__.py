@@ -32,10 +32,11 @@ if TYPE_CHECKING:
     from k6vsr_core.media.audio import AUDIO_SAMPLE_RATE, check_audio_file, decode_audio, trim_audio, write_audio_track
     from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, OutputMismatch, PlannedOutput, check_output
     from k6vsr_core.media.clock import MATROSKA_TICK, FrameRate, Timeline, span_s
-    from k6vsr_core.media.colour import HdrMetadata, output_colour
+    from k6vsr_core.media.colour import output_colour
     from k6vsr_core.media.fields import FieldInfo, FieldOrder, probe_fields
+    from k6vsr_core.media.hdr import HdrMetadata
     from k6vsr_core.media.probing import MAX_SOURCE_PIXELS, MAX_SOURCE_SIDE, VideoProbe, probe
-    from k6vsr_core.media.reading import iter_frames, read_frames, scan_frames
+    from k6vsr_core.media.reading import eight_bits, iter_frames, read_frames, scan_frames
     from k6vsr_core.media.selection import (
         MAX_NUM_FRAMES,
         RESAMPLE_FPS_TOLERANCE,
@@ -63,7 +64,7 @@ _HOMES = {
     "FrameRate": "clock",
     "Timeline": "clock",
     "span_s": "clock",
-    "HdrMetadata": "colour",
+    "HdrMetadata": "hdr",
     "output_colour": "colour",
     "FieldInfo": "fields",
     "FieldOrder": "fields",
@@ -72,6 +73,7 @@ _HOMES = {
     "MAX_SOURCE_SIDE": "probing",
     "VideoProbe": "probing",
     "probe": "probing",
+    "eight_bits": "reading",
     "iter_frames": "reading",
     "read_frames": "reading",
     "scan_frames": "reading",
@@ -116,6 +118,7 @@ __all__ = [
     "PlannedOutput",
     "VideoProbe",
     "aligned_frame_count",
+    "eight_bits",
     "iter_frames",
     "check_audio_file",
     "check_output",

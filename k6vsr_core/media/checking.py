@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import PipelineError
 from k6vsr_core.media.clock import MATROSKA_TICK, Timeline
+from k6vsr_core.media.hdr import HdrMetadata, frame_hdr, hdr_differences
 
 # As probing's, not imported from it: probing describes a source's colour with this module's tags.
 PathLike = str | os.PathLike[str]
@@ -220,15 +221,18 @@ def _timeline_differences(times: tuple[Fraction, ...], planned: Timeline) -> lis
     return []
 
 
-def check_output(path: PathLike, planned: PlannedOutput) -> None:
+def check_output(path: PathLike, planned: PlannedOutput, hdr: HdrMetadata | None = None) -> None:
     """Decode `path` once and raise :class:`OutputMismatch`, naming every difference, unless it holds `planned`:
     the frame count, the duration (within half a frame), the video's size, codec, pixel format and colour tags,
-    and the other streams in order."""
+    the other streams in order, and the HDR metadata `hdr` (none where None)."""
     path = os.fspath(path)
     try:
         seen = _decode(path)
+        with av.open(path) as container:
+            first = next(container.decode(video=0), None)
+            seen_hdr = None if first is None else frame_hdr(first)
     except av.error.FFmpegError as exc:
         raise OutputMismatch(path, [f"it does not decode ({exc})"]) from exc
-    problems = _differences(seen, planned)
+    problems = _differences(seen, planned) + hdr_differences(seen_hdr, hdr)
     if problems:
         raise OutputMismatch(path, problems)

@@ -18,14 +18,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 Codec = Literal["h264", "hevc", "ffv1", "prores", "dnxhr", "av1"]
-PixFmt = Literal["yuv420p", "yuv420p10le", "yuv444p", "yuv422p10le", "yuv444p10le", "yuva444p10le"]
+PixFmt = Literal["yuv420p", "yuv420p10le", "yuv444p", "yuv444p10le", "yuv422p10le", "yuva444p10le", "gbrp10le"]
 
 CODECS: tuple[str, ...] = ("h264", "hevc", "ffv1", "prores", "dnxhr", "av1")
 # The pixel formats each codec is written in; the first is its default (FFV1's default is lossless RGB instead).
 _CODEC_PIX_FMTS: dict[str, tuple[str, ...]] = {
-    "h264": ("yuv420p", "yuv420p10le", "yuv444p"),
-    "hevc": ("yuv420p", "yuv420p10le", "yuv444p"),
-    "ffv1": ("yuv420p", "yuv420p10le", "yuv444p"),
+    "h264": ("yuv420p", "yuv420p10le", "yuv444p", "yuv444p10le"),
+    "hevc": ("yuv420p", "yuv420p10le", "yuv444p", "yuv444p10le"),
+    "ffv1": ("yuv420p", "yuv420p10le", "yuv444p", "yuv444p10le", "gbrp10le"),
     "prores": ("yuv422p10le", "yuv444p10le", "yuva444p10le"),
     "dnxhr": ("yuv422p10le",),
     "av1": ("yuv420p10le",),
@@ -69,8 +69,16 @@ _MEDIA_TYPES = {".mp4": "video/mp4", ".mkv": "video/x-matroska", ".mov": "video/
 MIN_SIZES: dict[str, tuple[int, int]] = {"hevc": (128, 128), "dnxhr": (120, 256)}
 # The codecs whose quality is a CRF and whose speed is a preset; the intra mezzanine codecs have a fixed profile.
 _CRF_CODECS = ("h264", "hevc", "av1")
-# FFV1 stores 8-bit RGB losslessly as bgr0: the frames come back exactly as stored.
+# FFV1 stores 8-bit RGB losslessly as bgr0: the frames come back exactly as stored; 10-bit RGB as gbrp10le.
 _FFV1_RGB = "bgr0"
+_RGB = (_FFV1_RGB, "gbrp10le")
+# Pixel formats of more than 8 bits: what a 10-bit source is written in unless an 8-bit one is asked for. FFV1's
+# default then is 4:4:4 YUV, not RGB: its RGB streams carry no colour tags, and an HDR source needs them.
+DEEP_PIX_FMTS: tuple[str, ...] = ("yuv420p10le", "yuv422p10le", "yuv444p10le", "yuva444p10le", "gbrp10le")
+_DEEP_DEFAULTS = {"h264": "yuv420p10le", "hevc": "yuv420p10le", "ffv1": "yuv444p10le"}
+# The encoders that write static HDR metadata (mastering display, content light) from their own parameters; PyAV
+# cannot hand the others' muxers the stream side data they would take it from.
+HDR_METADATA_CODECS: tuple[str, ...] = ("h264", "hevc", "av1")
 
 
 class VideoEncoding(BaseModel):
@@ -126,7 +134,19 @@ class VideoEncoding(BaseModel):
 
     @property
     def is_rgb(self) -> bool:
-        return self.stream_pix_fmt == _FFV1_RGB
+        return self.stream_pix_fmt in _RGB
+
+    @property
+    def is_deep(self) -> bool:
+        """Whether the stream holds more than 8 bits a sample."""
+        return self.stream_pix_fmt in DEEP_PIX_FMTS
+
+    def for_deep_source(self) -> VideoEncoding:
+        """This encoding for a source of more than 8 bits: a pixel format left to the default becomes the codec's
+        10-bit one, so that nothing between the source and the file is 8-bit; one asked for is kept."""
+        if self.pix_fmt is not None or self.is_deep:
+            return self
+        return self.model_copy(update={"pix_fmt": _DEEP_DEFAULTS[self.codec]})
 
     @property
     def even_sides(self) -> tuple[bool, bool]:

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict
 
 from k6vsr_core.errors import MediaError
 from k6vsr_core.media.checking import ColourTags
-from k6vsr_core.media.colour import HdrMetadata, frame_colour, frame_hdr
+from k6vsr_core.media.colour import frame_colour
+from k6vsr_core.media.hdr import HdrMetadata, frame_hdr
 
 PathLike = str | os.PathLike[str]
 

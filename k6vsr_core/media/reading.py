@@ -22,6 +22,14 @@ Depth = Literal[8, 16]
 _RGB_FORMATS = {8: "rgb24", 16: "rgb48le"}
 
 
+def eight_bits(frames: np.ndarray) -> np.ndarray:
+    """Frames as 8-bit RGB, for what only shows them (a preview, a still): uint16 ones rounded to the nearest of
+    the 256 levels (v / 257), uint8 ones as they are."""
+    if frames.dtype == np.uint8:
+        return frames
+    return np.rint(frames / 257.0).astype(np.uint8)
+
+
 def _decode_indices(
     path: str, wanted: list[int], fields: FieldOrder | None = None, depth: Depth = 8
 ) -> tuple[dict[int, np.ndarray], int]:

@@ -17,8 +17,9 @@ from k6vsr_core.errors import MediaError
 from k6vsr_core.media.audio import AUDIO_BIT_RATE, AUDIO_CODEC, AUDIO_SAMPLE_RATE, samples_for, trim_audio
 from k6vsr_core.media.checking import BT709_TV, UNTAGGED, ColourTags, PlannedOutput
 from k6vsr_core.media.clock import FrameRate, Timeline, span_s
-from k6vsr_core.media.colour import MATRIX_CODES, PRIMARY_CODES, TRANSFER_CODES, HdrMetadata, x265_hdr_params
-from k6vsr_core.media.encoding import MIN_SIZES, VideoEncoding
+from k6vsr_core.media.colour import MATRIX_CODES, PRIMARY_CODES, TRANSFER_CODES
+from k6vsr_core.media.encoding import DEEP_PIX_FMTS, HDR_METADATA_CODECS, MIN_SIZES, VideoEncoding
+from k6vsr_core.media.hdr import HdrMetadata, hdr_parameters
 from k6vsr_core.media.probing import PathLike
 from k6vsr_core.media.streams import SourceStreams, carried_chapters, carried_streams
 from k6vsr_core.media.typed import stream_as, time_base
@@ -34,8 +35,6 @@ _SWS_MATRICES = {
     "bt470bg": Colorspace.ITU601,
     "bt2020nc": Colorspace.BT2020,
 }
-# Stream pixel formats of more than 8 bits: the ones 16-bit frames may be written in.
-_TEN_BIT = ("yuv420p10le", "yuv422p10le", "yuv444p10le", "yuva444p10le", "gbrp10le")
 
 
 def _check_frames(frames: np.ndarray, encoding: VideoEncoding = _CONTRACT) -> None:
@@ -44,10 +43,10 @@ def _check_frames(frames: np.ndarray, encoding: VideoEncoding = _CONTRACT) -> No
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"frames must have shape (T, H, W, 3), got {frames.shape}")
     if frames.dtype == np.uint16:
-        if encoding.stream_pix_fmt not in _TEN_BIT:
+        if not encoding.is_deep:
             # Writing them as 8 bits would silently drop the precision they were decoded with.
             raise ValueError(
-                f"16-bit frames need a 10-bit pixel format ({', '.join(_TEN_BIT)}), not {encoding.stream_pix_fmt}"
+                f"16-bit frames need a 10-bit pixel format ({', '.join(DEEP_PIX_FMTS)}), not {encoding.stream_pix_fmt}"
             )
     elif frames.dtype != np.uint8:
         raise ValueError(f"frames must be uint8 or uint16 RGB, got dtype {frames.dtype}")
@@ -134,8 +133,9 @@ def _add_video_stream(
 def _encoder_options(encoding: VideoEncoding, hdr: HdrMetadata | None) -> dict[str, str]:
     options = encoding.options()
     if hdr is not None:
-        # PyAV cannot hand the encoder HDR side data; x265 writes the SEI messages from its own parameters.
-        options["x265-params"] = f"{options['x265-params']}:{x265_hdr_params(hdr)}"
+        # PyAV cannot hand the encoder HDR side data; the encoder writes it from its own parameters.
+        option, value = hdr_parameters(encoding.codec, hdr)
+        options[option] = f"{options[option]}:{value}" if option in options else value
     return options
 
 
@@ -257,7 +257,7 @@ def write_video(
       BT.709, in MP4 (the contract's file); ``encoding`` picks another codec,
       quality, preset or pixel format (FFV1 goes in Matroska); ``colour`` the
       YUV matrix and tags (a source's own, :func:`output_colour`); ``hdr`` the
-      mastering-display and content-light metadata HEVC carries in SEI.
+      mastering-display and content-light metadata (HEVC, H.264 and AV1 carry it).
     - Odd sizes: yuv420p needs even width and height, so an odd dimension is
       padded by repeating the last row/column (the output is then one pixel
       larger) rather than cropped, which would lose upscaled content, or
@@ -281,8 +281,10 @@ def write_video(
     _check_frames(frames, encoding)
     if colour.matrix not in _SWS_MATRICES and not encoding.is_rgb:
         raise ValueError(f"matrix {colour.matrix} cannot be written; allowed: {', '.join(_SWS_MATRICES)}")
-    if hdr is not None and encoding.codec != "hevc":
-        raise ValueError(f"HDR metadata is written by x265 only (codec=hevc), not by codec={encoding.codec}")
+    if hdr is not None and encoding.codec not in HDR_METADATA_CODECS:
+        raise ValueError(
+            f"HDR metadata is written by {', '.join(HDR_METADATA_CODECS)} only, not by codec={encoding.codec}"
+        )
     # x265 gives run-to-run different output below its minimum, and corrupts its heap on smaller frames still.
     if (problem := encoding.size_problem(frames.shape[1], frames.shape[2])) is not None:
         raise ValueError(problem)
@@ -301,10 +303,11 @@ def write_segment(
     encoding: VideoEncoding | None = None,
     colour: ColourTags = BT709_TV,
     sample_aspect: Fraction | None = None,
+    hdr: HdrMetadata | None = None,
 ) -> None:
     """One window's frames as a video-only file that starts on a key frame, for :func:`concat_segments` (which
-    copies its colour tags with its packets)."""
-    write_video(path, frames, fps, None, encoding=encoding, colour=colour, sample_aspect=sample_aspect)
+    copies its colour tags and HDR metadata with its packets)."""
+    write_video(path, frames, fps, None, encoding=encoding, colour=colour, hdr=hdr, sample_aspect=sample_aspect)
 
 
 def concat_segments(

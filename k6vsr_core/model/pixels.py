@@ -13,15 +13,22 @@ from k6vsr_core.contract.tiling import Size, TileGrid, pre_upscale_size
 RESIZE_FRAME_CHUNK = 8
 
 
+def requantised(values: torch.Tensor, dtype: torch.dtype, truncate: bool = False) -> torch.Tensor:
+    """Float pixels back to `dtype` (uint8, or uint16 on the 16-bit path), clamped to its range: rounded, or
+    truncated as the official blend does."""
+    values = values.clamp(0, torch.iinfo(dtype).max)
+    return (values if truncate else values.round()).to(dtype)
+
+
 def pre_upscale_video(video: torch.Tensor) -> torch.Tensor:
-    """x1.125 bilinear pre-upscale of a uint8 `(T, C, H, W)` clip, re-quantised to uint8 (contract §A.5)."""
+    """x1.125 bilinear pre-upscale of a `(T, C, H, W)` clip, re-quantised to its dtype (contract §A.5)."""
     size = pre_upscale_size(video.shape[-2], video.shape[-1])
     resized = F.interpolate(video.float(), size=size, mode="bilinear", align_corners=False, antialias=False)
-    return resized.round().clamp(0, 255).to(torch.uint8)
+    return requantised(resized, video.dtype)
 
 
 def pad_video(video: torch.Tensor, padded: Size) -> torch.Tensor:
-    """Pad a uint8 `(T, C, H, W)` clip bottom/right to `padded`: reflect, or replicate where the strip is too long."""
+    """Pad a `(T, C, H, W)` clip bottom/right to `padded`: reflect, or replicate where the strip is too long."""
     height, width = video.shape[-2:]
     bottom, right = padded[0] - height, padded[1] - width
     if bottom < 0 or right < 0:
@@ -47,7 +54,7 @@ def hann_window_2d(height: int, width: int) -> torch.Tensor:
 
 
 class TileBlender:
-    """Hann-weighted average of uint8 tiles on the padded canvas (contract §E).
+    """Hann-weighted average of pixel tiles (all uint8, or all uint16) on the padded canvas (contract §E).
 
     Tiles are added in the order given; callers add them in tile order so that every runtime sums identically.
     """
@@ -59,12 +66,16 @@ class TileBlender:
         self.acc = torch.zeros((channels, num_frames, *canvas), dtype=torch.float32)
         self.weight = torch.zeros(canvas, dtype=torch.float32)
         self.added: set[int] = set()
+        self.dtype: torch.dtype | None = None  # the tiles', set by the first
 
     def add(self, index: int, tile: torch.Tensor) -> None:
-        """Add tile `index`, a uint8 `(C, T, base_h, base_w)` tensor."""
+        """Add tile `index`, a `(C, T, base_h, base_w)` tensor of pixels."""
         expected = (self.acc.shape[0], self.acc.shape[1], *self.grid.base)
         if tuple(tile.shape) != expected:
             raise ValueError(f"tile {index} has shape {tuple(tile.shape)}, expected {expected}")
+        if self.dtype is not None and tile.dtype != self.dtype:
+            raise ValueError(f"tile {index} is {tile.dtype}, the tiles before it {self.dtype}")
+        self.dtype = tile.dtype
         if index in self.added:
             raise ValueError(f"tile {index} was already blended")
         top, left = self.grid.output_origin(index)
@@ -74,7 +85,8 @@ class TileBlender:
         self.added.add(index)
 
     def result(self) -> torch.Tensor:
-        """The blended canvas, cropped to source x scale, as uint8 `(C, T, H, W)` (truncated, as the official).
+        """The blended canvas, cropped to source x scale, as `(C, T, H, W)` of the tiles' dtype (truncated, as the
+        official).
 
         Every pixel is the weighted mean of the tiles covering it. The official code divides by `max(weight, 1e-6)`
         instead; near the frame corners, where one tile's outermost Hann weights multiply to less than 1e-6, that
@@ -91,15 +103,16 @@ class TileBlender:
                 f"{column}); the tile grid must cover the canvas"
             )
         blended = self.acc / self.weight
-        return crop_output(blended.clamp(0, 255).to(torch.uint8), self.grid)
+        return crop_output(requantised(blended, self.dtype or torch.uint8, truncate=True), self.grid)
 
 
 def resize_video(video: torch.Tensor, size: Size) -> torch.Tensor:
-    """Antialiased bilinear downscale of a uint8 `(C, T, H, W)` clip, in 8-frame chunks to bound memory."""
+    """Antialiased bilinear downscale of a `(C, T, H, W)` clip, in 8-frame chunks to bound memory, rounded to its
+    dtype."""
     channels, frames = video.shape[0], video.shape[1]
-    out = torch.empty((channels, frames, *size), dtype=torch.uint8)
+    out = torch.empty((channels, frames, *size), dtype=video.dtype)
     for start in range(0, frames, RESIZE_FRAME_CHUNK):
         chunk = video[:, start : start + RESIZE_FRAME_CHUNK].permute(1, 0, 2, 3).float()
         resized = F.interpolate(chunk, size=size, mode="bilinear", antialias=True, align_corners=False)
-        out[:, start : start + RESIZE_FRAME_CHUNK] = resized.clamp(0, 255).round().to(torch.uint8).permute(1, 0, 2, 3)
+        out[:, start : start + RESIZE_FRAME_CHUNK] = requantised(resized, video.dtype).permute(1, 0, 2, 3)
     return out

@@ -136,7 +136,7 @@ def upscale(
                 lap(Stage.DENOISE)
                 finisher.start(window)
                 for index in range(plan.num_tiles):
-                    finisher.add(index, stages.decode_tile(bundle, denoised.pop(index)))
+                    finisher.add(index, stages.decode_tile(bundle, denoised.pop(index), plan.depth))
                 lap(Stage.DECODE)
                 finisher.finish(window)
         if output is not None:

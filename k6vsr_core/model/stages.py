@@ -1,8 +1,13 @@
 """The model stages of one clip, each a function with tensors in and out (contract §A.3, §C, §D, §E).
 
-    frames of a window --prepare--> padded uint8 clip --encode--> LR latent --cut--> LR tiles
+    frames of a window --prepare--> padded clip --encode--> LR latent --cut--> LR tiles
     LR tiles of a chunk --denoise (upscaler, seeded noise, DiT steps)--> denoised latents (fp32)
-    denoised latent of a tile --decode--> uint8 tile --blend--> SR window --resize--> delivery window
+    denoised latent of a tile --decode--> pixel tile --blend--> SR window --resize--> delivery window
+
+Pixels are uint8, as the official pipeline's, or uint16 on the 16-bit path (`ClipPlan.depth`: a 10-bit source to a
+10-bit output), which hands the model the same range at finer steps: a 16-bit value v is the 8-bit value v / 257,
+so the KVAE sees v / (128 * 257) - 1 where the contract gives it v / 128 - 1, and its output comes back as
+65535 / 255 times the contract's, rounded where the contract truncates to 8 bits.
 
 A clip is computed window by window (`k6vsr_core.contract.windows`); every stage here sees one window.
 
@@ -13,6 +18,7 @@ between them and must get exactly what the in-memory runner gets.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -35,15 +41,20 @@ from k6vsr_core.model.pixels import TileBlender, pad_video, pre_upscale_video, r
 StepHook = Callable[[int], None]
 
 
+# The 16-bit path's steps in one step of the contract's 8 bits: 65535 / 255.
+DEEP_STEPS = 257
+_PIXEL_DTYPES = {8: torch.uint8, 16: torch.uint16}
+
+
 def frames_to_tensor(frames: np.ndarray) -> torch.Tensor:
-    """(T, H, W, 3) uint8 frames, as decoded, to a (T, 3, H, W) uint8 tensor."""
-    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
-        raise ValueError(f"frames must be uint8 (T, H, W, 3), got {frames.dtype} {frames.shape}")
+    """(T, H, W, 3) uint8 or uint16 frames, as decoded, to a (T, 3, H, W) tensor of their dtype."""
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype not in (np.uint8, np.uint16):
+        raise ValueError(f"frames must be uint8 or uint16 (T, H, W, 3), got {frames.dtype} {frames.shape}")
     return torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
 
 
 def tensor_to_frames(video: torch.Tensor) -> np.ndarray:
-    """(C, T, H, W) uint8 to (T, H, W, C) contiguous frames for the encoder."""
+    """(C, T, H, W) pixels to (T, H, W, C) contiguous frames for the encoder."""
     return np.ascontiguousarray(video.permute(1, 2, 3, 0).numpy())
 
 
@@ -90,9 +101,16 @@ def _encoding(bundle: ModelBundle, video: torch.Tensor) -> AbstractContextManage
 def _encode(bundle: ModelBundle, video: torch.Tensor) -> torch.Tensor:
     vae = bundle.vae
     chunk = _kvae_chunk(bundle, Stage.ENCODE, (video.shape[-2], video.shape[-1]), video.shape[0])
-    # The KVAE was trained on pixels / 128 - 1, not the usual / 127.5 - 1.
-    pixels = video.to(bundle.device).permute(1, 0, 2, 3).unsqueeze(0).float() / 128.0 - 1.0
+    pixels = to_model_input(video.to(bundle.device).permute(1, 0, 2, 3).unsqueeze(0))
     return kvae.encode(vae, pixels.to(vae.dtype), chunk)
+
+
+def to_model_input(video: torch.Tensor) -> torch.Tensor:
+    """Pixels as the KVAE takes them, float32: the contract's pixels / 128 - 1 (not the usual / 127.5 - 1, which it
+    was not trained on), a uint16 pixel first brought to the 8-bit scale (/ 257) without rounding."""
+    if video.dtype == torch.uint16:
+        return video.float() / (128.0 * DEEP_STEPS) - 1.0
+    return video.float() / 128.0 - 1.0
 
 
 def scale_latent(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
@@ -201,27 +219,32 @@ def _dit_detail(plan: ClipPlan) -> str:
     return f"{plan.params.attention}, {plan.params.precision}"
 
 
-def to_pixels(decoded: torch.Tensor) -> torch.Tensor:
-    """(y + 1) * 128 back to pixels, truncated to uint8 as the official pipeline does, on the CPU."""
-    return (((decoded.float() + 1.0) * 128.0 / 255.0).clamp(0.0, 1.0) * 255.0).to(torch.uint8).cpu()
+def to_pixels(decoded: torch.Tensor, depth: int = 8) -> torch.Tensor:
+    """(y + 1) * 128 back to pixels, on the CPU: truncated to uint8 as the official pipeline does, or (`depth` 16)
+    rounded to uint16 at 257 steps an 8-bit step."""
+    value = ((decoded.float() + 1.0) * 128.0 / 255.0).clamp(0.0, 1.0)
+    if depth == 16:
+        return (value * 65535.0).round().to(torch.uint16).cpu()
+    return (value * 255.0).to(torch.uint8).cpu()
 
 
 @torch.no_grad()
-def decode_tile(bundle: ModelBundle, latent: torch.Tensor) -> torch.Tensor:
-    """KVAE decode of one denoised tile latent (64, t, H, W) to uint8 pixels (3, T, 16H, 16W), truncated."""
+def decode_tile(bundle: ModelBundle, latent: torch.Tensor, depth: int = 8) -> torch.Tensor:
+    """KVAE decode of one denoised tile latent (64, t, H, W) to pixels (3, T, 16H, 16W), `depth` bits a sample
+    (`to_pixels`)."""
     vae = bundle.vae
     frames = 1 + (latent.shape[1] - 1) * TEMPORAL_FACTOR
     tile = (latent.shape[2] * SPATIAL_FACTOR, latent.shape[3] * SPATIAL_FACTOR)
     chunk = _kvae_chunk(bundle, Stage.DECODE, tile, frames)
     with bundle.on_gpu(Stage.DECODE, tile, frames):
         z = latent.unsqueeze(0).to(bundle.device) / vae.config.scaling_factor
-        # In chunks, each piece becomes uint8 on the CPU as it is decoded: the GPU never holds the decoded tile.
+        # In chunks, each piece becomes pixels on the CPU as it is decoded: the GPU never holds the decoded tile.
         with compile_watch(bundle, "KVAE decoder", tuple(z.shape), f"chunk {chunk}"):
-            return kvae.decode(vae, z.to(vae.dtype), chunk, to_pixels)[0]
+            return kvae.decode(vae, z.to(vae.dtype), chunk, functools.partial(to_pixels, depth=depth))[0]
 
 
 def blend(plan: ClipPlan, tiles: list[tuple[int, torch.Tensor]], window: Window) -> torch.Tensor:
-    """Hann-blend a window's decoded tiles (in tile order) and crop space and time: uint8 (3, T, H, W) at source x
+    """Hann-blend a window's decoded tiles (in tile order) and crop space and time: pixels (3, T, H, W) at source x
     scale, the window's own frames only."""
     blender = window_blender(plan, window)
     for index, tile in sorted(tiles, key=lambda item: item[0]):

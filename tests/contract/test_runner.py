@@ -141,7 +141,7 @@ def test_a_window_is_blended_and_written_while_the_next_is_decoded(
         window["frames"] = video.shape[0]
         return torch.zeros(1)
 
-    def decode_tile(bundle: ModelBundle, latent: object) -> torch.Tensor:
+    def decode_tile(bundle: ModelBundle, latent: object, depth: int = 8) -> torch.Tensor:
         started = time.monotonic()
         time.sleep(0.3)
         tile = torch.zeros((3, window["frames"], *grid_base), dtype=torch.uint8)

@@ -1,5 +1,6 @@
 """Colour (issue #46, item 1): a source's tags and HDR metadata read, carried to the output and its health check, or
-the source refused with the reason; on synthetic sources made here with PyAV."""
+the source refused with the reason; on synthetic sources made here with PyAV. The 16-bit path that HDR sources take
+through the model: tests/media/test_hdr.py."""
 
 from __future__ import annotations
 
@@ -135,15 +136,7 @@ def _upscale(source: Path, tmp_path: Path, bundle: Path, command: str = "upscale
     return argv
 
 
-@pytest.mark.parametrize(("name", "reason"), [("hdr10", "HDR10"), ("hlg", "HLG"), ("bt2020_sdr", "BT.2020")])
-def test_upscale_refuses_hdr_and_wide_gamut_sources_and_writes_nothing(
-    name: str, reason: str, sources: dict[str, Path], tiny_bundle_path: Path, tmp_path: Path, capsys
-) -> None:
-    for command in ("plan", "upscale"):
-        assert main(_upscale(sources[name], tmp_path, tiny_bundle_path, command)) == 2
-        err = capsys.readouterr().err.strip()
-        assert len(err.splitlines()) == 1 and reason in err and str(sources[name]) in err, err
-    assert not (tmp_path / "out").exists() and not (tmp_path / "store").exists()
+# HDR10 and HLG sources through `k6vsr upscale` at 10 bits, and what is refused there: tests/media/test_hdr.py.
 
 
 def test_upscale_writes_a_bt601_source_with_its_tags(

@@ -74,9 +74,24 @@ CASES: dict[str, Case] = {
             "streams": [("audio", "aac", "und")],
         },
     ),
-    "hdr10-pq": Case(lambda p: hdr_source(p, "smpte2084"), refused="HDR10"),
-    "hlg": Case(lambda p: hdr_source(p, "arib-std-b67"), refused="HLG"),
-    "bt2020-sdr": Case(lambda p: colour_source(p, _tags("bt2020", "bt709", "bt2020nc")), refused="BT.2020"),
+    "hdr10-pq": Case(
+        lambda p: hdr_source(p, "smpte2084", frames=2),
+        expect={
+            "codec": "h264",
+            "pix_fmt": "yuv420p10le",
+            "colour": "bt2020/smpte2084/bt2020nc/tv",
+            "hdr": "mastering display 0.005-1000 cd/m², content light MaxCLL 1000, MaxFALL 400 cd/m²",
+            "frames": 2,
+        },
+        plan={"output_format.pixel_depth": 16},
+    ),
+    "hlg-hevc": Case(
+        lambda p: hdr_source(p, "arib-std-b67", frames=3),
+        flags=("--codec", "hevc"),
+        expect={"codec": "hevc", "pix_fmt": "yuv420p10le", "colour": "bt2020/arib-std-b67/bt2020nc/tv"},
+    ),
+    "hdr10-to-8-bit": Case(lambda p: hdr_source(p, "smpte2084"), flags=("--pix-fmt", "yuv420p"), refused="8-bit"),
+    "bt2020-8-bit": Case(lambda p: colour_source(p, _tags("bt2020", "bt709", "bt2020nc")), refused="BT.2020"),
     "bt601-ntsc": Case(
         lambda p: colour_source(p, _tags("smpte170m", "smpte170m", "smpte170m"), size=32),
         flags=("--crf", "0", "--pix-fmt", "yuv444p"),
@@ -187,6 +202,7 @@ def _probe(path: Path) -> dict[str, object]:
                 if s.index != video.index and s.type != "data"
             ],
             "chapters": [chapter["metadata"].get("title") for chapter in container.chapters()],
+            "hdr": None if (hdr := media.probe(path).hdr) is None else hdr.describe(),
             # Within one frame (AAC's last packet may run past the end by part of one).
             "audio_ends_with_video": bool(heard) and all(abs(h - end) < 1 / video.average_rate for h in heard),
         }

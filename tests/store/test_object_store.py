@@ -282,11 +282,11 @@ def test_flow_in_a_bucket_writes_the_local_bytes_and_resumes_from_it(
 
     plain, decoded = stages.decode_tile, []
 
-    def decode_tile(bundle, latent):
+    def decode_tile(bundle, latent, depth=8):
         decoded.append(latent.shape)
         if len(decoded) == 4:
             raise UserFacingError("a permanent fault in one tile")  # permanent: not retried
-        return plain(bundle, latent)
+        return plain(bundle, latent, depth)
 
     monkeypatch.setattr(stages, "decode_tile", decode_tile)
     monkeypatch.chdir(tmp_path)  # a store URL read as a folder would land here
@@ -331,11 +331,11 @@ def test_endpoint_gone_mid_run_fails_clearly_and_the_run_resumes_when_it_is_back
 
     plain, stopped = stages.decode_tile, threading.Event()
 
-    def decode_tile(bundle, latent):
+    def decode_tile(bundle, latent, depth=8):
         if not stopped.is_set():  # at the first decode: some tiles are denoised and stored, perhaps not all
             stopped.set()
             s3_endpoint.stop()
-        return plain(bundle, latent)
+        return plain(bundle, latent, depth)
 
     monkeypatch.setattr(stages, "decode_tile", decode_tile)
     try:
@@ -578,11 +578,11 @@ def test_half_uploaded_objects_are_not_done_and_are_computed_again(
 
     plain, decoded = stages.decode_tile, []
 
-    def decode_tile(bundle, latent):
+    def decode_tile(bundle, latent, depth=8):
         decoded.append(latent.shape)
         if len(decoded) == 4:
             raise UserFacingError("a permanent fault in one tile")
-        return plain(bundle, latent)
+        return plain(bundle, latent, depth)
 
     monkeypatch.setattr(stages, "decode_tile", decode_tile)
     with pytest.raises(TileFailure, match="1 of 6 tiles failed"):
