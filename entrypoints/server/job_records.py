@@ -54,6 +54,26 @@ class JobOutput(_Part):
     # The non-square pixels' shape (SAR) written, as a fraction (a 4:3 PAL source's "16/15"); None: square pixels,
     # left out of the answer, which stays as it was before the field.
     sample_aspect: str | None = None
+    # Likewise left out where None: the colour tags written where they are not BT.709's (an HDR10 source's
+    # "bt2020/smpte2084/bt2020nc/tv"), 16 where the frames pass through the model at 16 bits, and the HDR metadata
+    # written, described.
+    colour: str | None = None
+    pixel_depth: int | None = None
+    hdr_metadata: str | None = None
+
+    def answer(self) -> dict[str, object]:
+        """As the API answers it: the fields that are None only where they say something are left out."""
+        unset = {name for name in OPTIONAL_OUTPUT_FIELDS if getattr(self, name) is None}
+        return self.model_dump(mode="json", exclude=unset)
+
+    def with_pixels_of(self, planned: JobOutput | None) -> JobOutput:
+        """This result with the planned output's pixel shape, colour, depth and metadata (known at submit only)."""
+        if planned is None:
+            return self
+        return self.model_copy(update={name: getattr(planned, name) for name in OPTIONAL_OUTPUT_FIELDS})
+
+
+OPTIONAL_OUTPUT_FIELDS = ("sample_aspect", "colour", "pixel_depth", "hdr_metadata")
 
 
 class JobTiles(_Part):

@@ -38,6 +38,7 @@ from entrypoints.server.job_records import (
     new_job_id,
 )
 from entrypoints.server.job_runner import JobRunner
+from k6vsr_core import media
 from k6vsr_core.contract.latent import check_latent_scale
 from k6vsr_core.contract.params import UpscaleParams
 from k6vsr_core.errors import MediaError, ParameterError
@@ -78,7 +79,7 @@ def job_view(job: JobRecord, caller: Caller, store_root: str | Path, retention_s
         "params": api_params(job.request),
         "size": f"{output.width}x{output.height}",
         "seconds": f"{output.frames / output.fps:.3f}",
-        "output": output.model_dump(mode="json", exclude={"sample_aspect"} if output.sample_aspect is None else None),
+        "output": output.answer(),
         "tiles": job.tiles.model_dump(mode="json"),
         "quality": job.quality,  # the output's quality report, once completed (docs/processing.md)
         "source": source,
@@ -307,6 +308,9 @@ async def create_video(request: Request) -> JSONResponse:
                         has_audio=prepared.probe is not None and prepared.probe.has_audio,
                         bytes=None,
                         sample_aspect=None if plan.sample_aspect is None else str(plan.sample_aspect),
+                        colour=None if plan.colour == media.BT709_TV else plan.colour.describe(),
+                        pixel_depth=16 if plan.depth == 16 else None,
+                        hdr_metadata=None if plan.hdr is None else plan.hdr.describe(),
                     ),
                     tiles=JobTiles(total=plan.num_tiles * plan.num_windows, computed=None, reused=None),
                 ),

@@ -189,8 +189,7 @@ class WorkerSlot:
                     fps=summary["fps"],
                     has_audio=reply.get("has_audio"),
                     bytes=written,
-                    sample_aspect=started.output.sample_aspect if started is not None else None,
-                ),
+                ).with_pixels_of(started.output if started is not None else None),
                 tiles=tile_counts(summary, started.tiles_found if started is not None else None),
                 quality=summary.get("quality"),
                 # What the job keeps once its input is dropped: its output and its run.

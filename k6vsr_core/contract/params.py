@@ -76,8 +76,9 @@ class UpscaleParams(BaseModel):
     )
     pix_fmt: str | None = Field(
         None,
-        description="yuv420p, yuv420p10le or yuv444p (default yuv420p; ffv1: lossless RGB); prores: yuv422p10le "
-        "(422 HQ, default), yuv444p10le or yuva444p10le (4444); dnxhr: yuv422p10le; av1: yuv420p10le",
+        description="yuv420p, yuv420p10le, yuv444p or yuv444p10le (default yuv420p, yuv420p10le for a 10-bit "
+        "source; ffv1: lossless RGB, yuv444p10le for a 10-bit source, or gbrp10le); prores: yuv422p10le (422 HQ, "
+        "default), yuv444p10le or yuva444p10le (4444); dnxhr: yuv422p10le; av1: yuv420p10le",
     )
     # `contract`: the first audio stream as mono 44.1 kHz AAC; `original`: every audio and subtitle stream of the
     # source as it is (trimmed), with its metadata; `none`: video only; otherwise the path of an audio file, mixed

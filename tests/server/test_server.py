@@ -21,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 from http_harness import Server, completed, error_of, frames_of, has_audio_stream, modes_under
+from media_kit import hdr_source
 
 from k6vsr_core import media
 from k6vsr_core.contract.params import parse_params
@@ -44,6 +45,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_bundle_path: Path, pref
     (allowed / "escape.mp4").symlink_to(outside / "secret.mp4")
     (allowed / "broken.mp4").write_bytes(b"this is not a video" * 100)
     _pal_tape(allowed / "tape.mp4")
+    hdr_source(allowed / "hdr10.mp4", "smpte2084", frames=3)
     return {"root": root, "allowed": allowed, "outside": outside, "store": root / "store", "bundle": tiny_bundle_path}
 
 
@@ -586,6 +588,25 @@ def test_messages_from_libraries_lose_the_server_paths() -> None:
     assert scrub_paths(message, known) == "[Errno 1094995529] Invalid data found when processing input: 'the clip'"
     assert scrub_paths("/srv/k6vsr/store/runs/abc: disk full", known) == "<store>/runs/abc: disk full"
     assert scrub_paths("no /etc/shadow: denied; 1/2 of x2/x4", {}) == "no <path>: denied; 1/2 of x2/x4"
+
+
+def test_an_hdr10_job_answers_its_colour_depth_and_metadata(
+    server: Server, stack: dict[str, Path], tmp_path: Path
+) -> None:
+    """An HDR10 source runs at 16 bits and its answer says so; a BT.709 8-bit job's answer is as before."""
+    done = completed(server, server.post_json(video_path=str(stack["allowed"] / "hdr10.mp4"), codec="hevc"))
+    output = done["output"]
+    assert (output["colour"], output["pixel_depth"]) == ("bt2020/smpte2084/bt2020nc/tv", 16)
+    assert output["hdr_metadata"].startswith("mastering display 0.005-1000 cd/m²")
+    response = server.client.get(f"/v1/videos/{done['id']}/content")
+    (tmp_path / "out.mp4").write_bytes(response.content)
+    written = media.probe(tmp_path / "out.mp4")
+    assert (written.pix_fmt, written.hdr is not None) == ("yuv420p10le", True)
+    refused = server.post_json(video_path=str(stack["allowed"] / "hdr10.mp4"), pix_fmt="yuv420p")
+    error = error_of(refused, 400, [str(stack["root"])])
+    assert error["code"] == "unsupported_colour" and "pix_fmt=yuv420p is 8-bit" in error["message"]
+    plain = completed(server, server.post_json(video_path=str(stack["allowed"] / "square.mp4"), audio="none"))
+    assert not {"colour", "pixel_depth", "hdr_metadata"} & set(plain["output"])
 
 
 def test_output_controls_as_request_fields(server: Server, stack: dict[str, Path], tmp_path: Path) -> None:
