@@ -317,11 +317,11 @@ def test_tile_failing_once_is_retried(
 
     plain, failed = stages.decode_tile, []
 
-    def flaky(bundle, latent):
+    def flaky(bundle, latent, depth=8):
         if not failed:
             failed.append(True)
             raise RuntimeError("transient device error")
-        return plain(bundle, latent)
+        return plain(bundle, latent, depth)
 
     monkeypatch.setattr(stages, "decode_tile", flaky)
     monkeypatch.setattr(stage_tasks.decode, "retry_delay_seconds", 0)

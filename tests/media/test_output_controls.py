@@ -154,6 +154,8 @@ def test_plan_reports_the_output_format(tiny_bundle_path: Path, clip_1f: Path, t
         "frame_rate": "24",
         "variable_rate": False,
         "colour": "bt709/bt709/bt709/tv",
+        "pixel_depth": 8,  # an 8-bit source: its frames are 8-bit whatever the output's pixel format
+        "hdr_metadata": None,
     }
 
 
