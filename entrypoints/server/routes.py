@@ -20,6 +20,7 @@ from entrypoints.server.bodies import UploadTooLarge, copy_path_source, read_for
 from entrypoints.server.config import Limits, ServerConfig
 from entrypoints.server.confine import quote, scrub_paths
 from entrypoints.server.download import OpenedFileResponse
+from entrypoints.server.error_table import user_answer
 from entrypoints.server.fields import FILE_FIELD, LATENT_FIELD, RATE_FIELD, api_params, latent_rate, params_from_fields
 from entrypoints.server.host_memory import computes_on_cpu, job_bytes
 from entrypoints.server.job_records import (
@@ -224,11 +225,10 @@ class Videos:
             # The latent's own checks (file, shape, dtype, channels, frames, values): the rate and scale were
             # checked with their fields.
             raise ApiError(400, scrub_paths(str(err), known), param=LATENT_FIELD, code="invalid_latent") from None
-        except MediaError as err:
+        except MediaError as err:  # `invalid_video`, or a subclass's own code (`unsupported_colour`)
             param = FILE_FIELD if label == FILE_FIELD else "video_path"
-            raise ApiError(
-                400, f"{label}: {scrub_paths(err.cause, known)}", param=param, code="invalid_video"
-            ) from None
+            status, code = user_answer(err)
+            raise ApiError(status, f"{label}: {scrub_paths(err.cause, known)}", param=param, code=code) from None
         except ValueError as err:  # a plan these parameters cannot make (e.g. an `exact` target above the result)
             raise ApiError(
                 400, f"this request cannot be planned: {scrub_paths(str(err), known)}", code="cannot_plan"
