@@ -158,7 +158,7 @@ def test_upscale_writes_an_hdr_source_at_10_bits_with_its_tags_and_metadata(
     assert main([*_argv("plan", source, tmp_path, tiny_bundle_path, *flags), "--json"]) == 0
     planned = json.loads(capsys.readouterr().out)["output_format"]
     assert (planned["pixel_depth"], planned["pix_fmt"], planned["colour"]) == (16, pix_fmt, probe.colour.describe())
-    assert planned["hdr_metadata"] == probe.hdr.describe() if probe.hdr is not None else planned["hdr_metadata"]
+    assert probe.hdr is not None and planned["hdr_metadata"] == probe.hdr.describe()
     assert main(_argv("plan", source, tmp_path, tiny_bundle_path, *flags)) == 0
     assert any(line.startswith("pixels    16 bits") for line in capsys.readouterr().out.splitlines())
 
