@@ -170,9 +170,10 @@ def _mux(
             packet.dts, packet.duration = dts, duration
             container.mux(packet)
     else:
+        decoded: list[int] = []
         for frame in _encoder_frames(frames, fps, encoding, colour):
-            container.mux(video.encode(frame))
-        container.mux(video.encode(None))
+            container.mux(_sane_decode_times(video.encode(frame), decoded))
+        container.mux(_sane_decode_times(video.encode(None), decoded))
 
     if sound is not None and audio is not None:
         samples = av.AudioFrame.from_ndarray(audio[np.newaxis, :], format="fltp", layout="mono")
@@ -181,6 +182,30 @@ def _mux(
         samples.pts = 0
         container.mux(sound.encode(samples))
         container.mux(sound.encode(None))
+
+
+# More frames than any encoder here holds back for reordering (x264 and x265 at most 3 with their B-frames).
+_MOST_REORDERED = 16
+
+
+def _sane_decode_times(packets: list[av.Packet], decoded: list[int]) -> list[av.Packet]:
+    """`packets`, each with a decode time an encoder can mean; `decoded` holds the decode times of the packets muxed
+    before them.
+
+    x265 (as built into PyAV's wheels) leaves a one-frame stream's decode time uninitialised: any number, often far
+    below zero, which the MP4 muxer refuses ("not yet implemented"), so a one-frame shot's segment failed at random.
+    A decode time after its packet's showing, more than `_MOST_REORDERED` frames before it, or not after the one
+    before is none the encoder meant: the packet gets the next one (its showing time, for the first). Every other is
+    kept, so every stream the encoders time properly keeps its bytes."""
+    for packet in packets:
+        dts, pts = packet.dts, packet.pts
+        if pts is not None and (
+            dts is None or not pts - _MOST_REORDERED <= dts <= pts or (decoded and dts <= decoded[-1])
+        ):
+            packet.dts = decoded[-1] + 1 if decoded else pts
+        if packet.dts is not None:
+            decoded.append(packet.dts)
+    return packets
 
 
 def _decode_times(shown: list[int], stamps: tuple[int, ...]) -> list[tuple[int, int]]:
