@@ -412,9 +412,6 @@ def make_plan(
         )
     sr_size = grid.output_size
     delivery = target_size(*sr_size, params.target_resolution, params.target_resize_mode) or sr_size
-    encoding = params.encoding.for_deep_source() if depth == 16 else params.encoding
-    if (problem := encoding.size_problem(*delivery, what="an output")) is not None:
-        raise ParameterError(f"{problem}: use h264 or ffv1")
     plan = ClipPlan(
         source_size=source_size,
         source_frames=source_frames,
@@ -443,6 +440,8 @@ def make_plan(
         depth=depth,
         hdr=hdr,
     )
+    if (problem := plan.encoding.size_problem(*delivery, what="an output")) is not None:
+        raise ParameterError(f"{problem}: use h264 or ffv1")
     _check_aspect_fits(plan)
     _check_times_fit(plan)
     return plan
