@@ -65,9 +65,10 @@ def join_segments(
         original,
         plan.colour,
         plan.sample_aspect,
+        plan.hdr,
     )
     try:
-        media.check_output(path, planned, plan.hdr)
+        media.check_output(path, planned)
     except media.OutputMismatch:
         Path(path).unlink(missing_ok=True)
         raise

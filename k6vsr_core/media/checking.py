@@ -85,6 +85,7 @@ class PlannedOutput(BaseModel):
     sample_aspect: str = "1"  # the pixels' shape (SAR) as a fraction; "1": square (or untagged)
     chapters: int = 0
     timeline: Timeline | None = None  # every frame's own time, where a variable rate is kept
+    hdr: HdrMetadata | None = None  # the static HDR metadata the first frame carries; None: none
 
     @property
     def duration_s(self) -> Fraction:
@@ -115,6 +116,7 @@ class _Seen(BaseModel):
     sample_aspect: str
     chapters: int
     times: tuple[Fraction, ...]  # the frames' times from the first, in display order
+    hdr: HdrMetadata | None  # the first decoded frame's
 
 
 def _kind(stream: av.stream.Stream) -> str:
@@ -138,9 +140,11 @@ def _decode(path: str) -> _Seen:
             raise OutputMismatch(path, ["it holds no video stream"])
         video = container.streams.video[0]
         codec = video.codec_context
-        frames, first, last = 0, None, None
+        frames, first, last, hdr = 0, None, None, None
         stamps = []
         for frame in container.decode(video):
+            if not frames:
+                hdr = frame_hdr(frame)
             frames += 1
             if frame.pts is not None:
                 stamps.append(frame.pts)
@@ -167,6 +171,7 @@ def _decode(path: str) -> _Seen:
             sample_aspect=str(video.sample_aspect_ratio or 1),
             chapters=len(container.chapters()),
             times=() if base is None or first is None else tuple((pts - first) * base for pts in sorted(stamps)),
+            hdr=hdr,
         )
 
 
@@ -221,18 +226,15 @@ def _timeline_differences(times: tuple[Fraction, ...], planned: Timeline) -> lis
     return []
 
 
-def check_output(path: PathLike, planned: PlannedOutput, hdr: HdrMetadata | None = None) -> None:
+def check_output(path: PathLike, planned: PlannedOutput) -> None:
     """Decode `path` once and raise :class:`OutputMismatch`, naming every difference, unless it holds `planned`:
     the frame count, the duration (within half a frame), the video's size, codec, pixel format and colour tags,
-    the other streams in order, and the HDR metadata `hdr` (none where None)."""
+    the other streams in order, and the HDR metadata."""
     path = os.fspath(path)
     try:
         seen = _decode(path)
-        with av.open(path) as container:
-            first = next(container.decode(video=0), None)
-            seen_hdr = None if first is None else frame_hdr(first)
     except av.error.FFmpegError as exc:
         raise OutputMismatch(path, [f"it does not decode ({exc})"]) from exc
-    problems = _differences(seen, planned) + hdr_differences(seen_hdr, hdr)
+    problems = _differences(seen, planned) + hdr_differences(seen.hdr, planned.hdr)
     if problems:
         raise OutputMismatch(path, problems)

@@ -47,11 +47,17 @@ class HdrMetadata(BaseModel):
     light: ContentLight | None = None
 
     def describe(self) -> str:
-        """E.g. `mastering display 0.005-1000 cd/m², content light MaxCLL 1000, MaxFALL 400 cd/m²`."""
+        """E.g. `mastering display 0.005-1000 cd/m² (R 0.708,0.292 G 0.17,0.797 B 0.131,0.046 W 0.3127,0.329),
+        content light MaxCLL 1000, MaxFALL 400 cd/m²`."""
         parts = []
         if self.mastering is not None:
-            low, high = self.mastering.min_luminance, self.mastering.max_luminance
-            parts.append(f"mastering display {float(low):g}-{float(high):g} cd/m²")
+            shown = self.mastering
+            points = " ".join(
+                f"{name} {float(x):.4g},{float(y):.4g}"
+                for name, (x, y) in (("R", shown.red), ("G", shown.green), ("B", shown.blue), ("W", shown.white))
+            )
+            low, high = float(shown.min_luminance), float(shown.max_luminance)
+            parts.append(f"mastering display {low:g}-{high:g} cd/m² ({points})")
         if self.light is not None:
             parts.append(f"content light MaxCLL {self.light.max_cll}, MaxFALL {self.light.max_fall} cd/m²")
         return ", ".join(parts)
@@ -117,35 +123,26 @@ def hdr_parameters(codec: str, hdr: HdrMetadata) -> tuple[str, str]:
 def hdr_differences(seen: HdrMetadata | None, planned: HdrMetadata | None) -> list[str]:
     """How the HDR metadata a file's first frame carries differs from the planned one; empty when it matches, within
     the precision each codec stores it in (AV1 keeps chromaticities in 1/65536, x264 and x265 in 1/50000)."""
+    if _matches(seen, planned):
+        return []
+    shown = [value.describe() if value is not None else "none" for value in (seen, planned)]
+    return [f"HDR metadata {shown[0]}, {shown[1]} planned"]
+
+
+def _matches(seen: HdrMetadata | None, planned: HdrMetadata | None) -> bool:
     if seen is None or planned is None:
-        return [] if seen is planned else [f"HDR metadata {_shown(seen)}, {_shown(planned)} planned"]
-    problems = []
-    if (seen.mastering is None) != (planned.mastering is None):
-        problems.append(f"mastering display {_shown(seen.mastering)}, {_shown(planned.mastering)} planned")
-    elif seen.mastering is not None and planned.mastering is not None:
-        ours, theirs = seen.mastering, planned.mastering
-        points = [
-            (a, b)
-            for name in ("red", "green", "blue", "white")
-            for a, b in zip(getattr(ours, name), getattr(theirs, name), strict=True)
-        ]
-        luminances = [(ours.max_luminance, theirs.max_luminance), (ours.min_luminance, theirs.min_luminance)]
-        if any(abs(a - b) > Fraction(1, 50000) for a, b in points) or any(
-            abs(a - b) > max(Fraction(1, 10000), b / 10000) for a, b in luminances
-        ):
-            problems.append(f"mastering display {_shown(ours)}, {_shown(theirs)} planned")
-    if seen.light != planned.light:
-        problems.append(f"content light {_shown(seen.light)}, {_shown(planned.light)} planned")
-    return problems
-
-
-def _shown(value: BaseModel | None) -> str:
-    if value is None:
-        return "none"
-    return ", ".join(f"{key} {_number(item)}" for key, item in value.model_dump().items())
-
-
-def _number(item: object) -> str:
-    if isinstance(item, tuple):
-        return "(" + ", ".join(_number(part) for part in item) + ")"
-    return f"{float(item):.5g}" if isinstance(item, Fraction) else str(item)
+        return seen is planned
+    if seen.light != planned.light or (seen.mastering is None) != (planned.mastering is None):
+        return False
+    if seen.mastering is None or planned.mastering is None:
+        return True
+    ours, theirs = seen.mastering, planned.mastering
+    points = [
+        (a, b)
+        for name in ("red", "green", "blue", "white")
+        for a, b in zip(getattr(ours, name), getattr(theirs, name), strict=True)
+    ]
+    luminances = [(ours.max_luminance, theirs.max_luminance), (ours.min_luminance, theirs.min_luminance)]
+    return all(abs(a - b) <= Fraction(1, 50000) for a, b in points) and all(
+        abs(a - b) <= max(Fraction(1, 10000), b / 10000) for a, b in luminances
+    )

@@ -525,10 +525,12 @@ def planned_output(
     original: str | None = None,
     colour: ColourTags = BT709_TV,
     sample_aspect: Fraction | None = None,
+    hdr: HdrMetadata | None = None,
 ) -> PlannedOutput:
     """What :func:`write_video` or :func:`concat_segments` writes for `num_frames` frames of `size` (H, W) at
     `fps`, with `audio_samples` of mono audio (trimmed to the frames) or the streams of `original`: for
-    :func:`k6vsr_core.media.checking.check_output` before the file is published. YUV outputs carry `colour`."""
+    :func:`k6vsr_core.media.checking.check_output` before the file is published. YUV outputs carry `colour`, and
+    `hdr` where given."""
     fps = _check_rate(fps, num_frames if isinstance(fps, Timeline) else None)
     height, width = encoding.stored_size(*size)
     chapters = 0
@@ -550,4 +552,5 @@ def planned_output(
         streams=streams,
         sample_aspect=str(sample_aspect or 1),
         chapters=chapters,
+        hdr=hdr,
     )
