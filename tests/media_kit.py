@@ -282,3 +282,23 @@ def prores_master(folder: Path) -> Path:
                 packet.stream = text
                 out.mux(packet)
     return path
+
+
+# Shots for the scene tests: each a smooth pattern of its own colours.
+HUES = ((200, 60, 30), (30, 120, 220), (40, 200, 60), (220, 200, 40))
+
+
+def shot_frames(shot: int, count: int, size: tuple[int, int] = (64, 64), start: int = 0) -> np.ndarray:
+    """`count` frames of a shot: a smooth pattern of the shot's own colours, panning a little every frame."""
+    y, x = np.mgrid[0 : size[0], 0 : size[1]]
+    frames = []
+    for i in range(start, start + count):
+        wave = np.sin((x + 2 * i) / 9.0 + shot) * 0.35 + np.cos((y - i) / 13.0 + 2 * shot) * 0.15 + 0.5
+        frames.append((wave[..., None] * np.array(HUES[shot % len(HUES)])).astype(np.uint8))
+    return np.stack(frames)
+
+
+def clip_frames(lengths: list[int]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Shots of `lengths` frames one after the other, and the known cuts between them."""
+    frames = np.concatenate([shot_frames(shot, count) for shot, count in enumerate(lengths)])
+    return frames, tuple(int(cut) for cut in np.cumsum(lengths)[:-1])

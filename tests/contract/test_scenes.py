@@ -10,6 +10,7 @@ import numpy as np
 import procs
 import pytest
 import scene_set
+from media_kit import clip_frames, shot_frames
 
 from entrypoints.console import plan_lines
 from k6vsr_core import UpscaleParams, media, upscale
@@ -37,25 +38,6 @@ from storage.manifest import output_params, run_key
 from tasks import quality as quality_tasks
 
 SCENES = UpscaleParams(scale=2, windows="scenes")
-HUES = ((200, 60, 30), (30, 120, 220), (40, 200, 60), (220, 200, 40))
-
-
-def shot_frames(shot: int, count: int, size: tuple[int, int] = (64, 64), start: int = 0) -> np.ndarray:
-    """`count` frames of a shot: a smooth pattern of the shot's own colours, panning a little every frame."""
-    y, x = np.mgrid[0 : size[0], 0 : size[1]]
-    frames = []
-    for i in range(start, start + count):
-        wave = np.sin((x + 2 * i) / 9.0 + shot) * 0.35 + np.cos((y - i) / 13.0 + 2 * shot) * 0.15 + 0.5
-        frames.append((wave[..., None] * np.array(HUES[shot % len(HUES)])).astype(np.uint8))
-    return np.stack(frames)
-
-
-def clip_frames(lengths: list[int]) -> tuple[np.ndarray, tuple[int, ...]]:
-    """Shots of `lengths` frames one after the other, and the known cuts between them."""
-    frames = np.concatenate([shot_frames(shot, count) for shot, count in enumerate(lengths)])
-    return frames, tuple(int(cut) for cut in np.cumsum(lengths)[:-1])
-
-
 # --------------------------------------------------------------------------------------------- windows (pure)
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+from media_kit import clip_frames
 from PIL import Image
-from test_scenes import clip_frames
 
 from entrypoints.cli import build_parser
 from entrypoints.console import preview_lines

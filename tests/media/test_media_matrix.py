@@ -80,7 +80,8 @@ CASES: dict[str, Case] = {
             "codec": "h264",
             "pix_fmt": "yuv420p10le",
             "colour": "bt2020/smpte2084/bt2020nc/tv",
-            "hdr": "mastering display 0.005-1000 cd/m², content light MaxCLL 1000, MaxFALL 400 cd/m²",
+            "hdr": "mastering display 0.005-1000 cd/m² (R 0.708,0.292 G 0.17,0.797 B 0.131,0.046 W 0.3127,0.329), "
+            "content light MaxCLL 1000, MaxFALL 400 cd/m²",
             "frames": 2,
         },
         plan={"output_format.pixel_depth": 16},

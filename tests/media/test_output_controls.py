@@ -19,6 +19,7 @@ from k6vsr_core.contract.plan import make_plan
 from k6vsr_core.contract.windows import segment_frames
 from k6vsr_core.errors import MediaError, ParameterError
 from k6vsr_core.media.encoding import VideoEncoding
+from k6vsr_core.media.hdr import ContentLight, HdrMetadata
 from k6vsr_core.media.sample import make_sample_clip
 from k6vsr_core.model import stages
 from k6vsr_core.model.bundle import ModelBundle, model_traits
@@ -536,6 +537,10 @@ def test_the_health_check_passes_what_was_written_as_planned(written: tuple[Path
         ({"pix_fmt": "yuv444p"}, "pixel format yuv420p, yuv444p planned"),
         ({"colour": media.ColourTags.of_codes(9, 16, 9, 1)}, "colour tags bt709/bt709/bt709/tv, bt2020/smpte2084"),
         ({"streams": ()}, "other streams audio:aac, none planned"),
+        (
+            {"hdr": HdrMetadata(light=ContentLight(max_cll=1000, max_fall=400))},
+            "HDR metadata none, content light MaxCLL 1000, MaxFALL 400 cd/m² planned",
+        ),
     ],
 )
 def test_the_health_check_names_what_differs_from_the_plan(

@@ -11,7 +11,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
-from media_kit import phone_times_ms, write_vfr
+from media_kit import clip_frames, phone_times_ms, write_vfr
 
 from entrypoints.cli import main
 from k6vsr_core import UpscaleParams, media
@@ -161,8 +161,6 @@ def test_plan_says_every_frame_keeps_its_time(vfr_source: Path, tiny_bundle_path
 @pytest.fixture(scope="module")
 def vfr_shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Three shots of 9 frames at a phone's irregular pace, with a second of 440 Hz tone."""
-    from test_scenes import clip_frames
-
     frames, _ = clip_frames([9, 9, 9])
     return write_vfr(tmp_path_factory.mktemp("vfr") / "shots.mp4", frames, _times_ms(27), audio_s=1.0, tone_hz=440)
 
